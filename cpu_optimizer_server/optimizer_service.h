@@ -1,0 +1,66 @@
+// The gRPC face of a shard store: offload.v1.OptimizerShard. It only translates wire messages to
+// ShardStore / StepSession / StateLoader calls and back; every rule lives in those.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_OPTIMIZER_SERVICE_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_OPTIMIZER_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/shard_store.h"
+#include "grpcpp/grpcpp.h"
+#include "offload/v1/optimizer.grpc.pb.h"
+
+namespace offload {
+
+class OptimizerService final : public v1::OptimizerShard::Service {
+ public:
+  OptimizerService(ShardStore* store, int64_t max_message_bytes)
+      : store_(store), max_message_bytes_(max_message_bytes) {}
+
+  grpc::Status CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
+                         v1::CreateJobResponse* response) override;
+  grpc::Status LoadState(grpc::ServerContext* context,
+                         grpc::ServerReader<v1::LoadStateRequest>* reader,
+                         v1::LoadStateResponse* response) override;
+  grpc::Status Step(grpc::ServerContext* context,
+                    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
+  grpc::Status ReadState(grpc::ServerContext* context, const v1::ReadStateRequest* request,
+                         grpc::ServerWriter<v1::StateChunk>* writer) override;
+  grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
+                       v1::DropJobResponse* response) override;
+  grpc::Status DescribeShard(grpc::ServerContext* context, const v1::DescribeShardRequest* request,
+                             v1::DescribeShardResponse* response) override;
+
+ private:
+  ShardStore* const store_;
+  const int64_t max_message_bytes_;
+};
+
+// Options of a running server, shared by the binary, the tests and the benchmarks.
+struct ServerOptions {
+  std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free one
+  int64_t max_message_bytes = int64_t{64} << 20;
+};
+
+// A shard store served over gRPC with health checking and reflection.
+class OptimizerServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<OptimizerServer>> Start(const ServerOptions& options,
+                                                                ShardStore* store);
+  ~OptimizerServer();
+  int port() const { return port_; }
+  void Wait() { server_->Wait(); }
+  void Shutdown();
+
+ private:
+  OptimizerServer() = default;
+  std::unique_ptr<OptimizerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_OPTIMIZER_SERVICE_H_
