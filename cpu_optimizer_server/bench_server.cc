@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -17,6 +16,7 @@
 #include "cpu_optimizer_server/host_buffer.h"
 #include "cpu_optimizer_server/optimizer_client.h"
 #include "cpu_optimizer_server/optimizer_service.h"
+#include "cpu_optimizer_server/range_driver.h"
 #include "cpu_optimizer_server/shard_store.h"
 
 ABSL_FLAG(int64_t, n, int64_t{64} << 20, "parameters in the job");
@@ -68,26 +68,11 @@ int Run() {
   }
 
   // The job: n parameters cut into equal ranges, weights N(0, 1), gradients N(0, 0.01).
-  v1::CreateJobRequest create;
-  create.set_job_id("bench");
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (int r = 0; r < num_ranges; ++r) {
-    const int64_t lo = n * r / num_ranges, hi = n * (r + 1) / num_ranges;
-    ranges.emplace_back(lo, hi - lo);
-    v1::ParamRange* pr = create.add_ranges();
-    pr->set_offset(lo);
-    pr->set_length(hi - lo);
-  }
-  v1::AdamConfig* adam = create.mutable_adam();
-  adam->set_kind(v1::OPTIMIZER_KIND_ADAMW);
-  adam->set_lr(1e-4f);
-  adam->set_beta1(0.9f);
-  adam->set_beta2(0.999f);
-  adam->set_eps(1e-8f);
-  adam->set_weight_decay(0.01f);
-  adam->set_bias_correction(true);
-  create.set_param_dtype(dtype == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16);
-  if (auto r = (*client)->CreateJob(create); !r.ok()) {
+  const std::vector<RangeSpec> ranges = BalancedRanges(n, num_ranges);
+  AdamHyperParams adam;
+  adam.lr = 1e-4f;
+  adam.weight_decay = 0.01f;
+  if (auto r = (*client)->CreateJob(MakeCreateJobRequest("bench", ranges, adam, dtype)); !r.ok()) {
     std::fprintf(stderr, "bench_server: %s\n", r.status().ToString().c_str());
     return 1;
   }
@@ -115,8 +100,7 @@ int Run() {
   double kernel_best = 1e30;
   {
     std::vector<uint16_t> out(n);
-    AdamHyperParams hp;
-    const AdamStepScalars scalars = ComputeAdamStepScalars(hp, 1e-4f, 1, 1.0f);
+    const AdamStepScalars scalars = ComputeAdamStepScalars(adam, adam.lr, 1, 1.0f);
     const AdamKernelFn kernel = store.adam_kernel();
     for (int it = 0; it < absl::GetFlag(FLAGS_steps) + 1; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -138,31 +122,13 @@ int Run() {
   // Full steps through the service, one stream per range in parallel (as ranks would).
   double step_best = 1e30;
   for (int step = 1; step <= absl::GetFlag(FLAGS_steps) + 1; ++step) {
-    std::vector<absl::Status> errors(num_ranges);
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < num_ranges; ++r) {
-      ranks.emplace_back([&, r] {
-        const auto [lo, len] = ranges[r];
-        auto stream = (*client)->OpenStep("bench", r, lo, len, step);
-        if (!stream.ok()) {
-          errors[r] = stream.status();
-          return;
-        }
-        if (auto s = (*stream)->SendGradients(lo, grads.data() + lo, dtype, len); !s.ok()) {
-          errors[r] = s;
-          return;
-        }
-        errors[r] = (*stream)->Commit(1e-4f, 1.0f, false, params.data() + lo).status();
-      });
-    }
-    for (std::thread& t : ranks) t.join();
+    const absl::Status status = StepAllRanges(client->get(), "bench", ranges, step, grads.data(),
+                                              dtype, adam.lr, 1.0f, params.data());
     const double s = Seconds(t0, std::chrono::steady_clock::now());
-    for (const absl::Status& e : errors) {
-      if (!e.ok()) {
-        std::fprintf(stderr, "bench_server: step %d: %s\n", step, e.ToString().c_str());
-        return 1;
-      }
+    if (!status.ok()) {
+      std::fprintf(stderr, "bench_server: step %d: %s\n", step, status.ToString().c_str());
+      return 1;
     }
     if (step > 1) step_best = std::min(step_best, s);
   }

@@ -2,11 +2,13 @@
 // paths' vector conversions against dtype.h, bit for bit.
 #include "cpu_optimizer_server/dtype.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpu_optimizer_server/adam_kernel.h"

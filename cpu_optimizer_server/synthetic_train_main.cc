@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -16,6 +15,7 @@
 #include "absl/flags/usage.h"
 #include "cpu_optimizer_server/host_buffer.h"
 #include "cpu_optimizer_server/optimizer_client.h"
+#include "cpu_optimizer_server/range_driver.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "optimizer server address");
 ABSL_FLAG(std::string, job, "synthetic", "job id");
@@ -50,25 +50,10 @@ int Run() {
   auto client = OptimizerClient::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
 
-  v1::CreateJobRequest create;
-  create.set_job_id(job);
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (int r = 0; r < num_ranges; ++r) {
-    const int64_t lo = n * r / num_ranges, hi = n * (r + 1) / num_ranges;
-    ranges.emplace_back(lo, hi - lo);
-    v1::ParamRange* pr = create.add_ranges();
-    pr->set_offset(lo);
-    pr->set_length(hi - lo);
-  }
-  v1::AdamConfig* adam = create.mutable_adam();
-  adam->set_kind(v1::OPTIMIZER_KIND_ADAMW);
-  adam->set_lr(static_cast<float>(absl::GetFlag(FLAGS_lr)));
-  adam->set_beta1(0.9f);
-  adam->set_beta2(0.999f);
-  adam->set_eps(1e-8f);
-  adam->set_weight_decay(0.0f);
-  adam->set_bias_correction(true);
-  create.set_param_dtype(dtype == DType::kFp16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
+  const std::vector<RangeSpec> ranges = BalancedRanges(n, num_ranges);
+  AdamHyperParams adam;  // AdamW, betas (0.9, 0.999), eps 1e-8, no weight decay
+  adam.lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
+  const v1::CreateJobRequest create = MakeCreateJobRequest(job, ranges, adam, dtype);
   if (auto r = (*client)->CreateJob(create); !r.ok()) return Fail("create job", r.status());
 
   // Initial weights w0 ~ N(0, 1) and target t ~ N(0, 1), seeded.
@@ -106,29 +91,12 @@ int Run() {
     loss = sum / (2.0 * n);
     if (step == 1) first_loss = loss;
     const auto t1 = std::chrono::steady_clock::now();
-    std::vector<absl::Status> errors(num_ranges);
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < num_ranges; ++r) {
-      ranks.emplace_back([&, r] {
-        const auto [lo, len] = ranges[r];
-        auto stream = (*client)->OpenStep(job, r, lo, len, step);
-        if (!stream.ok()) {
-          errors[r] = stream.status();
-          return;
-        }
-        if (auto s = (*stream)->SendGradients(lo, grads16.data() + lo, dtype, len); !s.ok()) {
-          errors[r] = s;
-          return;
-        }
-        const float lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
-        // Adam is invariant to the gradient's scale; folding the 1/n of the mean in would
-        // only make eps matter.
-        errors[r] = (*stream)->Commit(lr, 1.0f, false, weights16.data() + lo).status();
-      });
-    }
-    for (std::thread& t : ranks) t.join();
-    for (const absl::Status& e : errors) {
-      if (!e.ok()) return Fail("step", e);
+    // Adam is invariant to the gradient's scale; folding the 1/n of the mean in would only
+    // make eps matter.
+    if (auto s = StepAllRanges(client->get(), job, ranges, step, grads16.data(), dtype, adam.lr,
+                               1.0f, weights16.data());
+        !s.ok()) {
+      return Fail("step", s);
     }
     const auto t2 = std::chrono::steady_clock::now();
     const double offload_s = std::chrono::duration<double>(t2 - t1).count();
