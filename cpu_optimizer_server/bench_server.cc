@@ -5,6 +5,14 @@
 //   server transport=grpc n=67108864 ranges=1 gparams_per_s=... kernel_gparams_per_s=... ratio=...
 //
 // The server runs in this process but every byte crosses a real TCP connection on 127.0.0.1.
+// The same run also moves a step's bytes (16-bit gradients in, then 16-bit parameters out)
+// through a plain TCP socket pair on loopback: the bound the medium sets on any TCP transport,
+// printed as tcp_bound_gparams_per_s.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -33,6 +41,50 @@ namespace {
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// Sends `bytes` from a to b, then `bytes` from b to a, over a connected loopback TCP pair, in
+// 4 MiB writes, and returns the seconds it took (negative on a socket error).
+double TcpRoundTripSeconds(int64_t bytes) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(listener);
+    return -1;
+  }
+  int a = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(a, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return -1;
+  int b = accept(listener, nullptr, nullptr);
+  close(listener);
+  constexpr int64_t kChunk = 4 << 20;
+  std::vector<char> send_buf(kChunk, 1), recv_buf(kChunk);
+  auto pump = [&](int from, int to) {
+    std::thread reader([&] {
+      for (int64_t got = 0; got < bytes;) {
+        const ssize_t k = read(to, recv_buf.data(), kChunk);
+        if (k <= 0) return;
+        got += k;
+      }
+    });
+    for (int64_t sent = 0; sent < bytes;) {
+      const ssize_t k = write(from, send_buf.data(), std::min(kChunk, bytes - sent));
+      if (k <= 0) break;
+      sent += k;
+    }
+    reader.join();
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  pump(a, b);
+  pump(b, a);
+  const double s = Seconds(t0, std::chrono::steady_clock::now());
+  close(a);
+  close(b);
+  return s;
 }
 
 int Run() {
@@ -132,14 +184,20 @@ int Run() {
     }
     if (step > 1) step_best = std::min(step_best, s);
   }
+  double tcp_best = 1e30;
+  for (int it = 0; it < absl::GetFlag(FLAGS_steps); ++it) {
+    tcp_best = std::min(tcp_best, TcpRoundTripSeconds(n * DTypeSize(dtype)));
+  }
   const double step_rate = n / step_best / 1e9, kernel_rate = n / kernel_best / 1e9;
   std::printf(
       "server transport=grpc grad=%s n=%lld ranges=%d threads=%d channels=%d chunk_kib=%lld "
-      "gparams_per_s=%.3f kernel_gparams_per_s=%.3f ratio=%.2f step_ms=%.1f\n",
+      "gparams_per_s=%.3f kernel_gparams_per_s=%.3f ratio=%.2f step_ms=%.1f "
+      "tcp_bound_gparams_per_s=%.3f ratio_to_tcp=%.2f\n",
       std::string(DTypeName(dtype)).c_str(), static_cast<long long>(n), num_ranges,
       pool.num_threads(), absl::GetFlag(FLAGS_channels),
       static_cast<long long>(absl::GetFlag(FLAGS_chunk_kib)), step_rate, kernel_rate,
-      step_rate / kernel_rate, step_best * 1e3);
+      step_rate / kernel_rate, step_best * 1e3, n / tcp_best / 1e9,
+      step_rate / (n / tcp_best / 1e9));
   return 0;
 }
 
