@@ -66,7 +66,6 @@ class OptimizerServiceTest : public ::testing::Test {
     adam->set_beta2(0.999f);
     adam->set_eps(1e-8f);
     adam->set_weight_decay(0.01f);
-    adam->set_bias_correction(true);
     r.set_param_dtype(v1::DTYPE_BF16);
     return r;
   }

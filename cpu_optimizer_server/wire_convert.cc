@@ -75,7 +75,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request
   config.adam.beta2 = a.beta2();
   config.adam.eps = a.eps();
   config.adam.weight_decay = a.weight_decay();
-  config.adam.bias_correction = a.bias_correction();
+  config.adam.bias_correction = !a.disable_bias_correction();
   absl::StatusOr<DType> dtype = DTypeFromProto(request.param_dtype(), "param_dtype");
   if (!dtype.ok()) return dtype.status();
   config.param_dtype = *dtype;
@@ -90,7 +90,7 @@ v1::AdamConfig AdamConfigToProto(const AdamHyperParams& adam) {
   a.set_beta2(adam.beta2);
   a.set_eps(adam.eps);
   a.set_weight_decay(adam.weight_decay);
-  a.set_bias_correction(adam.bias_correction);
+  a.set_disable_bias_correction(!adam.bias_correction);
   return a;
 }
 
