@@ -185,6 +185,7 @@ absl::StatusOr<v1::StepResult> StepStream::Commit(float lr, float grad_multiplie
   v1::StepResult result;
   bool have_result = false;
   bool bad_chunk = false;
+  int64_t received = 0;
   while (stream_->Read(&response)) {
     if (response.has_params()) {
       const v1::ParamChunk& p = response.params();
@@ -196,6 +197,7 @@ absl::StatusOr<v1::StepResult> StepStream::Commit(float lr, float grad_multiplie
         break;
       }
       std::memcpy(static_cast<char*>(params_out) + at * 2, p.data().data(), n * 2);
+      received += n;
     } else if (response.has_result()) {
       result = response.result();
       have_result = true;
@@ -205,6 +207,16 @@ absl::StatusOr<v1::StepResult> StepStream::Commit(float lr, float grad_multiplie
   if (bad_chunk) return absl::DataLossError("shard sent parameters outside the range");
   if (!s.ok()) return s;
   if (!have_result) return absl::DataLossError("step stream ended without a result");
+  if (result.step() != step_) {
+    return absl::DataLossError(
+        absl::StrCat("shard answered step ", result.step(), " to the commit of step ", step_));
+  }
+  // Waves do not overlap, so counting elements checks the whole range came back.
+  const int64_t expected = result.skipped() ? 0 : range_length_;
+  if (received != expected) {
+    return absl::DataLossError(
+        absl::StrCat("shard sent ", received, " of ", expected, " parameters of the range"));
+  }
   return result;
 }
 

@@ -16,11 +16,11 @@ namespace offload {
 
 namespace {
 
-// Offsets on the wire are uint64; anything past int64 cannot be in a range.
+// Offsets on the wire are uint64. Ranges end below 2^51 (CreateJob checks), so clamping at 2^62
+// keeps every offset + length sum in int64 while still being out of every range.
 int64_t WireOffset(uint64_t offset) {
-  return offset > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())
-             ? std::numeric_limits<int64_t>::max()
-             : static_cast<int64_t>(offset);
+  constexpr uint64_t kMax = uint64_t{1} << 62;
+  return static_cast<int64_t>(offset > kMax ? kMax : offset);
 }
 
 // Writes each finished wave of 16-bit parameters as one ParamChunk message. The kernel writes
@@ -68,12 +68,21 @@ grpc::Status OptimizerService::LoadState(grpc::ServerContext* context,
   absl::StatusOr<std::unique_ptr<StateLoader>> loader =
       StateLoader::Start(store_, request.job_id());
   if (!loader.ok()) return ToGrpcStatus(loader.status());
-  if (request.set_steps()) (*loader)->SetSteps(request.completed_step(), request.adam_step());
+  if (request.set_steps()) {
+    absl::Status s = (*loader)->SetSteps(request.completed_step(), request.adam_step());
+    if (!s.ok()) return ToGrpcStatus(s);
+  }
+  bool first = true;
   do {
     if (!request.job_id().empty() && request.job_id() != (*loader)->job_id()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "job_id changed within one LoadState stream");
     }
+    if (!first && request.set_steps()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "set_steps is only read from the first LoadState message");
+    }
+    first = false;
     for (v1::StateChunk& chunk : *request.mutable_chunks()) {
       absl::StatusOr<StateTensor> tensor = StateTensorFromProto(chunk.tensor(), "chunk.tensor");
       if (!tensor.ok()) return ToGrpcStatus(tensor.status());
@@ -213,7 +222,7 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
       std::lock_guard<std::mutex> lock(r->mu);
       rs->set_completed_step(r->completed_step);
       rs->set_adam_step(r->adam_step);
-      rs->set_skipped_steps(r->skipped_steps);
+      rs->set_skipped_steps(r->skipped_steps());
       rs->set_has_accumulator(r->accumulator != nullptr);
     }
   }
@@ -222,6 +231,13 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
 
 absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
     const ServerOptions& options, ShardStore* store) {
+  const int64_t wave_bytes = store->options().wave_elements * 2;
+  if (wave_bytes + 1024 > options.max_message_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a wave of ", store->options().wave_elements, " 16-bit parameters (",
+                     wave_bytes, " bytes) does not fit the ", options.max_message_bytes,
+                     " byte message limit: lower --wave_elements or raise --max_message_mib"));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<OptimizerServer> server(new OptimizerServer());

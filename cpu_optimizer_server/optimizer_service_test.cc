@@ -121,8 +121,9 @@ class OptimizerServiceTest : public ::testing::Test {
     return (*stream)->Commit(1e-3f, 1.0f, false, params->data());
   }
 
-  // Sends raw messages on a step stream and returns the status the server ends it with.
-  grpc::Status RawStep(const std::vector<v1::StepRequest>& messages) {
+  // Sends raw messages on a step stream and returns the status the server ends it with; counts
+  // the parameter chunks that came back into *param_chunks if given.
+  grpc::Status RawStep(const std::vector<v1::StepRequest>& messages, int* param_chunks = nullptr) {
     grpc::ClientContext context;
     auto stream = stub_->Step(&context);
     for (const v1::StepRequest& m : messages) {
@@ -130,9 +131,32 @@ class OptimizerServiceTest : public ::testing::Test {
     }
     stream->WritesDone();
     v1::StepResponse response;
-    while (stream->Read(&response)) {
-    }
+    int chunks = 0;
+    while (stream->Read(&response)) chunks += response.has_params();
+    if (param_chunks != nullptr) *param_chunks = chunks;
     return stream->Finish();
+  }
+
+  // Sends raw LoadState messages and returns the status.
+  grpc::Status RawLoad(const std::vector<v1::LoadStateRequest>& messages) {
+    grpc::ClientContext context;
+    v1::LoadStateResponse response;
+    auto writer = stub_->LoadState(&context, &response);
+    for (const v1::LoadStateRequest& m : messages) {
+      if (!writer->Write(m)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  static v1::LoadStateRequest LoadMessage(uint64_t offset, const std::vector<float>& values) {
+    v1::LoadStateRequest r;
+    r.set_job_id(kJob);
+    v1::StateChunk* c = r.add_chunks();
+    c->set_tensor(v1::STATE_TENSOR_MASTER_WEIGHTS);
+    c->set_dtype(v1::DTYPE_FP32);
+    c->set_offset(offset);
+    c->set_data(values.data(), values.size() * 4);
+    return r;
   }
 
   static v1::StepRequest Open(const std::string& job, uint32_t range, uint64_t step) {
@@ -299,7 +323,7 @@ TEST_F(OptimizerServiceTest, EveryBadInputIsRefusedAndChangesNothing) {
        grpc::INVALID_ARGUMENT,
        {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, all), Commit(2, 1e-3f, INFINITY)}},
       {"commit of another step",
-       grpc::INVALID_ARGUMENT,
+       grpc::FAILED_PRECONDITION,
        {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, all), Commit(5, 1e-3f, 1.0f)}},
       {"missing gradients",
        grpc::FAILED_PRECONDITION,
@@ -336,6 +360,18 @@ TEST_F(OptimizerServiceTest, EveryBadInputIsRefusedAndChangesNothing) {
             absl::StatusCode::kOutOfRange);
   EXPECT_EQ(client_->LoadState(kJob, v1::STATE_TENSOR_UNSPECIFIED, 0, weights_.data(), 10).code(),
             absl::StatusCode::kInvalidArgument);
+  // A load is all or nothing: good chunks before a bad one are not applied.
+  std::vector<float> good(1000, 0.5f);
+  EXPECT_EQ(RawLoad({LoadMessage(0, good), LoadMessage(5000, nan_weights)}).error_code(),
+            grpc::INVALID_ARGUMENT);
+  v1::LoadStateRequest steps = LoadMessage(0, good);
+  steps.set_set_steps(true);
+  steps.set_completed_step(3);
+  steps.set_adam_step(4);  // more updates than steps
+  EXPECT_EQ(RawLoad({steps}).error_code(), grpc::INVALID_ARGUMENT);
+  steps.set_adam_step(2);
+  EXPECT_EQ(RawLoad({LoadMessage(0, good), steps}).error_code(), grpc::INVALID_ARGUMENT)
+      << "set_steps after the first message";
   EXPECT_EQ(StateFingerprint(), state);
   auto describe = client_->DescribeShard();
   ASSERT_TRUE(describe.ok());
@@ -368,14 +404,27 @@ TEST_F(OptimizerServiceTest, ClientDisconnectingMidStreamAppliesNothing) {
 
 TEST_F(OptimizerServiceTest, SkippedStepSendsNoParametersAndCounts) {
   CreateAndLoad();
-  const std::string before = StateFingerprint();
+  std::vector<float> before(kLen0);
+  ASSERT_TRUE(
+      client_
+          ->ReadState(kJob, v1::STATE_TENSOR_MASTER_WEIGHTS, DType::kFp32, 0, kLen0, before.data())
+          .ok());
   std::vector<uint16_t> g = Bf16Grads(kLen0);
   g[5] = 0x7f80;  // bf16 +inf: the trainer saw the overflow and skips
+  int param_chunks = -1;
   grpc::Status s = RawStep(
       {Open(kJob, 0, 1),
        Grad(0, v1::DTYPE_BF16, std::string(reinterpret_cast<const char*>(g.data()), kLen0 * 2)),
-       Commit(1, 1e-3f, 1.0f, /*skip=*/true)});
+       Commit(1, 1e-3f, 1.0f, /*skip=*/true)},
+      &param_chunks);
   ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(param_chunks, 0);
+  std::vector<float> after(kLen0);
+  ASSERT_TRUE(
+      client_
+          ->ReadState(kJob, v1::STATE_TENSOR_MASTER_WEIGHTS, DType::kFp32, 0, kLen0, after.data())
+          .ok());
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), kLen0 * 4), 0);
   auto describe = client_->DescribeShard();
   ASSERT_TRUE(describe.ok());
   EXPECT_EQ(describe->jobs(0).ranges(0).skipped_steps(), 1u);
@@ -394,6 +443,17 @@ TEST_F(OptimizerServiceTest, DropJobFreesItsMemory) {
   ASSERT_TRUE(describe.ok());
   EXPECT_EQ(describe->memory_used_bytes(), 0u);
   EXPECT_EQ(describe->jobs_size(), 0);
+}
+
+TEST_F(OptimizerServiceTest, RefusesAWaveLargerThanTheMessageLimit) {
+  ShardOptions options;
+  options.wave_elements = int64_t{8} << 20;  // 16 MiB of 16-bit parameters
+  ShardStore store(options, &pool_, BestSimdPath());
+  ServerOptions server_options;
+  server_options.listen_address = "127.0.0.1:0";
+  server_options.max_message_bytes = int64_t{8} << 20;
+  auto server = OptimizerServer::Start(server_options, &store);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
 }
 
 TEST_F(OptimizerServiceTest, ServesStandardHealthChecks) {

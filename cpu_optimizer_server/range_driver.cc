@@ -34,6 +34,7 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
                            const std::vector<RangeSpec>& ranges, uint64_t step,
                            const uint16_t* grads, DType dtype, float lr, float grad_multiplier,
                            uint16_t* params) {
+  if (ranges.empty()) return absl::InvalidArgumentError("no ranges to step");
   std::vector<absl::Status> errors(ranges.size());
   auto run = [&](size_t r) {
     const RangeSpec& range = ranges[r];

@@ -68,7 +68,10 @@ absl::StatusOr<RangeState*> FindRangeFor(const Job& job, int64_t offset, int64_t
 
 int64_t Job::state_bytes() const {
   int64_t bytes = state_reservation.bytes();
-  for (const auto& r : ranges) bytes += r->accumulator_reservation.bytes();
+  for (const auto& r : ranges) {
+    std::lock_guard<std::mutex> lock(r->mu);
+    bytes += r->accumulator_reservation.bytes();
+  }
   return bytes;
 }
 

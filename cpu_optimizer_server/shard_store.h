@@ -64,7 +64,8 @@ struct RangeState {
   bool step_in_progress = false;  // one step stream at a time owns the range
   uint64_t completed_step = 0;    // the last step committed (applied or skipped)
   uint64_t adam_step = 0;         // updates applied: the `t` of bias correction
-  uint64_t skipped_steps = 0;
+  // Every committed step was applied or skipped.
+  uint64_t skipped_steps() const { return completed_step - adam_step; }
   IntervalSet loaded;  // range-relative elements of the master weights loaded so far
 
   float* Tensor(StateTensor t) const {

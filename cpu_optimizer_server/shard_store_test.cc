@@ -65,7 +65,7 @@ Snapshot Take(const RangeState& r) {
   std::lock_guard<std::mutex> lock(r.mu);
   s.completed = r.completed_step;
   s.adam = r.adam_step;
-  s.skipped = r.skipped_steps;
+  s.skipped = r.skipped_steps();
   return s;
 }
 
@@ -219,6 +219,7 @@ TEST_F(ShardStoreTest, StepMatchesTheKernelOnTheSameState) {
     ASSERT_EQ(std::memcmp(sink.out().data(), out.data(), kLength * 2), 0) << "seed " << seed_;
     const RangeState& r = Range();
     ASSERT_EQ(std::memcmp(r.param, p.data(), kLength * 4), 0);
+    ASSERT_EQ(std::memcmp(r.exp_avg, m.data(), kLength * 4), 0);
     ASSERT_EQ(std::memcmp(r.exp_avg_sq, v.data(), kLength * 4), 0);
   }
 }
@@ -306,7 +307,7 @@ TEST_F(ShardStoreTest, EveryBadInputLeavesTheStateBitIdentical) {
          EXPECT_TRUE(s->AddGradients(kOffset, DType::kFp16, false, bad).ok());
          return s->Commit({2, 1e-2f, 1.0f, false}, &sink).status();
        }},
-      {"commit of another step", absl::StatusCode::kInvalidArgument,
+      {"commit of another step", absl::StatusCode::kFailedPrecondition,
        [&](StepSession* s) {
          EXPECT_TRUE(s->AddGradients(kOffset, DType::kFp16, false, all).ok());
          return s->Commit({3, 1e-2f, 1.0f, false}, &sink).status();
@@ -320,6 +321,24 @@ TEST_F(ShardStoreTest, EveryBadInputLeavesTheStateBitIdentical) {
        [&](StepSession* s) {
          EXPECT_TRUE(s->AddGradients(kOffset, DType::kFp16, false, all).ok());
          return s->Commit({2, 1e-2f, -1.0f, false}, &sink).status();
+       }},
+      {"zero grad_multiplier (an omitted field)", absl::StatusCode::kInvalidArgument,
+       [&](StepSession* s) {
+         EXPECT_TRUE(s->AddGradients(kOffset, DType::kFp16, false, all).ok());
+         return s->Commit({2, 1e-2f, 0.0f, false}, &sink).status();
+       }},
+      {"a chunk refused for memory does not count as received",
+       absl::StatusCode::kFailedPrecondition,
+       [&](StepSession* s) {
+         {
+           absl::StatusOr<Reservation> hog = store_->budget()->Take(
+               store_->budget()->limit() - store_->budget()->used() - 16, "test");
+           EXPECT_TRUE(hog.ok());
+           EXPECT_EQ(s->AddGradients(kOffset, DType::kFp16, false, all.substr(0, 2000)).code(),
+                     absl::StatusCode::kResourceExhausted);
+         }
+         EXPECT_TRUE(s->AddGradients(kOffset + 1000, DType::kFp16, false, all.substr(2000)).ok());
+         return s->Commit({2, 1e-2f, 1.0f, false}, &sink).status();
        }},
       {"accumulator over the memory limit", absl::StatusCode::kResourceExhausted,
        [&](StepSession* s) {
@@ -414,11 +433,17 @@ TEST_F(ShardStoreTest, ReceiverLeavingMidStreamStillAppliesTheWholeStep) {
   ASSERT_TRUE(outcome.ok());
   EXPECT_TRUE(outcome->receiver_gone);
   EXPECT_TRUE(outcome->applied);
+  // Every wave was applied: the state equals the kernel's over the whole range.
+  std::vector<float> p = weights_, m(kLength, 0), v(kLength, 0);
+  std::vector<uint16_t> expect(kLength);
+  AdamSpan span{g.data(), DType::kFp16,  p.data(),     m.data(),
+                v.data(), expect.data(), DType::kFp16, kLength};
+  GetAdamKernel(store_->simd_path())(ComputeAdamStepScalars(Config().adam, 1e-2f, 1, 0.5f), span);
+  EXPECT_EQ(std::memcmp(Range().param, p.data(), kLength * 4), 0);
+  EXPECT_EQ(std::memcmp(Range().exp_avg, m.data(), kLength * 4), 0);
   // A replay gets every parameter, equal to what a full stream would have carried.
   VectorSink replay(kOffset, kLength);
   ASSERT_TRUE(RunStep(1, g, &replay).ok());
-  std::vector<uint16_t> expect(kLength);
-  ConvertFromFloat(Range().param, kLength, DType::kFp16, expect.data());
   EXPECT_EQ(replay.out(), expect);
 }
 
@@ -478,7 +503,9 @@ TEST_F(ShardStoreTest, LoadRestoresStepCountersAndMoments) {
       (*loader)
           ->AddChunk(StateTensor::kExpAvgSq, kOffset, DType::kFp32, Bytes(v.data(), kLength * 4))
           .ok());
-  (*loader)->SetSteps(41, 40);
+  EXPECT_EQ((*loader)->SetSteps(40, 41).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*loader)->SetSteps(~uint64_t{0}, 0).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*loader)->SetSteps(41, 40).ok());
   ASSERT_TRUE((*loader)->Apply().ok());
   EXPECT_EQ(std::memcmp(Range().exp_avg, m.data(), kLength * 4), 0);
   EXPECT_EQ(StepSession::Open(store_.get(), "job-1", 0, 1).status().code(),

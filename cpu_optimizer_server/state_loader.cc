@@ -82,6 +82,16 @@ absl::Status StateLoader::AddChunk(StateTensor tensor, int64_t offset, DType dty
   return absl::OkStatus();
 }
 
+absl::Status StateLoader::SetSteps(uint64_t completed_step, uint64_t adam_step) {
+  if (completed_step >= (uint64_t{1} << 62) || adam_step > completed_step) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("completed_step ", completed_step, " and adam_step ", adam_step,
+                     " are not a step count: adam_step <= completed_step < 2^62 is required"));
+  }
+  steps_ = std::make_pair(completed_step, adam_step);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> StateLoader::Apply() {
   if (job_->dropped) {
     return absl::NotFoundError(absl::StrCat("job ", job_->config.job_id, " was dropped"));

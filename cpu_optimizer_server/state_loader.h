@@ -27,10 +27,9 @@ class StateLoader {
   absl::Status AddChunk(StateTensor tensor, int64_t offset, DType dtype, std::string data);
   const std::string& job_id() const { return job_->config.job_id; }
 
-  // Restoring a checkpoint sets every range's step counters too.
-  void SetSteps(uint64_t completed_step, uint64_t adam_step) {
-    steps_ = std::make_pair(completed_step, adam_step);
-  }
+  // Restoring a checkpoint sets every range's step counters too. Every committed step was
+  // applied or skipped, so adam_step <= completed_step.
+  absl::Status SetSteps(uint64_t completed_step, uint64_t adam_step);
   // Copies everything in. Fails (changing nothing) while a step stream is open on a range.
   // Returns the number of elements loaded.
   absl::StatusOr<int64_t> Apply();

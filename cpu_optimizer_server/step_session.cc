@@ -77,16 +77,23 @@ absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumul
           overlap->second + spec.offset, "); set accumulate to add micro-batches"));
     }
   }
-  if (accumulate && !accumulating_ && !replay_) {
+  if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
+  if (accumulate && !accumulating_) {
     if (absl::Status s = StartAccumulating(); !s.ok()) return s;
   }
-  // Checked after every validation above, so a refused chunk leaves the flag alone too.
-  if (HasNonFinite(data.data(), dtype, n) && !non_finite_) {
+  Reservation held;
+  if (!accumulating_) {
+    absl::StatusOr<Reservation> taken =
+        store_->budget()->Take(static_cast<int64_t>(data.size()), "gradients in flight");
+    if (!taken.ok()) return taken.status();
+    held = *std::move(taken);
+  }
+  // Nothing below can fail: only an accepted chunk counts as received.
+  if (!non_finite_ && HasNonFinite(data.data(), dtype, n)) {
     non_finite_ = true;
     first_non_finite_offset_ = offset;
   }
   covered_.Insert(begin, begin + n);
-  if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
   if (accumulating_) {
     float* acc = range_->accumulator;
     const char* src = data.data();
@@ -95,10 +102,7 @@ absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumul
     });
     return absl::OkStatus();
   }
-  absl::StatusOr<Reservation> held =
-      store_->budget()->Take(static_cast<int64_t>(data.size()), "gradients in flight");
-  if (!held.ok()) return held.status();
-  held_bytes_.Absorb(*std::move(held));
+  held_bytes_.Absorb(std::move(held));
   pieces_.push_back(Piece{begin, n, dtype, std::move(data)});
   return absl::OkStatus();
 }
@@ -114,7 +118,8 @@ absl::Status StepSession::StartAccumulating() {
     if (!reservation.ok()) return reservation.status();
     absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(bytes);
     if (!storage.ok()) return storage.status();
-    std::lock_guard<std::mutex> lock(r->tensors_mu);
+    std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+    std::lock_guard<std::mutex> lock(r->mu);  // DescribeShard reads these two under mu
     r->accumulator_storage = *std::move(storage);
     r->accumulator = static_cast<float*>(r->accumulator_storage.data());
     r->accumulator_reservation = *std::move(reservation);
@@ -200,16 +205,18 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
 absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, ParamSink* sink) {
   if (committed_) return absl::FailedPreconditionError("the step was already committed");
   if (args.step != step_) {
-    return absl::InvalidArgumentError(
+    return absl::FailedPreconditionError(
         absl::StrCat("commit.step is ", args.step, " but the stream opened step ", step_));
   }
   if (!std::isfinite(args.lr) || args.lr < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("commit.lr is ", args.lr, "; it must be finite and >= 0"));
   }
-  if (!std::isfinite(args.grad_multiplier) || args.grad_multiplier < 0) {
+  // 0 is refused too: it is what an omitted proto3 field reads as, and it would zero the
+  // gradients while the moments and the step count still advance.
+  if (!std::isfinite(args.grad_multiplier) || args.grad_multiplier <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "commit.grad_multiplier is ", args.grad_multiplier, "; it must be finite and >= 0"));
+        "commit.grad_multiplier is ", args.grad_multiplier, "; it must be finite and > 0"));
   }
   if (job_->dropped) {
     return absl::NotFoundError(absl::StrCat("job ", job_->config.job_id, " was dropped"));
@@ -254,10 +261,9 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
   if (!replay_) {
     r->completed_step = step_;
     if (outcome.applied) ++r->adam_step;
-    if (outcome.skipped) ++r->skipped_steps;
   }
   outcome.adam_step = r->adam_step;
-  outcome.skipped_steps = r->skipped_steps;
+  outcome.skipped_steps = r->skipped_steps();
   pieces_.clear();
   held_bytes_.Reset();
   return outcome;
