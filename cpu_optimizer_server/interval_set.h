@@ -54,11 +54,6 @@ class IntervalSet {
   }
 
   int64_t covered() const { return covered_; }
-  bool empty() const { return by_begin_.empty(); }
-  void Clear() {
-    by_begin_.clear();
-    covered_ = 0;
-  }
 
  private:
   std::map<int64_t, int64_t> by_begin_;  // begin -> end, disjoint and not touching

@@ -77,8 +77,6 @@ class OptimizerClient {
                                                        uint32_t range_index, int64_t range_offset,
                                                        int64_t range_length, uint64_t step);
 
-  const ClientOptions& options() const { return options_; }
-
  private:
   explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
   v1::OptimizerShard::Stub* NextStub();

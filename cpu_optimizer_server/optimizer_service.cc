@@ -1,7 +1,6 @@
 #include "cpu_optimizer_server/optimizer_service.h"
 
 #include <algorithm>
-#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"

@@ -60,8 +60,6 @@ class StepSession {
   // May be called once.
   absl::StatusOr<StepOutcome> Commit(const StepCommitArgs& args, ParamSink* sink);
 
-  const RangeState& range() const { return *range_; }
-  uint64_t step() const { return step_; }
   DType param_dtype() const { return job_->config.param_dtype; }
 
  private:
