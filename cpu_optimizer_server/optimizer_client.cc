@@ -58,21 +58,39 @@ absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
 
 absl::Status OptimizerClient::LoadState(const std::string& job_id, v1::StateTensor tensor,
                                         int64_t offset, const float* values, int64_t n) {
+  return LoadState(job_id, {StateSliceRef{tensor, offset, values, n}}, nullptr);
+}
+
+absl::Status OptimizerClient::LoadState(const std::string& job_id,
+                                        const std::vector<StateSliceRef>& slices,
+                                        const StepCounters* steps) {
   grpc::ClientContext context;
   v1::LoadStateResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::LoadStateRequest>> writer =
       NextStub()->LoadState(&context, &response);
   v1::LoadStateRequest request;
   request.set_job_id(job_id);
+  if (steps != nullptr) {
+    request.set_set_steps(true);
+    request.set_completed_step(steps->completed_step);
+    request.set_adam_step(steps->adam_step);
+  }
   v1::StateChunk* chunk = request.add_chunks();
-  chunk->set_tensor(tensor);
   chunk->set_dtype(v1::DTYPE_FP32);
   const int64_t per_chunk = options_.chunk_bytes / 4;
-  for (int64_t done = 0; done < n; done += per_chunk) {
-    const int64_t m = std::min(per_chunk, n - done);
-    chunk->set_offset(offset + done);
-    chunk->set_data(values + done, m * 4);
-    if (!writer->Write(request)) break;  // the server ended the call; Finish says why
+  bool open = true;
+  for (const StateSliceRef& slice : slices) {
+    chunk->set_tensor(slice.tensor);
+    for (int64_t done = 0; open && done < slice.n; done += per_chunk) {
+      const int64_t m = std::min(per_chunk, slice.n - done);
+      chunk->set_offset(slice.offset + done);
+      chunk->set_data(slice.values + done, m * 4);
+      open = writer->Write(request);  // false: the server ended the call; Finish says why
+      // The step counters travel in the first message only.
+      request.clear_set_steps();
+      request.clear_completed_step();
+      request.clear_adam_step();
+    }
   }
   writer->WritesDone();
   return FromGrpcStatus(writer->Finish());

@@ -29,6 +29,20 @@ struct ClientOptions {
 
 class OptimizerClient;
 
+// fp32 values of one state tensor for flat elements [offset, offset + n).
+struct StateSliceRef {
+  v1::StateTensor tensor = v1::STATE_TENSOR_MASTER_WEIGHTS;
+  int64_t offset = 0;
+  const float* values = nullptr;  // (n,)
+  int64_t n = 0;
+};
+
+// Step counters restored with a checkpoint's state.
+struct StepCounters {
+  uint64_t completed_step = 0;
+  uint64_t adam_step = 0;
+};
+
 // One step of one range: open, gradient chunks, commit. Made by OptimizerClient::OpenStep.
 class StepStream {
  public:
@@ -45,6 +59,7 @@ class StepStream {
 
  private:
   friend class OptimizerClient;
+
   StepStream() = default;
 
   std::unique_ptr<grpc::ClientContext> context_;
@@ -66,6 +81,9 @@ class OptimizerClient {
   // Loads (n,) fp32 values of `tensor` for flat elements [offset, offset + n).
   absl::Status LoadState(const std::string& job_id, v1::StateTensor tensor, int64_t offset,
                          const float* values, int64_t n);
+  // One all-or-nothing load of several slices; with `steps`, the ranges' step counters too.
+  absl::Status LoadState(const std::string& job_id, const std::vector<StateSliceRef>& slices,
+                         const StepCounters* steps);
   // Reads (n,) values of flat elements [offset, offset + n) as dtype into out.
   absl::Status ReadState(const std::string& job_id, v1::StateTensor tensor, DType dtype,
                          int64_t offset, int64_t n, void* out);

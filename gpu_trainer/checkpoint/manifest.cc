@@ -1,0 +1,70 @@
+#include "gpu_trainer/checkpoint/manifest.h"
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace offload {
+
+namespace {
+
+absl::Status CheckFileName(absl::string_view field, const std::string& name) {
+  if (name.empty())
+    return absl::InvalidArgumentError(absl::StrCat("manifest: ", field, " is empty"));
+  if (name.find('/') != std::string::npos || name == "." || name == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("manifest: ", field, " is '", name,
+                     "'; it must be a file name in the checkpoint directory"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateManifest(const v1::CheckpointManifest& m) {
+  if (m.format_version() != kManifestFormatVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("manifest: format_version is ", m.format_version(),
+                     "; this build reads version ", kManifestFormatVersion));
+  }
+  if (!m.has_model()) return absl::InvalidArgumentError("manifest: model is missing");
+  if (!m.has_partition()) return absl::InvalidArgumentError("manifest: partition is missing");
+  if (m.param_dtype() != v1::DTYPE_FP16 && m.param_dtype() != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError(absl::StrCat("manifest: param_dtype is ",
+                                                   v1::DType_Name(m.param_dtype()),
+                                                   "; expected DTYPE_FP16 or DTYPE_BF16"));
+  }
+  if (absl::Status s = CheckFileName("model_file", m.model_file()); !s.ok()) return s;
+  for (int i = 0; i < m.shard_files_size(); ++i) {
+    absl::Status s =
+        CheckFileName(absl::StrCat("shard_files[", i, "].file"), m.shard_files(i).file());
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CheckpointManifest> ParseManifestJson(absl::string_view json) {
+  v1::CheckpointManifest m;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;  // a misspelt field must not vanish silently
+  google::protobuf::util::Status s = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(json.data(), json.size()), &m, options);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("manifest is not a valid CheckpointManifest: ", std::string(s.message())));
+  }
+  if (absl::Status v = ValidateManifest(m); !v.ok()) return v;
+  return m;
+}
+
+std::string ManifestToJson(const v1::CheckpointManifest& m) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string out;
+  // Printing a message of a compiled-in type cannot fail (no Any to resolve).
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  return out;
+}
+
+}  // namespace offload

@@ -1,0 +1,99 @@
+// Strict manifest parsing: round trip, unknown fields, version, required parts.
+#include "gpu_trainer/checkpoint/manifest.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "google/protobuf/util/message_differencer.h"
+
+namespace offload {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::CheckpointManifest Example() {
+  v1::CheckpointManifest m;
+  m.set_format_version(1);
+  m.mutable_model()->set_vocab_size(50257);
+  m.mutable_model()->set_context_length(1024);
+  m.mutable_model()->set_num_layers(12);
+  m.mutable_model()->set_num_heads(12);
+  m.mutable_model()->set_channels(768);
+  m.set_param_dtype(v1::DTYPE_BF16);
+  m.set_step(100);
+  m.set_seed(1337);
+  m.mutable_partition()->set_num_params(124439808);
+  m.mutable_partition()->set_padded_length(124439808);
+  m.mutable_partition()->set_world_size(1);
+  m.mutable_partition()->set_num_shards(1);
+  v1::ShardSlice* slice = m.mutable_partition()->add_slices();
+  slice->set_length(124439808);
+  m.mutable_data()->set_rng_state(0xfedcba9876543210ull);  // above 2^53: JSON must keep it exact
+  m.mutable_data()->set_batches_drawn(100);
+  m.mutable_loss_scale()->set_scale(1);
+  m.set_grad_clip(1.0f);
+  m.set_model_file("model.safetensors");
+  v1::ShardFile* f = m.add_shard_files();
+  f->set_file("shard-0.safetensors");
+  f->set_completed_step(100);
+  m.set_train_loss(3.25f);
+  return m;
+}
+
+TEST(ManifestTest, RoundTrip) {
+  const v1::CheckpointManifest m = Example();
+  const std::string json = ManifestToJson(m);
+  EXPECT_THAT(json, HasSubstr("\"model_file\": \"model.safetensors\""));  // pretty, proto names
+  EXPECT_THAT(json, HasSubstr("\"val_loss\": 0"));                        // zeros printed too
+  absl::StatusOr<v1::CheckpointManifest> back = ParseManifestJson(json);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(m, *back)) << back->DebugString();
+}
+
+TEST(ManifestTest, AcceptsCamelCaseNames) {
+  absl::StatusOr<v1::CheckpointManifest> m = ParseManifestJson(
+      R"({"formatVersion": 1, "model": {}, "partition": {}, "paramDtype": "DTYPE_FP16",
+          "modelFile": "m.safetensors"})");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->param_dtype(), v1::DTYPE_FP16);
+}
+
+TEST(ManifestTest, RejectsUnknownFieldsAndBadValues) {
+  const std::string base = R"("format_version": 1, "model": {}, "partition": {},
+      "param_dtype": "DTYPE_BF16", "model_file": "model.safetensors")";
+  struct Case {
+    std::string json;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"{" + base + R"(, "stpe": 3})", "stpe"},
+      {"{" + base + R"(, "model": {"layers": 3}})", "layers"},
+      {R"({"format_version": 2, "model": {}, "partition": {}, "param_dtype": "DTYPE_BF16",
+           "model_file": "m"})",
+       "format_version is 2"},
+      {R"({"format_version": 1, "partition": {}, "param_dtype": "DTYPE_BF16",
+           "model_file": "m"})",
+       "model is missing"},
+      {R"({"format_version": 1, "model": {}, "param_dtype": "DTYPE_BF16", "model_file": "m"})",
+       "partition is missing"},
+      {R"({"format_version": 1, "model": {}, "partition": {}, "param_dtype": "DTYPE_FP32",
+           "model_file": "m"})",
+       "param_dtype is DTYPE_FP32"},
+      {R"({"format_version": 1, "model": {}, "partition": {}, "param_dtype": "DTYPE_BF16"})",
+       "model_file is empty"},
+      {R"({"format_version": 1, "model": {}, "partition": {}, "param_dtype": "DTYPE_BF16",
+           "model_file": "../x"})",
+       "model_file is '../x'"},
+      {"{" + base + R"(, "shard_files": [{"file": "/etc/passwd"}]})", "shard_files[0].file"},
+      {"[]", "not a valid CheckpointManifest"},
+      {"{" + base, "not a valid CheckpointManifest"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<v1::CheckpointManifest> m = ParseManifestJson(c.json);
+    ASSERT_FALSE(m.ok()) << c.json;
+    EXPECT_THAT(m.status().message(), HasSubstr(c.message)) << c.json;
+  }
+}
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,120 @@
+// GPT-2 on the CPU (DESIGN section 6): fp32 forward and backward over a flat parameter buffer in
+// the layout of param_layout.h, on either kernel set of layer_kernels.h.
+//
+// The model owns only activations: parameters and gradients are the caller's flat buffers, so
+// the trainer can stream gradient ranges out and parameter ranges in without copies.
+#ifndef OFFLOAD_GPU_TRAINER_MODEL_GPT2_H_
+#define OFFLOAD_GPU_TRAINER_MODEL_GPT2_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gpu_trainer/model/gpt2_config.h"
+#include "gpu_trainer/model/layer_kernels.h"
+
+namespace offload {
+
+enum class CpuKernelSet { kFast, kNaive };
+
+class Gpt2Cpu {
+ public:
+  // Activations for up to (max_batch, max_seq) in one allocation carved into views;
+  // max_seq <= context_length. InvalidArgument for a bad config or size, ResourceExhausted when
+  // the activations do not fit in memory.
+  static absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Create(const Gpt2Config& config, int max_batch,
+                                                         int max_seq, CpuKernelSet kernels);
+
+  const Gpt2Config& config() const { return config_; }
+  int64_t num_params() const { return num_params_; }
+
+  // params (num_params,) fp32 in layout order; inputs and targets (B, T) int32, B <= max_batch,
+  // T <= max_seq. Token ids outside [0, vocab) -> InvalidArgument naming the position, nothing
+  // computed and the previous Forward's state kept. targets may be nullptr (logits only, loss
+  // returned as 0). Returns the mean cross-entropy loss over the B*T positions.
+  absl::StatusOr<float> Forward(const float* params, const int32_t* inputs, const int32_t* targets,
+                                int B, int T);
+
+  // Requires a preceding Forward with targets (FailedPrecondition otherwise), and the same params.
+  // Writes d(loss * loss_scale)/d(params) into grads (num_params,), overwriting it.
+  //
+  // on_ready(offset, n) is called on the calling thread each time a contiguous range of grads is
+  // final, in backward order: [ln_f], [h.{L-1}.* whole layer], ..., [h.0.*], then [wte, wpe]
+  // together (offset 0 up to the start of h.0) at the end, because the tied head and the embedding
+  // both add into wte. The ranges cover [0, num_params) exactly once. on_ready may be empty.
+  absl::Status Backward(const float* params, float loss_scale, float* grads,
+                        const std::function<void(int64_t offset, int64_t n)>& on_ready);
+
+  const float* logits() const { return acts_.logits; }  // (B, T, V) of the last Forward
+
+ private:
+  // What Forward saves for Backward, per layer with a leading (L) dimension, plus scratch reused
+  // by every layer. Views into memory_, sized for (max_batch, max_seq); a call with a smaller
+  // (B, T) packs each tensor densely at the start of its view.
+  struct Activations {
+    float* encoded;    // (B, T, C) wte + wpe, the residual stream entering layer 0
+    float* ln1;        // (L, B, T, C)
+    float* ln1_mean;   // (L, B, T)
+    float* ln1_rstd;   // (L, B, T)
+    float* qkv;        // (L, B, T, 3C)
+    float* atty;       // (L, B, T, C) attention output, heads side by side
+    float* att;        // (L, B, NH, T, T) softmax weights
+    float* residual2;  // (L, B, T, C) stream after the attention branch
+    float* ln2;        // (L, B, T, C)
+    float* ln2_mean;   // (L, B, T)
+    float* ln2_rstd;   // (L, B, T)
+    float* fch;        // (L, B, T, 4C) MLP hidden, before GELU
+    float* fch_gelu;   // (L, B, T, 4C)
+    float* residual3;  // (L, B, T, C) stream after the MLP branch: layer output
+    float* lnf;        // (B, T, C)
+    float* lnf_mean;   // (B, T)
+    float* lnf_rstd;   // (B, T)
+    float* logits;     // (B, T, V)
+    float* probs;      // (B, T, V)
+    float* losses;     // (B, T)
+    // Scratch: Backward needs neither, so one layer's worth serves all layers.
+    float* preatt;  // (B, NH, T, T) scores before the softmax
+    float* proj;    // (B, T, C) c_proj output before its residual add
+  };
+  // Gradients of activations. Backward walks one layer at a time, so one layer's worth is reused
+  // by every layer; the residual stream's gradient is a single buffer that each block's two
+  // branches add into, which is the whole of the residual add's backward.
+  struct ActivationGrads {
+    float* dlogits;    // (B, T, V)
+    float* dlnf;       // (B, T, C)
+    float* dresidual;  // (B, T, C) d loss / d stream, carried from ln_f down to the embedding
+    float* dln1;       // (B, T, C)
+    float* dqkv;       // (B, T, 3C)
+    float* datty;      // (B, T, C)
+    float* dpreatt;    // (B, NH, T, T) scratch
+    float* datt;       // (B, NH, T, T) scratch
+    float* dln2;       // (B, T, C)
+    float* dfch;       // (B, T, 4C)
+    float* dfch_gelu;  // (B, T, 4C)
+  };
+
+  Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq, const CpuLayerKernels* kernels);
+
+  const Gpt2Config config_;
+  const int max_batch_;
+  const int max_seq_;
+  const CpuLayerKernels* const kernels_;
+  int64_t num_params_ = 0;
+  std::vector<int64_t> tensor_offsets_;  // Gpt2ParamLayout(config_)[i].offset
+  std::unique_ptr<float[]> memory_;      // every Activations and ActivationGrads view
+  Activations acts_{};
+  ActivationGrads grads_{};
+  // The last Forward's batch, copied: Backward needs them and the caller's may be gone.
+  std::vector<int32_t> inputs_;   // (B, T)
+  std::vector<int32_t> targets_;  // (B, T)
+  int B_ = 0;
+  int T_ = 0;
+  bool have_targets_ = false;  // the last Forward computed a loss, so Backward may run
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_MODEL_GPT2_H_

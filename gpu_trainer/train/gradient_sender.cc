@@ -1,0 +1,53 @@
+#include "gpu_trainer/train/gradient_sender.h"
+
+namespace offload {
+
+GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16)
+    : backend_(backend), grads16_(grads16), thread_([this] { Loop(); }) {}
+
+GradientSender::~GradientSender() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void GradientSender::Enqueue(int64_t offset, int64_t n) {
+  if (n <= 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.emplace_back(offset, n);
+  }
+  cv_.notify_all();
+}
+
+absl::Status GradientSender::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return queue_.empty() && in_flight_ == 0; });
+  absl::Status error = error_;
+  error_ = absl::OkStatus();
+  return error;
+}
+
+void GradientSender::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ and nothing left
+    const auto [offset, n] = queue_.front();
+    queue_.pop_front();
+    const bool failed = !error_.ok();
+    ++in_flight_;
+    lock.unlock();
+    absl::Status s =
+        failed ? absl::OkStatus() : backend_->SendGradients(offset, grads16_ + offset, n);
+    lock.lock();
+    --in_flight_;
+    if (!s.ok() && error_.ok()) error_ = s;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace offload

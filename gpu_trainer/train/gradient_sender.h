@@ -1,0 +1,44 @@
+// Sends gradient ranges to the optimizer on a thread of its own, so backward goes on computing
+// the next layer while the previous layer's gradients are on the wire (DESIGN section 1).
+#ifndef OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_
+#define OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "gpu_trainer/train/optimizer_backend.h"
+
+namespace offload {
+
+class GradientSender {
+ public:
+  // grads16 (padded_length,) stays owned by the caller and must not change while queued.
+  GradientSender(OptimizerBackend* backend, const uint16_t* grads16);
+  ~GradientSender();
+
+  // Queues flat elements [offset, offset + n). After an error, later ranges are dropped.
+  void Enqueue(int64_t offset, int64_t n);
+  // Waits until everything queued is sent; returns the first error since the last Drain.
+  absl::Status Drain();
+
+ private:
+  void Loop();
+
+  OptimizerBackend* const backend_;
+  const uint16_t* const grads16_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, int64_t>> queue_;  // guarded by mu_
+  int in_flight_ = 0;                              // guarded by mu_
+  absl::Status error_;                             // guarded by mu_
+  bool stop_ = false;                              // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_

@@ -1,0 +1,78 @@
+#include "gpu_trainer/train/optimizer_backend.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/wire_convert.h"
+#include "gpu_trainer/train/partition.h"
+
+namespace offload {
+
+v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
+                                           const std::string& job_id, const v1::AdamConfig& adam,
+                                           DType param_dtype) {
+  v1::CreateJobRequest request;
+  request.set_job_id(job_id);
+  for (const v1::ShardSlice& s : SlicesOfShard(map, shard)) {
+    v1::ParamRange* range = request.add_ranges();
+    range->set_offset(s.offset());
+    range->set_length(s.length());
+  }
+  *request.mutable_adam() = adam;
+  request.set_param_dtype(DTypeToProto(param_dtype));
+  return request;
+}
+
+absl::Status OptimizerBackend::BeginStep(uint64_t step) {
+  if (in_step_) return absl::FailedPreconditionError("a step is already open");
+  for (int i = 0; i < map_.slices_size(); ++i) {
+    if (absl::Status s = OpenSlice(i, step); !s.ok()) {
+      AbortSlices();
+      return s;
+    }
+  }
+  in_step_ = true;
+  step_ = step;
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n) {
+  if (!in_step_) return absl::FailedPreconditionError("SendGradients outside a step");
+  const int64_t end = offset + n;
+  if (offset < 0 || n < 0 || end > static_cast<int64_t>(map_.padded_length())) {
+    return absl::OutOfRangeError(absl::StrCat("gradients [", offset, ", ", end,
+                                              ") outside the flat length ", map_.padded_length()));
+  }
+  // Slices are sorted by offset: find the first that ends after `offset`.
+  auto it = std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
+                             [](int64_t o, const v1::ShardSlice& s) {
+                               return o < static_cast<int64_t>(s.offset() + s.length());
+                             });
+  for (; it != map_.slices().end() && static_cast<int64_t>(it->offset()) < end; ++it) {
+    const int64_t lo = std::max<int64_t>(offset, it->offset());
+    const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
+    const int slice = static_cast<int>(it - map_.slices().begin());
+    if (absl::Status s = SendSlice(slice, lo, grads + (lo - offset), hi - lo); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,
+                                                      uint16_t* params16) {
+  if (!in_step_) return absl::FailedPreconditionError("Commit outside a step");
+  in_step_ = false;
+  absl::StatusOr<StepCounters> counters = CommitSlices(lr, grad_multiplier, skip, params16);
+  if (counters.ok() && counters->completed_step != step_) {
+    return absl::DataLossError(
+        absl::StrCat("the shards completed step ", counters->completed_step, " for step ", step_));
+  }
+  return counters;
+}
+
+void OptimizerBackend::AbortStep() {
+  if (!in_step_) return;
+  in_step_ = false;
+  AbortSlices();
+}
+
+}  // namespace offload

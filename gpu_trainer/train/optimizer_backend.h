@@ -1,0 +1,81 @@
+// The trainer's side of the optimizer: where 16-bit gradients go and updated 16-bit weights come
+// from. Two implementations share the partition routing below:
+//   - RemoteOptimizer (remote_optimizer.h): optimizer shards behind the gRPC API;
+//   - InProcessOptimizer (inprocess_optimizer.h): the same shard store, step sessions and Adam
+//     kernels linked into the trainer, without a server. It is the baseline of the
+//     offload-overhead benchmark and, because it runs the very same code, the reference that
+//     the server path must match bit for bit.
+#ifndef OFFLOAD_GPU_TRAINER_TRAIN_OPTIMIZER_BACKEND_H_
+#define OFFLOAD_GPU_TRAINER_TRAIN_OPTIMIZER_BACKEND_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/dtype.h"
+#include "cpu_optimizer_server/optimizer_client.h"
+#include "offload/v1/checkpoint.pb.h"
+#include "offload/v1/optimizer.pb.h"
+
+namespace offload {
+
+class OptimizerBackend {
+ public:
+  explicit OptimizerBackend(v1::PartitionMap map) : map_(std::move(map)) {}
+  virtual ~OptimizerBackend() = default;
+
+  const v1::PartitionMap& partition() const { return map_; }
+  int num_shards() const { return static_cast<int>(map_.num_shards()); }
+
+  // Creates the job on every shard with the slices the map gives it. A job of the same id left
+  // on a shard by an earlier run of this trainer is replaced.
+  virtual absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
+                                 DType param_dtype) = 0;
+  // One all-or-nothing load on `shard`; with `steps`, its step counters too (checkpoints).
+  virtual absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
+                                      const StepCounters* steps) = 0;
+  // (n,) fp32 values of flat elements [offset, offset + n), which must lie in one slice.
+  virtual absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
+                                      float* out) = 0;
+  virtual absl::Status DropJob() = 0;
+
+  // One step: Begin, any number of SendGradients covering [0, padded_length) exactly once (from
+  // one thread, in any order), then Commit or Abort.
+  absl::Status BeginStep(uint64_t step);
+  // grads (n,) 16-bit for flat elements [offset, offset + n), split over the slices they touch.
+  absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n);
+  // Applies the step (or skips it) on every slice; the updated 16-bit weights land in
+  // params16 (padded_length,) unless skipped. Returns the step counters after the step.
+  absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
+                                      uint16_t* params16);
+  void AbortStep();
+
+ protected:
+  // Per-slice hooks of one step, slice = index into map.slices().
+  virtual absl::Status OpenSlice(int slice, uint64_t step) = 0;
+  virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n) = 0;
+  // Commits every open slice, writing params16 (padded_length,) at each slice's offset.
+  virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+                                                    uint16_t* params16) = 0;
+  virtual void AbortSlices() = 0;
+  DType grad_dtype() const { return param_dtype_; }
+
+  v1::PartitionMap map_;
+  DType param_dtype_ = DType::kFp16;
+  std::string job_id_;
+
+ private:
+  bool in_step_ = false;
+  uint64_t step_ = 0;
+};
+
+// The CreateJobRequest of one shard: its slices as ranges, in range_index order.
+v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
+                                           const std::string& job_id, const v1::AdamConfig& adam,
+                                           DType param_dtype);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_TRAIN_OPTIMIZER_BACKEND_H_

@@ -1,0 +1,177 @@
+// gpu_trainer: trains a GPT-2 family model with its optimizer offloaded to CPU optimizer shards
+// (--shards), or with the same optimizer code in process when no shards are given.
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "cpu_optimizer_server/host_buffer.h"
+#include "gpu_trainer/model/cpu_runtime.h"
+#include "gpu_trainer/model/param_layout.h"
+#include "gpu_trainer/train/inprocess_optimizer.h"
+#include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/train/progress.h"
+#include "gpu_trainer/train/remote_optimizer.h"
+#include "gpu_trainer/train/trainer.h"
+#include "gpu_trainer/train/trainer_config.h"
+
+ABSL_FLAG(std::string, shards, "",
+          "optimizer shard addresses, comma separated (host:port); empty: optimize in process");
+ABSL_FLAG(int, num_shards, 1, "shards of the in-process optimizer (when --shards is empty)");
+ABSL_FLAG(int, optimizer_threads, 0, "Adam threads of the in-process optimizer; 0: all cores");
+ABSL_FLAG(std::string, progress, "auto", "auto (a bar on a terminal), bar, or log");
+ABSL_FLAG(int, log_every, 10, "steps between log lines when not drawing a bar");
+ABSL_FLAG(int, eval_every, 100, "steps between validation evaluations; 0: only at the end");
+ABSL_FLAG(int, eval_batches, 20, "validation batches per evaluation");
+ABSL_FLAG(int, checkpoint_every, 0, "steps between checkpoints; 0: only at the end");
+ABSL_FLAG(int, sample_tokens, 300, "tokens of text sampled at the end; 0: none");
+ABSL_FLAG(std::string, sample_prompt, "\n", "text the sample starts from");
+ABSL_FLAG(float, sample_temperature, 0.8f, "softmax temperature of the sample");
+
+namespace {
+
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "\ngpu_trainer: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Trains a GPT-2 family model on text or GPT-2 token shards, offloading the optimizer.");
+  absl::ParseCommandLine(argc, argv);
+  offload::KeepFreedMemoryForReuse();
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+
+  absl::StatusOr<offload::TrainerOptions> options = offload::TrainerOptionsFromFlags();
+  if (!options.ok()) return Fail(options.status());
+  const int64_t num_params = offload::Gpt2NumParams(options->model);
+
+  std::vector<std::string> addresses =
+      absl::StrSplit(absl::GetFlag(FLAGS_shards), ',', absl::SkipWhitespace());
+  const int num_shards =
+      addresses.empty() ? absl::GetFlag(FLAGS_num_shards) : static_cast<int>(addresses.size());
+  absl::StatusOr<offload::v1::PartitionMap> map =
+      offload::MakePartitionMap(num_params, /*world_size=*/1, num_shards);
+  if (!map.ok()) return Fail(map.status());
+  std::unique_ptr<offload::OptimizerBackend> backend;
+  if (addresses.empty()) {
+    absl::StatusOr<offload::SimdPath> path = offload::ParseSimdPath("auto");
+    backend = std::make_unique<offload::InProcessOptimizer>(
+        *map, absl::GetFlag(FLAGS_optimizer_threads), *path);
+  } else {
+    auto remote = offload::RemoteOptimizer::Connect(*map, addresses, offload::ClientOptions{});
+    if (!remote.ok()) return Fail(remote.status());
+    backend = std::move(*remote);
+  }
+
+  absl::StatusOr<std::unique_ptr<offload::Trainer>> trainer =
+      offload::Trainer::Create(*options, backend.get());
+  if (!trainer.ok()) return Fail(trainer.status());
+  offload::Trainer& t = **trainer;
+  const offload::Gpt2Config& c = options->model;
+  std::printf(
+      "gpu_trainer: GPT-2 layers=%d heads=%d channels=%d context=%d vocab=%d params=%lld "
+      "backend=cpu blas=%s dtype=%s\n",
+      c.num_layers, c.num_heads, c.channels, c.context_length, c.vocab_size,
+      static_cast<long long>(num_params), offload::BlasCoreName().c_str(),
+      std::string(offload::DTypeName(options->param_dtype)).c_str());
+  std::printf(
+      "gpu_trainer: optimizer %s, %d shard(s); batch %d x %d tokens; %llu steps\n",
+      addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),
+      num_shards, options->batch, options->seq_len,
+      static_cast<unsigned long long>(options->steps));
+  absl::StatusOr<std::string> started = t.Start();
+  if (!started.ok()) return Fail(started.status());
+  std::printf("gpu_trainer: %s\n", started->c_str());
+  std::fflush(stdout);
+
+  const std::string progress = absl::GetFlag(FLAGS_progress);
+  const bool bar = progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO));
+  offload::ProgressReporter reporter(stdout, bar, t.total_steps(), absl::GetFlag(FLAGS_log_every));
+  const int eval_every = absl::GetFlag(FLAGS_eval_every);
+  const int eval_batches = absl::GetFlag(FLAGS_eval_batches);
+  const int checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  const bool checkpoints = !options->checkpoint_dir.empty();
+  float val_loss = 0;
+  const absl::Time start = absl::Now();
+  const uint64_t first_step = t.step();
+  bool interrupted = false;
+
+  while (t.step() < t.total_steps()) {
+    if (g_stop) {
+      interrupted = true;
+      break;
+    }
+    absl::StatusOr<offload::StepReport> r = t.Step();
+    if (!r.ok()) return Fail(r.status());
+    reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
+    if (eval_every > 0 && r->step % eval_every == 0 && r->step < t.total_steps()) {
+      absl::StatusOr<float> v = t.Evaluate(eval_batches);
+      if (!v.ok()) return Fail(v.status());
+      val_loss = *v;
+      reporter.Message(absl::StrFormat("step %d: val_loss %.4f", r->step, val_loss));
+    }
+    if (checkpoints && checkpoint_every > 0 && r->step % checkpoint_every == 0 &&
+        r->step < t.total_steps()) {
+      absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
+      if (!dir.ok()) return Fail(dir.status());
+      reporter.Message(absl::StrCat("checkpoint ", *dir));
+    }
+  }
+  reporter.Finish();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+
+  // An interrupted run keeps the last validation loss: the user asked it to stop now.
+  if (!interrupted) {
+    absl::StatusOr<float> v = t.Evaluate(eval_batches);
+    if (!v.ok()) return Fail(v.status());
+    val_loss = *v;
+  }
+  std::printf(
+      "gpu_trainer: step %llu val_loss %.4f (%llu steps in %s, %.0f tokens/s, %llu "
+      "skipped)\n",
+      static_cast<unsigned long long>(t.step()), val_loss,
+      static_cast<unsigned long long>(t.step() - first_step),
+      offload::FormatDuration(seconds).c_str(),
+      (t.step() - first_step) * t.tokens_per_step() / std::max(seconds, 1e-9),
+      static_cast<unsigned long long>(t.loss_scaler().skipped_steps()));
+  if (checkpoints) {
+    absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
+    if (!dir.ok()) return Fail(dir.status());
+    std::printf("gpu_trainer: checkpoint %s\n", dir->c_str());
+  }
+  if (interrupted) {
+    std::printf("gpu_trainer: interrupted at step %llu%s\n",
+                static_cast<unsigned long long>(t.step()),
+                checkpoints ? "; rerun with --resume to continue" : "");
+    return 130;
+  }
+  const int sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
+  if (sample_tokens > 0) {
+    absl::StatusOr<std::string> text =
+        t.Sample(absl::GetFlag(FLAGS_sample_prompt), sample_tokens,
+                 absl::GetFlag(FLAGS_sample_temperature), options->seed);
+    if (!text.ok()) return Fail(text.status());
+    std::printf("gpu_trainer: sample:\n---\n%s%s\n---\n",
+                absl::GetFlag(FLAGS_sample_prompt).c_str(), text->c_str());
+  }
+  if (absl::Status s = backend->DropJob(); !s.ok()) return Fail(s);
+  std::fflush(stdout);
+  return 0;
+}

@@ -1,0 +1,340 @@
+// The training loop end to end on a tiny model and the bundled text: the in-process optimizer
+// and gRPC shards give bit-identical weights, checkpoints resume bit for bit, fp16 overflow
+// skips the step and lowers the scale, and bad settings are refused.
+#include "gpu_trainer/train/trainer.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/optimizer_service.h"
+#include "cpu_optimizer_server/shard_store.h"
+#include "cpu_optimizer_server/thread_pool.h"
+#include "gpu_trainer/checkpoint/safetensors.h"
+#include "gpu_trainer/model/param_layout.h"
+#include "gpu_trainer/train/checkpointing.h"
+#include "gpu_trainer/train/inprocess_optimizer.h"
+#include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/train/remote_optimizer.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+TrainerOptions TinyOptions() {
+  TrainerOptions o;
+  o.model = Gpt2Config{256, 32, 2, 2, 32};
+  o.data = std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt";
+  o.batch = 4;
+  o.seq_len = 32;
+  o.steps = 40;
+  o.seed = 7;
+  o.param_dtype = DType::kFp16;
+  o.adam.set_kind(v1::OPTIMIZER_KIND_ADAMW);
+  o.adam.set_lr(3e-3f);
+  o.adam.set_beta1(0.9f);
+  o.adam.set_beta2(0.95f);
+  o.adam.set_eps(1e-8f);
+  o.adam.set_weight_decay(0.01f);
+  o.schedule.set_max_lr(3e-3f);
+  o.schedule.set_min_lr(3e-4f);
+  o.schedule.set_warmup_steps(5);
+  o.schedule.set_total_steps(40);
+  o.grad_clip = 1.0f;
+  return o;
+}
+
+v1::PartitionMap MapFor(const TrainerOptions& o, int shards) {
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(o.model), 1, shards);
+  EXPECT_TRUE(map.ok()) << map.status();
+  return *map;
+}
+
+struct RunResult {
+  std::vector<uint16_t> weights16;
+  std::vector<float> master;  // (padded,) fp32 master weights from the shards
+  std::vector<float> losses;
+};
+
+// Trains `steps` more steps on `backend` (creating the trainer, starting or resuming) and
+// returns the weights, the shard master weights and the losses.
+RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint64_t steps,
+                bool checkpoint_at_end = false) {
+  RunResult r;
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, backend);
+  EXPECT_TRUE(trainer.ok()) << trainer.status();
+  if (!trainer.ok()) return r;
+  absl::StatusOr<std::string> started = (*trainer)->Start();
+  EXPECT_TRUE(started.ok()) << started.status();
+  for (uint64_t i = 0; i < steps; ++i) {
+    absl::StatusOr<StepReport> report = (*trainer)->Step();
+    EXPECT_TRUE(report.ok()) << report.status();
+    if (!report.ok()) return r;
+    r.losses.push_back(report->loss);
+  }
+  if (checkpoint_at_end) {
+    absl::StatusOr<std::string> dir = (*trainer)->SaveCheckpoint(0.0f);
+    EXPECT_TRUE(dir.ok()) << dir.status();
+  }
+  r.weights16 = (*trainer)->weights16();
+  const v1::PartitionMap& map = backend->partition();
+  r.master.assign(map.padded_length(), 0.0f);
+  for (int i = 0; i < map.slices_size(); ++i) {
+    const v1::ShardSlice& s = map.slices(i);
+    EXPECT_TRUE(backend
+                    ->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, s.offset(), s.length(),
+                                     r.master.data() + s.offset())
+                    .ok());
+  }
+  return r;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Two optimizer shards served over gRPC on loopback, in this process.
+class LocalShards {
+ public:
+  explicit LocalShards(int n) : pool_(ThreadPool::Options{2, false}) {
+    for (int i = 0; i < n; ++i) {
+      stores_.push_back(std::make_unique<ShardStore>(ShardOptions{}, &pool_, BestSimdPath()));
+      ServerOptions options;
+      options.listen_address = "127.0.0.1:0";
+      auto server = OptimizerServer::Start(options, stores_.back().get());
+      EXPECT_TRUE(server.ok()) << server.status();
+      addresses_.push_back(absl::StrCat("127.0.0.1:", (*server)->port()));
+      servers_.push_back(std::move(*server));
+    }
+  }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+
+ private:
+  ThreadPool pool_;
+  std::vector<std::unique_ptr<ShardStore>> stores_;
+  std::vector<std::unique_ptr<OptimizerServer>> servers_;
+  std::vector<std::string> addresses_;
+};
+
+TEST(Trainer, LossFallsOnTheBundledText) {
+  TrainerOptions o = TinyOptions();
+  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+  RunResult r = Train(o, &backend, 40);
+  ASSERT_EQ(r.losses.size(), 40u);
+  EXPECT_NEAR(r.losses.front(), std::log(256.0f), 0.3f);  // uniform over bytes at init
+  float tail = 0;
+  for (int i = 30; i < 40; ++i) tail += r.losses[i] / 10;
+  EXPECT_LT(tail, r.losses.front() - 1.5f);
+}
+
+TEST(Trainer, InProcessAndServerShardsGiveBitIdenticalWeights) {
+  for (DType dtype : {DType::kFp16, DType::kBf16}) {
+    TrainerOptions o = TinyOptions();
+    o.param_dtype = dtype;
+    InProcessOptimizer in_process(MapFor(o, 2), 2, BestSimdPath());
+    RunResult a = Train(o, &in_process, 12);
+
+    LocalShards shards(2);
+    auto remote = RemoteOptimizer::Connect(MapFor(o, 2), shards.addresses(), ClientOptions{});
+    ASSERT_TRUE(remote.ok()) << remote.status();
+    RunResult b = Train(o, remote->get(), 12);
+
+    EXPECT_EQ(a.losses, b.losses) << DTypeName(dtype);
+    EXPECT_EQ(a.weights16, b.weights16) << DTypeName(dtype);
+    EXPECT_TRUE(SameBits(a.master, b.master)) << DTypeName(dtype);
+    // And the step did change the weights: this is not two untouched copies.
+    std::vector<float> init(a.master.size(), 0.0f);
+    InitGpt2Params(o.model, o.seed, init.data());
+    EXPECT_FALSE(SameBits(a.master, init));
+  }
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = std::filesystem::temp_directory_path() /
+            absl::StrCat("trainer_test_", getpid(), "_", counter_++);
+    std::filesystem::remove_all(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string path() const { return path_.string(); }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path path_;
+};
+
+TEST(Trainer, ResumeFromACheckpointIsBitIdentical) {
+  TrainerOptions o = TinyOptions();
+  o.steps = 16;
+  o.schedule.set_total_steps(16);
+  InProcessOptimizer straight_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult straight = Train(o, &straight_backend, 16);
+
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.resume = true;
+  {
+    InProcessOptimizer first(MapFor(o, 2), 2, BestSimdPath());
+    Train(o, &first, 8, /*checkpoint_at_end=*/true);
+  }
+  // A new optimizer and trainer, as after a restart of every process.
+  InProcessOptimizer second(MapFor(o, 2), 2, BestSimdPath());
+  RunResult resumed = Train(o, &second, 8);
+
+  ASSERT_EQ(resumed.losses.size(), 8u);
+  EXPECT_EQ(std::vector<float>(straight.losses.begin() + 8, straight.losses.end()), resumed.losses);
+  EXPECT_EQ(straight.weights16, resumed.weights16);
+  EXPECT_TRUE(SameBits(straight.master, resumed.master));
+}
+
+TEST(Trainer, ResumeRefusesADifferentModel) {
+  TrainerOptions o = TinyOptions();
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.resume = true;
+  {
+    InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+    Train(o, &backend, 2, /*checkpoint_at_end=*/true);
+  }
+  o.model.num_heads = 4;  // same parameter count, different model
+  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &backend);
+  ASSERT_TRUE(trainer.ok());
+  absl::StatusOr<std::string> started = (*trainer)->Start();
+  ASSERT_FALSE(started.ok());
+  EXPECT_NE(started.status().message().find("model"), std::string::npos) << started.status();
+}
+
+TEST(Trainer, Fp16OverflowSkipsTheStepAndLowersTheScale) {
+  TrainerOptions o = TinyOptions();
+  o.loss_scaler.init_scale = 1e30f;  // every gradient overflows fp16 at this scale
+  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &backend);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  ASSERT_TRUE((*trainer)->Start().ok());
+  const std::vector<uint16_t> before = (*trainer)->weights16();
+  absl::StatusOr<StepReport> first = (*trainer)->Step();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->skipped);
+  EXPECT_EQ((*trainer)->weights16(), before);
+  EXPECT_EQ((*trainer)->loss_scaler().scale(), 5e29f);
+  // The scale halves until the gradients fit, then training goes on.
+  int skipped = 1;
+  bool applied = false;
+  for (int i = 0; i < 120 && !applied; ++i) {
+    absl::StatusOr<StepReport> r = (*trainer)->Step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    skipped += r->skipped;
+    applied = !r->skipped;
+  }
+  EXPECT_TRUE(applied);
+  EXPECT_NE((*trainer)->weights16(), before);
+  EXPECT_EQ((*trainer)->loss_scaler().skipped_steps(), static_cast<uint64_t>(skipped));
+  EXPECT_LT((*trainer)->loss_scaler().scale(), 65536.0f * 2);
+}
+
+TEST(Trainer, BadSettingsAreRefusedClearly) {
+  TrainerOptions o = TinyOptions();
+  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+  TrainerOptions missing = o;
+  missing.data = "/nonexistent/corpus.txt";
+  absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(missing, &backend);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("/nonexistent/corpus.txt"), std::string::npos);
+  TrainerOptions long_seq = o;
+  long_seq.seq_len = 64;  // beyond the context of 32
+  EXPECT_FALSE(Trainer::Create(long_seq, &backend).ok());
+  TrainerOptions small_vocab = o;
+  small_vocab.model.vocab_size = 64;  // the text has bytes >= 64
+  EXPECT_FALSE(Trainer::Create(small_vocab, &backend).ok());
+  // A map for another model.
+  TrainerOptions other = o;
+  other.model.num_layers = 3;
+  InProcessOptimizer wrong_map(MapFor(other, 1), 2, BestSimdPath());
+  EXPECT_FALSE(Trainer::Create(o, &wrong_map).ok());
+}
+
+TEST(Trainer, SampleIsSeededText) {
+  TrainerOptions o = TinyOptions();
+  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &backend);
+  ASSERT_TRUE(trainer.ok());
+  ASSERT_TRUE((*trainer)->Start().ok());
+  absl::StatusOr<std::string> a = (*trainer)->Sample("ROMEO:", 40, 0.8f, 3);
+  absl::StatusOr<std::string> b = (*trainer)->Sample("ROMEO:", 40, 0.8f, 3);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->size(), 40u);
+  EXPECT_EQ(*a, *b);
+  absl::StatusOr<float> val = (*trainer)->Evaluate(3);
+  ASSERT_TRUE(val.ok());
+  EXPECT_NEAR(*val, std::log(256.0f), 0.3f);
+}
+
+TEST(Trainer, StartsFromGpt2WeightsWithOrWithoutThePrefix) {
+  // The PyTorch fixture of the model tests holds GPT-2-named fp32 weights of this config.
+  const std::string fixture = std::string(OFFLOAD_SOURCE_DIR) +
+                              "/gpu_trainer/model/testdata/gpt2_torch_fixture.safetensors";
+  TrainerOptions o = TinyOptions();
+  o.model = Gpt2Config{96, 32, 2, 4, 32};
+  std::vector<float> want(Gpt2NumParams(o.model));
+  ASSERT_TRUE(LoadGpt2Weights(fixture, o.model, want.data()).ok());
+
+  // The same tensors under Hugging Face's GPT2LMHeadModel names ("transformer." prefix).
+  TempDir dir;
+  std::filesystem::create_directories(dir.path());
+  const std::string prefixed = dir.path() + "/hf.safetensors";
+  std::vector<SafetensorsTensor> tensors;
+  for (const ParamTensor& p : Gpt2ParamLayout(o.model)) {
+    SafetensorsTensor t;
+    t.name = "transformer." + p.name;
+    t.dtype = TensorDType::kF32;
+    t.shape = p.shape;
+    t.data = want.data() + p.offset;
+    tensors.push_back(std::move(t));
+  }
+  ASSERT_TRUE(WriteSafetensors(prefixed, tensors, {}).ok());
+
+  for (const std::string& path : {fixture, prefixed}) {
+    std::vector<float> got(want.size());
+    ASSERT_TRUE(LoadGpt2Weights(path, o.model, got.data()).ok()) << path;
+    EXPECT_EQ(got, want) << path;
+  }
+  // A tensor of the wrong shape is refused with its name.
+  Gpt2Config bigger = o.model;
+  bigger.channels = 64;
+  std::vector<float> unused(Gpt2NumParams(bigger));
+  absl::Status s = LoadGpt2Weights(fixture, bigger, unused.data());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("wte.weight"), std::string::npos) << s;
+}
+
+TEST(Trainer, FineTunesFromTheModelFileOfACheckpoint) {
+  TrainerOptions o = TinyOptions();
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  std::vector<uint16_t> trained;
+  {
+    InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+    trained = Train(o, &backend, 5, /*checkpoint_at_end=*/true).weights16;
+  }
+  TrainerOptions fine_tune = TinyOptions();
+  fine_tune.init_from = dir.path() + "/step-00000005/model.safetensors";
+  InProcessOptimizer backend(MapFor(fine_tune, 1), 2, BestSimdPath());
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(fine_tune, &backend);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  absl::StatusOr<std::string> started = (*trainer)->Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_NE(started->find("weights from"), std::string::npos);
+  // fp16 -> fp32 -> fp16 is exact: the run starts on exactly the trained weights, at step 0.
+  EXPECT_EQ((*trainer)->weights16(), trained);
+  EXPECT_EQ((*trainer)->step(), 0u);
+}
+
+}  // namespace
+}  // namespace offload

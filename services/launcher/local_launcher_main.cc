@@ -1,0 +1,103 @@
+// offload_local: runs a whole training job on this machine — S optimizer servers and the trainer
+// on loopback — and shuts it down in order on Ctrl-C.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "services/launcher/local_job.h"
+#include "services/launcher/signal_fd.h"
+
+ABSL_FLAG(int, shards, 1, "optimizer servers to start");
+ABSL_FLAG(std::string, server_binary, "",
+          "cpu_optimizer_server to run; empty = the one in the build tree next to this launcher");
+ABSL_FLAG(std::string, trainer_binary, "",
+          "gpu_trainer to run; empty = the one in the build tree next to this launcher");
+ABSL_FLAG(std::string, server_args, "",
+          "extra flags for every server, separated by spaces (e.g. \"--threads=8 --simd=avx2\")");
+ABSL_FLAG(absl::Duration, startup_timeout, absl::Seconds(30),
+          "how long the servers have to report their ports");
+ABSL_FLAG(
+    absl::Duration, shutdown_timeout, absl::Seconds(60),
+    "after Ctrl-C, how long the trainer has to finish its step and checkpoint before SIGKILL");
+ABSL_FLAG(absl::Duration, kill_timeout, absl::Seconds(5),
+          "how long a server has after SIGTERM (and the trainer after SIGINT when a server died) "
+          "before SIGKILL");
+
+namespace {
+
+// The build tree's layout is fixed at configure time (CMake passes the relative paths), so a
+// launcher run from its build directory finds its siblings without flags.
+std::string BesideThisExecutable(const char* relative_path) {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return relative_path;
+  return (self.parent_path() / relative_path).lexically_normal().string();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Runs a training job on this machine: S optimizer servers and the trainer on loopback.\n"
+      "usage: offload_local [--shards=S] [flags] -- [trainer flags]");
+  // Everything after "--" belongs to the trainer; absl never sees it, so a trainer flag can never
+  // be mistaken for one of ours.
+  int ours = 1;
+  while (ours < argc && std::string(argv[ours]) != "--") ++ours;
+  std::vector<std::string> trainer_args(argv + std::min(ours + 1, argc), argv + argc);
+  std::vector<char*> positional = absl::ParseCommandLine(ours, argv);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "offload_local: unexpected argument '%s'; trainer flags go after --\n",
+                 positional[1]);
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_shards) < 1) {
+    std::fprintf(stderr, "offload_local: --shards must be at least 1\n");
+    return 2;
+  }
+
+  // Blocked before any thread exists, so every thread inherits the mask (see SignalFd).
+  absl::StatusOr<offload::SignalFd> signals = offload::SignalFd::Create({SIGINT, SIGTERM, SIGCHLD});
+  if (!signals.ok()) {
+    std::fprintf(stderr, "offload_local: %s\n", signals.status().ToString().c_str());
+    return 1;
+  }
+  // A closed stderr must show up as a failed write, not kill the launcher and orphan the job.
+  signal(SIGPIPE, SIG_IGN);
+
+  offload::LocalJobOptions options;
+  options.num_shards = absl::GetFlag(FLAGS_shards);
+  options.server_binary = absl::GetFlag(FLAGS_server_binary);
+  if (options.server_binary.empty()) {
+    options.server_binary = BesideThisExecutable(OFFLOAD_SERVER_RELPATH);
+  }
+  options.trainer_binary = absl::GetFlag(FLAGS_trainer_binary);
+  if (options.trainer_binary.empty()) {
+    options.trainer_binary = BesideThisExecutable(OFFLOAD_TRAINER_RELPATH);
+  }
+  options.server_args =
+      absl::StrSplit(absl::GetFlag(FLAGS_server_args), ' ', absl::SkipWhitespace());
+  options.trainer_args = std::move(trainer_args);
+  options.startup_timeout = absl::GetFlag(FLAGS_startup_timeout);
+  options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
+  options.kill_timeout = absl::GetFlag(FLAGS_kill_timeout);
+
+  offload::JobOutcome outcome;
+  {
+    offload::LocalJob job(std::move(options), &*signals);
+    outcome = job.Run();
+  }
+  std::fprintf(stderr, "offload_local: %s\n", outcome.summary.c_str());
+  return outcome.exit_code;
+}

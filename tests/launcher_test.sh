@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# offload_local end to end: the real cpu_optimizer_server and a fake trainer (a bash script that
+# records its pid and arguments, connects to every shard and then exits or runs as told). Checks
+# exit codes, the trainer's --shards, orderly Ctrl-C, a server dying mid-run, kill -9 of the
+# launcher (no orphans) and servers that cannot start.
+set -euo pipefail
+launcher=$1
+server=$2
+work=$(mktemp -d)
+pids=()  # everything started, for cleanup whatever happens
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+fail() {
+  echo "FAIL: $*" >&2
+  if [ -n "${log:-}" ] && [ -f "$log" ]; then sed 's/^/  | /' "$log" >&2; fi
+  exit 1
+}
+
+# A zombie counts as gone: whoever inherits orphans here may reap them late, or never.
+alive() {
+  local state
+  state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
+wait_for_file() {
+  for _ in $(seq 150); do [ -e "$1" ] && return 0; sleep 0.1; done
+  fail "no $1 after 15 s"
+}
+
+cat >"$work/fake_trainer" <<'EOF'
+#!/usr/bin/env bash
+dir=$FAKE_DIR
+echo $$ >"$dir/trainer.pid"
+printf '%s\n' "$@" >"$dir/trainer.args"
+trap 'touch "$dir/trainer.sigint"; exit 130' INT
+IFS=, read -ra addrs <<<"${1#--shards=}"
+for a in "${addrs[@]}"; do
+  if ! { : <>"/dev/tcp/${a%:*}/${a##*:}"; } 2>/dev/null; then
+    echo "fake trainer: cannot reach $a" >&2
+    exit 99
+  fi
+done
+touch "$dir/trainer.reached"
+case $FAKE_MODE in
+  exit0) exit 0 ;;
+  exit3) exit 3 ;;
+  # Idles on a FIFO nobody writes, with builtins only: a `sleep` child would outlive a SIGKILL of
+  # this script by a moment and show up as a leftover.
+  run)
+    mkfifo "$dir/idle"
+    exec 9<>"$dir/idle"
+    while :; do read -r -t 1 -u 9 _ || true; done
+    ;;
+esac
+EOF
+chmod +x "$work/fake_trainer"
+
+# Starts the launcher in the background: start_job NAME MODE SHARDS [launcher flags] [-- trainer
+# flags]. Sets dir, log, job.
+start_job() {
+  dir=$work/$1
+  mkdir -p "$dir"
+  log=$dir/launcher.log
+  FAKE_DIR=$dir FAKE_MODE=$2 "$launcher" --shards="$3" --server_binary="$server" \
+    --trainer_binary="$work/fake_trainer" --server_args="--threads=1 --memory_limit_mib=64" \
+    "${@:4}" >"$log" 2>&1 &
+  job=$!
+  pids+=("$job")
+}
+
+# Waits (at most 20 s) for the launcher to exit; sets rc.
+wait_job() {
+  for _ in $(seq 200); do alive "$job" || break; sleep 0.1; done
+  alive "$job" && fail "the launcher is still running"
+  rc=0
+  wait "$job" || rc=$?
+  for p in $(server_pids); do pids+=("$p"); done
+  if [ -f "$dir/trainer.pid" ]; then pids+=("$(cat "$dir/trainer.pid")"); fi
+}
+
+server_pids() { sed -n 's/^offload_local: shard [0-9]* listening on .* (pid \([0-9]*\))$/\1/p' "$log"; }
+server_port() { sed -n "s/^offload_local: shard $1 listening on 127.0.0.1:\([0-9]*\) .*/\1/p" "$log"; }
+
+# Every process of the job is gone: the servers the launcher reported, the trainer, and anything
+# else that carries this case's FAKE_DIR in its environment (every child of the launcher does).
+expect_all_gone() {
+  local p
+  for p in $(server_pids); do alive "$p" && fail "server $p still running"; done
+  if [ -f "$dir/trainer.pid" ]; then
+    p=$(cat "$dir/trainer.pid")
+    alive "$p" && fail "trainer $p still running"
+  fi
+  for p in $(grep -lzx "FAKE_DIR=$dir" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+    alive "$p" && fail "process $p ($(tr '\0' ' ' <"/proc/$p/cmdline")) still running"
+  done
+  return 0
+}
+
+expect_log() { grep -qF -- "$1" "$log" || fail "launcher output lacks '$1'"; }
+
+echo "--- 1. the trainer succeeds"
+start_job ok exit0 2 -- --steps=3 "--name=a b"
+wait_job
+[ "$rc" -eq 0 ] || fail "exit $rc, want 0"
+[ "$(server_pids | wc -l)" -eq 2 ] || fail "want 2 servers"
+want="--shards=127.0.0.1:$(server_port 0),127.0.0.1:$(server_port 1)"
+printf '%s\n' "$want" --steps=3 "--name=a b" | cmp -s - "$dir/trainer.args" ||
+  fail "trainer args: $(cat "$dir/trainer.args"), want $want --steps=3 --name=a b"
+[ -e "$dir/trainer.reached" ] || fail "the trainer could not reach the shards"
+expect_log "[shard 1] cpu_optimizer_server shutting down"
+expect_log "offload_local: trainer exited with status 0"
+expect_all_gone
+
+echo "--- 2. the trainer fails with status 3"
+start_job fails exit3 2
+wait_job
+[ "$rc" -eq 3 ] || fail "exit $rc, want 3"
+expect_log "offload_local: trainer exited with status 3"
+expect_all_gone
+
+echo "--- 3. SIGINT to the launcher while the trainer runs"
+start_job sigint run 2 --shutdown_timeout=10s
+wait_for_file "$dir/trainer.reached"
+kill -INT "$job"
+wait_job
+[ "$rc" -eq 130 ] || fail "exit $rc, want 130"
+[ -e "$dir/trainer.sigint" ] || fail "the trainer never saw SIGINT"
+expect_log "offload_local: stopped on SIGINT; trainer exited with status 130"
+expect_all_gone
+
+echo "--- 4. a server is killed mid-run"
+start_job server_dies run 2
+wait_for_file "$dir/trainer.reached"
+victim=$(server_pids | head -1)
+kill -9 "$victim"
+wait_job
+[ "$rc" -ne 0 ] || fail "exit 0 after a server died"
+expect_log "shard 0 (pid $victim) was killed by signal 9"
+expect_all_gone
+
+echo "--- 5. kill -9 of the launcher leaves no orphans"
+start_job launcher_dies run 2
+wait_for_file "$dir/trainer.reached"
+kill -9 "$job"
+wait "$job" 2>/dev/null || true
+trainer=$(cat "$dir/trainer.pid")
+for _ in $(seq 30); do
+  left=0
+  for p in $(server_pids) "$trainer"; do alive "$p" && left=1; done
+  [ "$left" -eq 0 ] && break
+  sleep 0.1
+done
+for p in $(server_pids); do pids+=("$p"); done
+pids+=("$trainer")
+expect_all_gone
+
+echo "--- 6a. the server binary does not exist"
+dir=$work/missing && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --shards=2 --server_binary=/nonexistent/server \
+  --trainer_binary="$work/fake_trainer" >"$log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "exit 0 without a server"
+expect_log "offload_local: cannot execute the server binary /nonexistent/server: No such file"
+[ ! -e "$dir/trainer.pid" ] || fail "the trainer ran without servers"
+expect_all_gone
+
+echo "--- 6b. the trainer binary does not exist: nothing starts"
+dir=$work/no_trainer && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+"$launcher" --server_binary="$server" --trainer_binary=/nonexistent/trainer >"$log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "exit 0 without a trainer"
+expect_log "offload_local: cannot execute the trainer binary /nonexistent/trainer: No such file"
+grep -q "listening" "$log" && fail "a server was started for a trainer that cannot run"
+
+echo "--- 6c. one of two servers exits at once"
+# The first server started is real, the second fails: the real one must be stopped too.
+cat >"$work/half_server" <<EOF
+#!/usr/bin/env bash
+if mkdir "\$FAKE_DIR/first" 2>/dev/null; then exec "$server" "\$@"; fi
+echo "fake server: bad flag"
+exit 2
+EOF
+chmod +x "$work/half_server"
+dir=$work/half && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --shards=2 --server_binary="$work/half_server" \
+  --trainer_binary="$work/fake_trainer" >"$log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "exit 0 with a failed server"
+expect_log "exited with status 2 before it was listening; last output: fake server: bad flag"
+[ ! -e "$dir/trainer.pid" ] || fail "the trainer ran without servers"
+expect_all_gone
+
+echo "--- 6d. a server never reports its port"
+printf '#!/usr/bin/env bash\nexec sleep 30\n' >"$work/silent_server"
+chmod +x "$work/silent_server"
+dir=$work/silent && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --server_binary="$work/silent_server" \
+  --trainer_binary="$work/fake_trainer" --startup_timeout=1s >"$log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "exit 0 with a silent server"
+expect_log "did not report 'listening port=N' within 1s; it printed nothing"
+expect_all_gone
+
+echo "PASS"

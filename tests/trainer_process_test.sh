@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The real job end to end: offload_local, two cpu_optimizer_server processes and gpu_trainer on
+# loopback, on a tiny model and the bundled text. Checks, by comparing checkpoint files byte for
+# byte:
+#   - a run behind two servers equals the same run with the optimizer in process;
+#   - a run killed with kill -9 after a checkpoint and resumed equals the straight run;
+#   - Ctrl-C (SIGINT to the launcher) checkpoints, leaves no processes and no half-written
+#     files, and the resumed run equals the straight run too;
+#   - a missing data file fails with a message naming it.
+set -euo pipefail
+launcher=$1
+server=$2
+trainer=$3
+data=$4
+work=$(mktemp -d)
+launched=""
+cleanup() {
+  [ -n "$launched" ] && kill -9 "$launched" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+fail() {
+  echo "FAIL: $*" >&2
+  if [ -n "${log:-}" ] && [ -f "$log" ]; then tail -n 30 "$log" | sed 's/^/  | /' >&2; fi
+  exit 1
+}
+
+steps=160
+common=(--data="$data" --layers=2 --heads=2 --channels=32 --context=32 --seq_len=32 --batch=8
+  --steps=$steps --warmup_steps=10 --eval_every=0 --eval_batches=2 --sample_tokens=0
+  --progress=log --log_every=20 --seed=5)
+
+job() {  # job LOG ARGS...: the launcher with two shards, in the background; sets $launched
+  log=$1
+  shift
+  "$launcher" --shards=2 --server_binary="$server" --trainer_binary="$trainer" \
+    --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
+  launched=$!
+}
+
+final_files() {  # the committed checkpoint of the last step, every file
+  local dir
+  dir=$1/$(printf 'step-%08d' $steps)
+  [ -f "$dir/manifest.json" ] || fail "no checkpoint at $dir"
+  echo "$dir"
+}
+
+same_checkpoint() {  # same_checkpoint DIR_A DIR_B WHAT
+  local a b f
+  a=$(final_files "$1")
+  b=$(final_files "$2")
+  for f in model.safetensors shard-0.safetensors shard-1.safetensors manifest.json; do
+    cmp -s "$a/$f" "$b/$f" || fail "$3: $f differs between $a and $b"
+  done
+}
+
+wait_for_checkpoint() {  # waits until DIR/latest names a checkpoint
+  for _ in $(seq 600); do
+    [ -s "$1/latest" ] && return 0
+    kill -0 "$launched" 2>/dev/null || fail "the job ended before its first checkpoint"
+    sleep 0.02
+  done
+  fail "no checkpoint in $1 after 12 s"
+}
+
+no_processes_left() {
+  local p
+  for p in $(pgrep -f -- "$work" || true); do
+    fail "process $p ($(tr '\0' ' ' </proc/$p/cmdline 2>/dev/null)) outlived the job"
+  done
+}
+
+# 1. The straight run behind two servers.
+job "$work/a.log" --checkpoint_dir="$work/a"
+wait "$launched" || fail "the straight run failed"
+grep -q "val_loss" "$work/a.log" || fail "no validation loss in the output"
+
+# 2. The same run with the optimizer in process (two in-process shards): bit-identical.
+log=$work/inprocess.log
+"$trainer" "${common[@]}" --num_shards=2 --checkpoint_dir="$work/inprocess" >"$log" 2>&1 ||
+  fail "the in-process run failed"
+same_checkpoint "$work/a" "$work/inprocess" "server vs in-process"
+
+# 3. kill -9 of the whole job after a checkpoint, then resume.
+job "$work/b1.log" --checkpoint_dir="$work/b" --checkpoint_every=20
+wait_for_checkpoint "$work/b"
+kill -9 "$launched"
+wait "$launched" 2>/dev/null || true
+sleep 1  # the children die of PR_SET_PDEATHSIG
+no_processes_left
+job "$work/b2.log" --checkpoint_dir="$work/b" --resume
+wait "$launched" || fail "the resumed run failed"
+resumed_at=$(sed -n 's/.*resumed from .* at step \([0-9]*\).*/\1/p' "$work/b2.log")
+[ -n "$resumed_at" ] || fail "the second run did not resume"
+[ "$resumed_at" -lt "$steps" ] || fail "the kill came too late to test anything (step $resumed_at)"
+same_checkpoint "$work/a" "$work/b" "kill -9 at step >= $resumed_at and resume"
+
+# 4. Ctrl-C: the trainer finishes its step, checkpoints, everything exits; then resume.
+job "$work/c1.log" --checkpoint_dir="$work/c" --checkpoint_every=40
+wait_for_checkpoint "$work/c"
+kill -INT "$launched"
+status=0
+wait "$launched" || status=$?
+[ "$status" -eq 130 ] || fail "Ctrl-C: the launcher exited with $status, not 130"
+grep -q "interrupted at step" "$work/c1.log" || fail "Ctrl-C: the trainer did not say it stopped"
+no_processes_left
+ls -d "$work"/c/*.tmp 2>/dev/null && fail "Ctrl-C left a half-written checkpoint"
+job "$work/c2.log" --checkpoint_dir="$work/c" --resume
+wait "$launched" || fail "the run resumed after Ctrl-C failed"
+same_checkpoint "$work/a" "$work/c" "Ctrl-C and resume"
+
+# 5. Bad input: a clear error, non-zero.
+job "$work/d.log" --data="$work/missing.txt"
+wait "$launched" && fail "a missing data file did not fail"
+grep -q "missing.txt" "$work/d.log" || fail "the error does not name the missing file"
+launched=""
+echo "trainer_process_test: all cases passed (killed run resumed at step $resumed_at)"
