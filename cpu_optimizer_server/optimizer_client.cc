@@ -43,6 +43,11 @@ absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
   return client;
 }
 
+void OptimizerClient::SetDeadline(grpc::ClientContext* context) const {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        absl::ToChronoMilliseconds(options_.call_timeout));
+}
+
 v1::OptimizerShard::Stub* OptimizerClient::NextStub() {
   return stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()].get();
 }
@@ -50,6 +55,7 @@ v1::OptimizerShard::Stub* OptimizerClient::NextStub() {
 absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
     const v1::CreateJobRequest& request) {
   grpc::ClientContext context;
+  SetDeadline(&context);
   v1::CreateJobResponse response;
   grpc::Status s = NextStub()->CreateJob(&context, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);
@@ -65,6 +71,7 @@ absl::Status OptimizerClient::LoadState(const std::string& job_id,
                                         const std::vector<StateSliceRef>& slices,
                                         const StepCounters* steps) {
   grpc::ClientContext context;
+  SetDeadline(&context);
   v1::LoadStateResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::LoadStateRequest>> writer =
       NextStub()->LoadState(&context, &response);
@@ -99,6 +106,7 @@ absl::Status OptimizerClient::LoadState(const std::string& job_id,
 absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTensor tensor,
                                         DType dtype, int64_t offset, int64_t n, void* out) {
   grpc::ClientContext context;
+  SetDeadline(&context);
   v1::ReadStateRequest request;
   request.set_job_id(job_id);
   request.set_tensor(tensor);
@@ -130,6 +138,7 @@ absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTens
 
 absl::Status OptimizerClient::DropJob(const std::string& job_id) {
   grpc::ClientContext context;
+  SetDeadline(&context);
   v1::DropJobRequest request;
   request.set_job_id(job_id);
   v1::DropJobResponse response;
@@ -138,6 +147,7 @@ absl::Status OptimizerClient::DropJob(const std::string& job_id) {
 
 absl::StatusOr<v1::DescribeShardResponse> OptimizerClient::DescribeShard() {
   grpc::ClientContext context;
+  SetDeadline(&context);
   v1::DescribeShardResponse response;
   grpc::Status s = NextStub()->DescribeShard(&context, v1::DescribeShardRequest(), &response);
   if (!s.ok()) return FromGrpcStatus(s);
@@ -151,6 +161,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
                                                                       uint64_t step) {
   std::unique_ptr<StepStream> s(new StepStream());
   s->context_ = std::make_unique<grpc::ClientContext>();
+  SetDeadline(s->context_.get());
   s->stream_ = NextStub()->Step(s->context_.get());
   s->step_ = step;
   s->range_offset_ = range_offset;

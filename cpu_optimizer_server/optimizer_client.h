@@ -25,6 +25,9 @@ struct ClientOptions {
   int64_t chunk_bytes = int64_t{4} << 20;  // payload bytes per gradient / weight chunk
   int64_t max_message_bytes = int64_t{64} << 20;
   absl::Duration connect_timeout = absl::Seconds(10);
+  // Deadline of every call, a whole step stream included. Keepalive notices a vanished host;
+  // this bounds a live shard that stops answering, so a trainer never waits forever.
+  absl::Duration call_timeout = absl::Minutes(10);
 };
 
 class OptimizerClient;
@@ -98,6 +101,7 @@ class OptimizerClient {
  private:
   explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
   v1::OptimizerShard::Stub* NextStub();
+  void SetDeadline(grpc::ClientContext* context) const;
 
   ClientOptions options_;
   std::vector<std::unique_ptr<v1::OptimizerShard::Stub>> stubs_;

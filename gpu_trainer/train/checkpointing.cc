@@ -140,6 +140,14 @@ absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManif
                                             manifest.shard_files_size(), " shard files for ",
                                             map.num_shards(), " shards"));
   }
+  std::vector<bool> seen(map.num_shards(), false);
+  for (const v1::ShardFile& file : manifest.shard_files()) {
+    if (file.shard_index() >= map.num_shards() || seen[file.shard_index()]) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", dir, ": shard_files name shard ",
+                                              file.shard_index(), " twice or out of range"));
+    }
+    seen[file.shard_index()] = true;
+  }
   for (const v1::ShardFile& file : manifest.shard_files()) {
     const std::string path = absl::StrCat(dir, "/", file.file());
     absl::StatusOr<std::unique_ptr<SafetensorsReader>> reader = SafetensorsReader::Open(path);

@@ -1,6 +1,7 @@
 #include "gpu_trainer/train/inprocess_optimizer.h"
 
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/state_loader.h"
@@ -24,8 +25,11 @@ class DirectParamSink final : public ParamSink {
 
 InProcessOptimizer::InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path)
     : OptimizerBackend(std::move(map)), pool_(ThreadPool::Options{threads, false}) {
+  // In process the trainer's own memory is the limit; a budget would only refuse big models.
+  ShardOptions options;
+  options.memory_limit_bytes = std::numeric_limits<int64_t>::max() / 2;
   for (int s = 0; s < num_shards(); ++s) {
-    stores_.push_back(std::make_unique<ShardStore>(ShardOptions{}, &pool_, path));
+    stores_.push_back(std::make_unique<ShardStore>(options, &pool_, path));
   }
 }
 

@@ -104,8 +104,14 @@ absl::StatusOr<std::string> Trainer::Start() {
   const TrainerOptions& o = options_;
   if (absl::Status s = backend_->CreateJob(o.job_id, o.adam, o.param_dtype); !s.ok()) return s;
 
-  if (o.resume && !o.checkpoint_dir.empty()) {
+  if (!o.checkpoint_dir.empty()) {
     absl::StatusOr<std::string> dir = LatestCheckpointDir(o.checkpoint_dir);
+    if (dir.ok() && !o.resume) {
+      // A fresh run would move `latest` back to its own first checkpoint and hide this one.
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint_dir ", o.checkpoint_dir, " already holds a checkpoint (", *dir,
+                       "): pass --resume to continue it, or choose another --checkpoint_dir"));
+    }
     if (dir.ok()) {
       absl::StatusOr<v1::CheckpointManifest> manifest = ReadManifest(*dir);
       if (!manifest.ok()) return manifest.status();
@@ -122,6 +128,25 @@ absl::StatusOr<std::string> Trainer::Start() {
         return s;
       }
       if (absl::Status s = CheckSame("seed", absl::StrCat(m.seed()), absl::StrCat(o.seed));
+          !s.ok()) {
+        return s;
+      }
+      // The optimizer must be the one the checkpoint trained with; only the length of the run
+      // (and with it the end of the cosine decay) may change, to train longer.
+      if (absl::Status s =
+              CheckSame("optimizer", m.adam().ShortDebugString(), o.adam.ShortDebugString());
+          !s.ok()) {
+        return s;
+      }
+      v1::LrSchedule schedule = m.schedule();
+      schedule.set_total_steps(o.schedule.total_steps());
+      if (absl::Status s =
+              CheckSame("lr schedule", schedule.ShortDebugString(), o.schedule.ShortDebugString());
+          !s.ok()) {
+        return s;
+      }
+      if (absl::Status s =
+              CheckSame("grad_clip", absl::StrCat(m.grad_clip()), absl::StrCat(o.grad_clip));
           !s.ok()) {
         return s;
       }

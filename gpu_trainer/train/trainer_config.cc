@@ -1,5 +1,7 @@
 #include "gpu_trainer/train/trainer_config.h"
 
+#include <unistd.h>
+
 #include <cmath>
 
 #include "absl/flags/flag.h"
@@ -32,7 +34,8 @@ ABSL_FLAG(float, weight_decay, 0.0f, "weight decay (decoupled for adamw, L2 for 
 ABSL_FLAG(float, grad_clip, 1.0f, "max global gradient norm; 0 disables clipping");
 ABSL_FLAG(float, loss_scale, 65536.0f, "initial fp16 loss scale");
 ABSL_FLAG(int, loss_scale_window, 2000, "clean fp16 steps before the loss scale doubles");
-ABSL_FLAG(std::string, job_id, "offload-demo", "job name on the optimizer shards");
+ABSL_FLAG(std::string, job_id, "",
+          "job name on the optimizer shards (one trainer owns it); empty: gpt-<host>-<pid>");
 ABSL_FLAG(std::string, init_from, "",
           "start from GPT-2 weights in a safetensors file (Hugging Face naming)");
 ABSL_FLAG(std::string, checkpoint_dir, "", "where checkpoints go; empty: none");
@@ -130,6 +133,11 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
     return absl::InvalidArgumentError("--loss_scale must be >= 1 and --loss_scale_window >= 1");
   }
   o.job_id = absl::GetFlag(FLAGS_job_id);
+  if (o.job_id.empty()) {
+    char host[64] = {};
+    gethostname(host, sizeof(host) - 1);
+    o.job_id = absl::StrCat("gpt-", host, "-", getpid());
+  }
   o.init_from = absl::GetFlag(FLAGS_init_from);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.resume = absl::GetFlag(FLAGS_resume);

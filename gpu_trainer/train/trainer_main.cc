@@ -37,11 +37,21 @@ ABSL_FLAG(int, checkpoint_every, 0, "steps between checkpoints; 0: only at the e
 ABSL_FLAG(int, sample_tokens, 300, "tokens of text sampled at the end; 0: none");
 ABSL_FLAG(std::string, sample_prompt, "\n", "text the sample starts from");
 ABSL_FLAG(float, sample_temperature, 0.8f, "softmax temperature of the sample");
+ABSL_FLAG(absl::Duration, shard_timeout, absl::Minutes(10),
+          "deadline of each call to an optimizer shard, a whole step included");
 
 namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
+// The first signal stops the run at the next step boundary (with a checkpoint); a second one
+// ends the process at once, in case a step is stuck.
+void OnSignal(int sig) {
+  if (g_stop) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+  g_stop = 1;
+}
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "\ngpu_trainer: %s\n", s.ToString().c_str());
@@ -75,7 +85,9 @@ int main(int argc, char** argv) {
     backend = std::make_unique<offload::InProcessOptimizer>(
         *map, absl::GetFlag(FLAGS_optimizer_threads), *path);
   } else {
-    auto remote = offload::RemoteOptimizer::Connect(*map, addresses, offload::ClientOptions{});
+    offload::ClientOptions client_options;
+    client_options.call_timeout = absl::GetFlag(FLAGS_shard_timeout);
+    auto remote = offload::RemoteOptimizer::Connect(*map, addresses, client_options);
     if (!remote.ok()) return Fail(remote.status());
     backend = std::move(*remote);
   }
@@ -97,6 +109,12 @@ int main(int argc, char** argv) {
       num_shards, options->batch, options->seq_len,
       static_cast<unsigned long long>(options->steps));
   absl::StatusOr<std::string> started = t.Start();
+  // From here on the shards hold the job's state. Whatever ends the run frees it: the state
+  // worth keeping is in the checkpoints, and a resume loads it from there.
+  struct DropOnExit {
+    offload::OptimizerBackend* backend;
+    ~DropOnExit() { backend->DropJob().IgnoreError(); }
+  } drop_on_exit{backend.get()};
   if (!started.ok()) return Fail(started.status());
   std::printf("gpu_trainer: %s\n", started->c_str());
   std::fflush(stdout);
@@ -154,7 +172,8 @@ int main(int argc, char** argv) {
   if (checkpoints) {
     absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
     if (!dir.ok()) return Fail(dir.status());
-    std::printf("gpu_trainer: checkpoint %s\n", dir->c_str());
+    std::printf("gpu_trainer: checkpoint %s (continue with --resume --checkpoint_dir=%s)\n",
+                dir->c_str(), options->checkpoint_dir.c_str());
   }
   if (interrupted) {
     std::printf("gpu_trainer: interrupted at step %llu%s\n",
@@ -171,7 +190,6 @@ int main(int argc, char** argv) {
     std::printf("gpu_trainer: sample:\n---\n%s%s\n---\n",
                 absl::GetFlag(FLAGS_sample_prompt).c_str(), text->c_str());
   }
-  if (absl::Status s = backend->DropJob(); !s.ok()) return Fail(s);
   std::fflush(stdout);
   return 0;
 }

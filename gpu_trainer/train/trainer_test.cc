@@ -202,13 +202,34 @@ TEST(Trainer, ResumeRefusesADifferentModel) {
     InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
     Train(o, &backend, 2, /*checkpoint_at_end=*/true);
   }
-  o.model.num_heads = 4;  // same parameter count, different model
-  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &backend);
-  ASSERT_TRUE(trainer.ok());
-  absl::StatusOr<std::string> started = (*trainer)->Start();
+  auto start = [](const TrainerOptions& options) -> absl::StatusOr<std::string> {
+    InProcessOptimizer backend(MapFor(options, 1), 2, BestSimdPath());
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(options, &backend);
+    if (!trainer.ok()) return trainer.status();
+    return (*trainer)->Start();
+  };
+  TrainerOptions other_model = o;
+  other_model.model.num_heads = 4;  // same parameter count, different model
+  absl::StatusOr<std::string> started = start(other_model);
   ASSERT_FALSE(started.ok());
   EXPECT_NE(started.status().message().find("model"), std::string::npos) << started.status();
+  TrainerOptions other_lr = o;
+  other_lr.schedule.set_max_lr(1e-2f);
+  started = start(other_lr);
+  ASSERT_FALSE(started.ok());
+  EXPECT_NE(started.status().message().find("lr schedule"), std::string::npos) << started.status();
+  // Training longer is allowed: only the end of the cosine moves.
+  TrainerOptions longer = o;
+  longer.steps = 80;
+  longer.schedule.set_total_steps(80);
+  started = start(longer);
+  EXPECT_TRUE(started.ok()) << started.status();
+  // A fresh run into a directory that holds a checkpoint would hide it: refused.
+  TrainerOptions fresh = o;
+  fresh.resume = false;
+  started = start(fresh);
+  ASSERT_FALSE(started.ok());
+  EXPECT_NE(started.status().message().find("--resume"), std::string::npos) << started.status();
 }
 
 TEST(Trainer, Fp16OverflowSkipsTheStepAndLowersTheScale) {
