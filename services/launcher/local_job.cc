@@ -61,14 +61,7 @@ LocalJob::LocalJob(LocalJobOptions options, SignalFd* signals)
     : options_(std::move(options)), signals_(signals) {}
 
 LocalJob::~LocalJob() {
-  for (Shard& shard : shards_) {
-    if (shard.process != nullptr) shard.process->Signal(SIGKILL).IgnoreError();
-  }
-  if (trainer_ != nullptr) trainer_->Signal(SIGKILL).IgnoreError();
-  for (Shard& shard : shards_) {
-    if (shard.process != nullptr) shard.process->WaitFor(absl::InfiniteDuration());
-  }
-  if (trainer_ != nullptr) trainer_->WaitFor(absl::InfiniteDuration());
+  KillEverything();  // a no-op for children already reaped
   JoinForwarders();
 }
 
