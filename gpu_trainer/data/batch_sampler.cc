@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "gpu_trainer/splitmix64.h"
 
 namespace offload {
 
@@ -18,15 +19,6 @@ void CheckShape(TokenSpan span, int batch, int seq_len, const char* who) {
                  who, batch, seq_len, static_cast<long long>(span.size));
     std::abort();
   }
-}
-
-// splitmix64 (Steele, Lea, Flood 2014): one 64-bit word of state, which is all DataPosition
-// stores, and good enough statistics for picking window offsets.
-uint64_t SplitMix64(uint64_t* state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
 }
 
 // Row b of (B, T) inputs/targets from the window starting at o.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "gpu_trainer/model/gpt2_config.h"
+#include "gpu_trainer/splitmix64.h"
 
 namespace offload {
 namespace {
@@ -19,14 +20,6 @@ int64_t LayerNumel(int64_t C) {
 
 int64_t EmbeddingNumel(const Gpt2Config& c) {
   return int64_t{c.vocab_size} * c.channels + int64_t{c.context_length} * c.channels;
-}
-
-// splitmix64 expands the user's seed into xoshiro's 256-bit state (the seeding its authors use).
-uint64_t SplitMix64(uint64_t* x) {
-  uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
 }
 
 class Xoshiro256 {

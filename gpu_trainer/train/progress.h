@@ -17,7 +17,7 @@ class ProgressReporter {
   // `bar`: draw the bar (a terminal); else one line every `log_every` steps.
   ProgressReporter(FILE* out, bool bar, uint64_t total_steps, int log_every);
 
-  // After each step; `first_step` is where this run started (a resumed run starts later).
+  // After each step.
   void Step(uint64_t step, float loss, float lr, float loss_scale, bool skipped,
             int64_t tokens_per_step);
   // A message on its own line (the bar is redrawn under it).

@@ -5,8 +5,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/wire_convert.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/model/param_layout.h"
+#include "gpu_trainer/splitmix64.h"
 #include "gpu_trainer/train/checkpointing.h"
 #include "gpu_trainer/train/grad_stats.h"
 #include "gpu_trainer/train/lr_schedule.h"
@@ -14,15 +16,6 @@
 
 namespace offload {
 namespace {
-
-v1::DType ToProtoDType(DType d) { return d == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16; }
-
-uint64_t SplitMix64(uint64_t* state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // Fails with a message naming the setting when a resumed run asks for something else than the
 // checkpoint was trained with.
@@ -123,7 +116,7 @@ absl::StatusOr<std::string> Trainer::Start() {
         return s;
       }
       if (absl::Status s = CheckSame("dtype", v1::DType_Name(m.param_dtype()),
-                                     v1::DType_Name(ToProtoDType(o.param_dtype)));
+                                     v1::DType_Name(DTypeToProto(o.param_dtype)));
           !s.ok()) {
         return s;
       }
@@ -317,7 +310,7 @@ v1::CheckpointManifest Trainer::Manifest() const {
   v1::CheckpointManifest m;
   m.set_format_version(1);
   *m.mutable_model() = ModelConfigToProto(o.model);
-  m.set_param_dtype(ToProtoDType(o.param_dtype));
+  m.set_param_dtype(DTypeToProto(o.param_dtype));
   m.set_step(step_);
   m.set_seed(o.seed);
   *m.mutable_partition() = backend_->partition();
