@@ -20,28 +20,6 @@
 namespace offload {
 namespace {
 
-// Where each tensor sits in Gpt2ParamLayout: wte, wpe, 12 per block, then ln_f.
-constexpr int kWte = 0;
-constexpr int kWpe = 1;
-enum BlockTensor {
-  kLn1Weight,
-  kLn1Bias,
-  kAttnWeight,
-  kAttnBias,
-  kAttnProjWeight,
-  kAttnProjBias,
-  kLn2Weight,
-  kLn2Bias,
-  kFcWeight,
-  kFcBias,
-  kFcProjWeight,
-  kFcProjBias,
-  kNumBlockTensors,
-};
-int BlockIndex(int l, BlockTensor k) { return 2 + kNumBlockTensors * l + k; }
-int LnfWeightIndex(int L) { return 2 + kNumBlockTensors * L; }
-int LnfBiasIndex(int L) { return 3 + kNumBlockTensors * L; }
-
 // Hands out consecutive views of one buffer; with a null base it only counts, so the same code
 // sizes the allocation and then carves it.
 class Carver {

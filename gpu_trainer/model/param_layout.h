@@ -42,6 +42,28 @@ int64_t Gpt2NumParams(const Gpt2Config& c);
 // [Gpt2LayerOffset(c, l), Gpt2LayerOffset(c, l + 1)).
 int64_t Gpt2LayerOffset(const Gpt2Config& c, int l);
 
+// Where each tensor sits in Gpt2ParamLayout: wte, wpe, 12 per block, then ln_f.
+inline constexpr int kWte = 0;
+inline constexpr int kWpe = 1;
+enum BlockTensor {
+  kLn1Weight,
+  kLn1Bias,
+  kAttnWeight,
+  kAttnBias,
+  kAttnProjWeight,
+  kAttnProjBias,
+  kLn2Weight,
+  kLn2Bias,
+  kFcWeight,
+  kFcBias,
+  kFcProjWeight,
+  kFcProjBias,
+  kNumBlockTensors,
+};
+inline int BlockIndex(int l, BlockTensor k) { return 2 + kNumBlockTensors * l + k; }
+inline int LnfWeightIndex(int L) { return 2 + kNumBlockTensors * L; }
+inline int LnfBiasIndex(int L) { return 3 + kNumBlockTensors * L; }
+
 // GPT-2's initialisation: matrix weights and both embeddings normal(0, 0.02), the two residual
 // projections (attn.c_proj.weight, mlp.c_proj.weight) normal(0, 0.02 / sqrt(2 * L)), biases 0,
 // LayerNorm weight 1 and bias 0.

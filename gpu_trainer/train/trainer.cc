@@ -73,19 +73,20 @@ absl::Status Trainer::Init() {
   val_ = split->second;
   sampler_ = std::make_unique<BatchSampler>(train_, o.batch, o.seq_len, o.seed);
 
-  absl::StatusOr<std::unique_ptr<Gpt2Cpu>> model =
-      Gpt2Cpu::Create(o.model, o.batch, o.seq_len, o.kernels);
-  if (!model.ok()) return model.status();
-  model_ = std::move(*model);
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
+      o.device == ComputeDevice::kCuda
+          ? CreateCudaModelRunner(o.model, o.batch, o.seq_len, o.param_dtype, o.cuda_device,
+                                  o.pinned_staging_bytes)
+          : CreateCpuModelRunner(o.model, o.batch, o.seq_len, o.kernels, o.param_dtype);
+  if (!runner.ok()) return runner.status();
+  runner_ = std::move(*runner);
   const v1::PartitionMap& map = backend_->partition();
-  if (static_cast<int64_t>(map.num_params()) != model_->num_params()) {
+  if (static_cast<int64_t>(map.num_params()) != runner_->num_params()) {
     return absl::InvalidArgumentError(absl::StrCat("the partition map covers ", map.num_params(),
                                                    " parameters, the model has ",
-                                                   model_->num_params()));
+                                                   runner_->num_params()));
   }
   weights16_.assign(map.padded_length(), 0);
-  params_.assign(model_->num_params(), 0.0f);
-  grads_.assign(model_->num_params(), 0.0f);
   grads16_.assign(map.padded_length(), 0);
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
@@ -184,48 +185,36 @@ absl::StatusOr<std::string> Trainer::Start() {
   return absl::StrCat("started from ", how);
 }
 
-void Trainer::UpcastWeights() {
-  if (!params_stale_) return;
-  const int64_t n = model_->num_params();
-  const uint16_t* w = weights16_.data();
-  float* p = params_.data();
-  if (options_.param_dtype == DType::kFp16) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) p[i] = Fp16ToFloat(w[i]);
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) p[i] = Bf16ToFloat(w[i]);
-  }
+absl::Status Trainer::ApplyWeights() {
+  if (!params_stale_) return absl::OkStatus();
+  if (absl::Status s = runner_->SetWeights(weights16_.data()); !s.ok()) return s;
   params_stale_ = false;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepReport> Trainer::Step() {
   const TrainerOptions& o = options_;
   const uint64_t step = step_ + 1;
-  UpcastWeights();
+  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
   sampler_->Next(inputs_.data(), targets_.data());
   absl::StatusOr<float> loss =
-      model_->Forward(params_.data(), inputs_.data(), targets_.data(), o.batch, o.seq_len);
+      runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
   if (!loss.ok()) return loss.status();
 
   if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
   const float scale = scaler_.scale();
-  GradStats stats;
-  // Each layer's gradients are rounded here and leave on the sender thread while backward
-  // computes the layer below.
-  absl::Status backward =
-      model_->Backward(params_.data(), scale, grads_.data(), [&](int64_t offset, int64_t n) {
-        stats.Merge(
-            RoundGradients(grads_.data() + offset, n, o.param_dtype, grads16_.data() + offset));
-        sender_->Enqueue(offset, n);
-      });
-  const int64_t n = model_->num_params();
+  // Each layer's gradients leave on the sender thread as soon as they are in grads16_, while
+  // backward computes the layer below.
+  absl::StatusOr<GradStats> backward = runner_->Backward(
+      scale, grads16_.data(), [&](int64_t offset, int64_t n) { sender_->Enqueue(offset, n); });
+  const int64_t n = runner_->num_params();
   sender_->Enqueue(n, static_cast<int64_t>(grads16_.size()) - n);  // the zero padding
   absl::Status sent = sender_->Drain();
   if (!backward.ok() || !sent.ok()) {
     backend_->AbortStep();
-    return !backward.ok() ? backward : sent;
+    return !backward.ok() ? backward.status() : sent;
   }
+  const GradStats& stats = *backward;
 
   StepReport report;
   report.step = step;
@@ -248,7 +237,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
 }
 
 absl::StatusOr<float> Trainer::Evaluate(int batches) {
-  UpcastWeights();
+  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
   const TrainerOptions& o = options_;
   const int64_t available = NumValidationBatches(val_, o.batch, o.seq_len);
   const int64_t count = std::max<int64_t>(1, std::min<int64_t>(batches, available));
@@ -256,7 +245,7 @@ absl::StatusOr<float> Trainer::Evaluate(int batches) {
   for (int64_t i = 0; i < count; ++i) {
     ValidationBatch(val_, o.batch, o.seq_len, i, inputs_.data(), targets_.data());
     absl::StatusOr<float> loss =
-        model_->Forward(params_.data(), inputs_.data(), targets_.data(), o.batch, o.seq_len);
+        runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
     if (!loss.ok()) return loss.status();
     sum += *loss;
   }
@@ -265,7 +254,7 @@ absl::StatusOr<float> Trainer::Evaluate(int batches) {
 
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int n, float temperature,
                                             uint64_t seed) {
-  UpcastWeights();
+  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
   const int V = options_.model.vocab_size;
   const int max_t = options_.seq_len;
   std::vector<int32_t> tokens;
@@ -274,13 +263,14 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int n, fl
   uint64_t rng = seed;
   std::string out;
   std::vector<double> probs(V);
+  std::vector<float> logits(V);  // (V,)
   for (int i = 0; i < n; ++i) {
     const int t = std::min<int>(static_cast<int>(tokens.size()), max_t);
     const int32_t* context = tokens.data() + tokens.size() - t;  // (1, t)
-    absl::StatusOr<float> unused = model_->Forward(params_.data(), context, nullptr, 1, t);
+    absl::StatusOr<float> unused = runner_->Forward(context, nullptr, 1, t);
     if (!unused.ok()) return unused.status();
-    const float* logits = model_->logits() + static_cast<int64_t>(t - 1) * V;  // (V,)
-    const float max_logit = *std::max_element(logits, logits + V);
+    if (absl::Status s = runner_->Logits(t - 1, logits.data()); !s.ok()) return s;
+    const float max_logit = *std::max_element(logits.begin(), logits.end());
     double total = 0;
     for (int v = 0; v < V; ++v) {
       probs[v] = std::exp((logits[v] - max_logit) / std::max(temperature, 1e-4f));

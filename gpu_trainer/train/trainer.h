@@ -17,14 +17,22 @@
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/train/gradient_sender.h"
 #include "gpu_trainer/train/loss_scaler.h"
+#include "gpu_trainer/train/model_runner.h"
 #include "gpu_trainer/train/optimizer_backend.h"
 #include "offload/v1/checkpoint.pb.h"
 
 namespace offload {
 
+enum class ComputeDevice { kCpu, kCuda };
+
 struct TrainerOptions {
   Gpt2Config model;
-  CpuKernelSet kernels = CpuKernelSet::kFast;
+  // kCpu: fp32 compute on the 16-bit weights (CPU backend). kCuda: the CUDA backend computes in
+  // param_dtype itself (16-bit weights, activations and gradients, fp32 accumulation).
+  ComputeDevice device = ComputeDevice::kCpu;
+  CpuKernelSet kernels = CpuKernelSet::kFast;  // CPU backend only
+  int cuda_device = 0;
+  int64_t pinned_staging_bytes = int64_t{64} << 20;  // CUDA: pinned host memory per direction
   std::string data;  // text file, llm.c .bin file, or a glob of .bin files
   double val_fraction = 0.1;
   int batch = 16;
@@ -77,7 +85,8 @@ class Trainer {
   uint64_t total_steps() const { return options_.steps; }
   int64_t tokens_per_step() const { return int64_t{options_.batch} * options_.seq_len; }
   const Gpt2Config& model_config() const { return options_.model; }
-  int64_t num_params() const { return model_->num_params(); }
+  int64_t num_params() const { return runner_->num_params(); }
+  std::string DescribeBackend() const { return runner_->Describe(); }
   const DynamicLossScaler& loss_scaler() const { return scaler_; }
   // The 16-bit weights the trainer computes with, (padded_length,).
   const std::vector<uint16_t>& weights16() const { return weights16_; }
@@ -85,12 +94,13 @@ class Trainer {
  private:
   Trainer(const TrainerOptions& options, OptimizerBackend* backend);
   absl::Status Init();
-  void UpcastWeights();
+  // Hands weights16_ to the model if the optimizer changed them since.
+  absl::Status ApplyWeights();
   v1::CheckpointManifest Manifest() const;
 
   TrainerOptions options_;
   OptimizerBackend* const backend_;
-  std::unique_ptr<Gpt2Cpu> model_;
+  std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<TokenDataset> dataset_;
   TokenSpan train_, val_;
   std::unique_ptr<BatchSampler> sampler_;
@@ -99,8 +109,6 @@ class Trainer {
 
   // One allocation each, sized once: the flat buffers of the step.
   std::vector<uint16_t> weights16_;        // (padded,) what the optimizer sent
-  std::vector<float> params_;              // (num_params,) weights16 upcast for compute
-  std::vector<float> grads_;               // (num_params,) fp32 from backward
   std::vector<uint16_t> grads16_;          // (padded,) what leaves; the padding stays 0
   std::vector<int32_t> inputs_, targets_;  // (B, T)
   bool params_stale_ = true;

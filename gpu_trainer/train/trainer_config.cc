@@ -15,6 +15,12 @@ ABSL_FLAG(int, channels, 0, "override the preset's channels");
 ABSL_FLAG(int, context, 0, "override the preset's context length");
 ABSL_FLAG(int, vocab, 0, "vocabulary size; 0: 256 for text, 50257 for GPT-2 token shards");
 ABSL_FLAG(std::string, kernels, "fast", "CPU kernels: fast (BLAS) or naive (the reference loops)");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu: the CPU backend; cuda: the CUDA backend (16-bit compute on the GPU)");
+ABSL_FLAG(int, cuda_device, 0, "which GPU, with --device=cuda");
+ABSL_FLAG(int64_t, pinned_staging_mb, 64,
+          "--device=cuda: pinned host memory per transfer direction (a bounded ring, whatever the "
+          "model size)");
 ABSL_FLAG(std::string, data, "data/tinyshakespeare.txt",
           "training data: a text file (bytes), an llm.c .bin token shard, or a glob of shards");
 ABSL_FLAG(double, val_fraction, 0.1, "fraction of the data held out for validation (its end)");
@@ -90,6 +96,16 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
     return absl::InvalidArgumentError("--kernels must be fast or naive");
   }
   o.kernels = kernels == "fast" ? CpuKernelSet::kFast : CpuKernelSet::kNaive;
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "cuda") {
+    return absl::InvalidArgumentError("--device must be cpu or cuda");
+  }
+  o.device = device == "cuda" ? ComputeDevice::kCuda : ComputeDevice::kCpu;
+  o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  if (absl::GetFlag(FLAGS_pinned_staging_mb) < 2) {
+    return absl::InvalidArgumentError("--pinned_staging_mb must be >= 2 (two chunks)");
+  }
+  o.pinned_staging_bytes = absl::GetFlag(FLAGS_pinned_staging_mb) << 20;
   o.val_fraction = absl::GetFlag(FLAGS_val_fraction);
   if (!(o.val_fraction > 0 && o.val_fraction < 1)) {
     return absl::InvalidArgumentError("--val_fraction must be in (0, 1)");

@@ -99,10 +99,10 @@ int main(int argc, char** argv) {
   const offload::Gpt2Config& c = options->model;
   std::printf(
       "gpu_trainer: GPT-2 layers=%d heads=%d channels=%d context=%d vocab=%d params=%lld "
-      "backend=cpu blas=%s dtype=%s\n",
+      "dtype=%s\ngpu_trainer: %s\n",
       c.num_layers, c.num_heads, c.channels, c.context_length, c.vocab_size,
-      static_cast<long long>(num_params), offload::BlasCoreName().c_str(),
-      std::string(offload::DTypeName(options->param_dtype)).c_str());
+      static_cast<long long>(num_params),
+      std::string(offload::DTypeName(options->param_dtype)).c_str(), t.DescribeBackend().c_str());
   std::printf(
       "gpu_trainer: optimizer %s, %d shard(s); batch %d x %d tokens; %llu steps\n",
       addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),

@@ -1,0 +1,537 @@
+// bench_gpu: the GPU rows of DESIGN section 9, measured in one process on one GPU.
+//
+//   1. GPU-resident training, no offload: Gpt2Cuda forward + backward and the fused GpuAdamW on
+//      the device; tokens/s and MFU (model FLOPs, Gpt2FlopsPerToken, over the 16-bit peak).
+//   2. The same model through the Trainer with the optimizer offloaded: in process, and behind
+//      local gRPC shards on loopback; step times against each other and against (1).
+//   3. The memory planner: the largest GPT-2-shaped model that trains on this GPU's memory with
+//      offload and without.
+//
+// Progress goes to stderr. stdout ends with a table and then one machine-readable line per
+// result, "gpu <kind> key=value ..." with no spaces inside values (scripts/gpu-check parses
+// them). Without a GPU it says why and exits 1 (0 with --allow_no_gpu); --plan_memory_gib makes
+// the planner row print first, since it needs no GPU.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cpu_optimizer_server/adam_kernel.h"
+#include "cpu_optimizer_server/dtype.h"
+#include "cpu_optimizer_server/optimizer_service.h"
+#include "cpu_optimizer_server/shard_store.h"
+#include "cpu_optimizer_server/thread_pool.h"
+#include "cpu_optimizer_server/wire_convert.h"
+#include "gpu_trainer/cuda/cuda_check.h"
+#include "gpu_trainer/cuda/cuda_device.h"
+#include "gpu_trainer/cuda/gpt2_cuda.h"
+#include "gpu_trainer/cuda/gpu_adamw.h"
+#include "gpu_trainer/cuda/memory_planner.h"
+#include "gpu_trainer/model/gpt2_config.h"
+#include "gpu_trainer/model/param_layout.h"
+#include "gpu_trainer/train/grad_stats.h"
+#include "gpu_trainer/train/inprocess_optimizer.h"
+#include "gpu_trainer/train/lr_schedule.h"
+#include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/train/remote_optimizer.h"
+#include "gpu_trainer/train/trainer.h"
+
+// CMake defines it for the other benches; without it the default data path is relative to the
+// working directory (the repository root, where scripts/gpu-check runs).
+#ifndef OFFLOAD_SOURCE_DIR
+#define OFFLOAD_SOURCE_DIR "."
+#endif
+
+ABSL_FLAG(std::string, model, "gpt2-124m",
+          "gpt2-124m (vocab 50257, context 1024, 12 layers, 12 heads, 768 channels) or demo "
+          "(vocab 256, 4 layers, 4 heads, 128 channels, context --seq_len)");
+ABSL_FLAG(int, batch, 8, "sequences per step");
+ABSL_FLAG(int, seq_len, 1024, "tokens per sequence");
+ABSL_FLAG(std::string, dtype, "bf16", "bf16 or fp16: weights, activations and gradients");
+ABSL_FLAG(int, steps, 20, "timed steps per configuration");
+ABSL_FLAG(int, warmup, 3, "untimed steps first");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(double, peak_tflops, 0,
+          "dense 16-bit peak TFLOP/s that MFU is measured against; 0: from the device's SM "
+          "count, clock and architecture");
+ABSL_FLAG(bool, offload, true, "also time the offload rows (the Trainer with CPU optimizers)");
+ABSL_FLAG(int, shards, 1, "optimizer shards behind gRPC on loopback for the offload=server row");
+ABSL_FLAG(std::string, data, std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt",
+          "training text of the offload rows (bytes, vocab 256: fits any vocab)");
+ABSL_FLAG(double, plan_memory_gib, 0,
+          "device memory the planner plans for, GiB; 0: the GPU's total. When given, the "
+          "planner row prints even on a machine without a GPU");
+ABSL_FLAG(int, plan_batch, 1, "micro-batch of the planner row");
+ABSL_FLAG(int, plan_seq_len, 1024, "sequence length (and context) of the planner row");
+ABSL_FLAG(bool, allow_no_gpu, false, "exit 0, not 1, when there is no GPU");
+
+namespace offload {
+namespace {
+
+constexpr uint64_t kSeed = 1337;
+constexpr float kMaxGradNorm = 1.0f;  // the Trainer's default clipping, so both rows clip alike
+
+struct BenchConfig {
+  std::string model_name;
+  Gpt2Config model;
+  DType dtype = DType::kBf16;
+  int batch = 0;
+  int seq_len = 0;
+  int steps = 0;
+  int warmup = 0;
+};
+
+// The hyper-parameters of both the GPU-resident optimizer and the offloaded one (bench_trainer's).
+AdamHyperParams BenchAdam() {
+  AdamHyperParams hp;
+  hp.lr = 1e-3f;
+  hp.beta1 = 0.9f;
+  hp.beta2 = 0.95f;
+  hp.eps = 1e-8f;
+  hp.weight_decay = 0.0f;
+  hp.adamw = true;
+  return hp;
+}
+
+v1::LrSchedule BenchSchedule() {
+  v1::LrSchedule s;
+  s.set_max_lr(1e-3f);
+  s.set_min_lr(1e-4f);
+  s.set_warmup_steps(0);
+  s.set_total_steps(1 << 30);
+  return s;
+}
+
+absl::StatusOr<BenchConfig> ConfigFromFlags() {
+  BenchConfig b;
+  b.model_name = absl::GetFlag(FLAGS_model);
+  b.batch = absl::GetFlag(FLAGS_batch);
+  b.seq_len = absl::GetFlag(FLAGS_seq_len);
+  b.steps = absl::GetFlag(FLAGS_steps);
+  b.warmup = absl::GetFlag(FLAGS_warmup);
+  if (b.model_name == "gpt2-124m") {
+    b.model = Gpt2Config{50257, 1024, 12, 12, 768};
+  } else if (b.model_name == "demo") {
+    b.model = Gpt2Config{256, b.seq_len, 4, 4, 128};
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model must be gpt2-124m or demo, not '", b.model_name, "'"));
+  }
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype == "bf16") {
+    b.dtype = DType::kBf16;
+  } else if (dtype == "fp16") {
+    b.dtype = DType::kFp16;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dtype must be bf16 or fp16, not '", dtype, "'"));
+  }
+  if (b.batch < 1 || b.seq_len < 1 || b.seq_len > b.model.context_length) {
+    return absl::InvalidArgumentError(absl::StrCat("--batch must be >= 1 and --seq_len in [1, ",
+                                                   b.model.context_length,
+                                                   "] (the model's "
+                                                   "context); got batch ",
+                                                   b.batch, ", seq_len ", b.seq_len));
+  }
+  if (b.steps < 1 || b.warmup < 0) {
+    return absl::InvalidArgumentError("--steps must be >= 1 and --warmup >= 0");
+  }
+  if (absl::Status s = ValidateGpt2Config(b.model); !s.ok()) return s;
+  if (absl::GetFlag(FLAGS_shards) < 1) return absl::InvalidArgumentError("--shards must be >= 1");
+  if (absl::GetFlag(FLAGS_plan_memory_gib) < 0 || absl::GetFlag(FLAGS_plan_batch) < 1 ||
+      absl::GetFlag(FLAGS_plan_seq_len) < 1 || absl::GetFlag(FLAGS_peak_tflops) < 0) {
+    return absl::InvalidArgumentError(
+        "--plan_memory_gib and --peak_tflops must be >= 0, --plan_batch and --plan_seq_len >= 1");
+  }
+  return b;
+}
+
+// A value for a key=value line: no spaces, so a line splits on whitespace.
+std::string Token(const std::string& s) { return absl::StrReplaceAll(s, {{" ", "_"}}); }
+
+// ---- 1. GPU-resident training -------------------------------------------------------------
+
+struct GpuResult {
+  int64_t params = 0;
+  double step_s = 0;
+  double tokens_per_s = 0;
+  double mfu = 0;  // 0 when the peak is unknown
+  float first_loss = 0, last_loss = 0;
+  int skipped = 0;
+  int64_t model_bytes = 0, optimizer_bytes = 0;
+};
+
+absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, double peak_flops) {
+  CudaModelOptions options;
+  options.dtype = b.dtype;
+  options.device = device;
+  absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
+      Gpt2Cuda::Create(b.model, b.batch, b.seq_len, options);
+  if (!model.ok()) return model.status();
+  Gpt2Cuda& m = **model;
+  const int64_t n = m.num_params();
+  absl::StatusOr<std::unique_ptr<GpuAdamW>> adamw =
+      GpuAdamW::Create(n, b.dtype, BenchAdam(), m.compute_stream());
+  if (!adamw.ok()) return adamw.status();
+  {
+    std::vector<float> params(n);  // (num_params,) fp32, the GPT-2 initialisation
+    InitGpt2Params(b.model, kSeed, params.data());
+    if (absl::Status s = m.SetParams(params.data()); !s.ok()) return s;
+    if (absl::Status s = (*adamw)->Init(params.data()); !s.ok()) return s;
+  }
+  GpuResult r;
+  r.params = n;
+  r.model_bytes = m.device_bytes();
+  r.optimizer_bytes = (*adamw)->device_bytes();
+
+  // A few batches of random tokens (B, T), made before the clock starts and used in turn.
+  constexpr int kBatches = 4;
+  const int64_t BT = int64_t{b.batch} * b.seq_len;
+  std::mt19937_64 rng(kSeed);
+  std::uniform_int_distribution<int32_t> token(0, b.model.vocab_size - 1);
+  std::vector<std::vector<int32_t>> inputs(kBatches, std::vector<int32_t>(BT));
+  std::vector<std::vector<int32_t>> targets(kBatches, std::vector<int32_t>(BT));
+  for (int k = 0; k < kBatches; ++k) {
+    for (int64_t i = 0; i < BT; ++i) {
+      inputs[k][i] = token(rng);
+      targets[k][i] = token(rng);
+    }
+  }
+  // bf16 has fp32's range: no scaling. fp16 gets a fixed scale, as a run past the dynamic
+  // scaler's start would settle on; an overflow skips the step like the Trainer does.
+  const float loss_scale = b.dtype == DType::kFp16 ? 1024.0f : 1.0f;
+  const v1::LrSchedule schedule = BenchSchedule();
+  absl::Time start = absl::Now();
+  for (int i = 0; i < b.warmup + b.steps; ++i) {
+    if (i == b.warmup) {
+      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.compute_stream()));
+      start = absl::Now();
+    }
+    absl::StatusOr<float> loss =
+        m.Forward(inputs[i % kBatches].data(), targets[i % kBatches].data(), b.batch, b.seq_len);
+    if (!loss.ok()) return loss.status();
+    if (!std::isfinite(*loss)) {
+      return absl::InternalError(absl::StrCat("GPU-resident step ", i + 1, ": loss is ", *loss));
+    }
+    if (i == 0) r.first_loss = *loss;
+    r.last_loss = *loss;
+    absl::StatusOr<CudaGradStats> stats = m.Backward(loss_scale, nullptr, nullptr);
+    if (!stats.ok()) return stats.status();
+    const double norm = std::sqrt(stats->sum_squares) / loss_scale;
+    const float multiplier = ClipCoefficient(norm, kMaxGradNorm) / loss_scale;
+    const float lr = ScheduledLr(schedule, static_cast<uint64_t>((*adamw)->step() + 1));
+    if (stats->nonfinite) ++r.skipped;
+    if (absl::Status s =
+            (*adamw)->Step(lr, multiplier, stats->nonfinite, m.device_grads(), m.device_params());
+        !s.ok()) {
+      return s;
+    }
+    // The step is over when the update has landed: the next Forward would wait for it anyway.
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.compute_stream()));
+    std::fprintf(stderr, "bench_gpu: GPU-resident step %d/%d loss %.4f%s\n", i + 1,
+                 b.warmup + b.steps, *loss, stats->nonfinite ? " (overflow: skipped)" : "");
+  }
+  r.step_s = absl::ToDoubleSeconds(absl::Now() - start) / b.steps;
+  r.tokens_per_s = static_cast<double>(BT) / r.step_s;
+  if (peak_flops > 0) r.mfu = Gpt2FlopsPerToken(b.model, b.seq_len) * r.tokens_per_s / peak_flops;
+  return r;
+}
+
+// ---- 2. Offload through the Trainer -------------------------------------------------------
+
+TrainerOptions OffloadOptions(const BenchConfig& b, int device) {
+  TrainerOptions o;
+  o.model = b.model;
+  o.device = ComputeDevice::kCuda;
+  o.cuda_device = device;
+  o.data = absl::GetFlag(FLAGS_data);
+  o.batch = b.batch;
+  o.seq_len = b.seq_len;
+  o.steps = 1 << 30;
+  o.seed = kSeed;
+  o.param_dtype = b.dtype;
+  o.adam = AdamConfigToProto(BenchAdam());
+  o.schedule = BenchSchedule();
+  o.grad_clip = kMaxGradNorm;
+  return o;
+}
+
+// Seconds per training step after the warm-up steps (bench_trainer's TimeSteps).
+absl::StatusOr<double> TimeTrainerSteps(const TrainerOptions& o, const BenchConfig& b,
+                                        OptimizerBackend* backend, const char* what) {
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, backend);
+  if (!trainer.ok()) return trainer.status();
+  if (absl::StatusOr<std::string> s = (*trainer)->Start(); !s.ok()) return s.status();
+  absl::Time start = absl::Now();
+  for (int i = 0; i < b.warmup + b.steps; ++i) {
+    if (i == b.warmup) start = absl::Now();
+    absl::StatusOr<StepReport> r = (*trainer)->Step();
+    if (!r.ok()) return r.status();
+    std::fprintf(stderr, "bench_gpu: offload %s step %d/%d loss %.4f%s\n", what, i + 1,
+                 b.warmup + b.steps, r->loss, r->skipped ? " (overflow: skipped)" : "");
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start) / b.steps;
+  if (absl::Status s = backend->DropJob(); !s.ok()) return s;
+  return seconds;
+}
+
+struct OffloadResult {
+  int64_t params = 0;
+  std::optional<double> inprocess_step_s;
+  std::optional<double> server_step_s;
+};
+
+absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
+  const TrainerOptions o = OffloadOptions(b, device);
+  const int shards = absl::GetFlag(FLAGS_shards);
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(b.model), 1, shards);
+  if (!map.ok()) return map.status();
+  out->params = map->num_params();
+
+  InProcessOptimizer in_process(*map, 0, BestSimdPath());
+  absl::StatusOr<double> local = TimeTrainerSteps(o, b, &in_process, "inprocess");
+  if (!local.ok()) return local.status();
+  out->inprocess_step_s = *local;
+
+  // The shards as the launcher would run them, in this process on loopback.
+  ThreadPool pool(ThreadPool::Options{});
+  std::vector<std::unique_ptr<ShardStore>> stores;
+  std::vector<std::unique_ptr<OptimizerServer>> servers;
+  std::vector<std::string> addresses;
+  for (int s = 0; s < shards; ++s) {
+    stores.push_back(std::make_unique<ShardStore>(ShardOptions{}, &pool, BestSimdPath()));
+    ServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    absl::StatusOr<std::unique_ptr<OptimizerServer>> server =
+        OptimizerServer::Start(options, stores.back().get());
+    if (!server.ok()) return server.status();
+    addresses.push_back(absl::StrCat("127.0.0.1:", (*server)->port()));
+    servers.push_back(std::move(*server));
+  }
+  absl::StatusOr<std::unique_ptr<RemoteOptimizer>> remote =
+      RemoteOptimizer::Connect(*map, addresses, ClientOptions{});
+  if (!remote.ok()) return remote.status();
+  absl::StatusOr<double> served = TimeTrainerSteps(o, b, remote->get(), "server");
+  if (!served.ok()) return served.status();
+  out->server_step_s = *served;
+  return absl::OkStatus();
+}
+
+// ---- 3. The memory planner ----------------------------------------------------------------
+
+struct PlanResult {
+  double memory_gib = 0;
+  int batch = 0, seq_len = 0;
+  DType dtype = DType::kBf16;
+  int64_t offload_params = 0, gpu_only_params = 0;  // 0: nothing fits
+  std::string offload_model = "none", gpu_only_model = "none";
+  double ratio = 0;  // offload_params / gpu_only_params; 0 when either is 0
+};
+
+absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
+  PlanResult p;
+  p.memory_gib = memory_gib;
+  p.batch = absl::GetFlag(FLAGS_plan_batch);
+  p.seq_len = absl::GetFlag(FLAGS_plan_seq_len);
+  p.dtype = dtype;
+  const auto bytes = static_cast<int64_t>(memory_gib * static_cast<double>(int64_t{1} << 30));
+  for (const bool gpu_optimizer : {false, true}) {
+    absl::StatusOr<LargestTrainable> best =
+        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, gpu_optimizer);
+    if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
+    if (!best.ok()) continue;  // nothing fits: reported as 0 parameters
+    (gpu_optimizer ? p.gpu_only_params : p.offload_params) = best->num_params;
+    (gpu_optimizer ? p.gpu_only_model : p.offload_model) = Token(DescribeConfig(best->config));
+  }
+  if (p.offload_params > 0 && p.gpu_only_params > 0) {
+    p.ratio = static_cast<double>(p.offload_params) / static_cast<double>(p.gpu_only_params);
+  }
+  return p;
+}
+
+// ---- Report -------------------------------------------------------------------------------
+
+struct Results {
+  std::optional<CudaDeviceInfo> device;
+  double peak_flops = 0;
+  std::optional<GpuResult> gpu;
+  std::optional<OffloadResult> offload;
+  std::optional<PlanResult> plan;
+};
+
+std::string Billions(int64_t n) { return absl::StrFormat("%.2fB", static_cast<double>(n) / 1e9); }
+
+// The table, then the machine-readable lines: always last, always in this order.
+void Report(const BenchConfig& b, const Results& r) {
+  const std::string dtype(DTypeName(b.dtype));
+  auto row = [](const std::string& what, const std::string& value) {
+    std::printf("  %-34s %s\n", what.c_str(), value.c_str());
+  };
+  std::printf("\n");
+  if (r.gpu || r.offload) {
+    std::printf("bench_gpu: %s %s, batch %d x %d tokens, %d timed steps after %d warm-up\n",
+                b.model_name.c_str(), dtype.c_str(), b.batch, b.seq_len, b.steps, b.warmup);
+  }
+  if (r.device) row("device", DescribeCudaDevice(*r.device));
+  if (r.gpu) {
+    row("params", absl::StrCat(r.gpu->params));
+    row("GPU-resident step", absl::StrFormat("%.4f s", r.gpu->step_s));
+    row("GPU-resident tokens/s", absl::StrFormat("%.0f", r.gpu->tokens_per_s));
+    row("MFU", r.peak_flops > 0 ? absl::StrFormat("%.1f%% of %.0f TFLOP/s", 100 * r.gpu->mfu,
+                                                  r.peak_flops / 1e12)
+                                : std::string("peak unknown for this GPU: pass --peak_tflops"));
+    row("loss first / last", absl::StrFormat("%.4f / %.4f", r.gpu->first_loss, r.gpu->last_loss));
+    row("skipped (fp16 overflow)", absl::StrCat(r.gpu->skipped));
+    row("GPU memory: model + optimizer",
+        absl::StrFormat("%.2f + %.2f GiB", r.gpu->model_bytes / 1073741824.0,
+                        r.gpu->optimizer_bytes / 1073741824.0));
+  }
+  if (r.offload && r.offload->inprocess_step_s) {
+    row("offload step, in process", absl::StrFormat("%.4f s", *r.offload->inprocess_step_s));
+  }
+  if (r.offload && r.offload->server_step_s) {
+    row(absl::StrCat("offload step, ", absl::GetFlag(FLAGS_shards), " gRPC shard(s)"),
+        absl::StrFormat("%.4f s", *r.offload->server_step_s));
+  }
+  if (r.offload && r.offload->inprocess_step_s && r.offload->server_step_s) {
+    row("server / in process",
+        absl::StrFormat("%.3fx", *r.offload->server_step_s / *r.offload->inprocess_step_s));
+  }
+  if (r.offload && r.offload->inprocess_step_s && r.gpu) {
+    row("offload (in process) / GPU-resident",
+        absl::StrFormat("%.3fx", *r.offload->inprocess_step_s / r.gpu->step_s));
+  }
+  if (r.plan) {
+    const PlanResult& p = *r.plan;
+    const std::string on = absl::StrFormat("%.1f GiB, %s, batch %d x %d", p.memory_gib,
+                                           DTypeName(p.dtype), p.batch, p.seq_len);
+    std::printf("  largest model on %s\n", on.c_str());
+    row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model, ")"));
+    row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model, ")"));
+    row("size ratio offload / GPU only", absl::StrFormat("%.2fx", p.ratio));
+  }
+  std::printf("\n");
+
+  if (r.device) {
+    const CudaDeviceInfo& d = *r.device;
+    std::printf("gpu device=%d name=%s sm=%d%d sms=%d memory_gib=%.1f peak_tflops=%.1f\n",
+                d.ordinal, Token(d.name).c_str(), d.compute_major, d.compute_minor, d.sm_count,
+                d.total_bytes / 1073741824.0, r.peak_flops / 1e12);
+  }
+  if (r.gpu) {
+    std::printf(
+        "gpu model=%s dtype=%s tokens_per_s=%.0f mfu=%.4f step_s=%.5f batch=%d seq_len=%d "
+        "params=%lld skipped=%d\n",
+        b.model_name.c_str(), dtype.c_str(), r.gpu->tokens_per_s, r.gpu->mfu, r.gpu->step_s,
+        b.batch, b.seq_len, static_cast<long long>(r.gpu->params), r.gpu->skipped);
+  }
+  if (r.offload && r.offload->inprocess_step_s) {
+    std::printf(
+        "gpu offload=inprocess params=%lld step_s=%.5f model=%s dtype=%s batch=%d "
+        "seq_len=%d\n",
+        static_cast<long long>(r.offload->params), *r.offload->inprocess_step_s,
+        b.model_name.c_str(), dtype.c_str(), b.batch, b.seq_len);
+  }
+  if (r.offload && r.offload->server_step_s) {
+    std::printf(
+        "gpu offload=server params=%lld step_s=%.5f model=%s dtype=%s batch=%d "
+        "seq_len=%d shards=%d\n",
+        static_cast<long long>(r.offload->params), *r.offload->server_step_s, b.model_name.c_str(),
+        dtype.c_str(), b.batch, b.seq_len, absl::GetFlag(FLAGS_shards));
+  }
+  if (r.offload && r.offload->inprocess_step_s && r.offload->server_step_s && r.gpu) {
+    std::printf(
+        "gpu offload_ratio server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f server_vs_gpu=%.3f\n",
+        *r.offload->server_step_s / *r.offload->inprocess_step_s,
+        *r.offload->inprocess_step_s / r.gpu->step_s, *r.offload->server_step_s / r.gpu->step_s);
+  }
+  if (r.plan) {
+    const PlanResult& p = *r.plan;
+    std::printf(
+        "gpu plan memory_gib=%.1f offload_params=%lld offload_model=%s gpu_only_params=%lld "
+        "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s\n",
+        p.memory_gib, static_cast<long long>(p.offload_params), p.offload_model.c_str(),
+        static_cast<long long>(p.gpu_only_params), p.gpu_only_model.c_str(), p.ratio, p.batch,
+        p.seq_len, std::string(DTypeName(p.dtype)).c_str());
+  }
+  std::fflush(stdout);
+}
+
+int Fail(const BenchConfig& b, const Results& r, const char* what, const absl::Status& status) {
+  Report(b, r);  // what was measured before the failure still counts
+  std::fprintf(stderr, "bench_gpu: %s: %s\n", what, status.ToString().c_str());
+  return 1;
+}
+
+int Run() {
+  absl::StatusOr<BenchConfig> config = ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "bench_gpu: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  const BenchConfig& b = *config;
+  Results r;
+  const double plan_gib = absl::GetFlag(FLAGS_plan_memory_gib);
+
+  if (absl::Status available = CudaDeviceAvailable(); !available.ok()) {
+    if (plan_gib > 0) {
+      absl::StatusOr<PlanResult> plan = RunPlan(plan_gib, b.dtype);
+      if (!plan.ok()) return Fail(b, r, "planner", plan.status());
+      r.plan = *plan;
+      Report(b, r);
+    }
+    std::printf("bench_gpu: no GPU, nothing to measure: %s\n",
+                std::string(available.message()).c_str());
+    return absl::GetFlag(FLAGS_allow_no_gpu) ? 0 : 1;
+  }
+
+  const int device = absl::GetFlag(FLAGS_device);
+  absl::StatusOr<CudaDeviceInfo> info = UseCudaDevice(device);
+  if (!info.ok()) return Fail(b, r, "device", info.status());
+  r.device = *info;
+  r.peak_flops = absl::GetFlag(FLAGS_peak_tflops) > 0 ? absl::GetFlag(FLAGS_peak_tflops) * 1e12
+                                                      : info->peak_bf16_flops;
+  std::fprintf(stderr, "bench_gpu: %s\n", DescribeCudaDevice(*info).c_str());
+
+  absl::StatusOr<GpuResult> gpu = RunGpuResident(b, device, r.peak_flops);
+  if (!gpu.ok()) return Fail(b, r, "GPU-resident training", gpu.status());
+  r.gpu = *gpu;
+
+  if (absl::GetFlag(FLAGS_offload)) {
+    OffloadResult offload;
+    const absl::Status s = RunOffload(b, device, &offload);
+    r.offload = offload;
+    if (!s.ok()) return Fail(b, r, "offload training", s);
+  }
+
+  absl::StatusOr<PlanResult> plan =
+      RunPlan(plan_gib > 0 ? plan_gib : info->total_bytes / 1073741824.0, b.dtype);
+  if (!plan.ok()) return Fail(b, r, "planner", plan.status());
+  r.plan = *plan;
+  Report(b, r);
+  return 0;
+}
+
+}  // namespace
+}  // namespace offload
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return offload::Run();
+}

@@ -1,0 +1,535 @@
+#include "gpu_trainer/cuda/gpt2_cuda.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_trainer/cuda/attention.h"
+#include "gpu_trainer/cuda/convert.h"
+#include "gpu_trainer/cuda/crossentropy.h"
+#include "gpu_trainer/cuda/cuda_check.h"
+#include "gpu_trainer/cuda/cuda_device.h"
+#include "gpu_trainer/cuda/device_buffer.h"
+#include "gpu_trainer/cuda/encoder.h"
+#include "gpu_trainer/cuda/gelu.h"
+#include "gpu_trainer/cuda/gemm.h"
+#include "gpu_trainer/cuda/gpt2_cuda_buffers.h"
+#include "gpu_trainer/cuda/grad_norm.h"
+#include "gpu_trainer/cuda/layernorm.h"
+#include "gpu_trainer/cuda/matmul.h"
+#include "gpu_trainer/cuda/memory_planner.h"
+#include "gpu_trainer/cuda/residual.h"
+#include "gpu_trainer/cuda/storage_type.h"
+#include "gpu_trainer/model/param_layout.h"
+
+namespace offload {
+namespace {
+
+// As Gpt2Cpu: keeps B*T an int and every activation size far inside int64.
+constexpr int64_t kMaxTokens = int64_t{1} << 24;
+
+}  // namespace
+
+class Gpt2Cuda::Impl {
+ public:
+  virtual ~Impl() = default;
+  virtual absl::Status Init() = 0;
+  virtual absl::Status SetParams(const float* params) = 0;
+  virtual absl::Status UploadWeights16(const uint16_t* w16) = 0;
+  virtual absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                        int T) = 0;
+  virtual absl::StatusOr<CudaGradStats> Backward(
+      float loss_scale, uint16_t* host_grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) = 0;
+  virtual absl::Status CopyGradsToHost(float* grads) = 0;
+  virtual absl::Status CopyLogitsToHost(int b, int t, float* logits) = 0;
+  virtual int64_t device_bytes() const = 0;
+  virtual void* params() const = 0;
+  virtual void* grads() const = 0;
+  virtual cudaStream_t stream() const = 0;
+};
+
+namespace {
+
+template <typename T>
+class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
+ public:
+  Gpt2CudaImpl(const Gpt2Config& config, int max_batch, int max_seq,
+               const CudaModelOptions& options)
+      : c_(config), max_batch_(max_batch), max_seq_(max_seq), options_(options) {}
+  ~Gpt2CudaImpl() override;
+
+  absl::Status Init() override;
+  absl::Status SetParams(const float* params) override;
+  absl::Status UploadWeights16(const uint16_t* w16) override;
+  absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                int Tn) override;
+  absl::StatusOr<CudaGradStats> Backward(
+      float loss_scale, uint16_t* host_grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) override;
+  absl::Status CopyGradsToHost(float* grads) override;
+  absl::Status CopyLogitsToHost(int b, int t, float* logits) override;
+  int64_t device_bytes() const override {
+    return static_cast<int64_t>(params_mem_.size() + grads_mem_.size() + acts_mem_.size() +
+                                (lt_ ? lt_->workspace_bytes() : 0));
+  }
+  void* params() const override { return params_; }
+  void* grads() const override { return grads_; }
+  cudaStream_t stream() const override { return stream_; }
+
+ private:
+  const T* w(int index) const { return params_ + offsets_[index]; }
+  T* dw(int index) const { return grads_ + offsets_[index]; }
+
+  const Gpt2Config c_;
+  const int max_batch_;
+  const int max_seq_;
+  const CudaModelOptions options_;
+  int64_t n_ = 0;                 // parameters
+  std::vector<int64_t> offsets_;  // Gpt2ParamLayout(c_)[i].offset
+
+  DeviceBuffer params_mem_, grads_mem_, acts_mem_;
+  T* params_ = nullptr;  // (n,)
+  T* grads_ = nullptr;   // (n,)
+  Gpt2CudaActivations<T> a_{};
+  std::unique_ptr<CublasLt> lt_;
+  cudaStream_t stream_ = nullptr;  // compute
+  // Transfers, 16-bit modes only: gradients out and weights in, each on a stream of its own.
+  std::unique_ptr<DeviceToHostStaging> d2h_;
+  std::unique_ptr<HostToDeviceStaging> h2d_;
+  cudaEvent_t weights_arrived_ = nullptr;  // on the H2D stream after an upload
+  cudaEvent_t compute_idle_ = nullptr;     // on the compute stream before an upload
+  bool weights_pending_ = false;           // the next Forward waits for weights_arrived_
+  std::vector<cudaEvent_t> range_done_;    // (L + 2,) a gradient range is final on the GPU
+
+  // The last Forward's batch, on the host: the encoder backward groups it by token.
+  std::vector<int32_t> inputs_;  // (B, T)
+  TokenBuckets buckets_;
+  int B_ = 0;
+  int T_ = 0;
+  bool have_targets_ = false;
+};
+
+template <typename T>
+Gpt2CudaImpl<T>::~Gpt2CudaImpl() {
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  d2h_.reset();  // joins the copy thread before the events it may wait on go away
+  h2d_.reset();
+  for (cudaEvent_t e : range_done_) cudaEventDestroy(e);
+  if (weights_arrived_ != nullptr) cudaEventDestroy(weights_arrived_);
+  if (compute_idle_ != nullptr) cudaEventDestroy(compute_idle_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::Init() {
+  for (const ParamTensor& t : Gpt2ParamLayout(c_)) offsets_.push_back(t.offset);
+  n_ = Gpt2NumParams(c_);
+  // Check the whole plan against free memory first, so a model that cannot fit fails with the
+  // full picture rather than at whichever allocation happens to run out.
+  const CudaMemoryPlan plan =
+      PlanGpt2CudaMemory(c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false);
+  size_t free_bytes = 0, total_bytes = 0;
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const int64_t need = plan.total_bytes() - plan.reserved_bytes;
+  if (need > static_cast<int64_t>(free_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the model needs ", need >> 20, " MiB on the GPU (weights ", plan.params_bytes >> 20,
+        ", gradients ", plan.grads_bytes >> 20, ", activations at batch ", max_batch_,
+        " x sequence ", max_seq_, " ", plan.activation_bytes >> 20, ", workspace ",
+        plan.workspace_bytes >> 20, ") but ", free_bytes >> 20,
+        " MiB are free: lower --batch or "
+        "--seq_len, or use offload with a smaller model"));
+  }
+  OFFLOAD_RETURN_IF_ERROR(params_mem_.Allocate(n_ * sizeof(T), "parameters"));
+  OFFLOAD_RETURN_IF_ERROR(grads_mem_.Allocate(n_ * sizeof(T), "gradients"));
+  params_ = static_cast<T*>(params_mem_.data());
+  grads_ = static_cast<T*>(grads_mem_.data());
+  OFFLOAD_RETURN_IF_ERROR(acts_mem_.Allocate(plan.activation_bytes, "activations"));
+  BufferCarver carver(acts_mem_.data());
+  CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_);
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params_, 0, n_ * sizeof(T), nullptr));
+
+  absl::StatusOr<std::unique_ptr<CublasLt>> lt = CublasLt::Create(kCublasWorkspaceBytes);
+  if (!lt.ok()) return lt.status();
+  lt_ = std::move(*lt);
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  range_done_.assign(c_.num_layers + 2, nullptr);
+  for (cudaEvent_t& e : range_done_) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&weights_arrived_, cudaEventDisableTiming));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&compute_idle_, cudaEventDisableTiming));
+  if constexpr (!std::is_same_v<T, float>) {
+    absl::StatusOr<std::unique_ptr<DeviceToHostStaging>> d2h =
+        DeviceToHostStaging::Create(options_.staging);
+    if (!d2h.ok()) return d2h.status();
+    d2h_ = std::move(*d2h);
+    absl::StatusOr<std::unique_ptr<HostToDeviceStaging>> h2d =
+        HostToDeviceStaging::Create(options_.staging);
+    if (!h2d.ok()) return h2d.status();
+    h2d_ = std::move(*h2d);
+  }
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::SetParams(const float* params) {
+  if (params == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::SetParams: null params");
+  // Nothing queued may still read the weights, nor an upload still be writing them.
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (h2d_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d_->stream()));
+  // The copies go on stream_ itself: a synchronous cudaMemcpy from pageable memory may return
+  // before its DMA lands, and stream_ (non-blocking) is not ordered after the legacy stream.
+  if constexpr (std::is_same_v<T, float>) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(params_, params, n_ * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  } else {
+    // Through an fp32 device copy, rounded on the GPU: a test and start-up path, not per step.
+    DeviceBuffer staging;
+    OFFLOAD_RETURN_IF_ERROR(staging.Allocate(n_ * sizeof(float), "fp32 parameters"));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging.data(), params, n_ * sizeof(float),
+                                                 cudaMemcpyHostToDevice, stream_));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(
+        ConvertFromFloat<T>(params_, static_cast<const float*>(staging.data()), n_, stream_));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  }
+  weights_pending_ = false;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::UploadWeights16(const uint16_t* w16) {
+  if constexpr (std::is_same_v<T, float>) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::UploadWeights16: the model computes in fp32; use SetParams");
+  } else {
+    if (w16 == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::UploadWeights16: null");
+    // The copy may not overwrite weights that kernels already queued still read.
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(compute_idle_, stream_));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(h2d_->stream(), compute_idle_, 0));
+    OFFLOAD_RETURN_IF_ERROR(h2d_->Copy(params_, w16, n_ * sizeof(T), weights_arrived_));
+    weights_pending_ = true;
+    return absl::OkStatus();
+  }
+}
+
+template <typename T>
+absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                               int Tn) {
+  // Everything is checked before anything is queued, as in Gpt2Cpu::Forward.
+  if (inputs == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::Forward: null inputs");
+  if (B <= 0 || B > max_batch_ || Tn <= 0 || Tn > max_seq_) {
+    return absl::InvalidArgumentError(absl::StrCat("Gpt2Cuda::Forward: (B, T) = (", B, ", ", Tn,
+                                                   ") outside [1, ", max_batch_, "] x [1, ",
+                                                   max_seq_, "]"));
+  }
+  const int V = c_.vocab_size;
+  const int64_t BT = int64_t{B} * Tn;
+  for (const int32_t* tokens : {inputs, targets}) {
+    if (tokens == nullptr) continue;
+    for (int64_t i = 0; i < BT; i++) {
+      if (tokens[i] < 0 || tokens[i] >= V) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Gpt2Cuda::Forward: ", tokens == inputs ? "inputs" : "targets", "[b=", i / Tn,
+            ", t=", i % Tn, "] = ", tokens[i], " is outside the vocabulary [0, ", V, ")"));
+      }
+    }
+  }
+  inputs_.assign(inputs, inputs + BT);
+  B_ = B;
+  T_ = Tn;
+  have_targets_ = false;  // until the loss is there
+
+  const int L = c_.num_layers, NH = c_.num_heads, C = c_.channels;
+  const int N = static_cast<int>(BT);
+  const int64_t BTC = BT * C, BHTT = BT * NH * Tn, Vp = PaddedVocab(V);
+  const Gpt2CudaActivations<T>& a = a_;
+  cudaStream_t s = stream_;
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(a.inputs, inputs, BT * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  if (targets != nullptr) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(a.targets, targets, BT * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  }
+  if (weights_pending_) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, weights_arrived_, 0));
+    weights_pending_ = false;
+  }
+
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      EncoderForward<T>(a.encoded, a.inputs, w(kWte), w(kWpe), B, Tn, C, s));
+  for (int l = 0; l < L; l++) {
+    auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
+    const T* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
+    T* ln1 = a.ln1 + l * BTC;                                              // (B, T, C)
+    float* ln1_mean = a.ln1_mean + l * BT;                                 // (B, T)
+    float* ln1_rstd = a.ln1_rstd + l * BT;                                 // (B, T)
+    T* qkv = a.qkv + l * 3 * BTC;                                          // (B, T, 3C)
+    T* atty = a.atty + l * BTC;                                            // (B, T, C)
+    T* att = a.att + l * BHTT;                                             // (B, NH, T, T)
+    T* residual2 = a.residual2 + l * BTC;                                  // (B, T, C)
+    T* ln2 = a.ln2 + l * BTC;                                              // (B, T, C)
+    float* ln2_mean = a.ln2_mean + l * BT;                                 // (B, T)
+    float* ln2_rstd = a.ln2_rstd + l * BT;                                 // (B, T)
+    T* fch = a.fch + l * 4 * BTC;                                          // (B, T, 4C)
+    T* fch_gelu = a.fch_gelu + l * 4 * BTC;                                // (B, T, 4C)
+    T* residual3 = a.residual3 + l * BTC;                                  // (B, T, C)
+
+    OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln1, ln1_mean, ln1_rstd, residual,
+                                                     bw(kLn1Weight), bw(kLn1Bias), N, C, s));
+    OFFLOAD_RETURN_IF_ERROR(
+        MatmulForward<T>(*lt_, qkv, ln1, bw(kAttnWeight), bw(kAttnBias), N, C, 3 * C, s));
+    OFFLOAD_RETURN_IF_ERROR(
+        AttentionForward<T>(*lt_, atty, att, a.attn_scratch, qkv, B, Tn, C, NH, s));
+    OFFLOAD_RETURN_IF_ERROR(
+        MatmulForward<T>(*lt_, a.proj, atty, bw(kAttnProjWeight), bw(kAttnProjBias), N, C, C, s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual2, residual, a.proj, BTC, s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln2, ln2_mean, ln2_rstd, residual2,
+                                                     bw(kLn2Weight), bw(kLn2Bias), N, C, s));
+    OFFLOAD_RETURN_IF_ERROR(
+        MatmulForward<T>(*lt_, fch, ln2, bw(kFcWeight), bw(kFcBias), N, C, 4 * C, s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(GeluForward<T>(fch_gelu, fch, 4 * BTC, s));
+    OFFLOAD_RETURN_IF_ERROR(MatmulForward<T>(*lt_, a.proj, fch_gelu, bw(kFcProjWeight),
+                                             bw(kFcProjBias), N, 4 * C, C, s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual3, residual2, a.proj, BTC, s));
+  }
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      LayerNormForward<T>(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3 + (L - 1) * BTC,
+                          w(LnfWeightIndex(L)), w(LnfBiasIndex(L)), N, C, s));
+  OFFLOAD_RETURN_IF_ERROR(TiedHeadForward<T>(*lt_, a.logits, Vp, a.lnf, w(kWte), N, C, V, s));
+  if (targets == nullptr) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    return 0.0f;
+  }
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      CrossEntropyForward<T>(a.losses, a.lse, a.logits, Vp, a.targets, N, V, s));
+  std::vector<float> losses(BT);  // (B, T)
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(losses.data(), a.losses, BT * sizeof(float), cudaMemcpyDeviceToHost, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  double sum = 0.0;  // double, in a fixed order, as the CPU backend
+  for (float x : losses) sum += x;
+  have_targets_ = true;
+  return static_cast<float>(sum / BT);
+}
+
+template <typename T>
+absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
+    float loss_scale, uint16_t* host_grads16,
+    const std::function<void(int64_t offset, int64_t n)>& on_ready) {
+  if (!have_targets_) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::Backward: needs a preceding Forward with targets");
+  }
+  if (!std::isfinite(loss_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gpt2Cuda::Backward: loss_scale = ", loss_scale, " is not finite"));
+  }
+  if (host_grads16 != nullptr && d2h_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::Backward: 16-bit host gradients need a 16-bit model");
+  }
+  // The logits become their gradient below, so a second Backward needs a new Forward.
+  have_targets_ = false;
+  const int B = B_, Tn = T_;
+  const int L = c_.num_layers, NH = c_.num_heads, C = c_.channels, V = c_.vocab_size;
+  const int N = B * Tn;
+  const int64_t BT = N, BTC = BT * C, BHTT = BT * NH * Tn, Vp = PaddedVocab(V);
+  const Gpt2CudaActivations<T>& a = a_;
+  cudaStream_t s = stream_;
+
+  // Range i of the backward order is final on the GPU: send it on, off the compute stream.
+  int range = 0;
+  auto ready = [&](int64_t begin, int64_t end) -> absl::Status {
+    const int index = range++;
+    if (host_grads16 == nullptr) {
+      if (on_ready) on_ready(begin, end - begin);
+      return absl::OkStatus();
+    }
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(range_done_[index], s));
+    std::function<void()> done;
+    if (on_ready) done = [&on_ready, begin, end] { on_ready(begin, end - begin); };
+    d2h_->Copy(host_grads16 + begin, grads_ + begin, (end - begin) * sizeof(T), range_done_[index],
+               std::move(done));
+    return absl::OkStatus();
+  };
+  // Whatever happens below, no copy may outlive this call: they write into host_grads16.
+  struct DrainOnExit {
+    DeviceToHostStaging* d2h;
+    ~DrainOnExit() {
+      if (d2h != nullptr) d2h->Drain().IgnoreError();
+    }
+  } drain_on_exit{host_grads16 != nullptr ? d2h_.get() : nullptr};
+
+  // Every parameter gradient is overwritten by its producer (wte's embedding share is added
+  // last); only the residual stream's gradient accumulates, so only it starts at zero.
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.dresidual, 0, BTC * sizeof(T), s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(CrossEntropyBackward<T>(
+      a.logits, a.lse, a.targets, loss_scale / static_cast<float>(BT), Vp, N, V, s));
+  T* dlnf = a.dln;
+  OFFLOAD_RETURN_IF_ERROR(
+      TiedHeadBackward<T>(*lt_, dlnf, dw(kWte), a.logits, Vp, a.lnf, w(kWte), N, C, V, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(
+      a.dresidual, dw(LnfWeightIndex(L)), dw(LnfBiasIndex(L)), a.fscratch, dlnf,
+      a.residual3 + (L - 1) * BTC, w(LnfWeightIndex(L)), a.lnf_mean, a.lnf_rstd, N, C, s));
+  OFFLOAD_RETURN_IF_ERROR(ready(offsets_[LnfWeightIndex(L)], n_));
+
+  for (int l = L - 1; l >= 0; l--) {
+    auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
+    auto dbw = [&](BlockTensor t) { return dw(BlockIndex(l, t)); };
+    const T* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
+    const T* ln1 = a.ln1 + l * BTC;                                        // (B, T, C)
+    const float* ln1_mean = a.ln1_mean + l * BT;                           // (B, T)
+    const float* ln1_rstd = a.ln1_rstd + l * BT;                           // (B, T)
+    const T* qkv = a.qkv + l * 3 * BTC;                                    // (B, T, 3C)
+    const T* atty = a.atty + l * BTC;                                      // (B, T, C)
+    const T* att = a.att + l * BHTT;                                       // (B, NH, T, T)
+    const T* residual2 = a.residual2 + l * BTC;                            // (B, T, C)
+    const T* ln2 = a.ln2 + l * BTC;                                        // (B, T, C)
+    const float* ln2_mean = a.ln2_mean + l * BT;                           // (B, T)
+    const float* ln2_rstd = a.ln2_rstd + l * BT;                           // (B, T)
+    const T* fch = a.fch + l * 4 * BTC;                                    // (B, T, 4C)
+    const T* fch_gelu = a.fch_gelu + l * 4 * BTC;                          // (B, T, 4C)
+
+    // a.dresidual holds d loss / d residual3; the two LayerNorm backwards add the branches'
+    // shares into it in place, as in Gpt2Cpu::Backward.
+    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dfch, dbw(kFcProjWeight), dbw(kFcProjBias),
+                                              a.fscratch, a.dresidual, fch_gelu, bw(kFcProjWeight),
+                                              N, 4 * C, C, s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(GeluBackward<T>(a.dfch, fch, a.dfch, 4 * BTC, s));
+    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dln, dbw(kFcWeight), dbw(kFcBias), a.fscratch,
+                                              a.dfch, ln2, bw(kFcWeight), N, C, 4 * C, s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(a.dresidual, dbw(kLn2Weight), dbw(kLn2Bias),
+                                                      a.fscratch, a.dln, residual2, bw(kLn2Weight),
+                                                      ln2_mean, ln2_rstd, N, C, s));
+    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.datty, dbw(kAttnProjWeight),
+                                              dbw(kAttnProjBias), a.fscratch, a.dresidual, atty,
+                                              bw(kAttnProjWeight), N, C, C, s));
+    OFFLOAD_RETURN_IF_ERROR(
+        AttentionBackward<T>(*lt_, a.dqkv, a.attn_scratch, a.datty, qkv, att, B, Tn, C, NH, s));
+    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dln, dbw(kAttnWeight), dbw(kAttnBias),
+                                              a.fscratch, a.dqkv, ln1, bw(kAttnWeight), N, C, 3 * C,
+                                              s));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(a.dresidual, dbw(kLn1Weight), dbw(kLn1Bias),
+                                                      a.fscratch, a.dln, residual, bw(kLn1Weight),
+                                                      ln1_mean, ln1_rstd, N, C, s));
+    OFFLOAD_RETURN_IF_ERROR(
+        ready(offsets_[BlockIndex(l, kLn1Weight)],
+              offsets_[l + 1 < L ? BlockIndex(l + 1, kLn1Weight) : LnfWeightIndex(L)]));
+  }
+
+  BuildTokenBuckets(inputs_.data(), BT, &buckets_);
+  const int num_buckets = static_cast<int>(buckets_.tokens.size());
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.bucket_tokens, buckets_.tokens.data(),
+                                               num_buckets * sizeof(int32_t),
+                                               cudaMemcpyHostToDevice, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.bucket_offsets, buckets_.offsets.data(),
+                                               (num_buckets + 1) * sizeof(int32_t),
+                                               cudaMemcpyHostToDevice, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.bucket_positions, buckets_.positions.data(),
+                                               BT * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(EncoderBackward<T>(dw(kWte), dw(kWpe), a.dresidual, a.bucket_tokens,
+                                                  a.bucket_offsets, a.bucket_positions, num_buckets,
+                                                  B, Tn, c_.context_length, C, s));
+  OFFLOAD_RETURN_IF_ERROR(ready(0, offsets_[BlockIndex(0, kLn1Weight)]));
+
+  // The statistics of exactly the values that leave, over the whole partition.
+  GradNormResult result{};
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.norm, 0, sizeof(GradNormResult), s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(GradNormAccumulate<T>(a.norm, a.norm_scratch, grads_, n_, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&result, a.norm, sizeof(result), cudaMemcpyDeviceToHost, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  if (drain_on_exit.d2h != nullptr) {
+    drain_on_exit.d2h = nullptr;
+    OFFLOAD_RETURN_IF_ERROR(d2h_->Drain());
+  }
+  return CudaGradStats{result.sum_squares, result.nonfinite != 0};
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::CopyGradsToHost(float* grads) {
+  if (grads == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::CopyGradsToHost: null");
+  std::vector<T> host(n_);
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host.data(), grads_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < n_; ++i) grads[i] = HostToFloat<T>(host[i]);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::CopyLogitsToHost(int b, int t, float* logits) {
+  if (logits == nullptr || b < 0 || b >= B_ || t < 0 || t >= T_) {
+    return absl::InvalidArgumentError(absl::StrCat("Gpt2Cuda::CopyLogitsToHost: (b, t) = (", b,
+                                                   ", ", t, ") outside the last Forward's (", B_,
+                                                   ", ", T_, ")"));
+  }
+  const int V = c_.vocab_size;
+  std::vector<T> row(V);  // (V,)
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const T* src = a_.logits + (int64_t{b} * T_ + t) * PaddedVocab(V);
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(row.data(), src, V * sizeof(T), cudaMemcpyDeviceToHost));
+  for (int v = 0; v < V; ++v) logits[v] = HostToFloat<T>(row[v]);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Gpt2Cuda::Gpt2Cuda(const Gpt2Config& config, const CudaModelOptions& options)
+    : config_(config), options_(options) {}
+
+Gpt2Cuda::~Gpt2Cuda() = default;
+
+absl::StatusOr<std::unique_ptr<Gpt2Cuda>> Gpt2Cuda::Create(const Gpt2Config& config, int max_batch,
+                                                           int max_seq,
+                                                           const CudaModelOptions& options) {
+  if (absl::Status s = ValidateGpt2Config(config); !s.ok()) return s;
+  if (max_batch <= 0 || max_seq <= 0 || max_seq > config.context_length ||
+      int64_t{max_batch} * max_seq > kMaxTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gpt2Cuda::Create: max_batch = ", max_batch, ", max_seq = ", max_seq,
+        ": need max_batch >= 1, 1 <= max_seq <= context_length = ", config.context_length,
+        " and max_batch * max_seq <= ", kMaxTokens));
+  }
+  if (config.channels % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gpt2Cuda::Create: channels = ", config.channels,
+        " must be a multiple of 8 (cuBLASLt's bias epilogue needs 16-byte aligned tensors)"));
+  }
+  absl::StatusOr<CudaDeviceInfo> device = UseCudaDevice(options.device);
+  if (!device.ok()) return device.status();
+  std::unique_ptr<Gpt2Cuda> model(new Gpt2Cuda(config, options));
+  model->num_params_ = Gpt2NumParams(config);
+  model->impl_ = DispatchStorageType(options.dtype, [&](auto zero) -> std::unique_ptr<Impl> {
+    return std::make_unique<Gpt2CudaImpl<decltype(zero)>>(config, max_batch, max_seq, options);
+  });
+  OFFLOAD_RETURN_IF_ERROR(model->impl_->Init());
+  return model;
+}
+
+int64_t Gpt2Cuda::device_bytes() const { return impl_->device_bytes(); }
+absl::Status Gpt2Cuda::SetParams(const float* params) { return impl_->SetParams(params); }
+absl::Status Gpt2Cuda::UploadWeights16(const uint16_t* w16) { return impl_->UploadWeights16(w16); }
+absl::StatusOr<float> Gpt2Cuda::Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                        int T) {
+  return impl_->Forward(inputs, targets, B, T);
+}
+absl::StatusOr<CudaGradStats> Gpt2Cuda::Backward(
+    float loss_scale, uint16_t* host_grads16,
+    const std::function<void(int64_t offset, int64_t n)>& on_ready) {
+  return impl_->Backward(loss_scale, host_grads16, on_ready);
+}
+absl::Status Gpt2Cuda::CopyGradsToHost(float* grads) { return impl_->CopyGradsToHost(grads); }
+absl::Status Gpt2Cuda::CopyLogitsToHost(int b, int t, float* logits) {
+  return impl_->CopyLogitsToHost(b, t, logits);
+}
+void* Gpt2Cuda::device_params() const { return impl_->params(); }
+void* Gpt2Cuda::device_grads() const { return impl_->grads(); }
+cudaStream_t Gpt2Cuda::compute_stream() const { return impl_->stream(); }
+
+}  // namespace offload

@@ -1,0 +1,100 @@
+// GPT-2 on the GPU (DESIGN sections 1, 5 and 6): 16-bit weights and activations with fp32
+// accumulation (or fp32 throughout, the parity-test mode), the same flat parameter layout and
+// the same forward and backward as the CPU backend (model/gpt2.h), which is its reference.
+//
+// Parameters, gradients and activations live in three device allocations carved into views in
+// the order memory_planner.h lists them, so the planner's numbers are this model's.
+// Gradients leave through the pinned staging ring on a device-to-host stream as each layer's
+// backward finishes; weights arrive through the host-to-device ring before the next forward.
+#ifndef OFFLOAD_GPU_TRAINER_CUDA_GPT2_CUDA_H_
+#define OFFLOAD_GPU_TRAINER_CUDA_GPT2_CUDA_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/dtype.h"
+#include "gpu_trainer/cuda/pinned_staging.h"
+#include "gpu_trainer/model/gpt2_config.h"
+
+namespace offload {
+
+struct CudaModelOptions {
+  DType dtype = DType::kBf16;  // storage of weights, gradients and activations
+  int device = 0;
+  StagingOptions staging;  // per direction
+};
+
+// What leaves with the gradients: computed on the GPU over the 16-bit values that are sent.
+struct CudaGradStats {
+  double sum_squares = 0;  // still multiplied by the loss scale
+  bool nonfinite = false;
+};
+
+class Gpt2Cuda {
+ public:
+  // InvalidArgument for a bad config or size (channels must be a multiple of 8, so every
+  // parameter tensor, bias included, starts 16-byte aligned for cuBLASLt), Unavailable without a
+  // GPU, ResourceExhausted when the model does not fit in the GPU's memory (the message says how
+  // much it needed).
+  static absl::StatusOr<std::unique_ptr<Gpt2Cuda>> Create(const Gpt2Config& config, int max_batch,
+                                                          int max_seq,
+                                                          const CudaModelOptions& options);
+  ~Gpt2Cuda();
+
+  const Gpt2Config& config() const { return config_; }
+  int64_t num_params() const { return num_params_; }
+  DType dtype() const { return options_.dtype; }
+  int64_t device_bytes() const;  // everything this model allocated on the GPU
+
+  // params (num_params,) fp32 in layout order, rounded to the storage type on the GPU.
+  absl::Status SetParams(const float* params);
+  // w16 (num_params,) in the model's 16-bit dtype, through the host-to-device ring; the next
+  // Forward waits for it on the GPU, not on the host. Call it between a Backward and the next
+  // Forward, never between a Forward and its Backward. FailedPrecondition in fp32 mode.
+  absl::Status UploadWeights16(const uint16_t* w16);
+
+  // inputs, targets (B, T) on the host, as Gpt2Cpu::Forward; returns the mean loss (0 without
+  // targets). Token ids out of range -> InvalidArgument, nothing computed.
+  absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B, int T);
+
+  // Gradients of loss * loss_scale into the device gradient buffer (storage type). When
+  // host_grads16 (num_params,) is given (16-bit modes), each finished range also goes to it
+  // through the pinned ring while backward goes on, and on_ready(offset, n) runs on the copy
+  // thread once the range is there, in the ranges and order of Gpt2Cpu::Backward. Without
+  // host_grads16, on_ready runs on the calling thread when the range's kernels are queued, not
+  // computed. Returns after every range has arrived, with the statistics of the gradients.
+  absl::StatusOr<CudaGradStats> Backward(
+      float loss_scale, uint16_t* host_grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready);
+
+  // grads (num_params,) fp32 widened from the device gradients (tests).
+  absl::Status CopyGradsToHost(float* grads);
+  // logits (V,) of position (b, t) of the last Forward (a Backward overwrites them).
+  absl::Status CopyLogitsToHost(int b, int t, float* logits);
+
+  // For the GPU-resident optimizer: the device parameter and gradient buffers (num_params,) in
+  // the storage type, and the stream every kernel of the model runs on.
+  void* device_params() const;
+  void* device_grads() const;
+  cudaStream_t compute_stream() const;
+
+  class Impl;  // per storage type, in gpt2_cuda.cc
+
+ private:
+  Gpt2Cuda(const Gpt2Config& config, const CudaModelOptions& options);
+
+  const Gpt2Config config_;
+  const CudaModelOptions options_;
+  int64_t num_params_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_CUDA_GPT2_CUDA_H_

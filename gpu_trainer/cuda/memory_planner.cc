@@ -1,0 +1,77 @@
+#include "gpu_trainer/cuda/memory_planner.h"
+
+#include "absl/strings/str_cat.h"
+#include "gpu_trainer/cuda/gpt2_cuda_buffers.h"
+#include "gpu_trainer/cuda/storage_type.h"
+#include "gpu_trainer/model/param_layout.h"
+
+namespace offload {
+
+CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
+                                  bool gpu_optimizer) {
+  const int64_t n = Gpt2NumParams(config);
+  const int64_t size = DTypeSize(dtype);
+  CudaMemoryPlan plan;
+  plan.params_bytes = n * size;
+  plan.grads_bytes = n * size;
+  plan.activation_bytes = DispatchStorageType(dtype, [&](auto zero) {
+    using Storage = decltype(zero);
+    Gpt2CudaActivations<Storage> views;
+    BufferCarver carver(nullptr);
+    CarveGpt2CudaActivations(config, B, T, carver, &views);
+    return static_cast<int64_t>(carver.bytes());
+  });
+  plan.optimizer_bytes = gpu_optimizer ? 3 * n * int64_t{sizeof(float)} : 0;
+  plan.workspace_bytes = kCublasWorkspaceBytes;
+  plan.reserved_bytes = kCudaReservedBytes;
+  return plan;
+}
+
+absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
+                                                      DType dtype, bool gpu_optimizer) {
+  // GPT-2 small ... XL, then GPT-3 2.7B ... 175B widths.
+  static constexpr int kWidths[] = {768,  1024, 1280, 1600, 2048, 2560,
+                                    4096, 5120, 6144, 8192, 12288};
+  LargestTrainable best;
+  for (const int C : kWidths) {
+    Gpt2Config config;
+    config.vocab_size = 50257;
+    config.context_length = T;
+    config.channels = C;
+    config.num_heads = C <= 1280 ? C / 64 : C / 128;
+    auto fits = [&](int layers) {
+      config.num_layers = layers;
+      return PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer).total_bytes() <= device_bytes;
+    };
+    // Memory grows with depth, so the deepest model that fits is a binary search away.
+    int lo = 0, hi = 1024;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (fits(mid)) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    if (lo == 0) continue;
+    config.num_layers = lo;
+    const int64_t n = Gpt2NumParams(config);
+    if (n > best.num_params) {
+      best.config = config;
+      best.num_params = n;
+      best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer);
+    }
+  }
+  if (best.num_params == 0) {
+    return absl::NotFoundError(absl::StrCat("no GPT-2-shaped model fits in ", device_bytes >> 20,
+                                            " MiB at batch ", B, ", sequence ", T));
+  }
+  return best;
+}
+
+std::string DescribeConfig(const Gpt2Config& c) {
+  return absl::StrCat("L", c.num_layers, " C", c.channels, " H", c.num_heads, " V", c.vocab_size,
+                      " T", c.context_length);
+}
+
+}  // namespace offload

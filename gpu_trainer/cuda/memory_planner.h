@@ -1,0 +1,57 @@
+// How much GPU memory the CUDA GPT-2 needs, and the largest GPT-2-shaped model that trains on a
+// GPU of a given size with offload (16-bit weights and gradients on the GPU, fp32 master weights
+// and Adam moments on the CPU shards) and without (those 12 bytes per parameter on the GPU too).
+// The activation sizes come from the carve the model itself uses (gpt2_cuda_buffers.h).
+#ifndef OFFLOAD_GPU_TRAINER_CUDA_MEMORY_PLANNER_H_
+#define OFFLOAD_GPU_TRAINER_CUDA_MEMORY_PLANNER_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/dtype.h"
+#include "gpu_trainer/model/gpt2_config.h"
+
+namespace offload {
+
+// cuBLASLt's workspace, allocated once per model.
+inline constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
+// What the CUDA context, cuBLAS's kernels and allocator slack take on a device before the model
+// allocates anything: not ours to plan, so held back.
+inline constexpr int64_t kCudaReservedBytes = int64_t{1} << 30;
+
+struct CudaMemoryPlan {
+  int64_t params_bytes = 0;      // storage-type weights
+  int64_t grads_bytes = 0;       // storage-type gradients
+  int64_t activation_bytes = 0;  // saved activations, scratch, activation gradients
+  int64_t optimizer_bytes = 0;  // fp32 master, exp_avg, exp_avg_sq when the optimizer is on the GPU
+  int64_t workspace_bytes = 0;  // cuBLASLt
+  int64_t reserved_bytes = 0;   // kCudaReservedBytes
+  int64_t total_bytes() const {
+    return params_bytes + grads_bytes + activation_bytes + optimizer_bytes + workspace_bytes +
+           reserved_bytes;
+  }
+};
+
+// Micro-batch B, sequence T. gpu_optimizer: the fused GPU AdamW (the no-offload baseline) instead
+// of the CPU shards.
+CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
+                                  bool gpu_optimizer);
+
+struct LargestTrainable {
+  Gpt2Config config;
+  int64_t num_params = 0;
+  CudaMemoryPlan plan;
+};
+
+// The GPT-2-shaped model (vocab 50257, context T, head size 64 up to 1280 channels and 128 above,
+// widths of the GPT-2 and GPT-3 families, as many layers as fit) with the most parameters whose
+// plan fits in device_bytes. NotFound when not even one layer of the narrowest width fits.
+absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
+                                                      DType dtype, bool gpu_optimizer);
+
+std::string DescribeConfig(const Gpt2Config& config);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_CUDA_MEMORY_PLANNER_H_

@@ -1,0 +1,161 @@
+// The memory planner is host arithmetic: these tests run, and must pass, on any machine, GPU or
+// not. They hold it to what follows from the model's layout (16-bit weights and gradients, 12
+// bytes of fp32 optimizer state per parameter on the GPU without offload) and to what "largest
+// that fits" means, not to numbers copied from its own output.
+#include "gpu_trainer/cuda/memory_planner.h"
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/dtype.h"
+#include "gpu_trainer/model/gpt2_config.h"
+#include "gpu_trainer/model/param_layout.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+Gpt2Config Gpt2Small() {
+  Gpt2Config c;
+  c.vocab_size = 50257;
+  c.context_length = 1024;
+  c.num_layers = 12;
+  c.num_heads = 12;
+  c.channels = 768;
+  return c;
+}
+
+int64_t SumOfParts(const CudaMemoryPlan& p) {
+  return p.params_bytes + p.grads_bytes + p.activation_bytes + p.optimizer_bytes +
+         p.workspace_bytes + p.reserved_bytes;
+}
+
+TEST(MemoryPlanner, Gpt2SmallIsTheHuggingFaceModel) {
+  // GPT-2 124M as published (Hugging Face's gpt2: 124,439,808 parameters, tied head).
+  EXPECT_EQ(Gpt2NumParams(Gpt2Small()), 124439808);
+  EXPECT_EQ(DescribeConfig(Gpt2Small()), "L12 C768 H12 V50257 T1024");
+}
+
+TEST(MemoryPlanner, WeightsGradientsAndOptimizerStateOfGpt2Small) {
+  const Gpt2Config c = Gpt2Small();
+  const int64_t n = Gpt2NumParams(c);
+  for (const bool gpu_optimizer : {false, true}) {
+    SCOPED_TRACE(gpu_optimizer ? "GPU optimizer" : "offload");
+    const CudaMemoryPlan plan = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, gpu_optimizer);
+    EXPECT_EQ(plan.params_bytes, 2 * n);
+    EXPECT_EQ(plan.grads_bytes, 2 * n);
+    // fp32 master, exp_avg and exp_avg_sq, only when they live on the GPU.
+    EXPECT_EQ(plan.optimizer_bytes, gpu_optimizer ? 12 * n : 0);
+    EXPECT_EQ(plan.workspace_bytes, kCublasWorkspaceBytes);
+    EXPECT_EQ(plan.reserved_bytes, kCudaReservedBytes);
+    EXPECT_EQ(plan.total_bytes(), SumOfParts(plan));
+  }
+  // Where the optimizer state lives changes nothing else.
+  const CudaMemoryPlan offload = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false);
+  const CudaMemoryPlan gpu_only = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, true);
+  EXPECT_EQ(offload.activation_bytes, gpu_only.activation_bytes);
+  EXPECT_EQ(gpu_only.total_bytes() - offload.total_bytes(), 12 * n);
+}
+
+TEST(MemoryPlanner, Fp16AndBf16NeedTheSameMemory) {
+  const CudaMemoryPlan bf16 = PlanGpt2CudaMemory(Gpt2Small(), 2, 1024, DType::kBf16, false);
+  const CudaMemoryPlan fp16 = PlanGpt2CudaMemory(Gpt2Small(), 2, 1024, DType::kFp16, false);
+  EXPECT_EQ(bf16.total_bytes(), fp16.total_bytes());
+  EXPECT_EQ(bf16.activation_bytes, fp16.activation_bytes);
+}
+
+TEST(MemoryPlanner, ActivationsHoldAtLeastTheLogitsAndEveryLayerInput) {
+  // Backward cannot run without the (B, T, V) logits (their gradient) and each layer's
+  // (B, T, C) input, all 16-bit: a lower bound that any carve must meet.
+  const Gpt2Config c = Gpt2Small();
+  for (const int B : {1, 4}) {
+    const int64_t BT = int64_t{B} * 1024;
+    const CudaMemoryPlan plan = PlanGpt2CudaMemory(c, B, 1024, DType::kBf16, false);
+    EXPECT_GE(plan.activation_bytes, 2 * (BT * c.vocab_size + c.num_layers * BT * c.channels))
+        << "B=" << B;
+  }
+}
+
+TEST(MemoryPlanner, ActivationsGrowAboutLinearlyWithBatch) {
+  const Gpt2Config c = Gpt2Small();
+  const int64_t a1 = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false).activation_bytes;
+  const int64_t a2 = PlanGpt2CudaMemory(c, 2, 1024, DType::kBf16, false).activation_bytes;
+  const int64_t a4 = PlanGpt2CudaMemory(c, 4, 1024, DType::kBf16, false).activation_bytes;
+  EXPECT_GT(a2, a1);
+  EXPECT_GT(a4, a2);
+  // Every saved activation and activation gradient is (B, ...); what is not (reduction scratch,
+  // the grad-norm result, 256-byte alignment) is a few MiB against the ~1 GiB of one sequence of
+  // 1024 tokens through 12 layers. So doubling the batch nearly doubles the activations, and
+  // nothing grows faster than the batch.
+  EXPECT_GT(a2, a1 * 19 / 10);
+  EXPECT_LE(a2, 2 * a1 + (int64_t{16} << 20));
+  EXPECT_GT(a4, a2 * 19 / 10);
+  EXPECT_LE(a4, 2 * a2 + (int64_t{16} << 20));
+}
+
+TEST(MemoryPlanner, ActivationsGrowWithSequenceLength) {
+  const Gpt2Config c = Gpt2Small();
+  EXPECT_GT(PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false).activation_bytes,
+            PlanGpt2CudaMemory(c, 1, 512, DType::kBf16, false).activation_bytes);
+}
+
+// What LargestTrainableGpt2 promises, for one device size and optimizer placement.
+void ExpectLargestFits(int64_t device_bytes, bool gpu_optimizer, LargestTrainable* out) {
+  absl::StatusOr<LargestTrainable> best =
+      LargestTrainableGpt2(device_bytes, 1, 1024, DType::kBf16, gpu_optimizer);
+  ASSERT_TRUE(best.ok()) << best.status();
+  const Gpt2Config& c = best->config;
+  ASSERT_TRUE(ValidateGpt2Config(c).ok()) << DescribeConfig(c);
+  EXPECT_EQ(c.vocab_size, 50257);
+  EXPECT_EQ(c.context_length, 1024);
+  EXPECT_EQ(best->num_params, Gpt2NumParams(c));
+  // The plan it reports is the planner's plan for that model, and it fits.
+  const CudaMemoryPlan plan = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, gpu_optimizer);
+  EXPECT_EQ(best->plan.total_bytes(), plan.total_bytes());
+  EXPECT_EQ(best->plan.optimizer_bytes, gpu_optimizer ? 12 * best->num_params : 0);
+  EXPECT_LE(plan.total_bytes(), device_bytes);
+  // As many layers as fit: one more of the same width does not.
+  Gpt2Config deeper = c;
+  ++deeper.num_layers;
+  EXPECT_GT(PlanGpt2CudaMemory(deeper, 1, 1024, DType::kBf16, gpu_optimizer).total_bytes(),
+            device_bytes)
+      << DescribeConfig(c);
+  *out = *best;
+}
+
+TEST(MemoryPlanner, LargestTrainableOn80GiBFitsAndIsAsDeepAsPossible) {
+  LargestTrainable offload, gpu_only;
+  ExpectLargestFits(80 * kGiB, /*gpu_optimizer=*/false, &offload);
+  ExpectLargestFits(80 * kGiB, /*gpu_optimizer=*/true, &gpu_only);
+  // Leaving 12 of every 16 bytes of per-parameter state on the CPU must buy a larger model.
+  EXPECT_GT(offload.num_params, gpu_only.num_params);
+  // And GPT-2 124M itself trains on 80 GiB either way, so neither answer can be smaller.
+  EXPECT_GE(gpu_only.num_params, Gpt2NumParams(Gpt2Small()));
+}
+
+TEST(MemoryPlanner, LargestTrainableGrowsWithTheDevice) {
+  LargestTrainable small, large;
+  ExpectLargestFits(40 * kGiB, /*gpu_optimizer=*/false, &small);
+  ExpectLargestFits(80 * kGiB, /*gpu_optimizer=*/false, &large);
+  EXPECT_GT(large.num_params, small.num_params);
+}
+
+TEST(MemoryPlanner, NothingFitsInWhatTheCudaContextReserves) {
+  for (const bool gpu_optimizer : {false, true}) {
+    // kCudaReservedBytes (1 GiB) is held back before any model byte, so a 1 GiB device (or a
+    // little more) has room for nothing.
+    for (const int64_t device_bytes :
+         {kCudaReservedBytes, kCudaReservedBytes + (int64_t{1} << 20)}) {
+      absl::StatusOr<LargestTrainable> best =
+          LargestTrainableGpt2(device_bytes, 1, 1024, DType::kBf16, gpu_optimizer);
+      EXPECT_EQ(best.status().code(), absl::StatusCode::kNotFound)
+          << device_bytes << " bytes: " << (best.ok() ? DescribeConfig(best->config) : "");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,97 @@
+// The CPU backend as a ModelRunner: the 16-bit weights are upcast once per update into an fp32
+// copy that Gpt2Cpu computes with, and each finished gradient range is rounded to 16 bits (with
+// its statistics) on the backward thread before it is reported.
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_trainer/model/cpu_runtime.h"
+#include "gpu_trainer/train/model_runner.h"
+
+namespace offload {
+namespace {
+
+class CpuModelRunner final : public ModelRunner {
+ public:
+  CpuModelRunner(std::unique_ptr<Gpt2Cpu> model, CpuKernelSet kernels, DType dtype)
+      : model_(std::move(model)),
+        kernels_(kernels),
+        dtype_(dtype),
+        params_(model_->num_params(), 0.0f),
+        grads_(model_->num_params(), 0.0f) {}
+
+  int64_t num_params() const override { return model_->num_params(); }
+
+  std::string Describe() const override {
+    return absl::StrCat("cpu backend, ", kernels_ == CpuKernelSet::kFast ? "fast" : "naive",
+                        " kernels, blas=", BlasCoreName());
+  }
+
+  absl::Status SetWeights(const uint16_t* w16) override {
+    const int64_t n = model_->num_params();
+    float* p = params_.data();  // (n,)
+    if (dtype_ == DType::kFp16) {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) p[i] = Fp16ToFloat(w16[i]);
+    } else {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) p[i] = Bf16ToFloat(w16[i]);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                int T) override {
+    last_t_ = T;
+    return model_->Forward(params_.data(), inputs, targets, B, T);
+  }
+
+  absl::StatusOr<GradStats> Backward(
+      float loss_scale, uint16_t* grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
+    GradStats stats;
+    absl::Status status =
+        model_->Backward(params_.data(), loss_scale, grads_.data(), [&](int64_t offset, int64_t n) {
+          stats.Merge(RoundGradients(grads_.data() + offset, n, dtype_, grads16 + offset));
+          if (on_ready) on_ready(offset, n);
+        });
+    if (!status.ok()) return status;
+    return stats;
+  }
+
+  absl::Status Logits(int t, float* logits) override {
+    if (t < 0 || t >= last_t_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Logits: position ", t, " outside [0, ", last_t_, ")"));
+    }
+    const int V = model_->config().vocab_size;
+    const float* row = model_->logits() + static_cast<int64_t>(t) * V;  // (V,)
+    std::copy(row, row + V, logits);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<Gpt2Cpu> model_;
+  const CpuKernelSet kernels_;
+  const DType dtype_;
+  std::vector<float> params_;  // (num_params,) the 16-bit weights upcast for compute
+  std::vector<float> grads_;   // (num_params,) fp32 from backward
+  int last_t_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(const Gpt2Config& config,
+                                                                  int max_batch, int max_seq,
+                                                                  CpuKernelSet kernels,
+                                                                  DType dtype) {
+  if (dtype != DType::kFp16 && dtype != DType::kBf16) {
+    return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
+  }
+  absl::StatusOr<std::unique_ptr<Gpt2Cpu>> model =
+      Gpt2Cpu::Create(config, max_batch, max_seq, kernels);
+  if (!model.ok()) return model.status();
+  return std::make_unique<CpuModelRunner>(std::move(*model), kernels, dtype);
+}
+
+}  // namespace offload

@@ -1,0 +1,92 @@
+// The CUDA backend as a ModelRunner: weights go up and gradients come down through the model's
+// pinned staging rings; the gradient statistics are computed on the GPU over the 16-bit values
+// that leave. In a build without the CUDA backend, CreateCudaModelRunner says so.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_trainer/train/model_runner.h"
+
+#ifdef OFFLOAD_HAVE_CUDA
+#include "gpu_trainer/cuda/cuda_device.h"
+#include "gpu_trainer/cuda/gpt2_cuda.h"
+#endif
+
+namespace offload {
+
+#ifdef OFFLOAD_HAVE_CUDA
+namespace {
+
+class CudaModelRunner final : public ModelRunner {
+ public:
+  CudaModelRunner(std::unique_ptr<Gpt2Cuda> model, std::string device)
+      : model_(std::move(model)), device_(std::move(device)) {}
+
+  int64_t num_params() const override { return model_->num_params(); }
+
+  std::string Describe() const override {
+    return absl::StrCat("cuda backend, ", DTypeName(model_->dtype()), ", ", device_, ", ",
+                        model_->device_bytes() >> 20, " MiB on the GPU");
+  }
+
+  absl::Status SetWeights(const uint16_t* w16) override { return model_->UploadWeights16(w16); }
+
+  absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                int T) override {
+    return model_->Forward(inputs, targets, B, T);
+  }
+
+  absl::StatusOr<GradStats> Backward(
+      float loss_scale, uint16_t* grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
+    absl::StatusOr<CudaGradStats> stats = model_->Backward(loss_scale, grads16, on_ready);
+    if (!stats.ok()) return stats.status();
+    GradStats out;
+    out.sum_squares = stats->sum_squares;
+    out.nonfinite = stats->nonfinite;
+    return out;
+  }
+
+  absl::Status Logits(int t, float* logits) override {
+    return model_->CopyLogitsToHost(0, t, logits);
+  }
+
+ private:
+  std::unique_ptr<Gpt2Cuda> model_;
+  const std::string device_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config& config,
+                                                                   int max_batch, int max_seq,
+                                                                   DType dtype, int device,
+                                                                   int64_t pinned_staging_bytes) {
+  if (dtype != DType::kFp16 && dtype != DType::kBf16) {
+    return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
+  }
+  absl::StatusOr<CudaDeviceInfo> info = UseCudaDevice(device);
+  if (!info.ok()) return info.status();
+  CudaModelOptions options;
+  options.dtype = dtype;
+  options.device = device;
+  options.staging.budget_bytes = pinned_staging_bytes;
+  options.staging.chunk_bytes =
+      std::min<int64_t>(options.staging.chunk_bytes, pinned_staging_bytes / 2);
+  absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
+      Gpt2Cuda::Create(config, max_batch, max_seq, options);
+  if (!model.ok()) return model.status();
+  return std::make_unique<CudaModelRunner>(std::move(*model), DescribeCudaDevice(*info));
+}
+
+#else
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config&, int, int,
+                                                                   DType, int, int64_t) {
+  return absl::UnimplementedError(
+      "this build has no CUDA backend (nvcc was not found when it was configured; see "
+      "OFFLOAD_CUDA in the README)");
+}
+
+#endif
+
+}  // namespace offload

@@ -1,0 +1,60 @@
+// The trainer's compute device behind one small interface: the CPU backend (fp32 compute on the
+// 16-bit weights, gradients rounded to 16 bits as they leave) or the CUDA backend (16-bit
+// weights, activations and gradients on the GPU, through pinned staging buffers). The trainer
+// holds the host copies of what crosses the wire: 16-bit weights in, 16-bit gradients out.
+#ifndef OFFLOAD_GPU_TRAINER_TRAIN_MODEL_RUNNER_H_
+#define OFFLOAD_GPU_TRAINER_TRAIN_MODEL_RUNNER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/dtype.h"
+#include "gpu_trainer/model/gpt2.h"
+#include "gpu_trainer/model/gpt2_config.h"
+#include "gpu_trainer/train/grad_stats.h"
+
+namespace offload {
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  virtual int64_t num_params() const = 0;
+  // One line for the log: backend, kernels or GPU.
+  virtual std::string Describe() const = 0;
+
+  // w16 (num_params,) the weights the optimizer sent, in the run's 16-bit dtype. The caller keeps
+  // w16 unchanged until the next Forward.
+  virtual absl::Status SetWeights(const uint16_t* w16) = 0;
+  // As Gpt2Cpu::Forward: inputs, targets (B, T) on the host; the mean loss (0 without targets).
+  virtual absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                        int T) = 0;
+  // grads16 (num_params,) := the 16-bit gradients of loss * loss_scale. on_ready(offset, n) runs
+  // once each range of Gpt2Cpu::Backward's order is final in grads16, maybe on another thread.
+  // Returns the statistics of the values written.
+  virtual absl::StatusOr<GradStats> Backward(
+      float loss_scale, uint16_t* grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) = 0;
+  // logits (V,) of position t of sequence 0 of the last Forward.
+  virtual absl::Status Logits(int t, float* logits) = 0;
+};
+
+// dtype: the 16-bit format of weights and gradients (fp16 or bf16).
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(const Gpt2Config& config,
+                                                                  int max_batch, int max_seq,
+                                                                  CpuKernelSet kernels,
+                                                                  DType dtype);
+
+// Unavailable without a GPU; Unimplemented in a build without the CUDA backend.
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config& config,
+                                                                   int max_batch, int max_seq,
+                                                                   DType dtype, int device,
+                                                                   int64_t pinned_staging_bytes);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_TRAIN_MODEL_RUNNER_H_
