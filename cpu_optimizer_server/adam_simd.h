@@ -249,22 +249,27 @@ void RooflineSpanAny(const AdamSpan& span) {
   }
 }
 
-// The conversions alone, for tests (adam_kernel_internal.h).
-template <class T>
-void FloatToHalfAny(const float* in, DType dtype, uint16_t* half, int64_t n) {
+// The conversions alone: the 16-bit copy of weights that Adam did not just write (a replayed
+// step, a read of the state as 16 bits), and the tests (adam_kernel_internal.h).
+template <class T, Out kOut>
+void FloatToHalfTyped(const float* in, uint16_t* half, int64_t n) {
   constexpr int W = T::kWidth;
   int64_t i = 0;
+  for (; i + W <= n; i += W) StoreOut<T, kOut>(half, i, T::Load(in + i));
+  if (i == n) return;
   alignas(64) float in_buf[W] = {};
   alignas(64) uint16_t half_buf[W] = {};
-  for (; i < n; i += W) {
-    const int64_t k = n - i < W ? n - i : W;
-    std::memcpy(in_buf, in + i, k * sizeof(float));
-    if (dtype == DType::kBf16) {
-      T::StoreBf16(half_buf, T::Load(in_buf));
-    } else {
-      T::StoreFp16(half_buf, T::Load(in_buf));
-    }
-    std::memcpy(half + i, half_buf, k * sizeof(uint16_t));
+  std::memcpy(in_buf, in + i, (n - i) * sizeof(float));
+  StoreOut<T, kOut>(half_buf, 0, T::Load(in_buf));
+  std::memcpy(half + i, half_buf, (n - i) * sizeof(uint16_t));
+}
+
+template <class T>
+void FloatToHalfAny(const float* in, DType dtype, uint16_t* half, int64_t n) {
+  if (dtype == DType::kBf16) {
+    FloatToHalfTyped<T, Out::kBf16>(in, half, n);
+  } else {
+    FloatToHalfTyped<T, Out::kFp16>(in, half, n);
   }
 }
 

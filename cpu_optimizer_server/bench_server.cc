@@ -4,6 +4,13 @@
 //
 //   server transport=grpc n=67108864 ranges=1 gparams_per_s=... kernel_gparams_per_s=... ratio=...
 //
+// and the same full step through the other data planes on the same job and server (rows
+// transport=shm and, where the build has UCX, transport=ucx; UCX_TLS applies, both sides of the
+// exchange reading it in this process), each against the same kernel-alone time:
+//
+//   server transport=shm grad=fp16 n=... ranges=1 threads=... gparams_per_s=... ratio=...
+//   step_ms=...
+//
 // The server runs in this process but every byte crosses a real TCP connection on 127.0.0.1.
 // The same run also moves a step's bytes (16-bit gradients in, then 16-bit parameters out)
 // through a plain TCP socket pair on loopback: the bound the medium sets on any TCP transport,
@@ -17,15 +24,24 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
 #include "cpu_optimizer_server/host_buffer.h"
 #include "cpu_optimizer_server/optimizer_client.h"
 #include "cpu_optimizer_server/optimizer_service.h"
 #include "cpu_optimizer_server/range_driver.h"
 #include "cpu_optimizer_server/shard_store.h"
+#include "cpu_optimizer_server/shm_transport.h"
+#include "cpu_optimizer_server/step_transport.h"
+#include "cpu_optimizer_server/tcp_bound.h"
+#ifdef OFFLOAD_HAVE_UCX
+#include "cpu_optimizer_server/ucx_transport.h"
+#endif
 
 ABSL_FLAG(int64_t, n, int64_t{64} << 20, "parameters in the job");
 ABSL_FLAG(int, ranges, 1, "ranges the job is cut into, each stepped by its own stream (rank)");
@@ -35,6 +51,8 @@ ABSL_FLAG(int64_t, chunk_kib, 4096, "gradient chunk payload");
 ABSL_FLAG(int, steps, 5, "timed steps (after one warm-up); the best is reported");
 ABSL_FLAG(std::string, simd, "auto", "kernel path");
 ABSL_FLAG(std::string, grad, "fp16", "fp16 or bf16 gradients and parameters");
+ABSL_FLAG(std::string, transports, "grpc,shm,ucx",
+          "data planes to step through (ucx only where the build has UCX)");
 
 namespace offload {
 namespace {
@@ -43,48 +61,31 @@ double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_cloc
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Sends `bytes` from a to b, then `bytes` from b to a, over a connected loopback TCP pair, in
-// 4 MiB writes, and returns the seconds it took (negative on a socket error).
-double TcpRoundTripSeconds(int64_t bytes) {
-  int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(listener, 1) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(listener);
-    return -1;
-  }
-  int a = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(a, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return -1;
-  int b = accept(listener, nullptr, nullptr);
-  close(listener);
-  constexpr int64_t kChunk = 4 << 20;
-  std::vector<char> send_buf(kChunk, 1), recv_buf(kChunk);
-  auto pump = [&](int from, int to) {
-    std::thread reader([&] {
-      for (int64_t got = 0; got < bytes;) {
-        const ssize_t k = read(to, recv_buf.data(), kChunk);
-        if (k <= 0) return;
-        got += k;
-      }
-    });
-    for (int64_t sent = 0; sent < bytes;) {
-      const ssize_t k = write(from, send_buf.data(), std::min(kChunk, bytes - sent));
-      if (k <= 0) break;
-      sent += k;
+// Step `step` of every range at once through `transport`, one thread per range (as ranks would):
+// the same exchange as StepAllRanges, through any data plane.
+absl::Status StepAllRangesVia(StepTransport* transport, const std::string& job_id,
+                              const std::vector<RangeSpec>& ranges, uint64_t step,
+                              const uint16_t* grads, DType dtype, float lr, uint16_t* params) {
+  std::vector<absl::Status> status(ranges.size());
+  auto one = [&](size_t i) {
+    const RangeSpec& r = ranges[i];
+    auto stream = transport->OpenStep(job_id, static_cast<uint32_t>(i), r.offset, r.length, step);
+    if (!stream.ok()) {
+      status[i] = stream.status();
+      return;
     }
-    reader.join();
+    status[i] = (*stream)->SendGradients(r.offset, grads + r.offset, dtype, r.length);
+    if (!status[i].ok()) return;
+    status[i] = (*stream)->Commit(lr, 1.0f, false, params + r.offset).status();
   };
-  const auto t0 = std::chrono::steady_clock::now();
-  pump(a, b);
-  pump(b, a);
-  const double s = Seconds(t0, std::chrono::steady_clock::now());
-  close(a);
-  close(b);
-  return s;
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < ranges.size(); ++i) threads.emplace_back(one, i);
+  one(0);
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 int Run() {
@@ -171,34 +172,93 @@ int Run() {
     }
   }
 
-  // Full steps through the service, one stream per range in parallel (as ranks would).
-  double step_best = 1e30;
-  for (int step = 1; step <= absl::GetFlag(FLAGS_steps) + 1; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const absl::Status status = StepAllRanges(client->get(), "bench", ranges, step, grads.data(),
-                                              dtype, adam.lr, 1.0f, params.data());
-    const double s = Seconds(t0, std::chrono::steady_clock::now());
-    if (!status.ok()) {
-      std::fprintf(stderr, "bench_server: step %d: %s\n", step, status.ToString().c_str());
-      return 1;
+  const std::string transports = absl::GetFlag(FLAGS_transports);
+  auto wanted = [&](const char* plane) {
+    for (absl::string_view t : absl::StrSplit(transports, ',')) {
+      if (t == plane) return true;
     }
-    if (step > 1) step_best = std::min(step_best, s);
+    return false;
+  };
+  const double kernel_rate = n / kernel_best / 1e9;
+  int rc = 0;
+  // Full steps through the service, one stream per range in parallel (as ranks would).
+  int step = 0;
+  if (wanted("grpc")) {
+    double step_best = 1e30;
+    for (int it = 0; it <= absl::GetFlag(FLAGS_steps); ++it) {
+      ++step;
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status status = StepAllRanges(client->get(), "bench", ranges, step, grads.data(),
+                                                dtype, adam.lr, 1.0f, params.data());
+      const double s = Seconds(t0, std::chrono::steady_clock::now());
+      if (!status.ok()) {
+        std::fprintf(stderr, "bench_server: step %d: %s\n", step, status.ToString().c_str());
+        return 1;
+      }
+      if (it > 0) step_best = std::min(step_best, s);
+    }
+    double tcp_best = 1e30;
+    for (int it = 0; it < absl::GetFlag(FLAGS_steps); ++it) {
+      tcp_best = std::min(tcp_best, TcpBothWaysSeconds(n * DTypeSize(dtype)));
+    }
+    const double step_rate = n / step_best / 1e9;
+    std::printf(
+        "server transport=grpc grad=%s n=%lld ranges=%d threads=%d channels=%d chunk_kib=%lld "
+        "gparams_per_s=%.3f kernel_gparams_per_s=%.3f ratio=%.2f step_ms=%.1f "
+        "tcp_bound_gparams_per_s=%.3f ratio_to_tcp=%.2f\n",
+        std::string(DTypeName(dtype)).c_str(), static_cast<long long>(n), num_ranges,
+        pool.num_threads(), absl::GetFlag(FLAGS_channels),
+        static_cast<long long>(absl::GetFlag(FLAGS_chunk_kib)), step_rate, kernel_rate,
+        step_rate / kernel_rate, step_best * 1e3, n / tcp_best / 1e9,
+        step_rate / (n / tcp_best / 1e9));
   }
-  double tcp_best = 1e30;
-  for (int it = 0; it < absl::GetFlag(FLAGS_steps); ++it) {
-    tcp_best = std::min(tcp_best, TcpRoundTripSeconds(n * DTypeSize(dtype)));
+
+  // The same full steps through the other data planes, on the same job, server and state.
+  for (const char* plane : {"shm", "ucx"}) {
+    if (!wanted(plane)) continue;
+    absl::StatusOr<std::unique_ptr<StepTransport>> transport =
+        absl::UnimplementedError("this build has no UCX");
+    if (std::string(plane) == "shm") {
+      absl::Status probe = ProbeShm(client->get());
+      transport = probe.ok() ? CreateShmTransport(client->get()) : probe;
+#ifdef OFFLOAD_HAVE_UCX
+    } else {
+      absl::Status probe = ProbeUcx(client->get());
+      UcxOptions ucx;
+      ucx.chunk_bytes = absl::GetFlag(FLAGS_chunk_kib) << 10;
+      transport = probe.ok() ? CreateUcxTransport(client->get(), ucx) : probe;
+#endif
+    }
+    if (!transport.ok()) {
+      std::fprintf(stderr, "bench_server: transport=%s: %s\n", plane,
+                   transport.status().ToString().c_str());
+      rc = 1;
+      continue;
+    }
+    double best = 1e30;
+    absl::Status status;
+    for (int it = 0; it <= absl::GetFlag(FLAGS_steps) && status.ok(); ++it) {
+      ++step;
+      const auto t0 = std::chrono::steady_clock::now();
+      status = StepAllRangesVia(transport->get(), "bench", ranges, step, grads.data(), dtype,
+                                adam.lr, params.data());
+      const double s = Seconds(t0, std::chrono::steady_clock::now());
+      if (it > 0) best = std::min(best, s);  // the first step attaches the plane
+    }
+    if (!status.ok()) {
+      std::fprintf(stderr, "bench_server: transport=%s step %d: %s\n", plane, step,
+                   status.ToString().c_str());
+      rc = 1;
+      continue;
+    }
+    const double rate = n / best / 1e9;
+    std::printf(
+        "server transport=%s grad=%s n=%lld ranges=%d threads=%d gparams_per_s=%.3f "
+        "kernel_gparams_per_s=%.3f ratio=%.2f step_ms=%.1f\n",
+        plane, std::string(DTypeName(dtype)).c_str(), static_cast<long long>(n), num_ranges,
+        pool.num_threads(), rate, kernel_rate, rate / kernel_rate, best * 1e3);
   }
-  const double step_rate = n / step_best / 1e9, kernel_rate = n / kernel_best / 1e9;
-  std::printf(
-      "server transport=grpc grad=%s n=%lld ranges=%d threads=%d channels=%d chunk_kib=%lld "
-      "gparams_per_s=%.3f kernel_gparams_per_s=%.3f ratio=%.2f step_ms=%.1f "
-      "tcp_bound_gparams_per_s=%.3f ratio_to_tcp=%.2f\n",
-      std::string(DTypeName(dtype)).c_str(), static_cast<long long>(n), num_ranges,
-      pool.num_threads(), absl::GetFlag(FLAGS_channels),
-      static_cast<long long>(absl::GetFlag(FLAGS_chunk_kib)), step_rate, kernel_rate,
-      step_rate / kernel_rate, step_best * 1e3, n / tcp_best / 1e9,
-      step_rate / (n / tcp_best / 1e9));
-  return 0;
+  return rc;
 }
 
 }  // namespace

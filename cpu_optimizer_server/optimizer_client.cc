@@ -159,7 +159,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
                                                                       int64_t range_offset,
                                                                       int64_t range_length,
                                                                       uint64_t step) {
-  std::unique_ptr<StepStream> s(new StepStream());
+  std::unique_ptr<GrpcStepStream> s(new GrpcStepStream());
   s->context_ = std::make_unique<grpc::ClientContext>();
   SetDeadline(s->context_.get());
   s->stream_ = NextStub()->Step(s->context_.get());
@@ -175,11 +175,16 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
     s->done_ = true;
     return FromGrpcStatus(s->stream_->Finish());
   }
-  return s;
+  return std::unique_ptr<StepStream>(std::move(s));
 }
 
-absl::Status StepStream::SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
-                                       bool accumulate) {
+std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>
+OptimizerClient::Attach(grpc::ClientContext* context) {
+  return NextStub()->Attach(context);
+}
+
+absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
+                                           bool accumulate) {
   const int size = DTypeSize(dtype);
   const int64_t per_chunk = chunk_bytes_ / size;
   v1::GradChunk* grad = request_.mutable_grad();
@@ -199,8 +204,8 @@ absl::Status StepStream::SendGradients(int64_t offset, const void* data, DType d
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StepResult> StepStream::Commit(float lr, float grad_multiplier, bool skip,
-                                                  void* params_out) {
+absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(float lr, float grad_multiplier, bool skip,
+                                                      void* params_out) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   v1::StepCommit* commit = request_.mutable_commit();
   commit->set_step(step_);
@@ -249,13 +254,13 @@ absl::StatusOr<v1::StepResult> StepStream::Commit(float lr, float grad_multiplie
   return result;
 }
 
-void StepStream::Abandon() {
+void GrpcStepStream::Abandon() {
   if (done_) return;
   done_ = true;
   context_->TryCancel();
   stream_->Finish();
 }
 
-StepStream::~StepStream() { Abandon(); }
+GrpcStepStream::~GrpcStepStream() { Abandon(); }
 
 }  // namespace offload

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cpu_optimizer_server/dtype.h"
+#include "cpu_optimizer_server/step_transport.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/optimizer.grpc.pb.h"
 
@@ -46,24 +47,20 @@ struct StepCounters {
   uint64_t adam_step = 0;
 };
 
-// One step of one range: open, gradient chunks, commit. Made by OptimizerClient::OpenStep.
-class StepStream {
+// One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep.
+class GrpcStepStream final : public StepStream {
  public:
-  // Sends n gradients of flat elements [offset, offset + n) in chunks.
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
-                             bool accumulate = false);
-  // Commits and receives the updated 16-bit parameters of the whole range into
-  // params_out (range length,), whose first element is the range's first element.
+                             bool accumulate = false) override;
   absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
-                                        void* params_out);
-  // Ends the stream without committing (the shard drops the gradients).
-  void Abandon();
-  ~StepStream();
+                                        void* params_out) override;
+  void Abandon() override;
+  ~GrpcStepStream() override;
 
  private:
   friend class OptimizerClient;
 
-  StepStream() = default;
+  GrpcStepStream() = default;
 
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
@@ -75,7 +72,8 @@ class StepStream {
   bool done_ = false;
 };
 
-class OptimizerClient {
+// The control plane to one shard, and its gRPC data plane.
+class OptimizerClient final : public StepTransport {
  public:
   // Connects every channel; fails if the shard does not answer within the connect timeout.
   static absl::StatusOr<std::unique_ptr<OptimizerClient>> Connect(const ClientOptions& options);
@@ -93,10 +91,18 @@ class OptimizerClient {
   absl::Status DropJob(const std::string& job_id);
   absl::StatusOr<v1::DescribeShardResponse> DescribeShard();
 
+  absl::string_view name() const override { return "grpc"; }
   // Opens the step stream of range `range_index` (flat [range_offset, +range_length)).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStep(const std::string& job_id,
                                                        uint32_t range_index, int64_t range_offset,
-                                                       int64_t range_length, uint64_t step);
+                                                       int64_t range_length,
+                                                       uint64_t step) override;
+
+  // The Attach stream of a data plane (shm_transport.h, ucx_transport.h): no deadline, since it
+  // lives as long as the attachment; keepalive notices a vanished shard.
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> Attach(
+      grpc::ClientContext* context);
+  const ClientOptions& options() const { return options_; }
 
  private:
   explicit OptimizerClient(const ClientOptions& options) : options_(options) {}

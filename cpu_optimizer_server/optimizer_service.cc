@@ -5,8 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/grpc_tuning.h"
+#include "cpu_optimizer_server/shm_transport.h"
 #include "cpu_optimizer_server/state_loader.h"
 #include "cpu_optimizer_server/step_session.h"
+#ifdef OFFLOAD_HAVE_UCX
+#include "cpu_optimizer_server/ucx_transport.h"
+#endif
 #include "cpu_optimizer_server/wire_convert.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -208,6 +212,7 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
   response->set_memory_limit_bytes(store_->budget()->limit());
   response->set_memory_used_bytes(store_->budget()->used());
   response->set_max_message_bytes(max_message_bytes_);
+  for (DataPlaneServer* plane : data_planes_) response->add_data_planes(plane->plane());
   for (const std::shared_ptr<Job>& job : store_->Jobs()) {
     v1::JobStatus* status = response->add_jobs();
     status->set_job_id(job->config.job_id);
@@ -228,6 +233,22 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status OptimizerService::Attach(grpc::ServerContext* context, AttachStream* stream) {
+  v1::AttachRequest request;
+  if (!stream->Read(&request)) return grpc::Status(grpc::StatusCode::CANCELLED, "no AttachOpen");
+  if (!request.has_open()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first message of an Attach stream must be an AttachOpen");
+  }
+  const v1::AttachOpen& open = request.open();
+  for (DataPlaneServer* plane : data_planes_) {
+    if (plane->plane() == open.plane()) return plane->Serve(open, context, stream);
+  }
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      absl::StrCat("this server does not offer the ",
+                                   v1::DataPlane_Name(open.plane()), " data plane"));
+}
+
 absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
     const ServerOptions& options, ShardStore* store) {
   const int64_t wave_bytes = store->options().wave_elements * 2;
@@ -240,7 +261,18 @@ absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<OptimizerServer> server(new OptimizerServer());
-  server->service_ = std::make_unique<OptimizerService>(store, options.max_message_bytes);
+  if (options.enable_shm) server->data_planes_.push_back(CreateShmServer(store));
+#ifdef OFFLOAD_HAVE_UCX
+  if (options.enable_ucx) {
+    absl::StatusOr<std::unique_ptr<DataPlaneServer>> ucx = CreateUcxServer(store);
+    if (!ucx.ok()) return ucx.status();
+    server->data_planes_.push_back(std::move(*ucx));
+  }
+#endif
+  std::vector<DataPlaneServer*> planes;
+  for (const auto& plane : server->data_planes_) planes.push_back(plane.get());
+  server->service_ =
+      std::make_unique<OptimizerService>(store, options.max_message_bytes, std::move(planes));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
                            &server->port_);

@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "cpu_optimizer_server/data_plane.h"
 #include "cpu_optimizer_server/shard_store.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/optimizer.grpc.pb.h"
@@ -16,8 +18,12 @@ namespace offload {
 
 class OptimizerService final : public v1::OptimizerShard::Service {
  public:
-  OptimizerService(ShardStore* store, int64_t max_message_bytes)
-      : store_(store), max_message_bytes_(max_message_bytes) {}
+  // data_planes: the planes offered beside gRPC (not owned; may be empty).
+  OptimizerService(ShardStore* store, int64_t max_message_bytes,
+                   std::vector<DataPlaneServer*> data_planes = {})
+      : store_(store),
+        max_message_bytes_(max_message_bytes),
+        data_planes_(std::move(data_planes)) {}
 
   grpc::Status CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
                          v1::CreateJobResponse* response) override;
@@ -32,16 +38,20 @@ class OptimizerService final : public v1::OptimizerShard::Service {
                        v1::DropJobResponse* response) override;
   grpc::Status DescribeShard(grpc::ServerContext* context, const v1::DescribeShardRequest* request,
                              v1::DescribeShardResponse* response) override;
+  grpc::Status Attach(grpc::ServerContext* context, AttachStream* stream) override;
 
  private:
   ShardStore* const store_;
   const int64_t max_message_bytes_;
+  const std::vector<DataPlaneServer*> data_planes_;
 };
 
 // Options of a running server, shared by the binary, the tests and the benchmarks.
 struct ServerOptions {
   std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free one
   int64_t max_message_bytes = int64_t{64} << 20;
+  bool enable_shm = true;  // offer the shared-memory data plane to trainers on this host
+  bool enable_ucx = true;  // offer the UCX data plane (where the build has UCX)
 };
 
 // A shard store served over gRPC with health checking and reflection.
@@ -56,6 +66,7 @@ class OptimizerServer {
 
  private:
   OptimizerServer() = default;
+  std::vector<std::unique_ptr<DataPlaneServer>> data_planes_;
   std::unique_ptr<OptimizerService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

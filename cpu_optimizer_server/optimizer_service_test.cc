@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cpu_optimizer_server/optimizer_client.h"
+#include "cpu_optimizer_server/service_test_util.h"
 #include "cpu_optimizer_server/wire_convert.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -59,13 +60,7 @@ class OptimizerServiceTest : public ::testing::Test {
     v1::ParamRange* b = r.add_ranges();
     b->set_offset(kLen0);
     b->set_length(kLen1);
-    v1::AdamConfig* adam = r.mutable_adam();
-    adam->set_kind(v1::OPTIMIZER_KIND_ADAMW);
-    adam->set_lr(1e-3f);
-    adam->set_beta1(0.9f);
-    adam->set_beta2(0.999f);
-    adam->set_eps(1e-8f);
-    adam->set_weight_decay(0.01f);
+    *r.mutable_adam() = TestAdamW();
     r.set_param_dtype(v1::DTYPE_BF16);
     return r;
   }

@@ -14,6 +14,9 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address to serve on (host:port; port 0 picks a free one, printed at start)");
+ABSL_FLAG(bool, shm, true,
+          "offer the shared-memory data plane to trainers that prove they share this host");
+ABSL_FLAG(bool, ucx, true, "offer the UCX data plane (where the build has UCX; UCX_TLS applies)");
 ABSL_FLAG(int, threads, 0, "Adam worker threads; 0 = one per core this process may use");
 ABSL_FLAG(bool, pin_threads, false, "pin each Adam worker to one core");
 ABSL_FLAG(std::string, simd, "auto", "Adam kernel path: auto, scalar, avx2 or avx512");
@@ -52,6 +55,8 @@ int main(int argc, char** argv) {
   offload::ServerOptions server_options;
   server_options.listen_address = absl::GetFlag(FLAGS_listen);
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
+  server_options.enable_shm = absl::GetFlag(FLAGS_shm);
+  server_options.enable_ucx = absl::GetFlag(FLAGS_ucx);
   absl::StatusOr<std::unique_ptr<offload::OptimizerServer>> server =
       offload::OptimizerServer::Start(server_options, &store);
   if (!server.ok()) {

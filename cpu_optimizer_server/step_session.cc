@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/adam_kernel_internal.h"
 
 namespace offload {
 
@@ -50,17 +51,7 @@ StepSession::~StepSession() {
   range_->step_in_progress = false;
 }
 
-absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumulate,
-                                       std::string data) {
-  if (committed_) return absl::FailedPreconditionError("gradient chunk after the commit");
-  const int size = DTypeSize(dtype);
-  if (data.empty()) return absl::InvalidArgumentError("gradient chunk has no data");
-  if (data.size() % size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("gradient chunk has ", data.size(),
-                                                   " bytes, not a multiple of ", size, " for ",
-                                                   DTypeName(dtype)));
-  }
-  const int64_t n = static_cast<int64_t>(data.size()) / size;
+absl::Status StepSession::ValidateChunk(int64_t offset, int64_t n, bool accumulate) const {
   const RangeSpec& spec = range_->spec;
   if (offset < spec.offset || offset >= spec.offset + spec.length ||
       n > spec.offset + spec.length - offset) {
@@ -77,6 +68,22 @@ absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumul
           overlap->second + spec.offset, "); set accumulate to add micro-batches"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumulate,
+                                       std::string data) {
+  if (committed_) return absl::FailedPreconditionError("gradient chunk after the commit");
+  const int size = DTypeSize(dtype);
+  if (data.empty()) return absl::InvalidArgumentError("gradient chunk has no data");
+  if (data.size() % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient chunk has ", data.size(),
+                                                   " bytes, not a multiple of ", size, " for ",
+                                                   DTypeName(dtype)));
+  }
+  const int64_t n = static_cast<int64_t>(data.size()) / size;
+  if (absl::Status s = ValidateChunk(offset, n, accumulate); !s.ok()) return s;
+  const int64_t begin = offset - range_->spec.offset;
   if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
   if (accumulate && !accumulating_) {
     if (absl::Status s = StartAccumulating(); !s.ok()) return s;
@@ -107,6 +114,34 @@ absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumul
   return absl::OkStatus();
 }
 
+absl::Status StepSession::AddGradientsView(int64_t offset, DType dtype, const void* data,
+                                           int64_t n) {
+  if (committed_) return absl::FailedPreconditionError("gradient chunk after the commit");
+  if (n <= 0) return absl::InvalidArgumentError("gradient chunk has no data");
+  if (absl::Status s = ValidateChunk(offset, n, /*accumulate=*/false); !s.ok()) return s;
+  const int64_t begin = offset - range_->spec.offset;
+  if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
+  // The caller holds the bytes (and accounts for them), so no reservation here.
+  const char* src = static_cast<const char*>(data);
+  if (!non_finite_ && HasNonFinite(src, dtype, n)) {
+    non_finite_ = true;
+    first_non_finite_offset_ = offset;
+  }
+  covered_.Insert(begin, begin + n);
+  if (accumulating_) {
+    const int size = DTypeSize(dtype);
+    float* acc = range_->accumulator;
+    store_->ParallelTiles(begin, begin + n, [&](int64_t lo, int64_t hi) {
+      AddAsFloat(src + (lo - begin) * size, dtype, hi - lo, acc + lo);
+    });
+    return absl::OkStatus();
+  }
+  Piece piece{begin, n, dtype, std::string()};
+  piece.view = src;
+  pieces_.push_back(std::move(piece));
+  return absl::OkStatus();
+}
+
 // Switches this step to the fp32 accumulator: zero it, fold in the chunks held so far.
 absl::Status StepSession::StartAccumulating() {
   RangeState* r = range_;
@@ -128,7 +163,7 @@ absl::Status StepSession::StartAccumulating() {
   float* acc = r->accumulator;
   store_->ParallelTiles(0, length,
                         [acc](int64_t lo, int64_t hi) { std::memset(acc + lo, 0, (hi - lo) * 4); });
-  for (const Piece& p : pieces_) AddAsFloat(p.data.data(), p.dtype, p.n, acc + p.begin);
+  for (const Piece& p : pieces_) AddAsFloat(p.bytes(), p.dtype, p.n, acc + p.begin);
   pieces_.clear();
   held_bytes_.Reset();
   accumulating_ = true;
@@ -147,9 +182,15 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
             [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
 
   // Applies Adam (if asked) and writes the 16-bit copy for range elements [lo, hi) into out.
+  // A replay only converts: the SIMD conversion of the store's path, bit-identical to dtype.h's.
+  const internal::FloatToHalfFn to_half = internal::GetFloatToHalf(store_->simd_path());
   auto process = [&](const int64_t base, int64_t hi, uint16_t* out) {
     if (update == nullptr) {
-      ConvertFromFloat(r->param + base, hi - base, out_dtype, out);
+      if (to_half != nullptr) {
+        to_half(r->param + base, out_dtype, out, hi - base);
+      } else {
+        ConvertFromFloat(r->param + base, hi - base, out_dtype, out);
+      }
       return;
     }
     AdamSpan span;
@@ -174,7 +215,7 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
                                [](int64_t pos, const Piece& p) { return pos < p.begin; });
     for (--it; lo < hi; ++it) {
       const int64_t e = std::min(hi, it->begin + it->n);
-      run(lo, e, it->data.data() + (lo - it->begin) * DTypeSize(it->dtype), it->dtype);
+      run(lo, e, it->bytes() + (lo - it->begin) * DTypeSize(it->dtype), it->dtype);
       lo = e;
     }
   };

@@ -56,6 +56,11 @@ class StepSession {
   // `offset`. `data` is moved in and read in place by the commit (no copy).
   absl::Status AddGradients(int64_t offset, DType dtype, bool accumulate, std::string data);
 
+  // As AddGradients without accumulate, for n gradients the caller keeps at `data` (not owned):
+  // they are read in place by the commit, so `data` must stay valid and unchanged until the
+  // commit returns or the session ends. The shared-memory data plane passes its gradient area.
+  absl::Status AddGradientsView(int64_t offset, DType dtype, const void* data, int64_t n);
+
   // Applies (or skips, or replays) the step and streams the 16-bit parameters into `sink`.
   // May be called once.
   absl::StatusOr<StepOutcome> Commit(const StepCommitArgs& args, ParamSink* sink);
@@ -67,11 +72,15 @@ class StepSession {
     int64_t begin;  // range-relative first element
     int64_t n;
     DType dtype;
-    std::string data;  // (n,) in dtype
+    std::string data;            // (n,) in dtype, owned; empty for a view
+    const char* view = nullptr;  // (n,) in dtype, not owned (AddGradientsView)
+    const char* bytes() const { return view != nullptr ? view : data.data(); }
   };
 
   StepSession(ShardStore* store, std::shared_ptr<Job> job, RangeState* range, uint64_t step,
               bool replay);
+  // The checks shared by AddGradients and AddGradientsView; OK means the chunk may be taken.
+  absl::Status ValidateChunk(int64_t offset, int64_t n, bool accumulate) const;
   absl::Status StartAccumulating();
   // Streams the 16-bit copy of [0, length) in waves; `update` first applies Adam to each wave.
   bool StreamWaves(const AdamStepScalars* update, ParamSink* sink);

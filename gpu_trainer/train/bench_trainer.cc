@@ -31,6 +31,8 @@ ABSL_FLAG(int, steps, 10, "timed steps per configuration");
 ABSL_FLAG(int, warmup, 2, "untimed steps first");
 ABSL_FLAG(int, shards, 1, "optimizer shards");
 ABSL_FLAG(std::string, dtype, "fp16", "fp16 or bf16");
+ABSL_FLAG(std::string, transport, "grpc",
+          "data plane to the local shards: grpc, shm, ucx, or auto (as gpu_trainer chooses)");
 
 namespace offload {
 namespace {
@@ -122,7 +124,12 @@ int Run() {
     addresses.push_back(absl::StrCat("127.0.0.1:", (*server)->port()));
     servers.push_back(std::move(*server));
   }
-  auto remote = RemoteOptimizer::Connect(*map, addresses, ClientOptions{});
+  absl::StatusOr<TransportChoice> transport = ParseTransportChoice(absl::GetFlag(FLAGS_transport));
+  if (!transport.ok()) {
+    std::fprintf(stderr, "bench_trainer: %s\n", transport.status().ToString().c_str());
+    return 1;
+  }
+  auto remote = RemoteOptimizer::Connect(*map, addresses, ClientOptions{}, *transport);
   if (!remote.ok()) {
     std::fprintf(stderr, "bench_trainer: %s\n", remote.status().ToString().c_str());
     return 1;
@@ -132,9 +139,10 @@ int Run() {
   absl::StatusOr<double> local = TimeSteps(o, &in_process);
   if (!check(local)) return 1;
   std::printf(
-      "offload mode=server transport=grpc shards=%d model=%s step_s=%.4f inprocess_step_s=%.4f "
+      "offload mode=server transport=%s shards=%d model=%s step_s=%.4f inprocess_step_s=%.4f "
       "ratio=%.3f\n",
-      shards, model.c_str(), *served, *local, *served / *local);
+      (*remote)->TransportNames().c_str(), shards, model.c_str(), *served, *local,
+      *served / *local);
   return 0;
 }
 

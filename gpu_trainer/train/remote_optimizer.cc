@@ -16,7 +16,8 @@ absl::Status Annotate(const absl::Status& s, const std::string& address) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RemoteOptimizer>> RemoteOptimizer::Connect(
-    v1::PartitionMap map, const std::vector<std::string>& addresses, const ClientOptions& options) {
+    v1::PartitionMap map, const std::vector<std::string>& addresses, const ClientOptions& options,
+    TransportChoice transport) {
   if (addresses.size() != map.num_shards()) {
     return absl::InvalidArgumentError(absl::StrCat("the partition map has ", map.num_shards(),
                                                    " shards but ", addresses.size(),
@@ -31,8 +32,23 @@ absl::StatusOr<std::unique_ptr<RemoteOptimizer>> RemoteOptimizer::Connect(
     if (!client.ok()) return client.status();
     backend->clients_.push_back(std::move(*client));
     backend->addresses_.push_back(address);
+    std::unique_ptr<StepTransport> owned;
+    absl::StatusOr<StepTransport*> plane =
+        SelectStepTransport(backend->clients_.back().get(), transport, &owned);
+    if (!plane.ok()) return Annotate(plane.status(), address);
+    backend->transports_.push_back(*plane);
+    backend->owned_transports_.push_back(std::move(owned));
   }
   return backend;
+}
+
+std::string RemoteOptimizer::TransportNames() const {
+  std::string names;
+  for (const StepTransport* t : transports_) {
+    if (names.find(std::string(t->name())) != std::string::npos) continue;
+    absl::StrAppend(&names, names.empty() ? "" : ", ", t->name());
+  }
+  return names;
 }
 
 RemoteOptimizer::~RemoteOptimizer() { AbortStep(); }
@@ -84,8 +100,8 @@ absl::Status RemoteOptimizer::OpenSlice(int slice, uint64_t step) {
     streams_.resize(map_.slices_size());
   }
   const v1::ShardSlice& s = map_.slices(slice);
-  absl::StatusOr<std::unique_ptr<StepStream>> stream =
-      clients_[s.shard_index()]->OpenStep(job_id_, s.range_index(), s.offset(), s.length(), step);
+  absl::StatusOr<std::unique_ptr<StepStream>> stream = transports_[s.shard_index()]->OpenStep(
+      job_id_, s.range_index(), s.offset(), s.length(), step);
   if (!stream.ok()) return Annotate(stream.status(), addresses_[s.shard_index()]);
   streams_[slice] = std::move(*stream);
   return absl::OkStatus();

@@ -1,4 +1,5 @@
-// The optimizer behind gRPC: one OptimizerClient per shard, one step stream per slice.
+// The optimizer behind servers: one OptimizerClient per shard (the control plane), a data plane
+// per shard (gRPC, shared memory or UCX: transport_select.h), one step stream per slice.
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_REMOTE_OPTIMIZER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_REMOTE_OPTIMIZER_H_
 
@@ -7,17 +8,22 @@
 #include <vector>
 
 #include "cpu_optimizer_server/optimizer_client.h"
+#include "cpu_optimizer_server/transport_select.h"
 #include "gpu_trainer/train/optimizer_backend.h"
 
 namespace offload {
 
 class RemoteOptimizer final : public OptimizerBackend {
  public:
-  // One address per shard of the map, in shard order.
+  // One address per shard of the map, in shard order; the data plane of each as `transport`
+  // chooses.
   static absl::StatusOr<std::unique_ptr<RemoteOptimizer>> Connect(
-      v1::PartitionMap map, const std::vector<std::string>& addresses,
-      const ClientOptions& options);
+      v1::PartitionMap map, const std::vector<std::string>& addresses, const ClientOptions& options,
+      TransportChoice transport = TransportChoice::kGrpc);
   ~RemoteOptimizer() override;
+
+  // "shm" or "shm, grpc": the data plane of each shard, in shard order, duplicates folded.
+  std::string TransportNames() const;
 
   absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
                          DType param_dtype) override;
@@ -36,8 +42,10 @@ class RemoteOptimizer final : public OptimizerBackend {
   void AbortSlices() override;
 
   std::vector<std::string> addresses_;
-  std::vector<std::unique_ptr<OptimizerClient>> clients_;  // one per shard
-  std::vector<std::unique_ptr<StepStream>> streams_;       // one per slice, during a step
+  std::vector<std::unique_ptr<OptimizerClient>> clients_;         // one per shard
+  std::vector<std::unique_ptr<StepTransport>> owned_transports_;  // shm or UCX, per shard
+  std::vector<StepTransport*> transports_;                        // one per shard
+  std::vector<std::unique_ptr<StepStream>> streams_;              // one per slice, during a step
 };
 
 }  // namespace offload

@@ -27,6 +27,9 @@
 
 ABSL_FLAG(std::string, shards, "",
           "optimizer shard addresses, comma separated (host:port); empty: optimize in process");
+ABSL_FLAG(std::string, transport, "auto",
+          "data plane to the shards: auto (shared memory on this host, else UCX, else gRPC), grpc, "
+          "shm or ucx");
 ABSL_FLAG(int, num_shards, 1, "shards of the in-process optimizer (when --shards is empty)");
 ABSL_FLAG(int, optimizer_threads, 0, "Adam threads of the in-process optimizer; 0: all cores");
 ABSL_FLAG(std::string, progress, "auto", "auto (a bar on a terminal), bar, or log");
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
       offload::MakePartitionMap(num_params, /*world_size=*/1, num_shards);
   if (!map.ok()) return Fail(map.status());
   std::unique_ptr<offload::OptimizerBackend> backend;
+  std::string data_plane = "in process";
   if (addresses.empty()) {
     absl::StatusOr<offload::SimdPath> path = offload::ParseSimdPath("auto");
     backend = std::make_unique<offload::InProcessOptimizer>(
@@ -87,8 +91,12 @@ int main(int argc, char** argv) {
   } else {
     offload::ClientOptions client_options;
     client_options.call_timeout = absl::GetFlag(FLAGS_shard_timeout);
-    auto remote = offload::RemoteOptimizer::Connect(*map, addresses, client_options);
+    absl::StatusOr<offload::TransportChoice> transport =
+        offload::ParseTransportChoice(absl::GetFlag(FLAGS_transport));
+    if (!transport.ok()) return Fail(transport.status());
+    auto remote = offload::RemoteOptimizer::Connect(*map, addresses, client_options, *transport);
     if (!remote.ok()) return Fail(remote.status());
+    data_plane = (*remote)->TransportNames();
     backend = std::move(*remote);
   }
 
@@ -104,9 +112,9 @@ int main(int argc, char** argv) {
       static_cast<long long>(num_params),
       std::string(offload::DTypeName(options->param_dtype)).c_str(), t.DescribeBackend().c_str());
   std::printf(
-      "gpu_trainer: optimizer %s, %d shard(s); batch %d x %d tokens; %llu steps\n",
+      "gpu_trainer: optimizer %s, %d shard(s), data plane %s; batch %d x %d tokens; %llu steps\n",
       addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),
-      num_shards, options->batch, options->seq_len,
+      num_shards, data_plane.c_str(), options->batch, options->seq_len,
       static_cast<unsigned long long>(options->steps));
   absl::StatusOr<std::string> started = t.Start();
   // From here on the shards hold the job's state. Whatever ends the run frees it: the state

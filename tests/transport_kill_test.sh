@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Cross-process test of every data plane (grpc, shm, ucx, and ucx under UCX_TLS=tcp) with the real
+# cpu_optimizer_server binary and offload_transport_peer as the trainer:
+#   (a) the trainer is killed -9 mid-exchange (paused half-way through a step's gradients, and
+#       while stepping flat out): the server keeps serving, a new trainer process completes the
+#       same step number, and no /dev/shm/offload* entry remains;
+#   (b) the server is killed -9 mid-exchange (the same two ways): the trainer exits non-zero with
+#       an UNAVAILABLE error within 20 s, never hangs.
+# A plane the build lacks (ucx without libucx-dev) is skipped (the peer exits 77).
+set -euo pipefail
+server_bin=$1
+peer_bin=$2
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+bound_s=20
+n=1048576
+
+shm_entries() { ls /dev/shm 2>/dev/null | grep '^offload' | sort || true; }
+
+fail() {
+  echo "FAIL [$plane]: $*" >&2
+  for f in "$work"/*.log; do echo "== $f" >&2; tail -5 "$f" >&2; done
+  exit 1
+}
+
+start_server() {  # sets $port and $server_pid
+  local log=$1
+  "$server_bin" --listen=127.0.0.1:0 --memory_limit_mib=1024 --threads=2 >"$log" 2>&1 &
+  server_pid=$!
+  pids+=("$server_pid")
+  for _ in $(seq 100); do
+    port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
+    if [ -n "$port" ]; then return 0; fi
+    sleep 0.1
+  done
+  fail "server did not start: $(cat "$log")"
+}
+
+peer() {  # peer LOG ARGS...: runs the peer in the background, sets $peer_pid
+  local log=$1
+  shift
+  "$peer_bin" --address="127.0.0.1:$port" --transport="$transport" --n=$n "$@" >"$log" 2>&1 &
+  peer_pid=$!
+  pids+=("$peer_pid")
+}
+
+wait_for_line() {  # wait_for_line LOG PATTERN [tenths]
+  for _ in $(seq "${3:-300}"); do
+    grep -q "$2" "$1" && return 0
+    sleep 0.1
+  done
+  fail "no '$2' in $1"
+}
+
+# kill -9 and reap, without bash's "Killed" notice.
+kill9() {
+  kill -9 "$1"
+  wait "$1" 2>/dev/null || true
+}
+
+# Waits at most $bound_s for pid $1 to exit; sets $rc to its exit status and $waited to the
+# tenths of a second it took.
+wait_bounded() {
+  waited=0
+  for _ in $(seq $((bound_s * 10))); do
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  if kill -0 "$1" 2>/dev/null; then fail "pid $1 still running ${bound_s}s after its peer died"; fi
+  rc=0
+  wait "$1" || rc=$?
+}
+
+# Waits (5 s at most) until /dev/shm holds no offload entry that was not there at the start.
+no_new_shm_entries() {
+  for _ in $(seq 50); do
+    if [ -z "$(comm -13 "$work/shm_before" <(shm_entries))" ]; then return 0; fi
+    sleep 0.1
+  done
+  fail "left in /dev/shm: $(comm -13 "$work/shm_before" <(shm_entries) | tr '\n' ' ')"
+}
+
+# The next step a peer run completes must be $1 (the step the killed peer was in).
+completes_step() {  # completes_step LOG STEP
+  peer "$1" --steps=1
+  wait_bounded "$peer_pid"
+  [ "$rc" -eq 0 ] || fail "a new trainer could not step after the old one died (rc=$rc)"
+  grep -q "^peer step=$2 applied=1" "$1" || fail "expected step $2 applied in $1"
+}
+
+run_plane() {
+  plane=$1 transport=$2
+  echo "--- $plane"
+  shm_entries >"$work/shm_before"
+  start_server "$work/$plane-server1.log"
+  peer "$work/$plane-warm.log" --steps=2
+  wait_bounded "$peer_pid"
+  if [ "$rc" -eq 77 ]; then
+    echo "$plane: not in this build, skipped"
+    kill9 "$server_pid"
+    return 0
+  fi
+  [ "$rc" -eq 0 ] || fail "warm-up steps failed (rc=$rc)"
+  grep -q "^peer transport=$transport" "$work/$plane-warm.log" || fail "wrong plane"
+
+  echo "(a1) trainer killed half-way through a step's gradients"
+  peer "$work/$plane-a1.log" --steps=1 --pause_mid_step_ms=60000
+  wait_for_line "$work/$plane-a1.log" "^peer mid-exchange step=3"
+  kill9 "$peer_pid"
+  kill -0 "$server_pid" || fail "the server died with its trainer"
+  no_new_shm_entries
+  completes_step "$work/$plane-a1-next.log" 3
+
+  echo "(a2) trainer killed while stepping flat out"
+  peer "$work/$plane-a2.log" --steps=1000000
+  wait_for_line "$work/$plane-a2.log" "^peer step=7 "
+  kill9 "$peer_pid"
+  kill -0 "$server_pid" || fail "the server died with its trainer"
+  no_new_shm_entries
+  # Whatever step the kill interrupted, the shard is consistent: the next run goes on from it.
+  local last
+  last=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-a2.log" | tail -1)
+  peer "$work/$plane-a2-next.log" --steps=2
+  wait_bounded "$peer_pid"
+  [ "$rc" -eq 0 ] || fail "a new trainer could not step after the old one died (rc=$rc)"
+  local first
+  first=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-a2-next.log" | head -1)
+  # The killed peer may have had its last commit applied without hearing the reply.
+  [ "$first" -eq $((last + 1)) ] || [ "$first" -eq $((last + 2)) ] ||
+    fail "after step $last the next run began at step $first"
+
+  echo "(b1) server killed while the trainer is half-way through a step's gradients"
+  peer "$work/$plane-b1.log" --steps=1 --pause_mid_step_ms=1500
+  wait_for_line "$work/$plane-b1.log" "^peer mid-exchange"
+  kill9 "$server_pid"
+  wait_bounded "$peer_pid"
+  [ "$rc" -ne 0 ] || fail "the trainer exited 0 after its server died"
+  grep -q "UNAVAILABLE" "$work/$plane-b1.log" || fail "no UNAVAILABLE error: $(tail -2 "$work/$plane-b1.log")"
+  echo "trainer gave up $((waited / 10)).$((waited % 10)) s after the kill: $(tail -1 "$work/$plane-b1.log")"
+  no_new_shm_entries
+
+  echo "(b2) server killed while the trainer steps flat out"
+  start_server "$work/$plane-server2.log"
+  peer "$work/$plane-b2.log" --steps=1000000
+  wait_for_line "$work/$plane-b2.log" "^peer step=3 "
+  kill9 "$server_pid"
+  wait_bounded "$peer_pid"
+  [ "$rc" -ne 0 ] || fail "the trainer exited 0 after its server died"
+  grep -q "UNAVAILABLE" "$work/$plane-b2.log" || fail "no UNAVAILABLE error: $(tail -2 "$work/$plane-b2.log")"
+  no_new_shm_entries
+  echo "trainer gave up $((waited / 10)).$((waited % 10)) s after the kill: $(tail -1 "$work/$plane-b2.log")"
+}
+
+planes=${TRANSPORT_KILL_PLANES:-grpc shm ucx ucx-tcp}
+for p in $planes; do
+  case $p in
+    # UCX reads UCX_TLS when a context is made: exported, it reaches the server and the peer.
+    ucx-tcp)
+      saved_tls=${UCX_TLS-}
+      export UCX_TLS=tcp
+      run_plane ucx-tcp ucx
+      if [ -n "$saved_tls" ]; then export UCX_TLS=$saved_tls; else unset UCX_TLS; fi
+      ;;
+    *) run_plane "$p" "$p" ;;
+  esac
+done
+echo "transport_kill_test: all passed"
