@@ -12,6 +12,7 @@
 // step that is not next.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/optimizer_client.h"
 #include "cpu_optimizer_server/optimizer_service.h"
 #include "cpu_optimizer_server/range_driver.h"
@@ -61,12 +63,14 @@ struct Chunk {
   bool accumulate = false;
 };
 
-// The /dev/shm entries a shared-memory segment could leave behind.
+// The /dev/shm entries a segment of this process's shard could leave behind. Only this process's:
+// ctest runs other test processes beside this one, whose segments come and go meanwhile.
 std::set<std::string> ShmEntries() {
   std::set<std::string> names;
+  const std::string prefix = absl::StrCat("offload-", getpid(), "-");
   if (DIR* dir = opendir("/dev/shm")) {
     while (dirent* e = readdir(dir)) {
-      if (absl::StartsWith(e->d_name, "offload")) names.insert(e->d_name);
+      if (absl::StartsWith(e->d_name, prefix)) names.insert(e->d_name);
     }
     closedir(dir);
   }

@@ -20,7 +20,13 @@ trap cleanup EXIT
 bound_s=20
 n=1048576
 
-shm_entries() { ls /dev/shm 2>/dev/null | grep '^offload' | sort || true; }
+# Segments of the servers this script started (named /offload-<server pid>-...): other tests that
+# ctest runs beside this one create and remove their own meanwhile.
+server_pids=()
+shm_entries() {
+  [ ${#server_pids[@]} -eq 0 ] && return 0
+  ls /dev/shm 2>/dev/null | grep -E "^offload-($(IFS='|'; echo "${server_pids[*]}"))-" | sort || true
+}
 
 fail() {
   echo "FAIL [$plane]: $*" >&2
@@ -33,6 +39,7 @@ start_server() {  # sets $port and $server_pid
   "$server_bin" --listen=127.0.0.1:0 --memory_limit_mib=1024 --threads=2 >"$log" 2>&1 &
   server_pid=$!
   pids+=("$server_pid")
+  server_pids+=("$server_pid")
   for _ in $(seq 100); do
     port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
     if [ -n "$port" ]; then return 0; fi
