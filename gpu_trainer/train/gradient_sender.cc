@@ -2,8 +2,9 @@
 
 namespace offload {
 
-GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16)
-    : backend_(backend), grads16_(grads16), thread_([this] { Loop(); }) {}
+GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16,
+                               PhaseTrace* trace)
+    : backend_(backend), grads16_(grads16), trace_(trace), thread_([this] { Loop(); }) {}
 
 GradientSender::~GradientSender() {
   {
@@ -41,8 +42,11 @@ void GradientSender::Loop() {
     const bool failed = !error_.ok();
     ++in_flight_;
     lock.unlock();
-    absl::Status s =
-        failed ? absl::OkStatus() : backend_->SendGradients(offset, grads16_ + offset, n);
+    absl::Status s;
+    if (!failed) {
+      TracePhase phase(trace_, "send_gradients", step_.load(std::memory_order_relaxed));
+      s = backend_->SendGradients(offset, grads16_ + offset, n);
+    }
     lock.lock();
     --in_flight_;
     if (!s.ok() && error_.ok()) error_ = s;

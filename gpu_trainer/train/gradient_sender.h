@@ -3,6 +3,7 @@
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -11,13 +12,16 @@
 
 #include "absl/status/status.h"
 #include "gpu_trainer/train/optimizer_backend.h"
+#include "gpu_trainer/train/phase_trace.h"
 
 namespace offload {
 
 class GradientSender {
  public:
-  // grads16 (padded_length,) stays owned by the caller and must not change while queued.
-  GradientSender(OptimizerBackend* backend, const uint16_t* grads16);
+  // grads16 (padded_length,) stays owned by the caller and must not change while queued. Each
+  // range sent is recorded in `trace` (may be null) under the step of the last set_step.
+  GradientSender(OptimizerBackend* backend, const uint16_t* grads16, PhaseTrace* trace = nullptr);
+  void set_step(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
   ~GradientSender();
 
   // Queues flat elements [offset, offset + n). After an error, later ranges are dropped.
@@ -30,6 +34,8 @@ class GradientSender {
 
   OptimizerBackend* const backend_;
   const uint16_t* const grads16_;
+  PhaseTrace* const trace_;
+  std::atomic<uint64_t> step_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<int64_t, int64_t>> queue_;  // guarded by mu_

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <future>
 
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/wire_convert.h"
@@ -35,6 +36,7 @@ Trainer::Trainer(const TrainerOptions& options, OptimizerBackend* backend)
       scaler_(options.loss_scaler, options.param_dtype == DType::kFp16) {}
 
 Trainer::~Trainer() {
+  FinishPendingCommit().IgnoreError();
   sender_.reset();
   backend_->AbortStep();
 }
@@ -57,6 +59,9 @@ absl::Status Trainer::Init() {
                                                    " seq_len ", o.seq_len));
   }
   if (o.steps < 1) return absl::InvalidArgumentError("steps must be >= 1");
+  if (o.dpu && o.dpu_warmup_steps > (uint64_t{1} << 40)) {
+    return absl::InvalidArgumentError("dpu_warmup_steps is out of range");
+  }
   if (absl::Status s = ValidateLrSchedule(o.schedule); !s.ok()) return s;
   absl::StatusOr<TokenDataset> dataset = TokenDataset::Open(o.data);
   if (!dataset.ok()) return dataset.status();
@@ -88,9 +93,10 @@ absl::Status Trainer::Init() {
   }
   weights16_.assign(map.padded_length(), 0);
   grads16_.assign(map.padded_length(), 0);
+  if (o.dpu) next_weights16_.assign(map.padded_length(), 0);
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
-  sender_ = std::make_unique<GradientSender>(backend_, grads16_.data());
+  sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
   return absl::OkStatus();
 }
 
@@ -144,8 +150,33 @@ absl::StatusOr<std::string> Trainer::Start() {
           !s.ok()) {
         return s;
       }
+      if (absl::Status s =
+              CheckSame("dpu", absl::StrCat(m.dpu(), "/", m.dpu() ? m.dpu_warmup_steps() : 0),
+                        absl::StrCat(o.dpu, "/", o.dpu ? o.dpu_warmup_steps : 0));
+          !s.ok()) {
+        return s;
+      }
       if (absl::Status s = RestoreCheckpoint(*dir, m, weights16_.data(), backend_); !s.ok()) {
         return s;
+      }
+      if (o.dpu && m.step() > o.dpu_warmup_steps) {
+        // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
+        // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
+        // the rounding of the master weights, as the commit that made them sent it.
+        const v1::PartitionMap& map = backend_->partition();
+        std::vector<float> master(map.padded_length(), 0.0f);  // (padded,)
+        for (int i = 0; i < map.slices_size(); ++i) {
+          const v1::ShardSlice& slice = map.slices(i);
+          if (absl::Status s = backend_->ReadSliceState(
+                  i, v1::STATE_TENSOR_MASTER_WEIGHTS, static_cast<int64_t>(slice.offset()),
+                  static_cast<int64_t>(slice.length()), master.data() + slice.offset());
+              !s.ok()) {
+            return s;
+          }
+        }
+        ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
+                         next_weights16_.data());
+        next_ready_ = true;
       }
       if (absl::Status s = sampler_->Restore(m.data()); !s.ok()) return s;
       if (absl::Status s = scaler_.Restore(m.loss_scale()); !s.ok()) return s;
@@ -193,23 +224,40 @@ absl::Status Trainer::ApplyWeights() {
 }
 
 absl::StatusOr<StepReport> Trainer::Step() {
-  const TrainerOptions& o = options_;
   const uint64_t step = step_ + 1;
+  if (options_.dpu && step > options_.dpu_warmup_steps) return DelayedStep(step);
+  return SyncStep(step);
+}
+
+absl::StatusOr<StepReport> Trainer::SyncStep(uint64_t step) {
+  const TrainerOptions& o = options_;
+  sender_->set_step(step);
   if (absl::Status s = ApplyWeights(); !s.ok()) return s;
   sampler_->Next(inputs_.data(), targets_.data());
-  absl::StatusOr<float> loss =
-      runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
+  absl::StatusOr<float> loss;
+  {
+    TracePhase phase(o.trace, "forward", step);
+    loss = runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
+  }
   if (!loss.ok()) return loss.status();
 
   if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
   const float scale = scaler_.scale();
   // Each layer's gradients leave on the sender thread as soon as they are in grads16_, while
   // backward computes the layer below.
-  absl::StatusOr<GradStats> backward = runner_->Backward(
-      scale, grads16_.data(), [&](int64_t offset, int64_t n) { sender_->Enqueue(offset, n); });
+  absl::StatusOr<GradStats> backward;
+  {
+    TracePhase phase(o.trace, "backward", step);
+    backward = runner_->Backward(scale, grads16_.data(),
+                                 [&](int64_t offset, int64_t n) { sender_->Enqueue(offset, n); });
+  }
   const int64_t n = runner_->num_params();
   sender_->Enqueue(n, static_cast<int64_t>(grads16_.size()) - n);  // the zero padding
-  absl::Status sent = sender_->Drain();
+  absl::Status sent;
+  {
+    TracePhase phase(o.trace, "wait_offload", step);
+    sent = sender_->Drain();
+  }
   if (!backward.ok() || !sent.ok()) {
     backend_->AbortStep();
     return !backward.ok() ? backward.status() : sent;
@@ -225,8 +273,11 @@ absl::StatusOr<StepReport> Trainer::Step() {
   report.lr = ScheduledLr(o.schedule, step);
   const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, o.grad_clip);
   const float grad_multiplier = clip / scale;
-  absl::StatusOr<StepCounters> counters =
-      backend_->Commit(report.lr, grad_multiplier, report.skipped, weights16_.data());
+  absl::StatusOr<StepCounters> counters;
+  {
+    TracePhase phase(o.trace, "commit", step);
+    counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, weights16_.data());
+  }
   if (!counters.ok()) return counters.status();
   counters_ = *counters;
   scaler_.Update(report.skipped);
@@ -235,6 +286,82 @@ absl::StatusOr<StepReport> Trainer::Step() {
   last_loss_ = *loss;
   return report;
 }
+
+// Step s computes on weights16_, the result of the commit of step s - 2, while the commit of step
+// s - 1 runs on the shards. Its gradients wait in grads16_ until that commit is done (a range
+// takes one step at a time), then leave, and the commit of step s starts in the background.
+absl::StatusOr<StepReport> Trainer::DelayedStep(uint64_t step) {
+  const TrainerOptions& o = options_;
+  sender_->set_step(step);
+  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
+  sampler_->Next(inputs_.data(), targets_.data());
+  absl::StatusOr<float> loss;
+  {
+    TracePhase phase(o.trace, "forward", step);
+    loss = runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
+  }
+  if (!loss.ok()) return loss.status();
+  const float scale = scaler_.scale();
+  absl::StatusOr<GradStats> backward;
+  {
+    TracePhase phase(o.trace, "backward", step);
+    backward = runner_->Backward(scale, grads16_.data(), nullptr);
+  }
+  if (!backward.ok()) return backward.status();
+
+  {
+    TracePhase phase(o.trace, "wait_commit", step);
+    if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
+  }
+  if (next_ready_) {
+    // The previous step's update: the next step computes with it.
+    weights16_.swap(next_weights16_);
+    next_ready_ = false;
+    params_stale_ = true;
+  }
+  if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
+  sender_->Enqueue(0, static_cast<int64_t>(grads16_.size()));
+  absl::Status sent;
+  {
+    TracePhase phase(o.trace, "wait_offload", step);
+    sent = sender_->Drain();
+  }
+  if (absl::Status s = sent; !s.ok()) {
+    backend_->AbortStep();
+    return s;
+  }
+
+  StepReport report;
+  report.step = step;
+  report.loss = *loss;
+  report.loss_scale = scale;
+  report.skipped = backward->nonfinite;
+  report.grad_norm = std::sqrt(backward->sum_squares) / scale;
+  report.lr = ScheduledLr(o.schedule, step);
+  const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, o.grad_clip);
+  const float grad_multiplier = clip / scale;
+  pending_skipped_ = report.skipped;
+  pending_commit_ = std::async(
+      std::launch::async, [this, step, lr = report.lr, grad_multiplier, skip = report.skipped] {
+        TracePhase phase(options_.trace, "commit", step);
+        return backend_->Commit(lr, grad_multiplier, skip, next_weights16_.data());
+      });
+  scaler_.Update(report.skipped);
+  step_ = step;
+  last_loss_ = *loss;
+  return report;
+}
+
+absl::Status Trainer::FinishPendingCommit() {
+  if (!pending_commit_.valid()) return absl::OkStatus();
+  absl::StatusOr<StepCounters> counters = pending_commit_.get();
+  if (!counters.ok()) return counters.status();
+  counters_ = *counters;
+  if (!pending_skipped_) next_ready_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Flush() { return FinishPendingCommit(); }
 
 absl::StatusOr<float> Trainer::Evaluate(int batches) {
   if (absl::Status s = ApplyWeights(); !s.ok()) return s;
@@ -310,6 +437,8 @@ v1::CheckpointManifest Trainer::Manifest() const {
   *m.mutable_schedule() = o.schedule;
   m.set_grad_clip(o.grad_clip);
   m.set_train_loss(last_loss_);
+  m.set_dpu(o.dpu);
+  if (o.dpu) m.set_dpu_warmup_steps(o.dpu_warmup_steps);
   return m;
 }
 
@@ -317,6 +446,8 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("no checkpoint directory was given");
   }
+  // The shards' state must be quiet, and whole: the background commit finishes first.
+  if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
   v1::CheckpointManifest m = Manifest();
   m.set_val_loss(val_loss);
   return offload::SaveCheckpoint(options_.checkpoint_dir, std::move(m), weights16_.data(), backend_,

@@ -6,6 +6,7 @@
 #define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "gpu_trainer/train/loss_scaler.h"
 #include "gpu_trainer/train/model_runner.h"
 #include "gpu_trainer/train/optimizer_backend.h"
+#include "gpu_trainer/train/phase_trace.h"
 #include "offload/v1/checkpoint.pb.h"
 
 namespace offload {
@@ -49,6 +51,12 @@ struct TrainerOptions {
   std::string checkpoint_dir;
   bool resume = false;  // continue from checkpoint_dir's latest checkpoint if there is one
   int keep_checkpoints = 2;
+  // Delayed parameter update (DESIGN section 1, the paper's section 5): after dpu_warmup_steps
+  // synchronous steps, step s's optimizer update runs on the shards while this trainer already
+  // computes step s+1 on the weights of step s-1: exactly one step stale, never anything between.
+  bool dpu = false;
+  uint64_t dpu_warmup_steps = 20;
+  PhaseTrace* trace = nullptr;  // per-phase timestamps of every step, if given (not owned)
 };
 
 struct StepReport {
@@ -73,6 +81,9 @@ class Trainer {
   absl::StatusOr<std::string> Start();
 
   absl::StatusOr<StepReport> Step();
+  // With DPU, waits for the update still running on the shards (before the job is dropped or
+  // the process ends); a no-op otherwise.
+  absl::Status Flush();
   // Mean loss over `batches` fixed validation batches.
   absl::StatusOr<float> Evaluate(int batches);
   // `n` tokens sampled after `prompt` (bytes for the byte-level vocab), seeded.
@@ -96,6 +107,12 @@ class Trainer {
   absl::Status Init();
   // Hands weights16_ to the model if the optimizer changed them since.
   absl::Status ApplyWeights();
+  // The synchronous step, and the delayed one (DPU).
+  absl::StatusOr<StepReport> SyncStep(uint64_t step);
+  absl::StatusOr<StepReport> DelayedStep(uint64_t step);
+  // Waits for the commit running in the background (DPU), if any; its weights wait in
+  // next_weights16_ until the next step takes them.
+  absl::Status FinishPendingCommit();
   v1::CheckpointManifest Manifest() const;
 
   TrainerOptions options_;
@@ -112,6 +129,12 @@ class Trainer {
   std::vector<uint16_t> grads16_;          // (padded,) what leaves; the padding stays 0
   std::vector<int32_t> inputs_, targets_;  // (B, T)
   bool params_stale_ = true;
+  // DPU: the commit of the last step, running while the next step computes, and the weights it
+  // writes (or a resume restored), which the step after that computes with.
+  std::future<absl::StatusOr<StepCounters>> pending_commit_;
+  bool pending_skipped_ = false;
+  std::vector<uint16_t> next_weights16_;  // (padded,)
+  bool next_ready_ = false;
   uint64_t step_ = 0;
   StepCounters counters_;
   float last_loss_ = 0;

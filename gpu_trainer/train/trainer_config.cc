@@ -47,6 +47,10 @@ ABSL_FLAG(std::string, init_from, "",
 ABSL_FLAG(std::string, checkpoint_dir, "", "where checkpoints go; empty: none");
 ABSL_FLAG(bool, resume, false, "continue from the latest checkpoint in --checkpoint_dir");
 ABSL_FLAG(int, keep_checkpoints, 2, "checkpoints kept in --checkpoint_dir");
+ABSL_FLAG(bool, dpu, false,
+          "delayed parameter update: after --dpu_warmup_steps, each step's optimizer update runs "
+          "while the next step computes on weights one step older");
+ABSL_FLAG(int64_t, dpu_warmup_steps, 20, "synchronous steps before the delayed update starts");
 
 namespace offload {
 namespace {
@@ -158,6 +162,11 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.resume = absl::GetFlag(FLAGS_resume);
   o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  o.dpu = absl::GetFlag(FLAGS_dpu);
+  if (absl::GetFlag(FLAGS_dpu_warmup_steps) < 0) {
+    return absl::InvalidArgumentError("--dpu_warmup_steps must be >= 0");
+  }
+  o.dpu_warmup_steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_dpu_warmup_steps));
   if (o.resume && o.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError("--resume needs --checkpoint_dir");
   }

@@ -20,6 +20,7 @@
 #include "gpu_trainer/model/param_layout.h"
 #include "gpu_trainer/train/inprocess_optimizer.h"
 #include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/train/progress.h"
 #include "gpu_trainer/train/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
@@ -27,6 +28,9 @@
 
 ABSL_FLAG(std::string, shards, "",
           "optimizer shard addresses, comma separated (host:port); empty: optimize in process");
+ABSL_FLAG(std::string, trace_file, "",
+          "write per-phase timestamps of every step here as a Chrome trace (chrome://tracing, "
+          "Perfetto) when the run ends");
 ABSL_FLAG(std::string, transport, "auto",
           "data plane to the shards: auto (shared memory on this host, else UCX, else gRPC), grpc, "
           "shm or ucx");
@@ -100,6 +104,24 @@ int main(int argc, char** argv) {
     backend = std::move(*remote);
   }
 
+  // Declared before the trainer, so it outlives the trainer's background commit; written when
+  // main returns, whichever way.
+  struct TraceOnExit {
+    std::unique_ptr<offload::PhaseTrace> trace;
+    std::string path;
+    ~TraceOnExit() {
+      if (trace == nullptr) return;
+      if (absl::Status s = trace->WriteChromeTrace(path); !s.ok()) {
+        std::fprintf(stderr, "gpu_trainer: trace: %s\n", s.ToString().c_str());
+      } else {
+        std::printf("gpu_trainer: trace %s\n", path.c_str());
+      }
+    }
+  } trace_on_exit{nullptr, absl::GetFlag(FLAGS_trace_file)};
+  if (!trace_on_exit.path.empty()) {
+    trace_on_exit.trace = std::make_unique<offload::PhaseTrace>();
+    options->trace = trace_on_exit.trace.get();
+  }
   absl::StatusOr<std::unique_ptr<offload::Trainer>> trainer =
       offload::Trainer::Create(*options, backend.get());
   if (!trainer.ok()) return Fail(trainer.status());
@@ -120,9 +142,13 @@ int main(int argc, char** argv) {
   // From here on the shards hold the job's state. Whatever ends the run frees it: the state
   // worth keeping is in the checkpoints, and a resume loads it from there.
   struct DropOnExit {
+    offload::Trainer* trainer;
     offload::OptimizerBackend* backend;
-    ~DropOnExit() { backend->DropJob().IgnoreError(); }
-  } drop_on_exit{backend.get()};
+    ~DropOnExit() {
+      trainer->Flush().IgnoreError();  // a DPU commit may still run on the shards
+      backend->DropJob().IgnoreError();
+    }
+  } drop_on_exit{&t, backend.get()};
   if (!started.ok()) return Fail(started.status());
   std::printf("gpu_trainer: %s\n", started->c_str());
   std::fflush(stdout);

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,11 +17,20 @@
 #include "cpu_optimizer_server/optimizer_service.h"
 #include "cpu_optimizer_server/shard_store.h"
 #include "cpu_optimizer_server/thread_pool.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
+#include "gpu_trainer/data/batch_sampler.h"
+#include "gpu_trainer/data/token_dataset.h"
 #include "gpu_trainer/model/param_layout.h"
 #include "gpu_trainer/train/checkpointing.h"
+#include "gpu_trainer/train/grad_stats.h"
 #include "gpu_trainer/train/inprocess_optimizer.h"
+#include "gpu_trainer/train/loss_scaler.h"
+#include "gpu_trainer/train/lr_schedule.h"
+#include "gpu_trainer/train/model_runner.h"
 #include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/train/remote_optimizer.h"
 #include "gtest/gtest.h"
 
@@ -81,6 +92,7 @@ RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint64_t ste
     absl::StatusOr<std::string> dir = (*trainer)->SaveCheckpoint(0.0f);
     EXPECT_TRUE(dir.ok()) << dir.status();
   }
+  EXPECT_TRUE((*trainer)->Flush().ok());  // a DPU commit may still run
   r.weights16 = (*trainer)->weights16();
   const v1::PartitionMap& map = backend->partition();
   r.master.assign(map.padded_length(), 0.0f);
@@ -355,6 +367,200 @@ TEST(Trainer, FineTunesFromTheModelFileOfACheckpoint) {
   // fp16 -> fp32 -> fp16 is exact: the run starts on exactly the trained weights, at step 0.
   EXPECT_EQ((*trainer)->weights16(), trained);
   EXPECT_EQ((*trainer)->step(), 0u);
+}
+
+}  // namespace
+}  // namespace offload
+
+namespace offload {
+namespace {
+
+// The delayed parameter update, written out the plain way: step s computes on the weights
+// committed at step s - 1 up to the first delayed step (warm-up + 1), on those of step s - 2
+// after, every call on this thread in order. The same runner, sampler, scaler and optimizer as the
+// trainer, so a correct DPU pipeline must match it bit for bit.
+RunResult DpuReference(const TrainerOptions& o, OptimizerBackend* backend, uint64_t steps) {
+  RunResult r;
+  absl::StatusOr<TokenDataset> data = TokenDataset::Open(o.data);
+  EXPECT_TRUE(data.ok());
+  auto split = SplitTrainVal(*data, o.val_fraction, o.seq_len);
+  EXPECT_TRUE(split.ok());
+  BatchSampler sampler(split->first, o.batch, o.seq_len, o.seed);
+  auto runner = CreateCpuModelRunner(o.model, o.batch, o.seq_len, o.kernels, o.param_dtype);
+  EXPECT_TRUE(runner.ok());
+  DynamicLossScaler scaler(o.loss_scaler, o.param_dtype == DType::kFp16);
+  const v1::PartitionMap& map = backend->partition();
+  EXPECT_TRUE(backend->CreateJob(o.job_id, o.adam, o.param_dtype).ok());
+  std::vector<float> master(map.padded_length(), 0.0f);
+  InitGpt2Params(o.model, o.seed, master.data());
+  for (int shard = 0; shard < backend->num_shards(); ++shard) {
+    std::vector<StateSliceRef> refs;
+    for (const v1::ShardSlice& sl : SlicesOfShard(map, shard)) {
+      refs.push_back(StateSliceRef{v1::STATE_TENSOR_MASTER_WEIGHTS,
+                                   static_cast<int64_t>(sl.offset()), master.data() + sl.offset(),
+                                   static_cast<int64_t>(sl.length())});
+    }
+    EXPECT_TRUE(backend->LoadShardState(shard, refs, nullptr).ok());
+  }
+  // history[k]: the 16-bit weights after k updates (skipped steps repeat the last).
+  std::vector<std::vector<uint16_t>> history(1, std::vector<uint16_t>(map.padded_length()));
+  ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
+                   history[0].data());
+  std::vector<uint16_t> grads16(map.padded_length(), 0);
+  std::vector<int32_t> inputs(o.batch * o.seq_len), targets(inputs.size());
+  for (uint64_t s = 1; s <= steps; ++s) {
+    // The first delayed step still finds the warm-up's last update applied; from the next one
+    // on, the previous step's update is still running when the step computes.
+    const bool stale = o.dpu && s > o.dpu_warmup_steps + 1;
+    const std::vector<uint16_t>& weights = history[stale ? s - 2 : s - 1];
+    EXPECT_TRUE((*runner)->SetWeights(weights.data()).ok());
+    sampler.Next(inputs.data(), targets.data());
+    absl::StatusOr<float> loss =
+        (*runner)->Forward(inputs.data(), targets.data(), o.batch, o.seq_len);
+    EXPECT_TRUE(loss.ok());
+    r.losses.push_back(*loss);
+    const float scale = scaler.scale();
+    absl::StatusOr<GradStats> stats = (*runner)->Backward(scale, grads16.data(), nullptr);
+    EXPECT_TRUE(stats.ok());
+    const bool skip = stats->nonfinite;
+    const double norm = std::sqrt(stats->sum_squares) / scale;
+    const float clip = skip ? 1.0f : ClipCoefficient(norm, o.grad_clip);
+    EXPECT_TRUE(backend->BeginStep(s).ok());
+    EXPECT_TRUE(
+        backend->SendGradients(0, grads16.data(), static_cast<int64_t>(grads16.size())).ok());
+    history.push_back(history.back());
+    EXPECT_TRUE(
+        backend->Commit(ScheduledLr(o.schedule, s), clip / scale, skip, history.back().data())
+            .ok());
+    scaler.Update(skip);
+  }
+  // As the trainer holds them after `steps`: the weights its next step computes with.
+  const bool pending = o.dpu && steps > o.dpu_warmup_steps;  // the last update not yet taken
+  r.weights16 = history[pending ? steps - 1 : steps];
+  r.master.assign(map.padded_length(), 0.0f);
+  for (int i = 0; i < map.slices_size(); ++i) {
+    const v1::ShardSlice& sl = map.slices(i);
+    EXPECT_TRUE(backend
+                    ->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, sl.offset(), sl.length(),
+                                     r.master.data() + sl.offset())
+                    .ok());
+  }
+  return r;
+}
+
+TrainerOptions DpuOptions() {
+  TrainerOptions o = TinyOptions();
+  o.param_dtype = DType::kBf16;
+  o.steps = 14;
+  o.schedule.set_total_steps(14);
+  o.dpu = true;
+  o.dpu_warmup_steps = 4;
+  return o;
+}
+
+TEST(TrainerDpu, UpdatesAreExactlyOneStepStaleAfterTheWarmUp) {
+  const TrainerOptions o = DpuOptions();
+  InProcessOptimizer trainer_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult dpu = Train(o, &trainer_backend, 14);
+  InProcessOptimizer reference_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult reference = DpuReference(o, &reference_backend, 14);
+  EXPECT_EQ(dpu.losses, reference.losses);
+  EXPECT_EQ(dpu.weights16, reference.weights16);
+  EXPECT_TRUE(SameBits(dpu.master, reference.master));
+
+  // And the delay is real: the synchronous run differs once a step computes on stale weights
+  // (step 6), not before.
+  TrainerOptions sync = o;
+  sync.dpu = false;
+  InProcessOptimizer sync_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult plain = Train(sync, &sync_backend, 14);
+  EXPECT_EQ(std::vector<float>(plain.losses.begin(), plain.losses.begin() + 5),
+            std::vector<float>(dpu.losses.begin(), dpu.losses.begin() + 5));
+  EXPECT_NE(plain.losses[5], dpu.losses[5]);
+  EXPECT_NE(plain.losses, dpu.losses);
+  EXPECT_FALSE(SameBits(plain.master, dpu.master));
+}
+
+TEST(TrainerDpu, WithoutTheDelayItIsTheSynchronousRunBitForBit) {
+  TrainerOptions o = DpuOptions();
+  o.dpu_warmup_steps = 14;  // never delayed within the run
+  InProcessOptimizer a_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult a = Train(o, &a_backend, 14);
+  o.dpu = false;
+  InProcessOptimizer b_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult b = Train(o, &b_backend, 14);
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(a.weights16, b.weights16);
+  EXPECT_TRUE(SameBits(a.master, b.master));
+}
+
+TEST(TrainerDpu, ResumeMidPipelineIsBitIdentical) {
+  TrainerOptions o = DpuOptions();
+  InProcessOptimizer straight_backend(MapFor(o, 2), 2, BestSimdPath());
+  RunResult straight = Train(o, &straight_backend, 14);
+
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.resume = true;
+  {
+    InProcessOptimizer first(MapFor(o, 2), 2, BestSimdPath());
+    Train(o, &first, 8, /*checkpoint_at_end=*/true);  // 8 > warm-up 4: mid-pipeline
+  }
+  InProcessOptimizer second(MapFor(o, 2), 2, BestSimdPath());
+  RunResult resumed = Train(o, &second, 6);
+  EXPECT_EQ(std::vector<float>(straight.losses.begin() + 8, straight.losses.end()), resumed.losses);
+  EXPECT_EQ(straight.weights16, resumed.weights16);
+  EXPECT_TRUE(SameBits(straight.master, resumed.master));
+
+  // A run without the delay may not continue it.
+  o.dpu = false;
+  InProcessOptimizer third(MapFor(o, 2), 2, BestSimdPath());
+  auto trainer = Trainer::Create(o, &third);
+  ASSERT_TRUE(trainer.ok());
+  EXPECT_EQ((*trainer)->Start().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace offload
+
+namespace offload {
+namespace {
+
+// The point of streaming gradients layer by layer: the first ones leave while backward still
+// computes the layers below. The trace shows it, and is a valid Chrome trace file.
+TEST(TrainerTrace, GradientOffloadStartsBeforeBackwardEnds) {
+  TrainerOptions o = TinyOptions();
+  o.model.num_layers = 4;
+  PhaseTrace trace;
+  o.trace = &trace;
+  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+  Train(o, &backend, 3);
+  for (uint64_t step = 1; step <= 3; ++step) {
+    double backward_end = -1, first_send = -1;
+    int sends = 0;
+    for (const PhaseTrace::Event& e : trace.Events()) {
+      if (e.step != step) continue;
+      if (e.name == "backward") backward_end = e.end_us;
+      if (e.name == "send_gradients") {
+        ++sends;
+        if (first_send < 0 || e.begin_us < first_send) first_send = e.begin_us;
+      }
+    }
+    ASSERT_GE(backward_end, 0) << "step " << step;
+    EXPECT_GE(sends, o.model.num_layers) << "step " << step;  // ln_f, each layer, embeddings
+    EXPECT_LT(first_send, backward_end) << "step " << step;
+  }
+  TempDir dir;
+  std::filesystem::create_directories(dir.path());
+  const std::string path = dir.path() + "/trace.json";
+  ASSERT_TRUE(trace.WriteChromeTrace(path).ok());
+  std::ifstream in(path);
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  google::protobuf::ListValue events;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &events).ok())
+      << json.substr(0, 200);
+  EXPECT_EQ(events.values_size(), static_cast<int>(trace.Events().size()));
+  EXPECT_EQ(events.values(0).struct_value().fields().at("ph").string_value(), "X");
 }
 
 }  // namespace

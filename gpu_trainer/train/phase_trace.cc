@@ -1,0 +1,47 @@
+#include "gpu_trainer/train/phase_trace.h"
+
+#include <functional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gpu_trainer/checkpoint/atomic_file.h"
+
+namespace offload {
+
+void PhaseTrace::Record(const std::string& name, uint64_t step, Clock::time_point begin,
+                        Clock::time_point end) {
+  const std::size_t hash = std::hash<std::thread::id>()(std::this_thread::get_id());
+  auto us = [this](Clock::time_point t) {
+    return std::chrono::duration<double, std::micro>(t - start_).count();
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  int thread = 0;
+  while (thread < static_cast<int>(thread_hashes_.size()) && thread_hashes_[thread] != hash) {
+    ++thread;
+  }
+  if (thread == static_cast<int>(thread_hashes_.size())) thread_hashes_.push_back(hash);
+  events_.push_back(Event{name, step, thread, us(begin), us(end)});
+}
+
+std::vector<PhaseTrace::Event> PhaseTrace::Events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_;
+}
+
+absl::Status PhaseTrace::WriteChromeTrace(const std::string& path) const {
+  std::string json = "[\n";
+  const std::vector<Event> events = Events();
+  for (size_t i = 0; i < events.size(); ++i) {
+    const Event& e = events[i];
+    // Names are the trainer's own phase names: no characters JSON would need escaped.
+    absl::StrAppend(&json, absl::StrFormat("{\"name\":\"%s\",\"ph\":\"X\",\"pid\":1,\"tid\":%d,"
+                                           "\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"step\":%d}}%s\n",
+                                           e.name, e.thread, e.begin_us, e.end_us - e.begin_us,
+                                           e.step, i + 1 < events.size() ? "," : ""));
+  }
+  json += "]\n";
+  return WriteFileAtomic(path, json);
+}
+
+}  // namespace offload
