@@ -229,16 +229,18 @@ absl::StatusOr<StepReport> Trainer::Step() {
   return SyncStep(step);
 }
 
-absl::StatusOr<StepReport> Trainer::SyncStep(uint64_t step) {
+absl::StatusOr<float> Trainer::ForwardNextBatch(uint64_t step) {
   const TrainerOptions& o = options_;
   sender_->set_step(step);
   if (absl::Status s = ApplyWeights(); !s.ok()) return s;
   sampler_->Next(inputs_.data(), targets_.data());
-  absl::StatusOr<float> loss;
-  {
-    TracePhase phase(o.trace, "forward", step);
-    loss = runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
-  }
+  TracePhase phase(o.trace, "forward", step);
+  return runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
+}
+
+absl::StatusOr<StepReport> Trainer::SyncStep(uint64_t step) {
+  const TrainerOptions& o = options_;
+  absl::StatusOr<float> loss = ForwardNextBatch(step);
   if (!loss.ok()) return loss.status();
 
   if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
@@ -292,14 +294,7 @@ absl::StatusOr<StepReport> Trainer::SyncStep(uint64_t step) {
 // takes one step at a time), then leave, and the commit of step s starts in the background.
 absl::StatusOr<StepReport> Trainer::DelayedStep(uint64_t step) {
   const TrainerOptions& o = options_;
-  sender_->set_step(step);
-  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
-  sampler_->Next(inputs_.data(), targets_.data());
-  absl::StatusOr<float> loss;
-  {
-    TracePhase phase(o.trace, "forward", step);
-    loss = runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
-  }
+  absl::StatusOr<float> loss = ForwardNextBatch(step);
   if (!loss.ok()) return loss.status();
   const float scale = scaler_.scale();
   absl::StatusOr<GradStats> backward;

@@ -107,6 +107,8 @@ class Trainer {
   absl::Status Init();
   // Hands weights16_ to the model if the optimizer changed them since.
   absl::Status ApplyWeights();
+  // The start of every step: the latest weights applied, the next batch, its forward.
+  absl::StatusOr<float> ForwardNextBatch(uint64_t step);
   // The synchronous step, and the delayed one (DPU).
   absl::StatusOr<StepReport> SyncStep(uint64_t step);
   absl::StatusOr<StepReport> DelayedStep(uint64_t step);
