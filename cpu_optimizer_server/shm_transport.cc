@@ -17,45 +17,35 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/attach_client.h"
 #include "cpu_optimizer_server/shm_segment.h"
 #include "cpu_optimizer_server/wire_convert.h"
 
 namespace offload {
 namespace {
 
-using AttachClientStream = grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>;
-
 // Runs the trainer's half of the offer / proof / ready exchange on a fresh Attach stream.
-absl::StatusOr<ShmSegment> Handshake(const v1::AttachOpen& open, grpc::ClientContext* context,
-                                     AttachClientStream* stream) {
+absl::StatusOr<ShmSegment> Handshake(const v1::AttachOpen& open, AttachClient* link) {
   v1::AttachRequest request;
   *request.mutable_open() = open;
-  v1::AttachResponse response;
-  if (!stream->Write(request) || !stream->Read(&response)) {
-    absl::Status s = FromGrpcStatus(stream->Finish());
-    if (s.ok()) s = absl::DataLossError("shard ended the Attach stream without an offer");
-    return s;
-  }
-  if (!response.has_shm()) {
-    context->TryCancel();
-    stream->Finish();
+  if (absl::Status s = link->Send(request, "the offer"); !s.ok()) return s;
+  absl::StatusOr<v1::AttachResponse> response = link->Receive("the offer");
+  if (!response.ok()) return response.status();
+  if (!response->has_shm()) {
+    link->Cancel();
     return absl::DataLossError("shard answered a shm AttachOpen with something else than an offer");
   }
-  absl::StatusOr<ShmSegment> segment = ShmSegment::Open(response.shm().segment_name());
+  absl::StatusOr<ShmSegment> segment = ShmSegment::Open(response->shm().segment_name());
   if (!segment.ok()) {
-    context->TryCancel();
-    stream->Finish();
+    link->Cancel();
     return segment.status();
   }
   request.mutable_proof()->set_secret(segment->header()->secret, kShmSecretBytes);
-  if (!stream->Write(request) || !stream->Read(&response)) {
-    absl::Status s = FromGrpcStatus(stream->Finish());
-    if (s.ok()) s = absl::DataLossError("shard ended the Attach stream without AttachReady");
-    return s;
-  }
-  if (!response.has_ready()) {
-    context->TryCancel();
-    stream->Finish();
+  if (absl::Status s = link->Send(request, "AttachReady"); !s.ok()) return s;
+  response = link->Receive("AttachReady");
+  if (!response.ok()) return response.status();
+  if (!response->has_ready()) {
+    link->Cancel();
     return absl::DataLossError("shard answered the AttachProof with something else than ready");
   }
   return segment;
@@ -67,27 +57,17 @@ class Attachment {
   Attachment(std::string address, const ShmOptions& options, absl::Duration call_timeout)
       : address_(std::move(address)), options_(options), call_timeout_(call_timeout) {}
 
-  ~Attachment() {
-    if (stream_ != nullptr) {
-      context_.TryCancel();  // the shard drops any open step and unmaps
-      if (watcher_.joinable()) watcher_.join();
-      stream_->Finish();
-    }
-  }
-
   absl::Status Start(OptimizerClient* control, const v1::AttachOpen& open) {
-    stream_ = control->Attach(&context_);
-    absl::StatusOr<ShmSegment> segment = Handshake(open, &context_, stream_.get());
+    link_ = std::make_unique<AttachClient>(
+        control, absl::StrCat("the shm Attach stream of shard ", control->options().address));
+    absl::StatusOr<ShmSegment> segment = Handshake(open, link_.get());
     if (!segment.ok()) {
-      stream_ = nullptr;  // Handshake finished it
+      link_ = nullptr;
       return segment.status();
     }
     segment_ = *std::move(segment);
     head_ = segment_.header()->cmd_head.load(std::memory_order_relaxed);
-    watcher_ = std::thread([this] {
-      v1::AttachResponse ignored;
-      while (stream_->Read(&ignored)) {
-      }
+    link_->Watch([this](const grpc::Status&) {
       gone_.store(true);
       ShmWake(&segment_.header()->shard_event);
     });
@@ -159,10 +139,10 @@ class Attachment {
   const std::string address_;
   const ShmOptions options_;
   const absl::Duration call_timeout_;
-  grpc::ClientContext context_;
-  std::unique_ptr<AttachClientStream> stream_;
   ShmSegment segment_;
-  std::thread watcher_;
+  // The Attach stream that keeps the attachment alive. After segment_: its watcher wakes waits
+  // through the segment, so it must stop (be destroyed) before the segment is unmapped.
+  std::unique_ptr<AttachClient> link_;
   std::atomic<bool> gone_{false};
   std::atomic<bool> broken_{false};
   std::atomic<bool> busy_{false};  // a step stream is in flight
@@ -426,14 +406,13 @@ absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(OptimizerClien
 }
 
 absl::Status ProbeShm(OptimizerClient* control) {
-  grpc::ClientContext context;
-  std::unique_ptr<AttachClientStream> stream = control->Attach(&context);
+  AttachClient link(
+      control, absl::StrCat("the shm probe's Attach stream of shard ", control->options().address));
   v1::AttachOpen open;
   open.set_plane(v1::DATA_PLANE_SHM);
-  absl::StatusOr<ShmSegment> segment = Handshake(open, &context, stream.get());
+  absl::StatusOr<ShmSegment> segment = Handshake(open, &link);
   if (!segment.ok()) return segment.status();
-  stream->WritesDone();
-  return FromGrpcStatus(stream->Finish());
+  return link.Close();
 }
 
 }  // namespace offload

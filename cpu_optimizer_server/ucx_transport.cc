@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/attach_client.h"
 #include "cpu_optimizer_server/ucx_common.h"
 #include "cpu_optimizer_server/wire_convert.h"
 
@@ -246,9 +247,7 @@ struct Attachment {
   UcxTransport* transport = nullptr;
   uint64_t session_id = 0;
   ucp_ep_h ep = nullptr;
-  std::unique_ptr<grpc::ClientContext> context;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
-  std::thread watcher;
+  std::unique_ptr<AttachClient> link;
   std::atomic<bool> dead{false};
 
   std::mutex mu;
@@ -357,14 +356,7 @@ class UcxTransport final : public StepTransport {
 
 Attachment::~Attachment() {
   if (transport != nullptr) transport->Forget(this);
-  if (context != nullptr) {
-    context->TryCancel();
-    if (watcher.joinable()) {
-      watcher.join();  // it finishes the stream
-    } else {
-      stream->Finish();
-    }
-  }
+  link.reset();  // its watcher marks this attachment dead: it stops first
   if (ep != nullptr) transport->worker()->Close(ep);
 }
 
@@ -494,53 +486,41 @@ absl::Status UcxTransport::Wait(Attachment* att, StreamState* state,
 absl::StatusOr<std::shared_ptr<Attachment>> UcxTransport::Attach(const std::string& job_id,
                                                                  uint32_t range_index) {
   auto att = std::make_shared<Attachment>();
-  att->context = std::make_unique<grpc::ClientContext>();
-  att->stream = control_->Attach(att->context.get());
-  auto fail = [&](const char* stage) -> absl::Status {
-    absl::Status s = FromGrpcStatus(att->stream->Finish());
-    att->context.reset();  // finished: nothing to cancel
-    if (!s.ok()) return s;
-    return absl::UnavailableError(
-        absl::StrCat("shard ", shard(), " ended the UCX Attach stream ", stage));
-  };
+  att->link = std::make_unique<AttachClient>(
+      control_, absl::StrCat("the UCX Attach stream of shard ", shard()));
   v1::AttachRequest request;
   v1::AttachOpen* open = request.mutable_open();
   open->set_job_id(job_id);
   open->set_range_index(range_index);
   open->set_plane(v1::DATA_PLANE_UCX);
   open->set_ucx_worker_address(worker_->address());
-  if (!att->stream->Write(request)) return fail("before the AttachOpen was sent");
-  v1::AttachResponse response;
-  if (!att->stream->Read(&response)) return fail("before its UcxOffer");
-  if (!response.has_ucx()) {
-    att->context->TryCancel();
-    att->stream->Finish();
-    att->context.reset();
+  if (absl::Status s = att->link->Send(request, "the AttachOpen was sent"); !s.ok()) return s;
+  absl::StatusOr<v1::AttachResponse> response = att->link->Receive("its UcxOffer");
+  if (!response.ok()) return response.status();
+  if (!response->has_ucx()) {
+    att->link->Cancel();
     return absl::DataLossError(
         absl::StrCat("shard ", shard(), " answered a UCX AttachOpen without a UcxOffer"));
   }
-  att->session_id = response.ucx().session_id();
+  att->session_id = response->ucx().session_id();
   {
     std::lock_guard<std::mutex> lock(mu_);
     att->transport = this;
     by_session_[att->session_id] = att.get();
   }
   absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(response.ucx().worker_address(), &UcxTransport::OnEpError, att.get());
+      worker_->Connect(response->ucx().worker_address(), &UcxTransport::OnEpError, att.get());
   if (!ep.ok()) return ep.status();  // ~Attachment cancels the stream
   att->ep = *ep;
-  if (!att->stream->Read(&response)) return fail("before AttachReady");
-  if (!response.has_ready()) {
+  response = att->link->Receive("AttachReady");
+  if (!response.ok()) return response.status();
+  if (!response->has_ready()) {
     return absl::DataLossError(
         absl::StrCat("shard ", shard(), " sent something else than AttachReady"));
   }
   // The stream stays silent until one side ends it: that is how a dead shard is noticed.
   Attachment* raw = att.get();
-  att->watcher = std::thread([raw] {
-    v1::AttachResponse ignored;
-    while (raw->stream->Read(&ignored)) {
-    }
-    const grpc::Status s = raw->stream->Finish();
+  att->link->Watch([raw](const grpc::Status& s) {
     raw->MarkDead(absl::StrCat("shard ", raw->transport->shard(), " ended the UCX attachment: ",
                                s.ok() ? "stream closed" : s.error_message()));
   });
