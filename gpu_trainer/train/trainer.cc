@@ -229,6 +229,24 @@ absl::StatusOr<StepReport> Trainer::Step() {
   return SyncStep(step);
 }
 
+StepReport Trainer::Report(uint64_t step, float loss, float loss_scale,
+                           const GradStats& stats) const {
+  StepReport report;
+  report.step = step;
+  report.loss = loss;
+  report.loss_scale = loss_scale;
+  report.skipped = stats.nonfinite;
+  report.grad_norm = std::sqrt(stats.sum_squares) / loss_scale;
+  report.lr = ScheduledLr(options_.schedule, step);
+  return report;
+}
+
+// DESIGN section 1: 1 / loss_scale * clip_coef (no clipping on a step the shards skip).
+float Trainer::GradMultiplier(const StepReport& report) const {
+  const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, options_.grad_clip);
+  return clip / report.loss_scale;
+}
+
 absl::StatusOr<float> Trainer::ForwardNextBatch(uint64_t step) {
   const TrainerOptions& o = options_;
   sender_->set_step(step);
@@ -266,15 +284,8 @@ absl::StatusOr<StepReport> Trainer::SyncStep(uint64_t step) {
   }
   const GradStats& stats = *backward;
 
-  StepReport report;
-  report.step = step;
-  report.loss = *loss;
-  report.loss_scale = scale;
-  report.skipped = stats.nonfinite;
-  report.grad_norm = std::sqrt(stats.sum_squares) / scale;
-  report.lr = ScheduledLr(o.schedule, step);
-  const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, o.grad_clip);
-  const float grad_multiplier = clip / scale;
+  const StepReport report = Report(step, *loss, scale, stats);
+  const float grad_multiplier = GradMultiplier(report);
   absl::StatusOr<StepCounters> counters;
   {
     TracePhase phase(o.trace, "commit", step);
@@ -326,15 +337,8 @@ absl::StatusOr<StepReport> Trainer::DelayedStep(uint64_t step) {
     return s;
   }
 
-  StepReport report;
-  report.step = step;
-  report.loss = *loss;
-  report.loss_scale = scale;
-  report.skipped = backward->nonfinite;
-  report.grad_norm = std::sqrt(backward->sum_squares) / scale;
-  report.lr = ScheduledLr(o.schedule, step);
-  const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, o.grad_clip);
-  const float grad_multiplier = clip / scale;
+  const StepReport report = Report(step, *loss, scale, *backward);
+  const float grad_multiplier = GradMultiplier(report);
   pending_skipped_ = report.skipped;
   pending_commit_ = std::async(
       std::launch::async, [this, step, lr = report.lr, grad_multiplier, skip = report.skipped] {

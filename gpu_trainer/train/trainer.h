@@ -107,6 +107,9 @@ class Trainer {
   absl::Status Init();
   // Hands weights16_ to the model if the optimizer changed them since.
   absl::Status ApplyWeights();
+  // What a step reports, from its loss and the statistics of its gradients.
+  StepReport Report(uint64_t step, float loss, float loss_scale, const GradStats& stats) const;
+  float GradMultiplier(const StepReport& report) const;
   // The start of every step: the latest weights applied, the next batch, its forward.
   absl::StatusOr<float> ForwardNextBatch(uint64_t step);
   // The synchronous step, and the delayed one (DPU).
