@@ -241,6 +241,17 @@ class ShmTransportTest : public ::testing::Test {
   std::vector<float> weights_;
 };
 
+// A raw trainer's first step on an Attach stream: the shm AttachOpen for `job`, and the offer.
+void OpenRaw(grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>* stream,
+             const std::string& job, v1::AttachResponse* offer) {
+  v1::AttachRequest request;
+  request.mutable_open()->set_job_id(job);
+  request.mutable_open()->set_plane(v1::DATA_PLANE_SHM);
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(offer));
+  ASSERT_TRUE(offer->has_shm());
+}
+
 TEST_F(ShmTransportTest, StepsMatchGrpcBitForBit) {
   CreateJob("via-grpc");
   CreateJob("via-shm");
@@ -344,16 +355,12 @@ TEST_F(ShmTransportTest, TrainerDeathDropsTheStepAndTheSegment) {
     // without ever sending ABANDON.
     grpc::ClientContext context;
     auto stream = client_->Attach(&context);
-    v1::AttachRequest request;
-    request.mutable_open()->set_job_id("job");
-    request.mutable_open()->set_plane(v1::DATA_PLANE_SHM);
-    ASSERT_TRUE(stream->Write(request));
     v1::AttachResponse offer;
-    ASSERT_TRUE(stream->Read(&offer));
-    ASSERT_TRUE(offer.has_shm());
+    ASSERT_NO_FATAL_FAILURE(OpenRaw(stream.get(), "job", &offer));
     EXPECT_EQ(OurSegments().size(), 1u);
     auto segment = ShmSegment::Open(offer.shm().segment_name());
     ASSERT_TRUE(segment.ok()) << segment.status();
+    v1::AttachRequest request;
     request.mutable_proof()->set_secret(segment->header()->secret, kShmSecretBytes);
     ASSERT_TRUE(stream->Write(request));
     v1::AttachResponse ready;
@@ -393,16 +400,12 @@ TEST_F(ShmTransportTest, WrongSecretIsRefusedAndTheSegmentRemoved) {
   CreateJob("job");
   grpc::ClientContext context;
   auto stream = client_->Attach(&context);
-  v1::AttachRequest request;
-  request.mutable_open()->set_job_id("job");
-  request.mutable_open()->set_plane(v1::DATA_PLANE_SHM);
-  ASSERT_TRUE(stream->Write(request));
   v1::AttachResponse offer;
-  ASSERT_TRUE(stream->Read(&offer));
-  ASSERT_TRUE(offer.has_shm());
+  ASSERT_NO_FATAL_FAILURE(OpenRaw(stream.get(), "job", &offer));
   const std::vector<std::string> during = OurSegments();
   ASSERT_EQ(during.size(), 1u);
   EXPECT_EQ("/" + during[0], offer.shm().segment_name());
+  v1::AttachRequest request;
   request.mutable_proof()->set_secret(std::string(kShmSecretBytes, 'x'));
   stream->Write(request);
   v1::AttachResponse response;
