@@ -2,7 +2,8 @@
 # offload_local end to end: the real cpu_optimizer_server and a fake trainer (a bash script that
 # records its pid and arguments, connects to every shard and then exits or runs as told). Checks
 # exit codes, the trainer's --shards, orderly Ctrl-C, a server dying mid-run, kill -9 of the
-# launcher (no orphans) and servers that cannot start.
+# launcher (no orphans), servers that cannot start, and jobs of two trainer ranks (their flags,
+# the rendezvous directory, rank 1's prefixed output, a failing rank, Ctrl-C, a dying server).
 set -euo pipefail
 launcher=$1
 server=$2
@@ -32,12 +33,24 @@ wait_for_file() {
   fail "no $1 after 15 s"
 }
 
+# Its files are named after its rank: trainer.* when the launcher passed no --rank, rankR.*
+# otherwise. FAKE_MODE is one mode per rank, comma-separated ("run,exit3": rank 1 fails).
 cat >"$work/fake_trainer" <<'EOF'
 #!/usr/bin/env bash
 dir=$FAKE_DIR
-echo $$ >"$dir/trainer.pid"
-printf '%s\n' "$@" >"$dir/trainer.args"
-trap 'touch "$dir/trainer.sigint"; exit 130' INT
+name=trainer rank=0 world=1 rendezvous=
+for arg in "$@"; do
+  case $arg in
+    --rank=*) rank=${arg#--rank=} && name=rank$rank ;;
+    --world_size=*) world=${arg#--world_size=} ;;
+    --rendezvous=*) rendezvous=${arg#--rendezvous=} ;;
+  esac
+done
+echo $$ >"$dir/$name.pid"
+printf '%s\n' "$@" >"$dir/$name.args"
+trap 'touch "$dir/$name.sigint"; exit 130' INT
+echo "fake $name: to stdout"
+echo "fake $name: to stderr" >&2
 IFS=, read -ra addrs <<<"${1#--shards=}"
 for a in "${addrs[@]}"; do
   if ! { : <>"/dev/tcp/${a%:*}/${a##*:}"; } 2>/dev/null; then
@@ -45,28 +58,38 @@ for a in "${addrs[@]}"; do
     exit 99
   fi
 done
-touch "$dir/trainer.reached"
-case $FAKE_MODE in
+touch "$dir/$name.reached"
+# Waits on a FIFO nobody writes, with builtins only: a `sleep` child would outlive a SIGKILL of
+# this script by a moment and show up as a leftover.
+mkfifo "$dir/$name.idle"
+exec 9<>"$dir/$name.idle"
+# A barrier in the rendezvous directory: it only opens if every rank got the same, existing one,
+# and it leaves files there for the launcher to remove.
+if [ -n "$rendezvous" ]; then
+  touch "$rendezvous/rank$rank" || exit 98
+  for ((i = 0; ; i++)); do
+    ready=("$rendezvous"/rank*)
+    [ "${#ready[@]}" -eq "$world" ] && break
+    [ "$i" -lt 100 ] || { echo "fake $name: the barrier never opened" >&2; exit 98; }
+    read -r -t 0.1 -u 9 _ || true
+  done
+fi
+IFS=, read -ra modes <<<"$FAKE_MODE"
+case ${modes[$rank]:-${modes[0]}} in
   exit0) exit 0 ;;
   exit3) exit 3 ;;
-  # Idles on a FIFO nobody writes, with builtins only: a `sleep` child would outlive a SIGKILL of
-  # this script by a moment and show up as a leftover.
-  run)
-    mkfifo "$dir/idle"
-    exec 9<>"$dir/idle"
-    while :; do read -r -t 1 -u 9 _ || true; done
-    ;;
+  run) while :; do read -r -t 1 -u 9 _ || true; done ;;
 esac
 EOF
 chmod +x "$work/fake_trainer"
 
 # Starts the launcher in the background: start_job NAME MODE SHARDS [launcher flags] [-- trainer
-# flags]. Sets dir, log, job.
+# flags]. Sets dir, log, job. The launcher's TMPDIR is $dir/tmp, where the rendezvous goes.
 start_job() {
   dir=$work/$1
-  mkdir -p "$dir"
+  mkdir -p "$dir/tmp"
   log=$dir/launcher.log
-  FAKE_DIR=$dir FAKE_MODE=$2 "$launcher" --shards="$3" --server_binary="$server" \
+  TMPDIR=$dir/tmp FAKE_DIR=$dir FAKE_MODE=$2 "$launcher" --shards="$3" --server_binary="$server" \
     --trainer_binary="$work/fake_trainer" --server_args="--threads=1 --memory_limit_mib=64" \
     "${@:4}" >"$log" 2>&1 &
   job=$!
@@ -79,27 +102,32 @@ wait_job() {
   alive "$job" && fail "the launcher is still running"
   rc=0
   wait "$job" || rc=$?
-  for p in $(server_pids); do pids+=("$p"); done
-  if [ -f "$dir/trainer.pid" ]; then pids+=("$(cat "$dir/trainer.pid")"); fi
+  for p in $(server_pids) $(trainer_pids); do pids+=("$p"); done
 }
+
+trainer_pids() { cat "$dir"/*.pid 2>/dev/null || true; }
 
 server_pids() { sed -n 's/^offload_local: shard [0-9]* listening on .* (pid \([0-9]*\))$/\1/p' "$log"; }
 server_port() { sed -n "s/^offload_local: shard $1 listening on 127.0.0.1:\([0-9]*\) .*/\1/p" "$log"; }
 
-# Every process of the job is gone: the servers the launcher reported, the trainer, and anything
-# else that carries this case's FAKE_DIR in its environment (every child of the launcher does).
+# Every process of the job is gone: the servers the launcher reported, the trainer ranks, and
+# anything else that carries this case's FAKE_DIR in its environment (every child of the launcher
+# does). So is the rendezvous directory, if there was one.
 expect_all_gone() {
   local p
   for p in $(server_pids); do alive "$p" && fail "server $p still running"; done
-  if [ -f "$dir/trainer.pid" ]; then
-    p=$(cat "$dir/trainer.pid")
-    alive "$p" && fail "trainer $p still running"
-  fi
+  for p in $(trainer_pids); do alive "$p" && fail "trainer $p still running"; done
   for p in $(grep -lzx "FAKE_DIR=$dir" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
     alive "$p" && fail "process $p ($(tr '\0' ' ' <"/proc/$p/cmdline")) still running"
   done
+  if [ -d "$dir/tmp" ] && [ -n "$(ls -A "$dir/tmp")" ]; then
+    fail "left in TMPDIR: $(ls -A "$dir/tmp")"
+  fi
   return 0
 }
+
+# The --rendezvous rank R was given.
+rendezvous_of() { sed -n 's/^--rendezvous=//p' "$dir/rank$1.args"; }
 
 expect_log() { grep -qF -- "$1" "$log" || fail "launcher output lacks '$1'"; }
 
@@ -108,12 +136,14 @@ start_job ok exit0 2 -- --steps=3 "--name=a b"
 wait_job
 [ "$rc" -eq 0 ] || fail "exit $rc, want 0"
 [ "$(server_pids | wc -l)" -eq 2 ] || fail "want 2 servers"
+# One rank: exactly --shards and the trainer flags, no --rank, --world_size or --rendezvous.
 want="--shards=127.0.0.1:$(server_port 0),127.0.0.1:$(server_port 1)"
 printf '%s\n' "$want" --steps=3 "--name=a b" | cmp -s - "$dir/trainer.args" ||
   fail "trainer args: $(cat "$dir/trainer.args"), want $want --steps=3 --name=a b"
 [ -e "$dir/trainer.reached" ] || fail "the trainer could not reach the shards"
 expect_log "[shard 1] cpu_optimizer_server shutting down"
 expect_log "offload_local: trainer exited with status 0"
+grep -qx "fake trainer: to stdout" "$log" || fail "the trainer's output is not passed through as is"
 expect_all_gone
 
 echo "--- 2. the trainer fails with status 3"
@@ -205,5 +235,70 @@ FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --server_binary="$work/silent_server" 
 [ "$rc" -ne 0 ] || fail "exit 0 with a silent server"
 expect_log "did not report 'listening port=N' within 1s; it printed nothing"
 expect_all_gone
+
+echo "--- 7. two ranks succeed"
+start_job ranks_ok exit0 2 --ranks=2 -- --steps=3 "--name=a b"
+wait_job
+[ "$rc" -eq 0 ] || fail "exit $rc, want 0"
+shards="--shards=127.0.0.1:$(server_port 0),127.0.0.1:$(server_port 1)"
+rendezvous=$(rendezvous_of 0)
+case $rendezvous in
+  "$dir/tmp/offload-rendezvous-"??????) ;;
+  *) fail "rendezvous '$rendezvous' is not a fresh directory in TMPDIR" ;;
+esac
+for r in 0 1; do
+  printf '%s\n' "$shards" --rank=$r --world_size=2 --rendezvous="$rendezvous" --steps=3 \
+    "--name=a b" | cmp -s - "$dir/rank$r.args" || fail "rank $r args: $(cat "$dir/rank$r.args")"
+done
+grep -qx "fake rank0: to stdout" "$log" || fail "rank 0's output is not passed through as is"
+grep -qx "fake rank0: to stderr" "$log" || fail "rank 0's output is not passed through as is"
+expect_log "[rank 1] fake rank1: to stdout"
+expect_log "[rank 1] fake rank1: to stderr"
+grep -q "^fake rank1" "$log" && fail "rank 1's output is not prefixed"
+expect_log "offload_local: all 2 trainer ranks exited with status 0"
+expect_all_gone
+
+echo "--- 8. rank 1 fails with status 3: rank 0 is stopped"
+start_job rank_fails run,exit3 2 --ranks=2
+wait_job
+[ "$rc" -eq 3 ] || fail "exit $rc, want 3"
+[ -e "$dir/rank0.sigint" ] || fail "rank 0 never saw SIGINT"
+expect_log "offload_local: trainer rank 1 (pid $(cat "$dir/rank1.pid")) exited with status 3; stopping"
+expect_log "offload_local: trainer rank 1 exited with status 3; trainer rank 0 exited with status 130"
+expect_all_gone
+
+echo "--- 9. SIGINT to the launcher reaches both ranks"
+start_job ranks_sigint run 2 --ranks=2 --shutdown_timeout=10s
+wait_for_file "$dir/rank0.reached"
+wait_for_file "$dir/rank1.reached"
+[ -d "$(rendezvous_of 0)" ] || fail "no rendezvous directory while the ranks run"
+kill -INT "$job"
+wait_job
+[ "$rc" -eq 130 ] || fail "exit $rc, want 130"
+[ -e "$dir/rank0.sigint" ] || fail "rank 0 never saw SIGINT"
+[ -e "$dir/rank1.sigint" ] || fail "rank 1 never saw SIGINT"
+expect_log "offload_local: stopped on SIGINT; trainer rank 0 exited with status 130, trainer rank 1 exited with status 130"
+expect_all_gone
+
+echo "--- 10. a server is killed under two ranks"
+start_job ranks_server_dies run 2 --ranks=2
+wait_for_file "$dir/rank0.reached"
+wait_for_file "$dir/rank1.reached"
+victim=$(server_pids | tail -1)
+kill -9 "$victim"
+wait_job
+[ "$rc" -eq 1 ] || fail "exit $rc, want 1"
+[ -e "$dir/rank0.sigint" ] && [ -e "$dir/rank1.sigint" ] || fail "a rank never saw SIGINT"
+expect_log "shard 1 (pid $victim) was killed by signal 9 (Killed) while the trainer was running; trainer rank 0 exited with status 130, trainer rank 1 exited with status 130"
+expect_all_gone
+
+echo "--- 11. --ranks=0 is refused"
+dir=$work/no_ranks && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+"$launcher" --ranks=0 --server_binary="$server" --trainer_binary="$work/fake_trainer" \
+  >"$log" 2>&1 || rc=$?
+[ "$rc" -eq 2 ] || fail "exit $rc, want 2"
+expect_log "offload_local: --ranks must be at least 1 (got 0)"
+grep -q "listening" "$log" && fail "a server was started for --ranks=0"
 
 echo "PASS"

@@ -59,6 +59,13 @@ class CpuModelRunner final : public ModelRunner {
     return stats;
   }
 
+  absl::Status BackwardFp32(
+      float loss_scale, float* grads32,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
+    return model_->Backward(params_.data(), loss_scale, grads32, on_ready);
+  }
+  bool has_fp32_gradients() const override { return true; }
+
   absl::Status Logits(int t, float* logits) override {
     if (t < 0 || t >= last_t_) {
       return absl::InvalidArgumentError(

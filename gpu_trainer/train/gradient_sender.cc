@@ -15,11 +15,11 @@ GradientSender::~GradientSender() {
   thread_.join();
 }
 
-void GradientSender::Enqueue(int64_t offset, int64_t n) {
+void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate) {
   if (n <= 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.emplace_back(offset, n);
+    queue_.push_back(Range{offset, n, accumulate});
   }
   cv_.notify_all();
 }
@@ -37,7 +37,7 @@ void GradientSender::Loop() {
   while (true) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_ and nothing left
-    const auto [offset, n] = queue_.front();
+    const Range range = queue_.front();
     queue_.pop_front();
     const bool failed = !error_.ok();
     ++in_flight_;
@@ -45,7 +45,7 @@ void GradientSender::Loop() {
     absl::Status s;
     if (!failed) {
       TracePhase phase(trace_, "send_gradients", step_.load(std::memory_order_relaxed));
-      s = backend_->SendGradients(offset, grads16_ + offset, n);
+      s = backend_->SendGradients(range.offset, grads16_ + range.offset, range.n, range.accumulate);
     }
     lock.lock();
     --in_flight_;

@@ -24,8 +24,9 @@ class GradientSender {
   void set_step(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
   ~GradientSender();
 
-  // Queues flat elements [offset, offset + n). After an error, later ranges are dropped.
-  void Enqueue(int64_t offset, int64_t n);
+  // Queues flat elements [offset, offset + n); accumulate as OptimizerBackend::SendGradients.
+  // After an error, later ranges are dropped. May be called from any thread.
+  void Enqueue(int64_t offset, int64_t n, bool accumulate = false);
   // Waits until everything queued is sent; returns the first error since the last Drain.
   absl::Status Drain();
 
@@ -38,10 +39,14 @@ class GradientSender {
   std::atomic<uint64_t> step_{0};
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<int64_t, int64_t>> queue_;  // guarded by mu_
-  int in_flight_ = 0;                              // guarded by mu_
-  absl::Status error_;                             // guarded by mu_
-  bool stop_ = false;                              // guarded by mu_
+  struct Range {
+    int64_t offset, n;
+    bool accumulate;
+  };
+  std::deque<Range> queue_;  // guarded by mu_
+  int in_flight_ = 0;        // guarded by mu_
+  absl::Status error_;       // guarded by mu_
+  bool stop_ = false;        // guarded by mu_
   std::thread thread_;
 };
 

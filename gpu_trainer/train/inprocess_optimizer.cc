@@ -95,10 +95,7 @@ absl::Status InProcessOptimizer::DropJob() {
 }
 
 absl::Status InProcessOptimizer::OpenSlice(int slice, uint64_t step) {
-  if (slice == 0) {
-    sessions_.clear();
-    sessions_.resize(map_.slices_size());
-  }
+  sessions_.resize(map_.slices_size());
   const v1::ShardSlice& s = map_.slices(slice);
   absl::StatusOr<std::unique_ptr<StepSession>> session =
       StepSession::Open(stores_[s.shard_index()].get(), job_id_, s.range_index(), step);
@@ -109,9 +106,9 @@ absl::Status InProcessOptimizer::OpenSlice(int slice, uint64_t step) {
 }
 
 absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint16_t* grads,
-                                           int64_t n) {
+                                           int64_t n, bool accumulate) {
   std::string data(reinterpret_cast<const char*>(grads), n * sizeof(uint16_t));
-  return sessions_[slice]->AddGradients(offset, grad_dtype(), false, std::move(data));
+  return sessions_[slice]->AddGradients(offset, grad_dtype(), accumulate, std::move(data));
 }
 
 absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(float lr, float grad_multiplier,
@@ -120,6 +117,7 @@ absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(float lr, float gr
   StepCounters counters;
   absl::Status first;
   for (auto& session : sessions_) {
+    if (session == nullptr) continue;  // another rank's slice
     absl::StatusOr<StepOutcome> outcome =
         session->Commit(StepCommitArgs{step_, lr, grad_multiplier, skip}, &sink);
     if (!outcome.ok()) {

@@ -30,14 +30,15 @@ class InProcessOptimizer final : public OptimizerBackend {
 
  private:
   absl::Status OpenSlice(int slice, uint64_t step) override;
-  absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n) override;
+  absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                         bool accumulate) override;
   absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
                                             uint16_t* params16) override;
   void AbortSlices() override;
 
   ThreadPool pool_;
   std::vector<std::unique_ptr<ShardStore>> stores_;     // one per shard
-  std::vector<std::unique_ptr<StepSession>> sessions_;  // one per slice, during a step
+  std::vector<std::unique_ptr<StepSession>> sessions_;  // per slice, this rank's during a step
   uint64_t step_ = 0;
 };
 

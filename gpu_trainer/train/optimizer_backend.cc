@@ -23,9 +23,25 @@ v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shar
   return request;
 }
 
+absl::Status OptimizerBackend::SetRank(int rank) {
+  if (rank < 0 || rank >= static_cast<int>(map_.world_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside a world of ", map_.world_size(), " ranks"));
+  }
+  rank_ = rank;
+  return absl::OkStatus();
+}
+
+int64_t OptimizerBackend::partition_length() const {
+  return static_cast<int64_t>(map_.padded_length() / map_.world_size());
+}
+
+int64_t OptimizerBackend::partition_offset() const { return rank_ * partition_length(); }
+
 absl::Status OptimizerBackend::BeginStep(uint64_t step) {
   if (in_step_) return absl::FailedPreconditionError("a step is already open");
   for (int i = 0; i < map_.slices_size(); ++i) {
+    if (static_cast<int>(map_.slices(i).rank()) != rank_) continue;
     if (absl::Status s = OpenSlice(i, step); !s.ok()) {
       AbortSlices();
       return s;
@@ -36,12 +52,14 @@ absl::Status OptimizerBackend::BeginStep(uint64_t step) {
   return absl::OkStatus();
 }
 
-absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n) {
+absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
+                                             bool accumulate) {
   if (!in_step_) return absl::FailedPreconditionError("SendGradients outside a step");
   const int64_t end = offset + n;
-  if (offset < 0 || n < 0 || end > static_cast<int64_t>(map_.padded_length())) {
-    return absl::OutOfRangeError(absl::StrCat("gradients [", offset, ", ", end,
-                                              ") outside the flat length ", map_.padded_length()));
+  if (offset < partition_offset() || n < 0 || end > partition_offset() + partition_length()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("gradients [", offset, ", ", end, ") outside the partition of rank ", rank_,
+                     " [", partition_offset(), ", ", partition_offset() + partition_length(), ")"));
   }
   // Slices are sorted by offset: find the first that ends after `offset`.
   auto it = std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
@@ -52,7 +70,10 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
     const int64_t lo = std::max<int64_t>(offset, it->offset());
     const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
     const int slice = static_cast<int>(it - map_.slices().begin());
-    if (absl::Status s = SendSlice(slice, lo, grads + (lo - offset), hi - lo); !s.ok()) return s;
+    if (absl::Status s = SendSlice(slice, lo, grads + (lo - offset), hi - lo, accumulate);
+        !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }

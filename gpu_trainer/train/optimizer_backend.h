@@ -29,6 +29,21 @@ class OptimizerBackend {
   const v1::PartitionMap& partition() const { return map_; }
   int num_shards() const { return static_cast<int>(map_.num_shards()); }
 
+  // The trainer rank this backend steps for (0 by default): BeginStep, SendGradients and Commit
+  // cover only the slices of its partition [rank * P, (rank + 1) * P). The job's set-up, loads,
+  // reads and drop (rank 0's work) still reach every shard.
+  absl::Status SetRank(int rank);
+  int rank() const { return rank_; }
+  // [offset, offset + length) of this rank's partition.
+  int64_t partition_offset() const;
+  int64_t partition_length() const;
+  // For ranks other than the one that creates the job: step the job `job_id` another rank
+  // created, whose 16-bit type is param_dtype.
+  void UseJob(const std::string& job_id, DType param_dtype) {
+    job_id_ = job_id;
+    param_dtype_ = param_dtype;
+  }
+
   // Creates the job on every shard with the slices the map gives it. A job of the same id left
   // on a shard by an earlier run of this trainer is replaced.
   virtual absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
@@ -41,21 +56,28 @@ class OptimizerBackend {
                                       float* out) = 0;
   virtual absl::Status DropJob() = 0;
 
-  // One step: Begin, any number of SendGradients covering [0, padded_length) exactly once (from
-  // one thread, in any order), then Commit or Abort.
+  // One step: Begin, any number of SendGradients covering this rank's partition at least once
+  // (from one thread, in any order; a second cover of an element must be `accumulate`), then
+  // Commit or Abort.
   absl::Status BeginStep(uint64_t step);
-  // grads (n,) 16-bit for flat elements [offset, offset + n), split over the slices they touch.
-  absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n);
-  // Applies the step (or skips it) on every slice; the updated 16-bit weights land in
-  // params16 (padded_length,) unless skipped. Returns the step counters after the step.
+  // grads (n,) 16-bit for flat elements [offset, offset + n) of this rank's partition, split over
+  // the slices they touch. accumulate: added to what the step received before (micro-batches,
+  // summed in fp32 on the shard).
+  absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
+                             bool accumulate = false);
+  // Applies the step (or skips it) on this rank's slices; their updated 16-bit weights land in
+  // params16 (padded_length,) at their offsets unless skipped. Returns the step counters after
+  // the step.
   absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
                                       uint16_t* params16);
   void AbortStep();
 
  protected:
-  // Per-slice hooks of one step, slice = index into map.slices().
+  // Per-slice hooks of one step, slice = index into map.slices(); only this rank's slices are
+  // opened.
   virtual absl::Status OpenSlice(int slice, uint64_t step) = 0;
-  virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n) = 0;
+  virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                                 bool accumulate) = 0;
   // Commits every open slice, writing params16 (padded_length,) at each slice's offset.
   virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
                                                     uint16_t* params16) = 0;
@@ -67,6 +89,7 @@ class OptimizerBackend {
   std::string job_id_;
 
  private:
+  int rank_ = 0;
   bool in_step_ = false;
   uint64_t step_ = 0;
 };

@@ -95,10 +95,7 @@ absl::Status RemoteOptimizer::DropJob() {
 }
 
 absl::Status RemoteOptimizer::OpenSlice(int slice, uint64_t step) {
-  if (slice == 0) {
-    streams_.clear();
-    streams_.resize(map_.slices_size());
-  }
+  streams_.resize(map_.slices_size());
   const v1::ShardSlice& s = map_.slices(slice);
   absl::StatusOr<std::unique_ptr<StepStream>> stream = transports_[s.shard_index()]->OpenStep(
       job_id_, s.range_index(), s.offset(), s.length(), step);
@@ -107,28 +104,32 @@ absl::Status RemoteOptimizer::OpenSlice(int slice, uint64_t step) {
   return absl::OkStatus();
 }
 
-absl::Status RemoteOptimizer::SendSlice(int slice, int64_t offset, const uint16_t* grads,
-                                        int64_t n) {
-  return Annotate(streams_[slice]->SendGradients(offset, grads, grad_dtype(), n),
+absl::Status RemoteOptimizer::SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                                        bool accumulate) {
+  return Annotate(streams_[slice]->SendGradients(offset, grads, grad_dtype(), n, accumulate),
                   addresses_[map_.slices(slice).shard_index()]);
 }
 
 absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_multiplier,
                                                            bool skip, uint16_t* params16) {
-  const int n = static_cast<int>(streams_.size());
-  std::vector<absl::StatusOr<v1::StepResult>> results(n, absl::UnknownError("not committed"));
+  std::vector<int> open;  // the slices of this rank's step
+  for (int i = 0; i < static_cast<int>(streams_.size()); ++i) {
+    if (streams_[i] != nullptr) open.push_back(i);
+  }
+  std::vector<absl::StatusOr<v1::StepResult>> results(streams_.size(),
+                                                      absl::UnknownError("not committed"));
   // Every shard streams its parameters back at once: each slice on its own thread.
   auto commit = [&](int i) {
     const v1::ShardSlice& s = map_.slices(i);
     results[i] = streams_[i]->Commit(lr, grad_multiplier, skip, params16 + s.offset());
   };
   std::vector<std::thread> threads;
-  for (int i = 1; i < n; ++i) threads.emplace_back(commit, i);
-  if (n > 0) commit(0);
+  for (size_t k = 1; k < open.size(); ++k) threads.emplace_back(commit, open[k]);
+  if (!open.empty()) commit(open[0]);
   for (std::thread& t : threads) t.join();
   streams_.clear();
   StepCounters counters;
-  for (int i = 0; i < n; ++i) {
+  for (int i : open) {
     if (!results[i].ok()) {
       return Annotate(results[i].status(), addresses_[map_.slices(i).shard_index()]);
     }

@@ -36,7 +36,8 @@ class RemoteOptimizer final : public OptimizerBackend {
  private:
   explicit RemoteOptimizer(v1::PartitionMap map) : OptimizerBackend(std::move(map)) {}
   absl::Status OpenSlice(int slice, uint64_t step) override;
-  absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n) override;
+  absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                         bool accumulate) override;
   absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
                                             uint16_t* params16) override;
   void AbortSlices() override;
@@ -45,7 +46,7 @@ class RemoteOptimizer final : public OptimizerBackend {
   std::vector<std::unique_ptr<OptimizerClient>> clients_;         // one per shard
   std::vector<std::unique_ptr<StepTransport>> owned_transports_;  // shm or UCX, per shard
   std::vector<StepTransport*> transports_;                        // one per shard
-  std::vector<std::unique_ptr<StepStream>> streams_;              // one per slice, during a step
+  std::vector<std::unique_ptr<StepStream>> streams_;  // per slice, this rank's during a step
 };
 
 }  // namespace offload

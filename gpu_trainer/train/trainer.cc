@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/wire_convert.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
+#include "gpu_trainer/collectives/local_collectives.h"
 #include "gpu_trainer/model/param_layout.h"
 #include "gpu_trainer/splitmix64.h"
 #include "gpu_trainer/train/checkpointing.h"
@@ -28,6 +29,56 @@ absl::Status CheckSame(const char* what, const std::string& in_checkpoint,
                                                     "=", in_run));
 }
 
+// A resumed run must ask for what the checkpoint was trained with.
+absl::Status CheckResumable(const v1::CheckpointManifest& m, const TrainerOptions& o,
+                            int world_size) {
+  const v1::ModelConfig want = ModelConfigToProto(o.model);
+  if (absl::Status s = CheckSame("model", m.model().ShortDebugString(), want.ShortDebugString());
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckSame("dtype", v1::DType_Name(m.param_dtype()),
+                                 v1::DType_Name(DTypeToProto(o.param_dtype)));
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckSame("seed", absl::StrCat(m.seed()), absl::StrCat(o.seed)); !s.ok()) {
+    return s;
+  }
+  // The optimizer must be the one the checkpoint trained with; only the length of the run
+  // (and with it the end of the cosine decay) may change, to train longer.
+  if (absl::Status s =
+          CheckSame("optimizer", m.adam().ShortDebugString(), o.adam.ShortDebugString());
+      !s.ok()) {
+    return s;
+  }
+  v1::LrSchedule schedule = m.schedule();
+  schedule.set_total_steps(o.schedule.total_steps());
+  if (absl::Status s =
+          CheckSame("lr schedule", schedule.ShortDebugString(), o.schedule.ShortDebugString());
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          CheckSame("grad_clip", absl::StrCat(m.grad_clip()), absl::StrCat(o.grad_clip));
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          CheckSame("dpu", absl::StrCat(m.dpu(), "/", m.dpu() ? m.dpu_warmup_steps() : 0),
+                    absl::StrCat(o.dpu, "/", o.dpu ? o.dpu_warmup_steps : 0));
+      !s.ok()) {
+    return s;
+  }
+  // The partition map, and with it the shards' ranges, depends on the number of ranks.
+  if (absl::Status s =
+          CheckSame("ranks", absl::StrCat(m.partition().world_size()), absl::StrCat(world_size));
+      !s.ok()) {
+    return s;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Trainer::Trainer(const TrainerOptions& options, OptimizerBackend* backend)
@@ -36,7 +87,9 @@ Trainer::Trainer(const TrainerOptions& options, OptimizerBackend* backend)
       scaler_(options.loss_scaler, options.param_dtype == DType::kFp16) {}
 
 Trainer::~Trainer() {
-  FinishPendingCommit().IgnoreError();
+  // Local only: a collective here could wait on ranks that are gone.
+  WaitPendingCommit().IgnoreError();
+  reducer_.reset();
   sender_.reset();
   backend_->AbortStep();
 }
@@ -59,6 +112,20 @@ absl::Status Trainer::Init() {
                                                    " seq_len ", o.seq_len));
   }
   if (o.steps < 1) return absl::InvalidArgumentError("steps must be >= 1");
+  if (o.collectives == nullptr) {
+    single_rank_ = SingleRankCollectives();
+    collectives_ = single_rank_.get();
+  } else {
+    collectives_ = o.collectives;
+  }
+  const int W = collectives_->world_size();
+  if (o.micro_batches < 1 || o.batch % (W * o.micro_batches) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch ", o.batch, " must split evenly over ", W, " rank(s) x ",
+                     o.micro_batches, " micro-batch(es) (micro_batches must be >= 1)"));
+  }
+  local_batch_ = o.batch / (W * o.micro_batches);
+  if (o.bucket_elements < 1) return absl::InvalidArgumentError("bucket_elements must be >= 1");
   if (o.dpu && o.dpu_warmup_steps > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError("dpu_warmup_steps is out of range");
   }
@@ -80,12 +147,22 @@ absl::Status Trainer::Init() {
 
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
       o.device == ComputeDevice::kCuda
-          ? CreateCudaModelRunner(o.model, o.batch, o.seq_len, o.param_dtype, o.cuda_device,
+          ? CreateCudaModelRunner(o.model, local_batch_, o.seq_len, o.param_dtype, o.cuda_device,
                                   o.pinned_staging_bytes)
-          : CreateCpuModelRunner(o.model, o.batch, o.seq_len, o.kernels, o.param_dtype);
+          : CreateCpuModelRunner(o.model, local_batch_, o.seq_len, o.kernels, o.param_dtype);
   if (!runner.ok()) return runner.status();
   runner_ = std::move(*runner);
+  if (W > 1 && !runner_->has_fp32_gradients()) {
+    return absl::UnimplementedError(
+        "more than one trainer rank needs the CPU backend: the CUDA backend's reduce-scatter "
+        "(NCCL) is not built yet");
+  }
   const v1::PartitionMap& map = backend_->partition();
+  if (static_cast<int>(map.world_size()) != W || backend_->rank() != collectives_->rank()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the partition map is for ", map.world_size(), " rank(s) and the backend steps for rank ",
+        backend_->rank(), ", but this is rank ", collectives_->rank(), " of ", W));
+  }
   if (static_cast<int64_t>(map.num_params()) != runner_->num_params()) {
     return absl::InvalidArgumentError(absl::StrCat("the partition map covers ", map.num_params(),
                                                    " parameters, the model has ",
@@ -94,112 +171,134 @@ absl::Status Trainer::Init() {
   weights16_.assign(map.padded_length(), 0);
   grads16_.assign(map.padded_length(), 0);
   if (o.dpu) next_weights16_.assign(map.padded_length(), 0);
+  if (o.micro_batches > 1) acc32_.assign(backend_->partition_length(), 0.0f);
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
   sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
+  if (runner_->has_fp32_gradients()) {
+    grads32_.assign(map.padded_length(), 0.0f);
+    reducer_ = std::make_unique<GradientReducer>(
+        collectives_, runner_->num_params(), static_cast<int64_t>(map.padded_length()),
+        grads32_.data(), grads16_.data(), o.param_dtype, o.bucket_elements,
+        [this](int64_t offset, int64_t n) { OnGradientsRounded(offset, n); }, o.trace);
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Trainer::Start() {
   const TrainerOptions& o = options_;
-  if (absl::Status s = backend_->CreateJob(o.job_id, o.adam, o.param_dtype); !s.ok()) return s;
-
+  // Every rank reads the manifest (the ranks of a job share its checkpoint directory) and checks
+  // it the same way; rank 0 alone loads the shards, and its weights reach the others below.
+  std::string dir;
+  v1::CheckpointManifest manifest;
+  bool resuming = false;
   if (!o.checkpoint_dir.empty()) {
-    absl::StatusOr<std::string> dir = LatestCheckpointDir(o.checkpoint_dir);
-    if (dir.ok() && !o.resume) {
+    absl::StatusOr<std::string> latest = LatestCheckpointDir(o.checkpoint_dir);
+    if (latest.ok() && !o.resume) {
       // A fresh run would move `latest` back to its own first checkpoint and hide this one.
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint_dir ", o.checkpoint_dir, " already holds a checkpoint (", *dir,
-                       "): pass --resume to continue it, or choose another --checkpoint_dir"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint_dir ", o.checkpoint_dir, " already holds a checkpoint (", *latest,
+          "): pass --resume to continue it, or choose another "
+          "--checkpoint_dir"));
     }
-    if (dir.ok()) {
-      absl::StatusOr<v1::CheckpointManifest> manifest = ReadManifest(*dir);
-      if (!manifest.ok()) return manifest.status();
-      const v1::CheckpointManifest& m = *manifest;
-      const v1::ModelConfig want = ModelConfigToProto(o.model);
-      if (absl::Status s =
-              CheckSame("model", m.model().ShortDebugString(), want.ShortDebugString());
-          !s.ok()) {
-        return s;
-      }
-      if (absl::Status s = CheckSame("dtype", v1::DType_Name(m.param_dtype()),
-                                     v1::DType_Name(DTypeToProto(o.param_dtype)));
-          !s.ok()) {
-        return s;
-      }
-      if (absl::Status s = CheckSame("seed", absl::StrCat(m.seed()), absl::StrCat(o.seed));
-          !s.ok()) {
-        return s;
-      }
-      // The optimizer must be the one the checkpoint trained with; only the length of the run
-      // (and with it the end of the cosine decay) may change, to train longer.
-      if (absl::Status s =
-              CheckSame("optimizer", m.adam().ShortDebugString(), o.adam.ShortDebugString());
-          !s.ok()) {
-        return s;
-      }
-      v1::LrSchedule schedule = m.schedule();
-      schedule.set_total_steps(o.schedule.total_steps());
-      if (absl::Status s =
-              CheckSame("lr schedule", schedule.ShortDebugString(), o.schedule.ShortDebugString());
-          !s.ok()) {
-        return s;
-      }
-      if (absl::Status s =
-              CheckSame("grad_clip", absl::StrCat(m.grad_clip()), absl::StrCat(o.grad_clip));
-          !s.ok()) {
-        return s;
-      }
-      if (absl::Status s =
-              CheckSame("dpu", absl::StrCat(m.dpu(), "/", m.dpu() ? m.dpu_warmup_steps() : 0),
-                        absl::StrCat(o.dpu, "/", o.dpu ? o.dpu_warmup_steps : 0));
-          !s.ok()) {
-        return s;
-      }
-      if (absl::Status s = RestoreCheckpoint(*dir, m, weights16_.data(), backend_); !s.ok()) {
-        return s;
-      }
-      if (o.dpu && m.step() > o.dpu_warmup_steps) {
-        // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
-        // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
-        // the rounding of the master weights, as the commit that made them sent it.
-        const v1::PartitionMap& map = backend_->partition();
-        std::vector<float> master(map.padded_length(), 0.0f);  // (padded,)
-        for (int i = 0; i < map.slices_size(); ++i) {
-          const v1::ShardSlice& slice = map.slices(i);
-          if (absl::Status s = backend_->ReadSliceState(
-                  i, v1::STATE_TENSOR_MASTER_WEIGHTS, static_cast<int64_t>(slice.offset()),
-                  static_cast<int64_t>(slice.length()), master.data() + slice.offset());
-              !s.ok()) {
-            return s;
-          }
-        }
-        ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
-                         next_weights16_.data());
-        next_ready_ = true;
-      }
-      if (absl::Status s = sampler_->Restore(m.data()); !s.ok()) return s;
-      if (absl::Status s = scaler_.Restore(m.loss_scale()); !s.ok()) return s;
-      step_ = m.step();
-      counters_ = StepCounters{m.shard_files(0).completed_step(), m.shard_files(0).adam_step()};
-      last_loss_ = m.train_loss();
-      params_stale_ = true;
-      return absl::StrCat("resumed from ", *dir, " at step ", step_);
-    } else if (!absl::IsNotFound(dir.status())) {
-      return dir.status();
+    if (latest.ok()) {
+      absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(*latest);
+      if (!m.ok()) return m.status();
+      if (absl::Status s = CheckResumable(*m, o, world_size()); !s.ok()) return s;
+      dir = *latest;
+      manifest = *std::move(m);
+      resuming = true;
+    } else if (!absl::IsNotFound(latest.status())) {
+      return latest.status();
     }
   }
 
-  // Fresh start: fp32 master weights on the shards, their 16-bit rounding here.
-  const v1::PartitionMap& map = backend_->partition();
-  std::vector<float> master(map.padded_length(), 0.0f);  // (padded,) the padding stays 0
   std::string how;
+  absl::Status loaded;
+  if (rank() == 0) {
+    loaded = LoadJob(resuming ? &dir : nullptr, resuming ? &manifest : nullptr, &how);
+  } else {
+    backend_->UseJob(o.job_id, o.param_dtype);
+    how = resuming ? absl::StrCat("resumed from ", dir, " at step ", manifest.step())
+                   : "weights from rank 0";
+  }
+  // Every rank learns whether rank 0 got there, so none waits for weights that never come.
+  int32_t lead_ok = loaded.ok() ? 1 : 0;
+  if (absl::Status s = collectives_->Broadcast(&lead_ok, sizeof(lead_ok), 0); !s.ok()) {
+    return loaded.ok() ? s : loaded;
+  }
+  if (!loaded.ok()) return loaded;
+  if (!lead_ok) {
+    return absl::FailedPreconditionError("rank 0 could not start the job (its log says why)");
+  }
+  if (absl::Status s = collectives_->Broadcast(weights16_.data(), weights16_.size() * 2, 0);
+      !s.ok()) {
+    return s;
+  }
+  if (o.dpu) {
+    int32_t next = next_ready_ ? 1 : 0;
+    if (absl::Status s = collectives_->Broadcast(&next, sizeof(next), 0); !s.ok()) return s;
+    next_ready_ = next != 0;
+    if (next_ready_) {
+      if (absl::Status s =
+              collectives_->Broadcast(next_weights16_.data(), next_weights16_.size() * 2, 0);
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  if (resuming) {
+    const v1::CheckpointManifest& m = manifest;
+    if (absl::Status s = sampler_->Restore(m.data()); !s.ok()) return s;
+    if (absl::Status s = scaler_.Restore(m.loss_scale()); !s.ok()) return s;
+    step_ = m.step();
+    counters_ = StepCounters{m.shard_files(0).completed_step(), m.shard_files(0).adam_step()};
+    last_loss_ = m.train_loss();
+  }
+  params_stale_ = true;
+  return how;
+}
+
+absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::CheckpointManifest* manifest,
+                              std::string* how) {
+  const TrainerOptions& o = options_;
+  if (absl::Status s = backend_->CreateJob(o.job_id, o.adam, o.param_dtype); !s.ok()) return s;
+  const v1::PartitionMap& map = backend_->partition();
+  if (checkpoint != nullptr) {
+    const v1::CheckpointManifest& m = *manifest;
+    if (absl::Status s = RestoreCheckpoint(*checkpoint, m, weights16_.data(), backend_); !s.ok()) {
+      return s;
+    }
+    if (o.dpu && m.step() > o.dpu_warmup_steps) {
+      // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
+      // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
+      // the rounding of the master weights, as the commit that made them sent it.
+      std::vector<float> master(map.padded_length(), 0.0f);  // (padded,)
+      for (int i = 0; i < map.slices_size(); ++i) {
+        const v1::ShardSlice& slice = map.slices(i);
+        if (absl::Status s = backend_->ReadSliceState(
+                i, v1::STATE_TENSOR_MASTER_WEIGHTS, static_cast<int64_t>(slice.offset()),
+                static_cast<int64_t>(slice.length()), master.data() + slice.offset());
+            !s.ok()) {
+          return s;
+        }
+      }
+      ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
+                       next_weights16_.data());
+      next_ready_ = true;
+    }
+    *how = absl::StrCat("resumed from ", *checkpoint, " at step ", m.step());
+    return absl::OkStatus();
+  }
+
+  // Fresh start: fp32 master weights on the shards, their 16-bit rounding here.
+  std::vector<float> master(map.padded_length(), 0.0f);  // (padded,) the padding stays 0
   if (!o.init_from.empty()) {
     if (absl::Status s = LoadGpt2Weights(o.init_from, o.model, master.data()); !s.ok()) return s;
-    how = absl::StrCat("weights from ", o.init_from);
+    *how = absl::StrCat("started from weights from ", o.init_from);
   } else {
     InitGpt2Params(o.model, o.seed, master.data());
-    how = absl::StrCat("GPT-2 initialisation, seed ", o.seed);
+    *how = absl::StrCat("started from GPT-2 initialisation, seed ", o.seed);
   }
   for (int shard = 0; shard < backend_->num_shards(); ++shard) {
     std::vector<StateSliceRef> refs;
@@ -212,8 +311,7 @@ absl::StatusOr<std::string> Trainer::Start() {
   }
   ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
                    weights16_.data());
-  params_stale_ = true;
-  return absl::StrCat("started from ", how);
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::ApplyWeights() {
@@ -224,9 +322,78 @@ absl::Status Trainer::ApplyWeights() {
 }
 
 absl::StatusOr<StepReport> Trainer::Step() {
+  const TrainerOptions& o = options_;
   const uint64_t step = step_ + 1;
-  if (options_.dpu && step > options_.dpu_warmup_steps) return DelayedStep(step);
-  return SyncStep(step);
+  // DPU: step s computes on weights16_, the result of the commit of step s - 2, while the commit
+  // of step s - 1 runs on the shards; its step opens once that commit is done (a range takes one
+  // step at a time), and its own commit then runs in the background.
+  const bool delayed = o.dpu && step > o.dpu_warmup_steps;
+  sender_->set_step(step);
+  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
+  sampler_->Next(inputs_.data(), targets_.data());
+  const float scale = scaler_.scale();
+  if (!delayed) {
+    if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
+  }
+  double loss_sum = 0;
+  GradStats stats;
+  for (int k = 0; k < o.micro_batches; ++k) {
+    const bool open = !delayed || k > 0;
+    absl::Status s = MicroBatch(step, k, scale, open, &loss_sum, &stats);
+    if (s.ok() && !open) s = OpenDelayedStep(step);
+    if (!s.ok()) {
+      sender_->Drain().IgnoreError();
+      backend_->AbortStep();
+      return s;
+    }
+  }
+  absl::Status sent;
+  {
+    TracePhase phase(o.trace, "wait_offload", step);
+    sent = sender_->Drain();
+  }
+  if (!sent.ok()) {
+    backend_->AbortStep();
+    return sent;
+  }
+  if (o.micro_batches > 1) stats = AccumulatedStats();
+
+  // One all-reduce agrees on what every rank needs: the global norm, whether any gradient
+  // overflowed, the loss, and whether to stop.
+  double agreed[4] = {stats.sum_squares, stats.nonfinite ? 1.0 : 0.0, loss_sum / o.micro_batches,
+                      stop_requested_.load() ? 1.0 : 0.0};
+  if (absl::Status s = collectives_->AllReduce(agreed, 4, ReduceOp::kSum); !s.ok()) {
+    backend_->AbortStep();
+    return s;
+  }
+  const float loss = static_cast<float>(agreed[2] / world_size());
+  StepReport report = Report(step, loss, scale, GradStats{agreed[0], agreed[1] > 0});
+  report.stop = agreed[3] > 0;
+  const float grad_multiplier = GradMultiplier(report);
+  if (delayed) {
+    pending_skipped_ = report.skipped;
+    pending_commit_ = std::async(
+        std::launch::async, [this, step, lr = report.lr, grad_multiplier, skip = report.skipped] {
+          TracePhase phase(options_.trace, "commit", step);
+          return backend_->Commit(lr, grad_multiplier, skip, next_weights16_.data());
+        });
+  } else {
+    absl::StatusOr<StepCounters> counters;
+    {
+      TracePhase phase(o.trace, "commit", step);
+      counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, weights16_.data());
+    }
+    if (!counters.ok()) return counters.status();
+    counters_ = *counters;
+    if (!report.skipped) {
+      if (absl::Status s = AllGatherPartitions(weights16_.data()); !s.ok()) return s;
+      params_stale_ = true;
+    }
+  }
+  scaler_.Update(report.skipped);
+  step_ = step;
+  last_loss_ = loss;
+  return report;
 }
 
 StepReport Trainer::Report(uint64_t step, float loss, float loss_scale,
@@ -236,87 +403,75 @@ StepReport Trainer::Report(uint64_t step, float loss, float loss_scale,
   report.loss = loss;
   report.loss_scale = loss_scale;
   report.skipped = stats.nonfinite;
-  report.grad_norm = std::sqrt(stats.sum_squares) / loss_scale;
+  // The shards sum the micro-batches' gradients; the step's gradient is their mean.
+  report.grad_norm = std::sqrt(stats.sum_squares) / (loss_scale * options_.micro_batches);
   report.lr = ScheduledLr(options_.schedule, step);
   return report;
 }
 
-// DESIGN section 1: 1 / loss_scale * clip_coef (no clipping on a step the shards skip).
+// DESIGN section 1: 1 / (loss_scale * micro_batches) * clip_coef (no clipping on a step the
+// shards skip). The mean over ranks is taken before the gradients are rounded.
 float Trainer::GradMultiplier(const StepReport& report) const {
   const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, options_.grad_clip);
-  return clip / report.loss_scale;
+  return clip / (report.loss_scale * static_cast<float>(options_.micro_batches));
 }
 
-absl::StatusOr<float> Trainer::ForwardNextBatch(uint64_t step) {
+absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool send,
+                                 double* loss_sum, GradStats* stats) {
   const TrainerOptions& o = options_;
-  sender_->set_step(step);
-  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
-  sampler_->Next(inputs_.data(), targets_.data());
-  TracePhase phase(o.trace, "forward", step);
-  return runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
-}
-
-absl::StatusOr<StepReport> Trainer::SyncStep(uint64_t step) {
-  const TrainerOptions& o = options_;
-  absl::StatusOr<float> loss = ForwardNextBatch(step);
+  // Rank r's share of micro-batch k: rows [(k * W + r) * b, + b) of the global batch (B, T).
+  const int64_t row = (static_cast<int64_t>(k) * world_size() + rank()) * local_batch_;
+  const int32_t* inputs = inputs_.data() + row * o.seq_len;    // (b, T)
+  const int32_t* targets = targets_.data() + row * o.seq_len;  // (b, T)
+  absl::StatusOr<float> loss;
+  {
+    TracePhase phase(o.trace, "forward", step);
+    loss = runner_->Forward(inputs, targets, local_batch_, o.seq_len);
+  }
   if (!loss.ok()) return loss.status();
-
-  if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
-  const float scale = scaler_.scale();
-  // Each layer's gradients leave on the sender thread as soon as they are in grads16_, while
-  // backward computes the layer below.
+  *loss_sum += *loss;
+  // grads16_ is about to be rewritten: the previous micro-batch must have left.
+  if (k > 0) {
+    if (absl::Status s = sender_->Drain(); !s.ok()) return s;
+  }
+  send_gradients_.store(send);
+  accumulate_.store(k > 0);
   absl::StatusOr<GradStats> backward;
-  {
+  if (reducer_ != nullptr) {
+    reducer_->Begin(step);
+    absl::Status s;
+    {
+      TracePhase phase(o.trace, "backward", step);
+      s = runner_->BackwardFp32(loss_scale, grads32_.data(),
+                                [this](int64_t offset, int64_t n) { reducer_->Add(offset, n); });
+    }
+    TracePhase phase(o.trace, "wait_reduce", step);
+    backward = reducer_->Finish();  // always: the reducer must be idle before the next use
+    if (!s.ok()) return s;
+  } else {
     TracePhase phase(o.trace, "backward", step);
-    backward = runner_->Backward(scale, grads16_.data(),
-                                 [&](int64_t offset, int64_t n) { sender_->Enqueue(offset, n); });
-  }
-  const int64_t n = runner_->num_params();
-  sender_->Enqueue(n, static_cast<int64_t>(grads16_.size()) - n);  // the zero padding
-  absl::Status sent;
-  {
-    TracePhase phase(o.trace, "wait_offload", step);
-    sent = sender_->Drain();
-  }
-  if (!backward.ok() || !sent.ok()) {
-    backend_->AbortStep();
-    return !backward.ok() ? backward.status() : sent;
-  }
-  const GradStats& stats = *backward;
-
-  const StepReport report = Report(step, *loss, scale, stats);
-  const float grad_multiplier = GradMultiplier(report);
-  absl::StatusOr<StepCounters> counters;
-  {
-    TracePhase phase(o.trace, "commit", step);
-    counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, weights16_.data());
-  }
-  if (!counters.ok()) return counters.status();
-  counters_ = *counters;
-  scaler_.Update(report.skipped);
-  if (!report.skipped) params_stale_ = true;
-  step_ = step;
-  last_loss_ = *loss;
-  return report;
-}
-
-// Step s computes on weights16_, the result of the commit of step s - 2, while the commit of step
-// s - 1 runs on the shards. Its gradients wait in grads16_ until that commit is done (a range
-// takes one step at a time), then leave, and the commit of step s starts in the background.
-absl::StatusOr<StepReport> Trainer::DelayedStep(uint64_t step) {
-  const TrainerOptions& o = options_;
-  absl::StatusOr<float> loss = ForwardNextBatch(step);
-  if (!loss.ok()) return loss.status();
-  const float scale = scaler_.scale();
-  absl::StatusOr<GradStats> backward;
-  {
-    TracePhase phase(o.trace, "backward", step);
-    backward = runner_->Backward(scale, grads16_.data(), nullptr);
+    backward = runner_->Backward(loss_scale, grads16_.data(), [this](int64_t offset, int64_t n) {
+      OnGradientsRounded(offset, n);
+    });
+    const int64_t n = runner_->num_params();
+    if (backward.ok()) OnGradientsRounded(n, static_cast<int64_t>(grads16_.size()) - n);
   }
   if (!backward.ok()) return backward.status();
+  if (o.micro_batches > 1) {
+    AccumulatePartition(k == 0);
+  } else {
+    *stats = *backward;
+  }
+  return absl::OkStatus();
+}
 
+void Trainer::OnGradientsRounded(int64_t offset, int64_t n) {
+  if (send_gradients_.load()) sender_->Enqueue(offset, n, accumulate_.load());
+}
+
+absl::Status Trainer::OpenDelayedStep(uint64_t step) {
   {
-    TracePhase phase(o.trace, "wait_commit", step);
+    TracePhase phase(options_.trace, "wait_commit", step);
     if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
   }
   if (next_ready_) {
@@ -326,37 +481,57 @@ absl::StatusOr<StepReport> Trainer::DelayedStep(uint64_t step) {
     params_stale_ = true;
   }
   if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
-  sender_->Enqueue(0, static_cast<int64_t>(grads16_.size()));
-  absl::Status sent;
-  {
-    TracePhase phase(o.trace, "wait_offload", step);
-    sent = sender_->Drain();
-  }
-  if (absl::Status s = sent; !s.ok()) {
-    backend_->AbortStep();
-    return s;
-  }
-
-  const StepReport report = Report(step, *loss, scale, *backward);
-  const float grad_multiplier = GradMultiplier(report);
-  pending_skipped_ = report.skipped;
-  pending_commit_ = std::async(
-      std::launch::async, [this, step, lr = report.lr, grad_multiplier, skip = report.skipped] {
-        TracePhase phase(options_.trace, "commit", step);
-        return backend_->Commit(lr, grad_multiplier, skip, next_weights16_.data());
-      });
-  scaler_.Update(report.skipped);
-  step_ = step;
-  last_loss_ = *loss;
-  return report;
+  sender_->Enqueue(backend_->partition_offset(), backend_->partition_length());
+  return absl::OkStatus();
 }
 
-absl::Status Trainer::FinishPendingCommit() {
-  if (!pending_commit_.valid()) return absl::OkStatus();
+void Trainer::AccumulatePartition(bool first) {
+  const int64_t offset = backend_->partition_offset();
+  const int64_t n = backend_->partition_length();
+  const uint16_t* g = grads16_.data() + offset;  // (P,)
+  float* acc = acc32_.data();                    // (P,)
+  const bool fp16 = options_.param_dtype == DType::kFp16;
+  // The shard's accumulator: 0 + g_0 + g_1 + ... in fp32, in micro-batch order.
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = fp16 ? Fp16ToFloat(g[i]) : Bf16ToFloat(g[i]);
+    acc[i] = first ? v : acc[i] + v;
+  }
+}
+
+GradStats Trainer::AccumulatedStats() const {
+  const float* acc = acc32_.data();  // (P,)
+  const int64_t n = static_cast<int64_t>(acc32_.size());
+  double sum = 0;
+  bool nonfinite = false;
+#pragma omp parallel for reduction(+ : sum) reduction(|| : nonfinite) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    nonfinite = nonfinite || !std::isfinite(acc[i]);
+    sum += static_cast<double>(acc[i]) * acc[i];
+  }
+  return GradStats{sum, nonfinite};
+}
+
+absl::Status Trainer::AllGatherPartitions(uint16_t* buffer) {
+  TracePhase phase(options_.trace, "all_gather", step_ + 1);
+  return collectives_->AllGather16(buffer + backend_->partition_offset(), buffer,
+                                   backend_->partition_length());
+}
+
+absl::StatusOr<bool> Trainer::WaitPendingCommit() {
+  if (!pending_commit_.valid()) return false;
   absl::StatusOr<StepCounters> counters = pending_commit_.get();
   if (!counters.ok()) return counters.status();
   counters_ = *counters;
-  if (!pending_skipped_) next_ready_ = true;
+  return true;
+}
+
+absl::Status Trainer::FinishPendingCommit() {
+  absl::StatusOr<bool> waited = WaitPendingCommit();
+  if (!waited.ok()) return waited.status();
+  if (!*waited || pending_skipped_) return absl::OkStatus();
+  if (absl::Status s = AllGatherPartitions(next_weights16_.data()); !s.ok()) return s;
+  next_ready_ = true;
   return absl::OkStatus();
 }
 
@@ -367,15 +542,22 @@ absl::StatusOr<float> Trainer::Evaluate(int batches) {
   const TrainerOptions& o = options_;
   const int64_t available = NumValidationBatches(val_, o.batch, o.seq_len);
   const int64_t count = std::max<int64_t>(1, std::min<int64_t>(batches, available));
+  // Each batch in pieces the size of a micro-batch, dealt to the ranks in turn; the mean of the
+  // pieces' means is the batch's mean, as they are all the same size.
+  const int pieces = o.batch / local_batch_;
   double sum = 0;
   for (int64_t i = 0; i < count; ++i) {
     ValidationBatch(val_, o.batch, o.seq_len, i, inputs_.data(), targets_.data());
-    absl::StatusOr<float> loss =
-        runner_->Forward(inputs_.data(), targets_.data(), o.batch, o.seq_len);
-    if (!loss.ok()) return loss.status();
-    sum += *loss;
+    for (int p = rank(); p < pieces; p += world_size()) {
+      const int64_t at = static_cast<int64_t>(p) * local_batch_ * o.seq_len;
+      absl::StatusOr<float> loss =
+          runner_->Forward(inputs_.data() + at, targets_.data() + at, local_batch_, o.seq_len);
+      if (!loss.ok()) return loss.status();
+      sum += *loss;
+    }
   }
-  return static_cast<float>(sum / count);
+  if (absl::Status s = collectives_->AllReduce(&sum, 1, ReduceOp::kSum); !s.ok()) return s;
+  return static_cast<float>(sum / (count * pieces));
 }
 
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int n, float temperature,
@@ -445,12 +627,23 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("no checkpoint directory was given");
   }
-  // The shards' state must be quiet, and whole: the background commit finishes first.
+  // The shards' state must be quiet, and whole: every rank's commit finishes first.
   if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
-  v1::CheckpointManifest m = Manifest();
-  m.set_val_loss(val_loss);
-  return offload::SaveCheckpoint(options_.checkpoint_dir, std::move(m), weights16_.data(), backend_,
-                                 counters_, options_.keep_checkpoints);
+  if (absl::Status s = collectives_->Barrier(); !s.ok()) return s;
+  absl::StatusOr<std::string> dir = absl::UnknownError("rank 0 writes the checkpoint");
+  if (rank() == 0) {
+    v1::CheckpointManifest m = Manifest();
+    m.set_val_loss(val_loss);
+    dir = offload::SaveCheckpoint(options_.checkpoint_dir, std::move(m), weights16_.data(),
+                                  backend_, counters_, options_.keep_checkpoints);
+  }
+  // No rank steps on (and changes the shards) before rank 0 has read them, and every rank learns
+  // whether the checkpoint is there.
+  int32_t written = dir.ok() ? 1 : 0;
+  if (absl::Status s = collectives_->Broadcast(&written, sizeof(written), 0); !s.ok()) return s;
+  if (rank() == 0) return dir;
+  if (!written) return absl::DataLossError("rank 0 could not write the checkpoint");
+  return absl::StrCat(options_.checkpoint_dir, " (written by rank 0)");
 }
 
 }  // namespace offload

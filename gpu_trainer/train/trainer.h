@@ -1,10 +1,13 @@
-// One trainer rank on the CPU backend: forward and backward with fp32 compute on the 16-bit
-// weights the optimizer sends, gradients rounded to 16 bits and streamed to the optimizer layer
-// by layer while backward goes on, loss scaling, clipping, the lr schedule, evaluation, text
-// sampling, and checkpoints that resume bit for bit (DESIGN sections 1 and 6).
+// One trainer rank: forward and backward on the 16-bit weights the optimizer sends, gradients
+// streamed to the optimizer bucket by bucket while backward goes on, loss scaling, clipping, the
+// lr schedule, gradient accumulation, the delayed parameter update, evaluation, text sampling,
+// and checkpoints that resume bit for bit (DESIGN sections 1 and 6). With W ranks (ZeRO-2) each
+// rank computes on 1/W of the batch, gradients are reduce-scattered so each rank offloads only its
+// partition, and the updated partitions are all-gathered back (DESIGN section 3).
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <future>
 #include <memory>
@@ -13,9 +16,11 @@
 
 #include "absl/status/statusor.h"
 #include "cpu_optimizer_server/dtype.h"
+#include "gpu_trainer/collectives/collectives.h"
 #include "gpu_trainer/data/batch_sampler.h"
 #include "gpu_trainer/data/token_dataset.h"
 #include "gpu_trainer/model/gpt2.h"
+#include "gpu_trainer/train/gradient_reducer.h"
 #include "gpu_trainer/train/gradient_sender.h"
 #include "gpu_trainer/train/loss_scaler.h"
 #include "gpu_trainer/train/model_runner.h"
@@ -37,7 +42,10 @@ struct TrainerOptions {
   int64_t pinned_staging_bytes = int64_t{64} << 20;  // CUDA: pinned host memory per direction
   std::string data;  // text file, llm.c .bin file, or a glob of .bin files
   double val_fraction = 0.1;
+  // Sequences per step over all ranks and micro-batches: each rank computes micro_batches
+  // micro-batches of batch / (world_size * micro_batches) sequences, accumulated on the shards.
   int batch = 16;
+  int micro_batches = 1;
   int seq_len = 128;
   uint64_t steps = 1000;
   uint64_t seed = 1337;
@@ -57,6 +65,11 @@ struct TrainerOptions {
   bool dpu = false;
   uint64_t dpu_warmup_steps = 20;
   PhaseTrace* trace = nullptr;  // per-phase timestamps of every step, if given (not owned)
+  // This rank's collectives (not owned); null: a single rank. The backend's rank must match.
+  Collectives* collectives = nullptr;
+  // fp32 elements per gradient bucket, the unit of the reduce-scatter and of its overlap with
+  // backward.
+  int64_t bucket_elements = int64_t{1} << 21;
 };
 
 struct StepReport {
@@ -66,6 +79,7 @@ struct StepReport {
   float loss_scale = 1;
   double grad_norm = 0;
   bool skipped = false;  // overflow: the shards dropped the gradients
+  bool stop = false;     // some rank asked to stop (RequestStop): every rank stops after this step
 };
 
 class Trainer {
@@ -80,7 +94,12 @@ class Trainer {
   // Returns a line that says which.
   absl::StatusOr<std::string> Start();
 
+  // Every method below but Sample and the accessors is collective: all ranks call it in the
+  // same order.
   absl::StatusOr<StepReport> Step();
+  // Asks every rank to stop: the next Step's report says stop on all of them. Signal-safe to set
+  // from another thread.
+  void RequestStop() { stop_requested_.store(true); }
   // With DPU, waits for the update still running on the shards (before the job is dropped or
   // the process ends); a no-op otherwise.
   absl::Status Flush();
@@ -89,9 +108,11 @@ class Trainer {
   // `n` tokens sampled after `prompt` (bytes for the byte-level vocab), seeded.
   absl::StatusOr<std::string> Sample(const std::string& prompt, int n, float temperature,
                                      uint64_t seed);
-  // Returns the checkpoint directory written.
+  // Rank 0 writes it; returns the checkpoint directory written.
   absl::StatusOr<std::string> SaveCheckpoint(float val_loss);
 
+  int rank() const { return collectives_->rank(); }
+  int world_size() const { return collectives_->world_size(); }
   uint64_t step() const { return step_; }
   uint64_t total_steps() const { return options_.steps; }
   int64_t tokens_per_step() const { return int64_t{options_.batch} * options_.seq_len; }
@@ -107,17 +128,32 @@ class Trainer {
   absl::Status Init();
   // Hands weights16_ to the model if the optimizer changed them since.
   absl::Status ApplyWeights();
-  // What a step reports, from its loss and the statistics of its gradients.
+  // Rank 0's part of Start: the job on the shards and its state. Sets `how`.
+  absl::Status LoadJob(const std::string* checkpoint, const v1::CheckpointManifest* manifest,
+                       std::string* how);
+  // What a step reports, from its loss and the statistics of its (global) gradients.
   StepReport Report(uint64_t step, float loss, float loss_scale, const GradStats& stats) const;
   float GradMultiplier(const StepReport& report) const;
-  // The start of every step: the latest weights applied, the next batch, its forward.
-  absl::StatusOr<float> ForwardNextBatch(uint64_t step);
-  // The synchronous step, and the delayed one (DPU).
-  absl::StatusOr<StepReport> SyncStep(uint64_t step);
-  absl::StatusOr<StepReport> DelayedStep(uint64_t step);
-  // Waits for the commit running in the background (DPU), if any; its weights wait in
-  // next_weights16_ until the next step takes them.
+  // Micro-batch k of the step: forward, backward, and its gradients on their way (sent when
+  // `send`, else kept in grads16_ for OpenDelayedStep). Adds its loss to *loss_sum; for a single
+  // micro-batch, *stats := its gradients' statistics.
+  absl::Status MicroBatch(uint64_t step, int k, float loss_scale, bool send, double* loss_sum,
+                          GradStats* stats);
+  // Backward's 16-bit gradients [offset, offset + n) of this rank's partition are final.
+  void OnGradientsRounded(int64_t offset, int64_t n);
+  // DPU: once the first micro-batch is done, waits for the commit of the previous step and opens
+  // this one with that micro-batch's gradients.
+  absl::Status OpenDelayedStep(uint64_t step);
+  // Gradient accumulation: acc32_ (+)= this rank's 16-bit gradients, as the shards add them.
+  void AccumulatePartition(bool first);
+  GradStats AccumulatedStats() const;
+  // buffer (padded,): every rank's partition gathered from its owner.
+  absl::Status AllGatherPartitions(uint16_t* buffer);
+  // Waits for the commit running in the background (DPU), if any; its weights are gathered into
+  // next_weights16_, where they wait until the next step takes them. Collective.
   absl::Status FinishPendingCommit();
+  // The local half of it: only waits for this rank's commit.
+  absl::StatusOr<bool> WaitPendingCommit();
   v1::CheckpointManifest Manifest() const;
 
   TrainerOptions options_;
@@ -127,12 +163,21 @@ class Trainer {
   TokenSpan train_, val_;
   std::unique_ptr<BatchSampler> sampler_;
   DynamicLossScaler scaler_;
+  std::unique_ptr<Collectives> single_rank_;  // when options_.collectives is null
+  Collectives* collectives_ = nullptr;
+  int local_batch_ = 0;  // sequences per micro-batch on this rank
   std::unique_ptr<GradientSender> sender_;
+  std::unique_ptr<GradientReducer> reducer_;  // backends with fp32 gradients
+  std::atomic<bool> send_gradients_{false};   // read by the reducer thread
+  std::atomic<bool> accumulate_{false};
+  std::atomic<bool> stop_requested_{false};
 
   // One allocation each, sized once: the flat buffers of the step.
   std::vector<uint16_t> weights16_;        // (padded,) what the optimizer sent
   std::vector<uint16_t> grads16_;          // (padded,) what leaves; the padding stays 0
-  std::vector<int32_t> inputs_, targets_;  // (B, T)
+  std::vector<float> grads32_;             // (padded,) fp32 backends: backward's, then reduced
+  std::vector<float> acc32_;               // (P,) micro-batches > 1: this rank's gradient sum
+  std::vector<int32_t> inputs_, targets_;  // (B, T) the global batch
   bool params_stale_ = true;
   // DPU: the commit of the last step, running while the next step computes, and the weights it
   // writes (or a resume restored), which the step after that computes with.

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/flags/flag.h"
@@ -24,7 +25,14 @@ ABSL_FLAG(int64_t, pinned_staging_mb, 64,
 ABSL_FLAG(std::string, data, "data/tinyshakespeare.txt",
           "training data: a text file (bytes), an llm.c .bin token shard, or a glob of shards");
 ABSL_FLAG(double, val_fraction, 0.1, "fraction of the data held out for validation (its end)");
-ABSL_FLAG(int, batch, 16, "sequences per step");
+ABSL_FLAG(int, batch, 16,
+          "sequences per step, over all ranks and micro-batches (the global batch)");
+ABSL_FLAG(int, micro_batches, 1,
+          "micro-batches per step: gradients accumulate in fp32 on the shards, one update per "
+          "step; batch must divide by ranks x micro_batches");
+ABSL_FLAG(double, bucket_mb, 8,
+          "fp32 gradient MiB per bucket: the unit reduce-scattered between ranks while backward "
+          "goes on");
 ABSL_FLAG(int, seq_len, 128, "tokens per sequence");
 ABSL_FLAG(int64_t, steps, 600, "training steps");
 ABSL_FLAG(uint64_t, seed, 1337, "seed of the initialisation and the data sampling");
@@ -115,6 +123,13 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
     return absl::InvalidArgumentError("--val_fraction must be in (0, 1)");
   }
   o.batch = absl::GetFlag(FLAGS_batch);
+  o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  if (o.micro_batches < 1) return absl::InvalidArgumentError("--micro_batches must be >= 1");
+  const double bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
+  if (!(bucket_mb > 0 && bucket_mb <= 4096)) {
+    return absl::InvalidArgumentError("--bucket_mb must be in (0, 4096]");
+  }
+  o.bucket_elements = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20) / 4));
   o.seq_len = absl::GetFlag(FLAGS_seq_len);
   if (absl::GetFlag(FLAGS_steps) < 1) return absl::InvalidArgumentError("--steps must be >= 1");
   o.steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_steps));

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cpu_optimizer_server/host_buffer.h"
+#include "gpu_trainer/collectives/gloo_collectives.h"
 #include "gpu_trainer/model/cpu_runtime.h"
 #include "gpu_trainer/model/param_layout.h"
 #include "gpu_trainer/train/inprocess_optimizer.h"
@@ -46,10 +47,21 @@ ABSL_FLAG(std::string, sample_prompt, "\n", "text the sample starts from");
 ABSL_FLAG(float, sample_temperature, 0.8f, "softmax temperature of the sample");
 ABSL_FLAG(absl::Duration, shard_timeout, absl::Minutes(10),
           "deadline of each call to an optimizer shard, a whole step included");
+ABSL_FLAG(int, world_size, 1, "trainer ranks of the job (data parallel, ZeRO-2)");
+ABSL_FLAG(int, rank, 0, "this trainer's rank, in [0, world_size)");
+ABSL_FLAG(std::string, rendezvous, "",
+          "with world_size > 1: a directory every rank can reach, where they meet (the launcher "
+          "makes one per job)");
+ABSL_FLAG(std::string, rank_address, "127.0.0.1",
+          "with world_size > 1: the address this rank listens on for the other ranks");
+ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
+          "with world_size > 1: how long the ranks wait for each other to meet, and in each "
+          "collective; a rank that died or hangs fails the others after this long at most");
 
 namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
+std::string g_who = "gpu_trainer";  // "gpu_trainer rank R" when there are several
 // The first signal stops the run at the next step boundary (with a checkpoint); a second one
 // ends the process at once, in case a step is stuck.
 void OnSignal(int sig) {
@@ -61,7 +73,7 @@ void OnSignal(int sig) {
 }
 
 int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "\ngpu_trainer: %s\n", s.ToString().c_str());
+  std::fprintf(stderr, "\n%s: %s\n", g_who.c_str(), s.ToString().c_str());
   return 1;
 }
 
@@ -83,8 +95,42 @@ int main(int argc, char** argv) {
       absl::StrSplit(absl::GetFlag(FLAGS_shards), ',', absl::SkipWhitespace());
   const int num_shards =
       addresses.empty() ? absl::GetFlag(FLAGS_num_shards) : static_cast<int>(addresses.size());
+  const int world_size = absl::GetFlag(FLAGS_world_size);
+  const int rank = absl::GetFlag(FLAGS_rank);
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--rank=", rank, " must be in [0, --world_size=", world_size, ") and world_size >= 1")));
+  }
+  if (world_size > 1 && addresses.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "more than one rank needs optimizer servers (--shards): an in-process optimizer would "
+        "give each rank its own copy of the state"));
+  }
+  std::unique_ptr<offload::Collectives> collectives;
+  if (world_size > 1) {
+    g_who = absl::StrCat("gpu_trainer rank ", rank);
+    offload::GlooOptions gloo;
+    gloo.rank = rank;
+    gloo.world_size = world_size;
+    gloo.rendezvous = absl::GetFlag(FLAGS_rendezvous);
+    gloo.prefix = "trainer";
+    gloo.hostname = absl::GetFlag(FLAGS_rank_address);
+    gloo.timeout = absl::GetFlag(FLAGS_collective_timeout);
+    absl::StatusOr<std::unique_ptr<offload::Collectives>> connected = offload::ConnectGloo(gloo);
+    if (!connected.ok()) return Fail(connected.status());
+    collectives = std::move(*connected);
+    // Every rank steps rank 0's job on the shards.
+    char job_id[256] = {};
+    options->job_id.copy(job_id, sizeof(job_id) - 1);
+    if (absl::Status s = collectives->Broadcast(job_id, sizeof(job_id), 0); !s.ok()) {
+      return Fail(s);
+    }
+    options->job_id = job_id;
+    options->collectives = collectives.get();
+  }
+  const bool lead = rank == 0;
   absl::StatusOr<offload::v1::PartitionMap> map =
-      offload::MakePartitionMap(num_params, /*world_size=*/1, num_shards);
+      offload::MakePartitionMap(num_params, world_size, num_shards);
   if (!map.ok()) return Fail(map.status());
   std::unique_ptr<offload::OptimizerBackend> backend;
   std::string data_plane = "in process";
@@ -100,6 +146,7 @@ int main(int argc, char** argv) {
     if (!transport.ok()) return Fail(transport.status());
     auto remote = offload::RemoteOptimizer::Connect(*map, addresses, client_options, *transport);
     if (!remote.ok()) return Fail(remote.status());
+    if (absl::Status s = (*remote)->SetRank(rank); !s.ok()) return Fail(s);
     data_plane = (*remote)->TransportNames();
     backend = std::move(*remote);
   }
@@ -118,6 +165,7 @@ int main(int argc, char** argv) {
       }
     }
   } trace_on_exit{nullptr, absl::GetFlag(FLAGS_trace_file)};
+  if (!trace_on_exit.path.empty() && rank > 0) absl::StrAppend(&trace_on_exit.path, ".rank", rank);
   if (!trace_on_exit.path.empty()) {
     trace_on_exit.trace = std::make_unique<offload::PhaseTrace>();
     options->trace = trace_on_exit.trace.get();
@@ -127,30 +175,42 @@ int main(int argc, char** argv) {
   if (!trainer.ok()) return Fail(trainer.status());
   offload::Trainer& t = **trainer;
   const offload::Gpt2Config& c = options->model;
-  std::printf(
-      "gpu_trainer: GPT-2 layers=%d heads=%d channels=%d context=%d vocab=%d params=%lld "
-      "dtype=%s\ngpu_trainer: %s\n",
-      c.num_layers, c.num_heads, c.channels, c.context_length, c.vocab_size,
-      static_cast<long long>(num_params),
-      std::string(offload::DTypeName(options->param_dtype)).c_str(), t.DescribeBackend().c_str());
-  std::printf(
-      "gpu_trainer: optimizer %s, %d shard(s), data plane %s; batch %d x %d tokens; %llu steps\n",
-      addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),
-      num_shards, data_plane.c_str(), options->batch, options->seq_len,
-      static_cast<unsigned long long>(options->steps));
+  // Rank 0 speaks for the job; the others say only what concerns them (errors, the end).
+  if (lead) {
+    std::printf(
+        "gpu_trainer: GPT-2 layers=%d heads=%d channels=%d context=%d vocab=%d params=%lld "
+        "dtype=%s\ngpu_trainer: %s\n",
+        c.num_layers, c.num_heads, c.channels, c.context_length, c.vocab_size,
+        static_cast<long long>(num_params),
+        std::string(offload::DTypeName(options->param_dtype)).c_str(), t.DescribeBackend().c_str());
+    std::printf(
+        "gpu_trainer: optimizer %s, %d shard(s), data plane %s; batch %d x %d tokens; %llu steps\n",
+        addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),
+        num_shards, data_plane.c_str(), options->batch, options->seq_len,
+        static_cast<unsigned long long>(options->steps));
+    if (world_size > 1) {
+      std::printf(
+          "gpu_trainer: %d ranks (%s), %d sequence(s) per rank per micro-batch, %d "
+          "micro-batch(es)\n",
+          world_size, collectives->Describe().c_str(),
+          options->batch / (world_size * options->micro_batches), options->micro_batches);
+    }
+  }
   absl::StatusOr<std::string> started = t.Start();
   // From here on the shards hold the job's state. Whatever ends the run frees it: the state
   // worth keeping is in the checkpoints, and a resume loads it from there.
+  // Rank 0 created the job, so it drops it; a normal end flushes every rank's commit first.
   struct DropOnExit {
-    offload::Trainer* trainer;
+    std::unique_ptr<offload::Trainer>* trainer;
     offload::OptimizerBackend* backend;
+    bool lead;
     ~DropOnExit() {
-      trainer->Flush().IgnoreError();  // a DPU commit may still run on the shards
-      backend->DropJob().IgnoreError();
+      trainer->reset();  // waits for this rank's DPU commit, if one still runs on the shards
+      if (lead) backend->DropJob().IgnoreError();
     }
-  } drop_on_exit{&t, backend.get()};
+  } drop_on_exit{&*trainer, backend.get(), lead};
   if (!started.ok()) return Fail(started.status());
-  std::printf("gpu_trainer: %s\n", started->c_str());
+  if (lead) std::printf("gpu_trainer: %s\n", started->c_str());
   std::fflush(stdout);
 
   const std::string progress = absl::GetFlag(FLAGS_progress);
@@ -165,28 +225,33 @@ int main(int argc, char** argv) {
   const uint64_t first_step = t.step();
   bool interrupted = false;
 
+  // A signal stops the run at a step boundary every rank agrees on (the step's report says so),
+  // so their collectives stay in step.
   while (t.step() < t.total_steps()) {
-    if (g_stop) {
+    if (g_stop) t.RequestStop();
+    absl::StatusOr<offload::StepReport> r = t.Step();
+    if (!r.ok()) return Fail(r.status());
+    if (lead) {
+      reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
+    }
+    if (r->stop) {
       interrupted = true;
       break;
     }
-    absl::StatusOr<offload::StepReport> r = t.Step();
-    if (!r.ok()) return Fail(r.status());
-    reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
     if (eval_every > 0 && r->step % eval_every == 0 && r->step < t.total_steps()) {
       absl::StatusOr<float> v = t.Evaluate(eval_batches);
       if (!v.ok()) return Fail(v.status());
       val_loss = *v;
-      reporter.Message(absl::StrFormat("step %d: val_loss %.4f", r->step, val_loss));
+      if (lead) reporter.Message(absl::StrFormat("step %d: val_loss %.4f", r->step, val_loss));
     }
     if (checkpoints && checkpoint_every > 0 && r->step % checkpoint_every == 0 &&
         r->step < t.total_steps()) {
       absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
       if (!dir.ok()) return Fail(dir.status());
-      reporter.Message(absl::StrCat("checkpoint ", *dir));
+      if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir));
     }
   }
-  reporter.Finish();
+  if (lead) reporter.Finish();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   // An interrupted run keeps the last validation loss: the user asked it to stop now.
@@ -195,28 +260,35 @@ int main(int argc, char** argv) {
     if (!v.ok()) return Fail(v.status());
     val_loss = *v;
   }
-  std::printf(
-      "gpu_trainer: step %llu val_loss %.4f (%llu steps in %s, %.0f tokens/s, %llu "
-      "skipped)\n",
-      static_cast<unsigned long long>(t.step()), val_loss,
-      static_cast<unsigned long long>(t.step() - first_step),
-      offload::FormatDuration(seconds).c_str(),
-      (t.step() - first_step) * t.tokens_per_step() / std::max(seconds, 1e-9),
-      static_cast<unsigned long long>(t.loss_scaler().skipped_steps()));
+  if (lead) {
+    std::printf(
+        "gpu_trainer: step %llu val_loss %.4f (%llu steps in %s, %.0f tokens/s, %llu "
+        "skipped)\n",
+        static_cast<unsigned long long>(t.step()), val_loss,
+        static_cast<unsigned long long>(t.step() - first_step),
+        offload::FormatDuration(seconds).c_str(),
+        (t.step() - first_step) * t.tokens_per_step() / std::max(seconds, 1e-9),
+        static_cast<unsigned long long>(t.loss_scaler().skipped_steps()));
+  }
   if (checkpoints) {
     absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
     if (!dir.ok()) return Fail(dir.status());
-    std::printf("gpu_trainer: checkpoint %s (continue with --resume --checkpoint_dir=%s)\n",
-                dir->c_str(), options->checkpoint_dir.c_str());
+    if (lead) {
+      std::printf("gpu_trainer: checkpoint %s (continue with --resume --checkpoint_dir=%s)\n",
+                  dir->c_str(), options->checkpoint_dir.c_str());
+    }
   }
+  // Every rank's last commit is done before rank 0 drops the job.
+  if (absl::Status s = t.Flush(); !s.ok()) return Fail(s);
   if (interrupted) {
-    std::printf("gpu_trainer: interrupted at step %llu%s\n",
+    std::printf("gpu_trainer: %sinterrupted at step %llu%s\n",
+                lead ? "" : absl::StrCat("rank ", rank, " ").c_str(),
                 static_cast<unsigned long long>(t.step()),
-                checkpoints ? "; rerun with --resume to continue" : "");
+                checkpoints && lead ? "; rerun with --resume to continue" : "");
     return 130;
   }
   const int sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
-  if (sample_tokens > 0) {
+  if (sample_tokens > 0 && lead) {
     absl::StatusOr<std::string> text =
         t.Sample(absl::GetFlag(FLAGS_sample_prompt), sample_tokens,
                  absl::GetFlag(FLAGS_sample_temperature), options->seed);

@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <deque>
+#include <filesystem>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -50,8 +53,12 @@ absl::Status CheckExecutable(absl::string_view what, const std::string& path) {
   return absl::ErrnoToStatus(errno, absl::StrCat("cannot execute the ", what, " ", path));
 }
 
+bool ExitedCleanly(int wait_status) {
+  return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0;
+}
+
 bool StoppedNormally(int wait_status) {
-  return (WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) ||
+  return ExitedCleanly(wait_status) ||
          (WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGTERM);
 }
 
@@ -63,6 +70,7 @@ LocalJob::LocalJob(LocalJobOptions options, SignalFd* signals)
 LocalJob::~LocalJob() {
   KillEverything();  // a no-op for children already reaped
   JoinForwarders();
+  RemoveRendezvous();
 }
 
 JobOutcome LocalJob::Run() {
@@ -71,12 +79,16 @@ JobOutcome LocalJob::Run() {
     if (!s.ok()) return {1, std::string(s.message())};
   }
   absl::Status started = StartServers();
-  if (started.ok()) started = StartTrainer();
+  if (started.ok()) started = CreateRendezvous();
+  if (started.ok()) started = StartRanks();
   JobOutcome outcome;
   if (started.ok()) {
     outcome = Monitor();
   } else {
     shutting_down_ = true;
+    // Ranks started before one failed to would otherwise wait for their missing peer until their
+    // collective timeout.
+    StopRanks(options_.kill_timeout);
     StopServers();
     outcome = stop_signal_ != 0 ? JobOutcome{128 + stop_signal_,
                                              absl::StrCat("stopped by ", SignalName(stop_signal_),
@@ -171,35 +183,87 @@ absl::Status LocalJob::AwaitPort(int k, absl::Time deadline) {
       absl::StrCat(who, " closed its output before it was listening; ", last));
 }
 
-absl::Status LocalJob::StartTrainer() {
+absl::Status LocalJob::CreateRendezvous() {
+  if (options_.num_ranks == 1) return absl::OkStatus();
+  // A fresh directory per job: one left behind by a launcher killed with -9 would otherwise show
+  // the ranks a dead job's peers.
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string path = absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp",
+                                  "/offload-rendezvous-XXXXXX");
+  if (mkdtemp(path.data()) == nullptr) {
+    return absl::ErrnoToStatus(errno,
+                               absl::StrCat("cannot create the rendezvous directory ", path));
+  }
+  rendezvous_dir_ = std::move(path);
+  return absl::OkStatus();
+}
+
+void LocalJob::RemoveRendezvous() {
+  if (rendezvous_dir_.empty()) return;
+  std::error_code error;
+  std::filesystem::remove_all(rendezvous_dir_, error);
+  if (error) {
+    Say(absl::StrCat("cannot remove the rendezvous directory ", rendezvous_dir_, ": ",
+                     error.message()));
+  }
+  rendezvous_dir_.clear();
+}
+
+absl::Status LocalJob::StartRanks() {
   std::vector<std::string> shard_addresses;
   for (const Shard& shard : shards_) {
     shard_addresses.push_back(absl::StrCat("127.0.0.1:", shard.port));
   }
-  std::vector<std::string> argv = {options_.trainer_binary,
-                                   absl::StrCat("--shards=", absl::StrJoin(shard_addresses, ","))};
-  argv.insert(argv.end(), options_.trainer_args.begin(), options_.trainer_args.end());
-  // The trainer keeps the launcher's terminal: it draws a progress bar when stdout is one.
-  SpawnOptions spawn;
-  spawn.argv = std::move(argv);
-  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
-  if (!child.ok()) {
-    return absl::Status(child.status().code(),
-                        absl::StrCat("cannot start the trainer: ", child.status().message()));
+  const std::string shards_flag = absl::StrCat("--shards=", absl::StrJoin(shard_addresses, ","));
+  ranks_.reserve(options_.num_ranks);
+  for (int r = 0; r < options_.num_ranks; ++r) {
+    SpawnOptions spawn;
+    spawn.argv = {options_.trainer_binary, shards_flag};
+    if (options_.num_ranks > 1) {
+      spawn.argv.push_back(absl::StrCat("--rank=", r));
+      spawn.argv.push_back(absl::StrCat("--world_size=", options_.num_ranks));
+      spawn.argv.push_back(absl::StrCat("--rendezvous=", rendezvous_dir_));
+    }
+    spawn.argv.insert(spawn.argv.end(), options_.trainer_args.begin(), options_.trainer_args.end());
+    // Rank 0 keeps the launcher's terminal: it draws a progress bar when stdout is one. The other
+    // ranks' output would tear it, so it comes through a pipe, line by line and marked; and in a
+    // background process group they must not read the terminal either (SIGTTIN would stop them).
+    spawn.capture_output = r > 0;
+    spawn.null_stdin = r > 0;
+    absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
+    if (!child.ok()) {
+      return absl::Status(child.status().code(), absl::StrCat("cannot start the ", RankName(r),
+                                                              ": ", child.status().message()));
+    }
+    Rank& rank = ranks_.emplace_back();
+    rank.process = *std::move(child);
+    if (r > 0) {
+      rank.forwarder = ForwardLines(std::make_unique<LineReader>(rank.process->TakeOutputFd()),
+                                    absl::StrCat("[rank ", r, "] "));
+    }
+    Say(absl::StrCat(RankName(r), " started (pid ", rank.process->pid(),
+                     "): ", absl::StrJoin(spawn.argv, " ")));
   }
-  trainer_ = *std::move(child);
-  Say(absl::StrCat("trainer started (pid ", trainer_->pid(),
-                   "): ", absl::StrJoin(spawn.argv, " ")));
   return absl::OkStatus();
 }
 
 JobOutcome LocalJob::Monitor() {
   for (;;) {
-    // A dead server goes first: it is usually why the trainer failed too.
+    // A dead server goes first: it is usually why the ranks failed too.
     for (int k = 0; k < options_.num_shards; ++k) {
       if (shards_[k].process->WaitFor(absl::ZeroDuration())) return AfterServerDied(k);
     }
-    if (trainer_->WaitFor(absl::ZeroDuration())) return AfterTrainerExit();
+    // A rank that finished cleanly leaves the others running: they finish on their own.
+    bool all_exited = true;
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      ChildProcess& process = *ranks_[r].process;
+      if (!process.WaitFor(absl::ZeroDuration())) {
+        all_exited = false;
+      } else if (!ExitedCleanly(process.wait_status())) {
+        return AfterRankFailed(r);
+      }
+    }
+    if (all_exited) return AfterRanksSucceeded();
     if (stop_signal_ != 0) return AfterStopSignal();
     const int signo = signals_->Wait(absl::Now() + kPollInterval);
     if (signo == SIGINT || signo == SIGTERM) HandleSignal(signo);
@@ -208,13 +272,15 @@ JobOutcome LocalJob::Monitor() {
 
 JobOutcome LocalJob::AfterStopSignal() {
   shutting_down_ = true;
-  Say(absl::StrCat(
-      SignalName(stop_signal_), ": letting the trainer finish its step and checkpoint (up to ",
-      absl::FormatDuration(options_.shutdown_timeout), "); Ctrl-C again kills everything"));
-  StopTrainer(options_.shutdown_timeout);
+  Say(absl::StrCat(SignalName(stop_signal_), ": letting ",
+                   options_.num_ranks == 1 ? "the trainer" : "every trainer rank",
+                   " finish its step and checkpoint (up to ",
+                   absl::FormatDuration(options_.shutdown_timeout),
+                   "); Ctrl-C again kills everything"));
+  StopRanks(options_.shutdown_timeout);
   StopServers();
-  return {128 + stop_signal_, absl::StrCat("stopped on ", SignalName(stop_signal_), "; trainer ",
-                                           DescribeWaitStatus(trainer_->wait_status()))};
+  return {128 + stop_signal_,
+          absl::StrCat("stopped on ", SignalName(stop_signal_), "; ", DescribeRanks())};
 }
 
 JobOutcome LocalJob::AfterServerDied(int k) {
@@ -224,25 +290,61 @@ JobOutcome LocalJob::AfterServerDied(int k) {
       absl::StrCat("shard ", k, " (pid ", dead.pid(), ") ", DescribeWaitStatus(dead.wait_status()),
                    " while the trainer was running");
   Say(absl::StrCat(what, "; stopping the job"));
-  StopTrainer(options_.kill_timeout);
+  StopRanks(options_.kill_timeout);
   StopServers();
-  return {1, absl::StrCat(what, "; trainer ", DescribeWaitStatus(trainer_->wait_status()))};
+  return {1, absl::StrCat(what, "; ", DescribeRanks())};
 }
 
-JobOutcome LocalJob::AfterTrainerExit() {
+JobOutcome LocalJob::AfterRankFailed(int r) {
+  shutting_down_ = true;
+  const ChildProcess& failed = *ranks_[r].process;
+  JobOutcome outcome{ExitCodeOf(failed.wait_status()),
+                     absl::StrCat(RankName(r), " ", DescribeWaitStatus(failed.wait_status()))};
+  if (options_.num_ranks > 1) {
+    // The others would notice the missing peer only at their collective timeout, and a
+    // checkpoint written now could not hold this rank's part of the step anyway.
+    Say(absl::StrCat(RankName(r), " (pid ", failed.pid(), ") ",
+                     DescribeWaitStatus(failed.wait_status()), "; stopping the other ranks"));
+    StopRanks(options_.kill_timeout);
+    absl::StrAppend(&outcome.summary, "; ", DescribeRanks(r));
+  }
+  StopServers();
+  return outcome;
+}
+
+JobOutcome LocalJob::AfterRanksSucceeded() {
   shutting_down_ = true;
   StopServers();
-  const int status = trainer_->wait_status();
-  return {ExitCodeOf(status), absl::StrCat("trainer ", DescribeWaitStatus(status))};
+  return {0, options_.num_ranks == 1
+                 ? DescribeRanks()
+                 : absl::StrCat("all ", options_.num_ranks, " trainer ranks exited with status 0")};
 }
 
-void LocalJob::StopTrainer(absl::Duration grace) {
-  trainer_->Signal(SIGINT).IgnoreError();
-  if (!WaitForChild(*trainer_, absl::Now() + grace)) {
-    Say(absl::StrCat("the trainer did not stop within ", absl::FormatDuration(grace),
+std::string LocalJob::RankName(int r) const {
+  return options_.num_ranks == 1 ? "trainer" : absl::StrCat("trainer rank ", r);
+}
+
+std::string LocalJob::DescribeRanks(int except) const {
+  std::vector<std::string> parts;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (r == except) continue;
+    parts.push_back(
+        absl::StrCat(RankName(r), " ", DescribeWaitStatus(ranks_[r].process->wait_status())));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+void LocalJob::StopRanks(absl::Duration grace) {
+  for (Rank& rank : ranks_) rank.process->Signal(SIGINT).IgnoreError();  // no-op once reaped
+  // One deadline for all: the ranks checkpoint in parallel, so the job stops within `grace`.
+  const absl::Time deadline = absl::Now() + grace;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    ChildProcess& process = *ranks_[r].process;
+    if (WaitForChild(process, deadline)) continue;
+    Say(absl::StrCat(RankName(r), " did not stop within ", absl::FormatDuration(grace),
                      " of SIGINT; killing it"));
-    trainer_->Signal(SIGKILL).IgnoreError();
-    trainer_->WaitFor(absl::InfiniteDuration());
+    process.Signal(SIGKILL).IgnoreError();
+    process.WaitFor(absl::InfiniteDuration());
   }
 }
 
@@ -274,11 +376,11 @@ void LocalJob::KillEverything() {
   for (Shard& shard : shards_) {
     if (shard.process != nullptr) shard.process->Signal(SIGKILL).IgnoreError();
   }
-  if (trainer_ != nullptr) trainer_->Signal(SIGKILL).IgnoreError();
+  for (Rank& rank : ranks_) rank.process->Signal(SIGKILL).IgnoreError();
   for (Shard& shard : shards_) {
     if (shard.process != nullptr) shard.process->WaitFor(absl::InfiniteDuration());
   }
-  if (trainer_ != nullptr) trainer_->WaitFor(absl::InfiniteDuration());
+  for (Rank& rank : ranks_) rank.process->WaitFor(absl::InfiniteDuration());
 }
 
 void LocalJob::HandleSignal(int signo) {
@@ -305,6 +407,9 @@ bool LocalJob::WaitForChild(ChildProcess& child, absl::Time deadline) {
 void LocalJob::JoinForwarders() {
   for (Shard& shard : shards_) {
     if (shard.forwarder.joinable()) shard.forwarder.join();
+  }
+  for (Rank& rank : ranks_) {
+    if (rank.forwarder.joinable()) rank.forwarder.join();
   }
 }
 

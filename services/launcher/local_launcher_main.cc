@@ -1,5 +1,5 @@
-// offload_local: runs a whole training job on this machine — S optimizer servers and the trainer
-// on loopback — and shuts it down in order on Ctrl-C.
+// offload_local: runs a whole training job on this machine — S optimizer servers and W
+// data-parallel trainer ranks on loopback — and shuts it down in order on Ctrl-C.
 #include <signal.h>
 #include <unistd.h>
 
@@ -19,6 +19,9 @@
 #include "services/launcher/signal_fd.h"
 
 ABSL_FLAG(int, shards, 1, "optimizer servers to start");
+ABSL_FLAG(int, ranks, 1,
+          "trainer processes (data-parallel ranks) to start; above 1 each gets --rank, "
+          "--world_size and --rendezvous, and ranks >= 1 print through the launcher as [rank R]");
 ABSL_FLAG(std::string, server_binary, "",
           "cpu_optimizer_server to run; empty = the one in the build tree next to this launcher");
 ABSL_FLAG(std::string, trainer_binary, "",
@@ -29,10 +32,11 @@ ABSL_FLAG(absl::Duration, startup_timeout, absl::Seconds(30),
           "how long the servers have to report their ports");
 ABSL_FLAG(
     absl::Duration, shutdown_timeout, absl::Seconds(60),
-    "after Ctrl-C, how long the trainer has to finish its step and checkpoint before SIGKILL");
+    "after Ctrl-C, how long the trainer ranks have to finish their step and checkpoint before "
+    "SIGKILL");
 ABSL_FLAG(absl::Duration, kill_timeout, absl::Seconds(5),
-          "how long a server has after SIGTERM (and the trainer after SIGINT when a server died) "
-          "before SIGKILL");
+          "how long a server has after SIGTERM (and the trainer ranks after SIGINT when a server "
+          "or another rank failed) before SIGKILL");
 
 namespace {
 
@@ -49,8 +53,13 @@ std::string BesideThisExecutable(const char* relative_path) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Runs a training job on this machine: S optimizer servers and the trainer on loopback.\n"
-      "usage: offload_local [--shards=S] [flags] -- [trainer flags]");
+      "Runs a training job on this machine: S optimizer servers and W trainer ranks on loopback.\n"
+      "usage: offload_local [--shards=S] [--ranks=W] [flags] -- [trainer flags]\n"
+      "Each rank runs: gpu_trainer --shards=127.0.0.1:P1,... [--rank=R --world_size=W "
+      "--rendezvous=DIR] [trainer flags]\n"
+      "(the rank flags only when W > 1; DIR is a fresh directory removed when the job ends).\n"
+      "The job ends when every rank has exited; a rank that fails stops the others, and the "
+      "launcher exits with its status.");
   // Everything after "--" belongs to the trainer; absl never sees it, so a trainer flag can never
   // be mistaken for one of ours.
   int ours = 1;
@@ -66,6 +75,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "offload_local: --shards must be at least 1\n");
     return 2;
   }
+  if (absl::GetFlag(FLAGS_ranks) < 1) {
+    std::fprintf(stderr, "offload_local: --ranks must be at least 1 (got %d)\n",
+                 absl::GetFlag(FLAGS_ranks));
+    return 2;
+  }
 
   // Blocked before any thread exists, so every thread inherits the mask (see SignalFd).
   absl::StatusOr<offload::SignalFd> signals = offload::SignalFd::Create({SIGINT, SIGTERM, SIGCHLD});
@@ -78,6 +92,7 @@ int main(int argc, char** argv) {
 
   offload::LocalJobOptions options;
   options.num_shards = absl::GetFlag(FLAGS_shards);
+  options.num_ranks = absl::GetFlag(FLAGS_ranks);
   options.server_binary = absl::GetFlag(FLAGS_server_binary);
   if (options.server_binary.empty()) {
     options.server_binary = BesideThisExecutable(OFFLOAD_SERVER_RELPATH);

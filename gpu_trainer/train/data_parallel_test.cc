@@ -1,0 +1,262 @@
+// Data-parallel ranks (ZeRO-2 with offload), as threads of this process meeting over an in-memory
+// Gloo store, against optimizer shards served over gRPC on loopback: W ranks train what one rank
+// with the whole batch trains, with and without the delayed update and gradient accumulation;
+// checkpoints resume bit for bit; a dead rank fails the others within the collective timeout.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gpu_trainer/collectives/gloo_collectives.h"
+#include "gpu_trainer/train/remote_optimizer.h"
+#include "gpu_trainer/train/trainer.h"
+#include "gpu_trainer/train/trainer_test_util.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+// Runs `ranks` ranks of one job on `shards`, each on its own thread with its own shard clients
+// and collectives, for `steps` steps; returns every rank's result.
+std::vector<RunResult> TrainRanks(TrainerOptions o, const LocalShards& shards, int ranks,
+                                  uint64_t steps, bool checkpoint_at_end = false) {
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  static int attempt = 0;
+  const std::string prefix = absl::StrCat("test-", attempt++);
+  std::vector<RunResult> results(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      GlooOptions g;
+      g.rank = r;
+      g.world_size = ranks;
+      g.prefix = prefix;
+      g.timeout = absl::Seconds(60);
+      absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
+      ASSERT_TRUE(collectives.ok()) << collectives.status();
+      auto backend =
+          RemoteOptimizer::Connect(MapFor(o, static_cast<int>(shards.addresses().size()), ranks),
+                                   shards.addresses(), ClientOptions{});
+      ASSERT_TRUE(backend.ok()) << backend.status();
+      ASSERT_TRUE((*backend)->SetRank(r).ok());
+      TrainerOptions mine = o;
+      mine.collectives = collectives->get();
+      results[r] = Train(mine, backend->get(), steps, checkpoint_at_end);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+// ||a - b|| / ||b|| over the model's weights, the largest such difference of one tensor, and the
+// largest |a_i - b_i|.
+struct Difference {
+  double relative = 0, tensor_relative = 0, absolute = 0;
+  std::string tensor;  // the one with the largest relative difference
+};
+Difference Compare(const Gpt2Config& c, const std::vector<float>& a, const std::vector<float>& b) {
+  Difference d;
+  double all_dd = 0, all_bb = 0;
+  for (const ParamTensor& t : Gpt2ParamLayout(c)) {
+    double dd = 0, bb = 0;
+    for (int64_t i = t.offset; i < t.offset + t.numel; ++i) {
+      const double diff = static_cast<double>(a[i]) - b[i];
+      dd += diff * diff;
+      bb += static_cast<double>(b[i]) * b[i];
+      d.absolute = std::max(d.absolute, std::fabs(diff));
+    }
+    all_dd += dd;
+    all_bb += bb;
+    const double relative = std::sqrt(dd / std::max(bb, 1e-30));
+    if (relative >= d.tensor_relative) {
+      d.tensor_relative = relative;
+      d.tensor = t.name;
+    }
+  }
+  d.relative = std::sqrt(all_dd / all_bb);
+  return d;
+}
+
+// Same seed, same global batch: each rank's gradients are the mean over its half of the batch,
+// and the mean of the two halves' fp32 gradients is the whole batch's, up to the order of the fp32
+// sums (BLAS sums a layer's weight gradient over all rows at once, or over each half and then
+// the halves). That last-bit difference flips the 16-bit rounding of a few gradients and weights
+// (about 1 in 2^13 for fp16), which the following steps carry on: after 20 steps the weights
+// differ by ~5e-6 of their norm, most in the zero-initialised biases.
+TEST(DataParallel, TwoRanksTwoShardsTrainWhatOneRankOneShardTrains) {
+  for (DType dtype : {DType::kFp16, DType::kBf16}) {
+    TrainerOptions o = TinyOptions();
+    o.param_dtype = dtype;
+    o.steps = 20;
+    o.schedule.set_total_steps(20);
+    LocalShards one_shard(1);
+    std::vector<RunResult> alone = TrainRanks(o, one_shard, 1, 20);
+    LocalShards two_shards(2);
+    std::vector<RunResult> pair = TrainRanks(o, two_shards, 2, 20);
+    ASSERT_EQ(pair.size(), 2u);
+    // Both ranks hold the same weights, all-gathered from the two partitions.
+    EXPECT_EQ(pair[0].weights16, pair[1].weights16);
+    EXPECT_EQ(pair[0].losses, pair[1].losses);
+    const Difference d = Compare(o.model, pair[0].master, alone[0].master);
+    std::printf(
+        "%s: W=2 S=2 vs W=1 S=1 after 20 steps: relative %.3g, largest in one tensor %.3g (%s), "
+        "max |diff| %.3g\n",
+        std::string(DTypeName(dtype)).c_str(), d.relative, d.tensor_relative, d.tensor.c_str(),
+        d.absolute);
+    EXPECT_LE(d.relative, 1e-5) << DTypeName(dtype);
+    EXPECT_LE(d.tensor_relative, 2e-4) << DTypeName(dtype);
+    EXPECT_LE(d.absolute, 1e-4) << DTypeName(dtype);
+    for (int s = 0; s < 20; ++s) {
+      EXPECT_NEAR(pair[0].losses[s], alone[0].losses[s], 1e-4 * alone[0].losses[s]) << s;
+    }
+    // And the reduction is deterministic: a second W=2 run is the first bit for bit.
+    LocalShards two_more(2);
+    std::vector<RunResult> again = TrainRanks(o, two_more, 2, 20);
+    EXPECT_TRUE(SameBits(again[0].master, pair[0].master)) << DTypeName(dtype);
+  }
+}
+
+// The delayed update and gradient accumulation compose with the ranks: W=2 with DPU after a
+// warm-up of 4 and 2 micro-batches trains what W=1 with the same settings trains.
+TEST(DataParallel, DelayedUpdateAndMicroBatchesWithTwoRanks) {
+  TrainerOptions o = DpuOptions();
+  o.micro_batches = 2;
+  LocalShards one_shard(1);
+  std::vector<RunResult> alone = TrainRanks(o, one_shard, 1, 14);
+  LocalShards two_shards(2);
+  std::vector<RunResult> pair = TrainRanks(o, two_shards, 2, 14);
+  EXPECT_EQ(pair[0].weights16, pair[1].weights16);
+  const Difference d = Compare(o.model, pair[0].master, alone[0].master);
+  std::printf("dpu + 2 micro-batches: W=2 vs W=1 after 14 steps: relative %.3g\n", d.relative);
+  EXPECT_LE(d.relative, 1e-5);
+  // The run learns: this is not two copies of an untouched initialisation.
+  EXPECT_LT(alone[0].losses.back(), alone[0].losses.front() - 0.5f);
+}
+
+// Gradient accumulation is a mean over micro-batches: one rank with 2 micro-batches of 2
+// sequences trains what one rank with the 4 sequences at once trains, up to the rounding of each
+// micro-batch's gradients to 16 bits before the shards add them.
+TEST(DataParallel, MicroBatchesAccumulateToTheWholeBatch) {
+  TrainerOptions o = TinyOptions();
+  o.steps = 10;
+  o.schedule.set_total_steps(10);
+  LocalShards whole_shards(2);
+  std::vector<RunResult> whole = TrainRanks(o, whole_shards, 1, 10);
+  o.micro_batches = 2;
+  LocalShards micro_shards(2);
+  std::vector<RunResult> micro = TrainRanks(o, micro_shards, 1, 10);
+  const Difference d = Compare(o.model, micro[0].master, whole[0].master);
+  std::printf("2 micro-batches vs the whole batch after 10 steps: relative %.3g\n", d.relative);
+  EXPECT_LE(d.relative, 1e-4);
+  EXPECT_GT(d.relative, 0.0);  // the rounding points differ: a run that ignored them would not
+  for (int s = 0; s < 10; ++s) EXPECT_NEAR(micro[0].losses[s], whole[0].losses[s], 1e-3) << s;
+}
+
+TEST(DataParallel, ResumeWithTwoRanksIsBitIdentical) {
+  TrainerOptions o = TinyOptions();
+  o.steps = 12;
+  o.schedule.set_total_steps(12);
+  o.dpu = true;
+  o.dpu_warmup_steps = 3;
+  LocalShards straight_shards(2);
+  std::vector<RunResult> straight = TrainRanks(o, straight_shards, 2, 12);
+
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.resume = true;
+  LocalShards shards(2);
+  TrainRanks(o, shards, 2, 7, /*checkpoint_at_end=*/true);  // mid-pipeline
+  std::vector<RunResult> resumed = TrainRanks(o, shards, 2, 5);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(std::vector<float>(straight[r].losses.begin() + 7, straight[r].losses.end()),
+              resumed[r].losses);
+    EXPECT_EQ(straight[r].weights16, resumed[r].weights16);
+  }
+  EXPECT_TRUE(SameBits(straight[0].master, resumed[0].master));
+
+  // The partition map depends on the ranks: a single rank may not continue it.
+  auto backend = RemoteOptimizer::Connect(MapFor(o, 2, 1), shards.addresses(), ClientOptions{});
+  ASSERT_TRUE(backend.ok());
+  auto trainer = Trainer::Create(o, backend->get());
+  ASSERT_TRUE(trainer.ok());
+  absl::StatusOr<std::string> started = (*trainer)->Start();
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(started.status().message().find("ranks"), std::string::npos) << started.status();
+}
+
+// A rank that dies mid-run makes the other's next collective fail within the timeout, with an
+// error, not a hang.
+TEST(DataParallel, ADeadRankFailsTheOtherWithinTheTimeout) {
+  TrainerOptions o = TinyOptions();
+  LocalShards shards(2);
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  absl::Status survivor_error;
+  double survivor_seconds = 0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      GlooOptions g;
+      g.rank = r;
+      g.world_size = 2;
+      g.prefix = "dead-rank";
+      g.timeout = absl::Seconds(3);
+      auto collectives = ConnectGloo(g, store);
+      ASSERT_TRUE(collectives.ok()) << collectives.status();
+      auto backend = RemoteOptimizer::Connect(MapFor(o, 2, 2), shards.addresses(), ClientOptions{});
+      ASSERT_TRUE(backend.ok());
+      ASSERT_TRUE((*backend)->SetRank(r).ok());
+      TrainerOptions mine = o;
+      mine.collectives = collectives->get();
+      auto trainer = Trainer::Create(mine, backend->get());
+      ASSERT_TRUE(trainer.ok()) << trainer.status();
+      ASSERT_TRUE((*trainer)->Start().ok());
+      for (int s = 0; s < 2; ++s) ASSERT_TRUE((*trainer)->Step().ok());
+      if (r == 1) return;  // dies: its trainer and its collectives go away
+      const auto begin = std::chrono::steady_clock::now();
+      for (int s = 0; s < 3 && survivor_error.ok(); ++s) {
+        survivor_error = (*trainer)->Step().status();
+      }
+      survivor_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_FALSE(survivor_error.ok());
+  EXPECT_TRUE(absl::IsUnavailable(survivor_error) || absl::IsDeadlineExceeded(survivor_error))
+      << survivor_error;
+  EXPECT_LT(survivor_seconds, 10.0);
+  std::printf("the survivor's error after %.2f s: %s\n", survivor_seconds,
+              survivor_error.ToString().c_str());
+}
+
+TEST(DataParallel, SettingsThatDoNotSplitAreRefused) {
+  LocalShards shards(1);
+  TrainerOptions o = TinyOptions();  // batch 4
+  o.micro_batches = 3;
+  auto backend = RemoteOptimizer::Connect(MapFor(o, 1), shards.addresses(), ClientOptions{});
+  ASSERT_TRUE(backend.ok());
+  auto trainer = Trainer::Create(o, backend->get());
+  ASSERT_FALSE(trainer.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(trainer.status()));
+  EXPECT_NE(trainer.status().message().find("batch 4 must split evenly"), std::string::npos)
+      << trainer.status();
+
+  // A backend stepping for another rank than the trainer's collectives say.
+  o.micro_batches = 1;
+  auto two_rank = RemoteOptimizer::Connect(MapFor(o, 1, 2), shards.addresses(), ClientOptions{});
+  ASSERT_TRUE(two_rank.ok());
+  ASSERT_TRUE((*two_rank)->SetRank(1).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument((*two_rank)->SetRank(2)));
+  trainer = Trainer::Create(o, two_rank->get());  // a single rank, i.e. rank 0 of 1
+  ASSERT_FALSE(trainer.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(trainer.status())) << trainer.status();
+}
+
+}  // namespace
+}  // namespace offload

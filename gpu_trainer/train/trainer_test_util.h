@@ -1,0 +1,151 @@
+// What the trainer tests share: a tiny model on the bundled text, optimizer shards served over
+// gRPC in this process, a training run that returns weights, master weights and losses, and a
+// temporary directory.
+#ifndef OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_TEST_UTIL_H_
+#define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_TEST_UTIL_H_
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/optimizer_service.h"
+#include "cpu_optimizer_server/shard_store.h"
+#include "cpu_optimizer_server/thread_pool.h"
+#include "gpu_trainer/model/param_layout.h"
+#include "gpu_trainer/train/optimizer_backend.h"
+#include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/train/trainer.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+
+inline TrainerOptions TinyOptions() {
+  TrainerOptions o;
+  o.model = Gpt2Config{256, 32, 2, 2, 32};
+  o.data = std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt";
+  o.batch = 4;
+  o.seq_len = 32;
+  o.steps = 40;
+  o.seed = 7;
+  o.param_dtype = DType::kFp16;
+  o.adam.set_kind(v1::OPTIMIZER_KIND_ADAMW);
+  o.adam.set_lr(3e-3f);
+  o.adam.set_beta1(0.9f);
+  o.adam.set_beta2(0.95f);
+  o.adam.set_eps(1e-8f);
+  o.adam.set_weight_decay(0.01f);
+  o.schedule.set_max_lr(3e-3f);
+  o.schedule.set_min_lr(3e-4f);
+  o.schedule.set_warmup_steps(5);
+  o.schedule.set_total_steps(40);
+  o.grad_clip = 1.0f;
+  return o;
+}
+
+// 14 bf16 steps with the delayed update after a warm-up of 4.
+inline TrainerOptions DpuOptions() {
+  TrainerOptions o = TinyOptions();
+  o.param_dtype = DType::kBf16;
+  o.steps = 14;
+  o.schedule.set_total_steps(14);
+  o.dpu = true;
+  o.dpu_warmup_steps = 4;
+  return o;
+}
+
+inline v1::PartitionMap MapFor(const TrainerOptions& o, int shards, int ranks = 1) {
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(o.model), ranks, shards);
+  EXPECT_TRUE(map.ok()) << map.status();
+  return *map;
+}
+
+struct RunResult {
+  std::vector<uint16_t> weights16;
+  std::vector<float> master;  // (padded,) fp32 master weights from the shards
+  std::vector<float> losses;
+};
+
+// Trains `steps` more steps on `backend` (creating the trainer, starting or resuming) and
+// returns the weights, the shard master weights and the losses.
+inline RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint64_t steps,
+                       bool checkpoint_at_end = false) {
+  RunResult r;
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, backend);
+  EXPECT_TRUE(trainer.ok()) << trainer.status();
+  if (!trainer.ok()) return r;
+  absl::StatusOr<std::string> started = (*trainer)->Start();
+  EXPECT_TRUE(started.ok()) << started.status();
+  for (uint64_t i = 0; i < steps; ++i) {
+    absl::StatusOr<StepReport> report = (*trainer)->Step();
+    EXPECT_TRUE(report.ok()) << report.status();
+    if (!report.ok()) return r;
+    r.losses.push_back(report->loss);
+  }
+  if (checkpoint_at_end) {
+    absl::StatusOr<std::string> dir = (*trainer)->SaveCheckpoint(0.0f);
+    EXPECT_TRUE(dir.ok()) << dir.status();
+  }
+  EXPECT_TRUE((*trainer)->Flush().ok());  // a DPU commit may still run
+  r.weights16 = (*trainer)->weights16();
+  const v1::PartitionMap& map = backend->partition();
+  r.master.assign(map.padded_length(), 0.0f);
+  for (int i = 0; i < map.slices_size(); ++i) {
+    const v1::ShardSlice& s = map.slices(i);
+    EXPECT_TRUE(backend
+                    ->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, s.offset(), s.length(),
+                                     r.master.data() + s.offset())
+                    .ok());
+  }
+  return r;
+}
+
+inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Two optimizer shards served over gRPC on loopback, in this process.
+class LocalShards {
+ public:
+  explicit LocalShards(int n) : pool_(ThreadPool::Options{2, false}) {
+    for (int i = 0; i < n; ++i) {
+      stores_.push_back(std::make_unique<ShardStore>(ShardOptions{}, &pool_, BestSimdPath()));
+      ServerOptions options;
+      options.listen_address = "127.0.0.1:0";
+      auto server = OptimizerServer::Start(options, stores_.back().get());
+      EXPECT_TRUE(server.ok()) << server.status();
+      addresses_.push_back(absl::StrCat("127.0.0.1:", (*server)->port()));
+      servers_.push_back(std::move(*server));
+    }
+  }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+
+ private:
+  ThreadPool pool_;
+  std::vector<std::unique_ptr<ShardStore>> stores_;
+  std::vector<std::unique_ptr<OptimizerServer>> servers_;
+  std::vector<std::string> addresses_;
+};
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = std::filesystem::temp_directory_path() /
+            absl::StrCat("trainer_test_", getpid(), "_", counter_++);
+    std::filesystem::remove_all(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string path() const { return path_.string(); }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path path_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_TEST_UTIL_H_
