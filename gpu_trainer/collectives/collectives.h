@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 
 namespace offload {
 
@@ -42,7 +43,14 @@ class Collectives {
   // values (n,) := the element-wise op over all ranks, in place.
   virtual absl::Status AllReduce(double* values, int n, ReduceOp op) = 0;
   // data (bytes,) of `root` copied to every other rank.
-  virtual absl::Status Broadcast(void* data, int64_t bytes, int root) = 0;
+  absl::Status Broadcast(void* data, int64_t bytes, int root) {
+    return BroadcastWithin(data, bytes, root, absl::ZeroDuration());
+  }
+  // As Broadcast, waiting up to `timeout` (zero: the connect-time timeout) for the root: for a
+  // root that first does slow work of its own, such as rank 0 loading or writing the shards'
+  // state while the other ranks wait.
+  virtual absl::Status BroadcastWithin(void* data, int64_t bytes, int root,
+                                       absl::Duration timeout) = 0;
   virtual absl::Status Barrier() = 0;
 };
 

@@ -180,7 +180,8 @@ class GlooCollectives final : public Collectives {
     });
   }
 
-  absl::Status Broadcast(void* data, int64_t bytes, int root) override {
+  absl::Status BroadcastWithin(void* data, int64_t bytes, int root,
+                               absl::Duration timeout) override {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckUsable("broadcast"); !s.ok()) return s;
     if (absl::Status s = CheckBroadcastArgs(world_size_, data, bytes, root); !s.ok()) return s;
@@ -190,7 +191,8 @@ class GlooCollectives final : public Collectives {
       opts.setOutput(static_cast<uint8_t*>(data), static_cast<size_t>(bytes));
       opts.setRoot(root);
       opts.setTag(tag);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(timeout > absl::ZeroDuration() ? absl::ToChronoMilliseconds(timeout)
+                                                     : timeout_);
       gloo::broadcast(opts);
       return absl::OkStatus();
     });

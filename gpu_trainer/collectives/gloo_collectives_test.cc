@@ -509,6 +509,22 @@ TEST(DeadPeerTest, SilentPeerTimesOut) {
   EXPECT_EQ(ranks[0]->Barrier().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Rank 0 works for longer than the connect-time timeout before it broadcasts: the others wait
+// for it with BroadcastWithin, where a plain Broadcast would have given up.
+TEST(SlowRootTest, BroadcastWithinOutlastsTheTimeout) {
+  std::vector<std::unique_ptr<Collectives>> ranks = ConnectRanks(2, absl::Seconds(1));
+  ASSERT_EQ(ranks.size(), 2u);
+  RunRanks(2, [&](int r) {
+    int32_t token = r == 0 ? 42 : -1;
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    const absl::Status s = ranks[r]->BroadcastWithin(&token, sizeof(token), 0, absl::Seconds(20));
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(token, 42);
+  });
+  // And the usual timeout still applies to the next call.
+  RunRanks(2, [&](int r) { EXPECT_TRUE(ranks[r]->Barrier().ok()); });
+}
+
 TEST(ConnectTest, RendezvousTimesOutWithoutPeer) {
   auto store = std::make_shared<gloo::rendezvous::HashStore>();
   const auto start = std::chrono::steady_clock::now();

@@ -47,7 +47,8 @@ class LocalCollectives final : public Collectives {
     return CheckAllReduceArgs(values, n, op);
   }
 
-  absl::Status Broadcast(void* data, int64_t bytes, int root) override {
+  absl::Status BroadcastWithin(void* data, int64_t bytes, int root,
+                               absl::Duration timeout) override {
     return CheckBroadcastArgs(1, data, bytes, root);
   }
 

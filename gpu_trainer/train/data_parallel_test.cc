@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,22 +23,20 @@
 namespace offload {
 namespace {
 
-// Runs `ranks` ranks of one job on `shards`, each on its own thread with its own shard clients
-// and collectives, for `steps` steps; returns every rank's result.
-std::vector<RunResult> TrainRanks(TrainerOptions o, const LocalShards& shards, int ranks,
-                                  uint64_t steps, bool checkpoint_at_end = false) {
+// Runs `ranks` ranks of one job on `shards`, each on its own thread with its own collectives
+// (over one in-memory store), shard clients and options (`o` with this rank's collectives):
+// body(rank, options, backend).
+void RunRanks(const TrainerOptions& o, const LocalShards& shards, int ranks, absl::Duration timeout,
+              const std::function<void(int, const TrainerOptions&, OptimizerBackend*)>& body) {
   auto store = std::make_shared<gloo::rendezvous::HashStore>();
-  static int attempt = 0;
-  const std::string prefix = absl::StrCat("test-", attempt++);
-  std::vector<RunResult> results(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       GlooOptions g;
       g.rank = r;
       g.world_size = ranks;
-      g.prefix = prefix;
-      g.timeout = absl::Seconds(60);
+      g.prefix = "test";
+      g.timeout = timeout;
       absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
       ASSERT_TRUE(collectives.ok()) << collectives.status();
       auto backend =
@@ -47,10 +46,20 @@ std::vector<RunResult> TrainRanks(TrainerOptions o, const LocalShards& shards, i
       ASSERT_TRUE((*backend)->SetRank(r).ok());
       TrainerOptions mine = o;
       mine.collectives = collectives->get();
-      results[r] = Train(mine, backend->get(), steps, checkpoint_at_end);
+      body(r, mine, backend->get());
     });
   }
   for (std::thread& t : threads) t.join();
+}
+
+// `steps` steps of every rank; returns every rank's result.
+std::vector<RunResult> TrainRanks(const TrainerOptions& o, const LocalShards& shards, int ranks,
+                                  uint64_t steps, bool checkpoint_at_end = false) {
+  std::vector<RunResult> results(ranks);
+  RunRanks(o, shards, ranks, absl::Seconds(60),
+           [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
+             results[r] = Train(mine, backend, steps, checkpoint_at_end);
+           });
   return results;
 }
 
@@ -195,44 +204,48 @@ TEST(DataParallel, ResumeWithTwoRanksIsBitIdentical) {
 TEST(DataParallel, ADeadRankFailsTheOtherWithinTheTimeout) {
   TrainerOptions o = TinyOptions();
   LocalShards shards(2);
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
   absl::Status survivor_error;
   double survivor_seconds = 0;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      GlooOptions g;
-      g.rank = r;
-      g.world_size = 2;
-      g.prefix = "dead-rank";
-      g.timeout = absl::Seconds(3);
-      auto collectives = ConnectGloo(g, store);
-      ASSERT_TRUE(collectives.ok()) << collectives.status();
-      auto backend = RemoteOptimizer::Connect(MapFor(o, 2, 2), shards.addresses(), ClientOptions{});
-      ASSERT_TRUE(backend.ok());
-      ASSERT_TRUE((*backend)->SetRank(r).ok());
-      TrainerOptions mine = o;
-      mine.collectives = collectives->get();
-      auto trainer = Trainer::Create(mine, backend->get());
-      ASSERT_TRUE(trainer.ok()) << trainer.status();
-      ASSERT_TRUE((*trainer)->Start().ok());
-      for (int s = 0; s < 2; ++s) ASSERT_TRUE((*trainer)->Step().ok());
-      if (r == 1) return;  // dies: its trainer and its collectives go away
-      const auto begin = std::chrono::steady_clock::now();
-      for (int s = 0; s < 3 && survivor_error.ok(); ++s) {
-        survivor_error = (*trainer)->Step().status();
-      }
-      survivor_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRanks(o, shards, 2, absl::Seconds(3),
+           [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
+             auto trainer = Trainer::Create(mine, backend);
+             ASSERT_TRUE(trainer.ok()) << trainer.status();
+             ASSERT_TRUE((*trainer)->Start().ok());
+             for (int s = 0; s < 2; ++s) ASSERT_TRUE((*trainer)->Step().ok());
+             if (r == 1) return;  // dies: its trainer and its collectives go away
+             const auto begin = std::chrono::steady_clock::now();
+             for (int s = 0; s < 3 && survivor_error.ok(); ++s) {
+               survivor_error = (*trainer)->Step().status();
+             }
+             survivor_seconds =
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+           });
   EXPECT_FALSE(survivor_error.ok());
   EXPECT_TRUE(absl::IsUnavailable(survivor_error) || absl::IsDeadlineExceeded(survivor_error))
       << survivor_error;
   EXPECT_LT(survivor_seconds, 10.0);
   std::printf("the survivor's error after %.2f s: %s\n", survivor_seconds,
               survivor_error.ToString().c_str());
+}
+
+// Ranks started with different settings would make collectives of different sizes: all of them
+// refuse to start, and say what differs.
+TEST(DataParallel, RanksThatDisagreeRefuseToStartTogether) {
+  TrainerOptions o = TinyOptions();
+  LocalShards shards(2);
+  std::vector<absl::Status> started(2);
+  RunRanks(o, shards, 2, absl::Seconds(20),
+           [&](int r, const TrainerOptions& options, OptimizerBackend* backend) {
+             TrainerOptions mine = options;
+             if (r == 1) mine.bucket_elements = 1000;
+             auto trainer = Trainer::Create(mine, backend);
+             ASSERT_TRUE(trainer.ok()) << trainer.status();
+             started[r] = (*trainer)->Start().status();
+           });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(started[r])) << r << ": " << started[r];
+  }
+  EXPECT_NE(started[1].message().find("bucket_elements=1000"), std::string::npos) << started[1];
 }
 
 TEST(DataParallel, SettingsThatDoNotSplitAreRefused) {

@@ -66,6 +66,12 @@ absl::StatusOr<GradStats> GradientReducer::Finish() {
   return stats_;
 }
 
+void GradientReducer::Abandon() {
+  std::unique_lock<std::mutex> lock(mu_);
+  open_ = Bucket{open_.lo, open_.lo};
+  cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+}
+
 void GradientReducer::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {

@@ -46,6 +46,9 @@ class GradientReducer {
   // Reduces what is left, waits for every bucket, and returns the statistics of this rank's
   // rounded share, or the first error (after which the collectives are unusable).
   absl::StatusOr<GradStats> Finish();
+  // After a failed backward: drops the open bucket (the other ranks would reduce it with other
+  // sizes) and waits for the queued ones.
+  void Abandon();
 
  private:
   struct Bucket {

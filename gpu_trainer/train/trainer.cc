@@ -213,6 +213,27 @@ absl::StatusOr<std::string> Trainer::Start() {
     }
   }
 
+  // Ranks that disagree on the settings or the checkpoint would make collectives of different
+  // sizes: every rank compares its own with rank 0's first, and all fail together if any differs.
+  if (world_size() > 1) {
+    const std::string mine =
+        absl::StrCat("batch=", o.batch, " micro_batches=", o.micro_batches, " seq_len=", o.seq_len,
+                     " bucket_elements=", o.bucket_elements, " steps=", o.steps, " seed=", o.seed,
+                     " dtype=", DTypeName(o.param_dtype), " dpu=", o.dpu, "/", o.dpu_warmup_steps,
+                     " model=", ModelConfigToProto(o.model).ShortDebugString(),
+                     " resume_step=", resuming ? static_cast<int64_t>(manifest.step()) : -1);
+    char lead[1024] = {};
+    mine.copy(lead, sizeof(lead) - 1);
+    if (absl::Status s = collectives_->Broadcast(lead, sizeof(lead), 0); !s.ok()) return s;
+    double differs = mine.substr(0, sizeof(lead) - 1) == lead ? 0.0 : 1.0;
+    if (absl::Status s = collectives_->AllReduce(&differs, 1, ReduceOp::kMax); !s.ok()) return s;
+    if (differs > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the ranks disagree on their settings or checkpoint; rank 0: ", lead,
+                       "; rank ", rank(), ": ", mine));
+    }
+  }
+
   std::string how;
   absl::Status loaded;
   if (rank() == 0) {
@@ -224,7 +245,8 @@ absl::StatusOr<std::string> Trainer::Start() {
   }
   // Every rank learns whether rank 0 got there, so none waits for weights that never come.
   int32_t lead_ok = loaded.ok() ? 1 : 0;
-  if (absl::Status s = collectives_->Broadcast(&lead_ok, sizeof(lead_ok), 0); !s.ok()) {
+  if (absl::Status s = collectives_->BroadcastWithin(&lead_ok, sizeof(lead_ok), 0, o.lead_timeout);
+      !s.ok()) {
     return loaded.ok() ? s : loaded;
   }
   if (!loaded.ok()) return loaded;
@@ -343,7 +365,9 @@ absl::StatusOr<StepReport> Trainer::Step() {
     if (s.ok() && !open) s = OpenDelayedStep(step);
     if (!s.ok()) {
       sender_->Drain().IgnoreError();
-      backend_->AbortStep();
+      // Before the delayed step opened, the backend belongs to the previous step's commit,
+      // which may still run: only a step this one opened is aborted.
+      if (open) backend_->AbortStep();
       return s;
     }
   }
@@ -445,9 +469,13 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
       s = runner_->BackwardFp32(loss_scale, grads32_.data(),
                                 [this](int64_t offset, int64_t n) { reducer_->Add(offset, n); });
     }
+    // Either way the reducer is idle after this, before anything else uses the collectives.
+    if (!s.ok()) {
+      reducer_->Abandon();
+      return s;
+    }
     TracePhase phase(o.trace, "wait_reduce", step);
-    backward = reducer_->Finish();  // always: the reducer must be idle before the next use
-    if (!s.ok()) return s;
+    backward = reducer_->Finish();
   } else {
     TracePhase phase(o.trace, "backward", step);
     backward = runner_->Backward(loss_scale, grads16_.data(), [this](int64_t offset, int64_t n) {
@@ -535,7 +563,11 @@ absl::Status Trainer::FinishPendingCommit() {
   return absl::OkStatus();
 }
 
-absl::Status Trainer::Flush() { return FinishPendingCommit(); }
+absl::Status Trainer::Flush() {
+  if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
+  // A skipped commit gathers nothing: the barrier is what says every rank's commit is done.
+  return world_size() > 1 ? collectives_->Barrier() : absl::OkStatus();
+}
 
 absl::StatusOr<float> Trainer::Evaluate(int batches) {
   if (absl::Status s = ApplyWeights(); !s.ok()) return s;
@@ -640,7 +672,11 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
   // No rank steps on (and changes the shards) before rank 0 has read them, and every rank learns
   // whether the checkpoint is there.
   int32_t written = dir.ok() ? 1 : 0;
-  if (absl::Status s = collectives_->Broadcast(&written, sizeof(written), 0); !s.ok()) return s;
+  if (absl::Status s =
+          collectives_->BroadcastWithin(&written, sizeof(written), 0, options_.lead_timeout);
+      !s.ok()) {
+    return s;
+  }
   if (rank() == 0) return dir;
   if (!written) return absl::DataLossError("rank 0 could not write the checkpoint");
   return absl::StrCat(options_.checkpoint_dir, " (written by rank 0)");

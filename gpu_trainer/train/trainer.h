@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "cpu_optimizer_server/dtype.h"
 #include "gpu_trainer/collectives/collectives.h"
 #include "gpu_trainer/data/batch_sampler.h"
@@ -70,6 +71,9 @@ struct TrainerOptions {
   // fp32 elements per gradient bucket, the unit of the reduce-scatter and of its overlap with
   // backward.
   int64_t bucket_elements = int64_t{1} << 21;
+  // How long the other ranks wait for rank 0 to load the job's state onto the shards, or to
+  // write a checkpoint, which can take far longer than a collective.
+  absl::Duration lead_timeout = absl::Minutes(30);
 };
 
 struct StepReport {

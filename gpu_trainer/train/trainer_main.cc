@@ -57,6 +57,9 @@ ABSL_FLAG(std::string, rank_address, "127.0.0.1",
 ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "with world_size > 1: how long the ranks wait for each other to meet, and in each "
           "collective; a rank that died or hangs fails the others after this long at most");
+ABSL_FLAG(absl::Duration, lead_timeout, absl::Minutes(30),
+          "with world_size > 1: how long the other ranks wait for rank 0 to load the job's state "
+          "onto the shards or to write a checkpoint");
 
 namespace {
 
@@ -127,6 +130,7 @@ int main(int argc, char** argv) {
     }
     options->job_id = job_id;
     options->collectives = collectives.get();
+    options->lead_timeout = absl::GetFlag(FLAGS_lead_timeout);
   }
   const bool lead = rank == 0;
   absl::StatusOr<offload::v1::PartitionMap> map =
