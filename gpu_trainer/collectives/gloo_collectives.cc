@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -399,6 +400,11 @@ absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
   if (options.world_size == 1) return SingleRankCollectives();
   if (store == nullptr) return absl::InvalidArgumentError("ConnectGloo: store is null");
+  // Gloo writes to its sockets without MSG_NOSIGNAL: a write to a peer that has closed raises
+  // SIGPIPE, whose default action would end this process instead of failing the call with
+  // UNAVAILABLE. Ignored once for the process, as gRPC's own sockets expect.
+  static const bool sigpipe_ignored = [] { return std::signal(SIGPIPE, SIG_IGN) != SIG_ERR; }();
+  (void)sigpipe_ignored;
   return Rendezvous(options, *store);
 }
 

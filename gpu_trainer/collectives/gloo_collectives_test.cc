@@ -503,8 +503,10 @@ TEST(DeadPeerTest, SilentPeerTimesOut) {
   start = std::chrono::steady_clock::now();
   absl::Status peer = ranks[1]->AllReduce(&v, 1, ReduceOp::kSum);
   seconds = SecondsSince(start);
+  // Usually at once (the connection is closed), at worst at its own timeout: a write to the closed
+  // socket may wait for the send to time out rather than fail.
   EXPECT_FALSE(peer.ok());
-  EXPECT_LT(seconds, 1.5) << peer;
+  EXPECT_LT(seconds, 4.0) << peer;
   std::cerr << "the peer then: " << peer << " after " << seconds << " s\n";
   EXPECT_EQ(ranks[0]->Barrier().code(), absl::StatusCode::kFailedPrecondition);
 }
