@@ -5,13 +5,14 @@
 
 namespace offload {
 
-GradStats RoundGradients(const float* grads, int64_t n, DType dtype, uint16_t* out) {
+GradStats RoundGradients(const float* grads, int64_t n, DType dtype, uint16_t* out, float scale) {
   double sum = 0;
   bool nonfinite = false;
   const bool fp16 = dtype == DType::kFp16;
 #pragma omp parallel for reduction(+ : sum) reduction(|| : nonfinite) schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const uint16_t h = fp16 ? FloatToFp16(grads[i]) : FloatToBf16(grads[i]);
+    const float g = grads[i] * scale;
+    const uint16_t h = fp16 ? FloatToFp16(g) : FloatToBf16(g);
     out[i] = h;
     const float v = fp16 ? Fp16ToFloat(h) : Bf16ToFloat(h);
     nonfinite = nonfinite || !std::isfinite(v);

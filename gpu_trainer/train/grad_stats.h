@@ -19,8 +19,10 @@ struct GradStats {
   }
 };
 
-// grads (n,) fp32 -> out (n,) fp16 or bf16 (round to nearest even), with their statistics.
-GradStats RoundGradients(const float* grads, int64_t n, DType dtype, uint16_t* out);
+// grads (n,) fp32 * scale -> out (n,) fp16 or bf16 (round to nearest even), with their
+// statistics. The scale (the mean over ranks) is applied in fp32 in the same pass.
+GradStats RoundGradients(const float* grads, int64_t n, DType dtype, uint16_t* out,
+                         float scale = 1.0f);
 
 // clip_coef of torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + 1e-6)); 1 when
 // max_norm <= 0 (clipping off).

@@ -114,13 +114,9 @@ absl::Status GradientReducer::Reduce(const Bucket& bucket, GradStats* stats) {
     return s;
   }
   if (mine == 0) return absl::OkStatus();
-  if (W > 1) {
-    // The mean over ranks, before rounding: each rank's loss is the mean over its share of the
-    // batch, so this is the gradient of the whole batch's mean loss.
-    const float inv_w = 1.0f / static_cast<float>(W);
-    for (int64_t i = 0; i < mine; ++i) out[i] *= inv_w;
-  }
-  *stats = RoundGradients(out, mine, dtype_, grads16_ + mine_lo);
+  // The mean over ranks, before rounding: each rank's loss is the mean over its share of the
+  // batch, so this is the gradient of the whole batch's mean loss.
+  *stats = RoundGradients(out, mine, dtype_, grads16_ + mine_lo, 1.0f / static_cast<float>(W));
   if (on_rounded_) on_rounded_(mine_lo, mine);
   return absl::OkStatus();
 }

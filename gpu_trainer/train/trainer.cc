@@ -518,12 +518,14 @@ void Trainer::AccumulatePartition(bool first) {
   const int64_t n = backend_->partition_length();
   const uint16_t* g = grads16_.data() + offset;  // (P,)
   float* acc = acc32_.data();                    // (P,)
-  const bool fp16 = options_.param_dtype == DType::kFp16;
-  // The shard's accumulator: 0 + g_0 + g_1 + ... in fp32, in micro-batch order.
+  // The shard's accumulator, by the shard's own AddAsFloat: 0 + g_0 + g_1 + ... in fp32, in
+  // micro-batch order.
+  constexpr int64_t kTile = int64_t{1} << 16;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = fp16 ? Fp16ToFloat(g[i]) : Bf16ToFloat(g[i]);
-    acc[i] = first ? v : acc[i] + v;
+  for (int64_t lo = 0; lo < n; lo += kTile) {
+    const int64_t m = std::min(kTile, n - lo);
+    if (first) std::fill(acc + lo, acc + lo + m, 0.0f);
+    AddAsFloat(g + lo, options_.param_dtype, m, acc + lo);
   }
 }
 
