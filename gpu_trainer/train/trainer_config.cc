@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "gpu_trainer/model/model_preset.h"
 
 ABSL_FLAG(std::string, model, "demo", "model preset: demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
 ABSL_FLAG(int, layers, 0, "override the preset's number of layers");
@@ -61,34 +62,6 @@ ABSL_FLAG(bool, dpu, false,
 ABSL_FLAG(int64_t, dpu_warmup_steps, 20, "synchronous steps before the delayed update starts");
 
 namespace offload {
-namespace {
-
-bool IsTokenShards(const std::string& data) {
-  return absl::EndsWith(data, ".bin") || absl::StrContains(data, "*");
-}
-
-}  // namespace
-
-absl::StatusOr<Gpt2Config> ModelPreset(const std::string& name, int vocab_size,
-                                       const std::string& data) {
-  Gpt2Config c;
-  if (name == "demo") {
-    c = Gpt2Config{256, 128, 4, 4, 128};
-  } else if (name == "gpt2") {
-    c = Gpt2Config{50257, 1024, 12, 12, 768};
-  } else if (name == "gpt2-medium") {
-    c = Gpt2Config{50257, 1024, 24, 16, 1024};
-  } else if (name == "gpt2-large") {
-    c = Gpt2Config{50257, 1024, 36, 20, 1280};
-  } else if (name == "gpt2-xl") {
-    c = Gpt2Config{50257, 1024, 48, 25, 1600};
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--model: unknown preset '", name, "' (demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl)"));
-  }
-  c.vocab_size = vocab_size > 0 ? vocab_size : IsTokenShards(data) ? 50257 : 256;
-  return c;
-}
 
 absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   TrainerOptions o;

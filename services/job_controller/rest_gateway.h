@@ -1,0 +1,47 @@
+// The REST mapping of the job API (DESIGN section 7) on cpp-httplib: the same messages as JSON
+// through the protobuf JSON mapping, errors as {"code", "status", "message"} bodies with the HTTP
+// status of the gRPC code (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, NOT_FOUND 404, ...).
+//   POST /v1/jobs                 body: a JobSpec          -> Job
+//   GET  /v1/jobs[?state=RUNNING] -> ListJobsResponse
+//   GET  /v1/jobs/{id}            -> Job
+//   GET  /v1/jobs/{id}/events     -> ListJobEventsResponse
+//   POST /v1/jobs/{id}:cancel|:pause|:resume|:checkpoint  body: {} or {"reason": "..."} -> Job
+//   GET  /healthz                 (no token needed: probes)
+#ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_REST_GATEWAY_H_
+#define OFFLOAD_SERVICES_JOB_CONTROLLER_REST_GATEWAY_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "services/common/security.h"
+#include "services/job_controller/job_api.h"
+
+namespace offload {
+
+struct RestOptions {
+  std::string host = "0.0.0.0";
+  int port = 0;  // 0: any free port (port() tells which)
+  TlsConfig tls;  // HTTPS when tls.cert_file is set
+  size_t max_body_bytes = 1 << 20;  // larger request bodies get 413
+};
+
+class RestGateway {
+ public:
+  // Serves `api` on threads of its own until the gateway is destroyed. `tokens` (empty: no auth)
+  // and `api` must outlive it. Fails if the address cannot be bound or the TLS files are bad.
+  static absl::StatusOr<std::unique_ptr<RestGateway>> Start(JobApi* api,
+                                                            const BearerTokens* tokens,
+                                                            const RestOptions& options);
+  virtual ~RestGateway() = default;
+  virtual int port() const = 0;
+};
+
+// The HTTP status a gRPC/absl code maps to (the mapping of google.rpc.Code).
+int HttpStatusFor(absl::StatusCode code);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_SERVICES_JOB_CONTROLLER_REST_GATEWAY_H_
