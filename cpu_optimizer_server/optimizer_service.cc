@@ -50,13 +50,27 @@ class GrpcParamSink final : public ParamSink {
 
 }  // namespace
 
+grpc::Status OptimizerService::Admit(const std::string& job_id) const {
+  if (!admit_ || admit_(job_id)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("job ", job_id, " is not assigned to this server"));
+}
+
 grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context,
                                          const v1::CreateJobRequest* request,
                                          v1::CreateJobResponse* response) {
+  if (grpc::Status s = Admit(request->job_id()); !s.ok()) return s;
   absl::StatusOr<JobConfig> config = JobConfigFromProto(*request);
   if (!config.ok()) return ToGrpcStatus(config.status());
   absl::StatusOr<int64_t> bytes = store_->CreateJob(*config);
   if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  // The attempt may have been withdrawn while the state was allocated, after its withdrawal
+  // dropped what was there: asking again and dropping ours leaves no orphan either way (the
+  // withdrawal revokes before it drops).
+  if (grpc::Status s = Admit(request->job_id()); !s.ok()) {
+    store_->DropJob(request->job_id()).IgnoreError();
+    return s;
+  }
   response->set_state_bytes(*bytes);
   return grpc::Status::OK;
 }
@@ -68,6 +82,7 @@ grpc::Status OptimizerService::LoadState(grpc::ServerContext* context,
   if (!reader->Read(&request)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty LoadState stream");
   }
+  if (grpc::Status s = Admit(request.job_id()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<StateLoader>> loader =
       StateLoader::Start(store_, request.job_id());
   if (!loader.ok()) return ToGrpcStatus(loader.status());
@@ -118,6 +133,7 @@ grpc::Status OptimizerService::Step(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of a step stream must be `open`");
   }
+  if (grpc::Status s = Admit(request.open().job_id()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<StepSession>> session = StepSession::Open(
       store_, request.open().job_id(), request.open().range_index(), request.open().step());
   if (!session.ok()) return ToGrpcStatus(session.status());
@@ -241,6 +257,9 @@ grpc::Status OptimizerService::Attach(grpc::ServerContext* context, AttachStream
                         "the first message of an Attach stream must be an AttachOpen");
   }
   const v1::AttachOpen& open = request.open();
+  if (!open.job_id().empty()) {
+    if (grpc::Status s = Admit(open.job_id()); !s.ok()) return s;
+  }
   for (DataPlaneServer* plane : data_planes_) {
     if (plane->plane() == open.plane()) return plane->Serve(open, context, stream);
   }
@@ -273,9 +292,12 @@ absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
   for (const auto& plane : server->data_planes_) planes.push_back(plane.get());
   server->service_ =
       std::make_unique<OptimizerService>(store, options.max_message_bytes, std::move(planes));
+  if (options.job_admission) server->service_->SetJobAdmission(options.job_admission);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(
+      options.listen_address,
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
+      &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   // Trainers ping every 10 s to notice a dead shard; accept that instead of closing on them.

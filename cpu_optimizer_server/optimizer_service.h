@@ -4,6 +4,7 @@
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_OPTIMIZER_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,11 @@
 
 namespace offload {
 
+// Which job ids a server takes. A pool server admits only the shard job ids of the attempts the
+// controller assigned to it, so a trainer of another job (or of a withdrawn attempt) cannot
+// create state or stream steps on it.
+using JobAdmission = std::function<bool(const std::string& job_id)>;
+
 class OptimizerService final : public v1::OptimizerShard::Service {
  public:
   // data_planes: the planes offered beside gRPC (not owned; may be empty).
@@ -24,6 +30,10 @@ class OptimizerService final : public v1::OptimizerShard::Service {
       : store_(store),
         max_message_bytes_(max_message_bytes),
         data_planes_(std::move(data_planes)) {}
+
+  // Without one (a standalone server) every job is admitted. Set it before the service serves:
+  // it is read without a lock. A refused job gets PERMISSION_DENIED and changes nothing.
+  void SetJobAdmission(JobAdmission admit) { admit_ = std::move(admit); }
 
   grpc::Status CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
                          v1::CreateJobResponse* response) override;
@@ -41,9 +51,13 @@ class OptimizerService final : public v1::OptimizerShard::Service {
   grpc::Status Attach(grpc::ServerContext* context, AttachStream* stream) override;
 
  private:
+  // OK, or PERMISSION_DENIED when the admission predicate refuses job_id.
+  grpc::Status Admit(const std::string& job_id) const;
+
   ShardStore* const store_;
   const int64_t max_message_bytes_;
   const std::vector<DataPlaneServer*> data_planes_;
+  JobAdmission admit_;
 };
 
 // Options of a running server, shared by the binary, the tests and the benchmarks.
@@ -52,6 +66,10 @@ struct ServerOptions {
   int64_t max_message_bytes = int64_t{64} << 20;
   bool enable_shm = true;  // offer the shared-memory data plane to trainers on this host
   bool enable_ucx = true;  // offer the UCX data plane (where the build has UCX)
+  // The listening port's credentials (TLS); insecure when null.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // The jobs this server takes (OptimizerService::SetJobAdmission); all when empty.
+  JobAdmission job_admission;
 };
 
 // A shard store served over gRPC with health checking and reflection.

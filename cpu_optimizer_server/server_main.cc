@@ -1,16 +1,35 @@
 // cpu_optimizer_server: serves offload.v1.OptimizerShard for the jobs assigned to this shard.
+// Standalone it takes any job; with --controller it joins the controller's pool and takes only
+// the attempts assigned to it.
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
+#include <map>
+#include <set>
+#include <string>
 #include <thread>
+#include <utility>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "cpu_optimizer_server/adam_kernel.h"
 #include "cpu_optimizer_server/host_buffer.h"
 #include "cpu_optimizer_server/optimizer_service.h"
 #include "cpu_optimizer_server/shard_store.h"
 #include "cpu_optimizer_server/thread_pool.h"
+#include "services/common/security.h"
+#include "services/worker/worker_agent.h"
+
+// services/common/security_flags.cc
+ABSL_DECLARE_FLAG(bool, allow_unauthenticated);
+ABSL_DECLARE_FLAG(std::string, token_file);
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address to serve on (host:port; port 0 picks a free one, printed at start)");
@@ -23,6 +42,12 @@ ABSL_FLAG(std::string, simd, "auto", "Adam kernel path: auto, scalar, avx2 or av
 ABSL_FLAG(int64_t, memory_limit_mib, 16384,
           "optimizer state, accumulators and gradients in flight may hold at most this much");
 ABSL_FLAG(int64_t, max_message_mib, 64, "largest gRPC message accepted or sent");
+ABSL_FLAG(std::string, controller, "",
+          "job controller (host:port) whose pool this server joins; empty: standalone, taking "
+          "any job");
+ABSL_FLAG(std::string, advertise, "",
+          "host:port trainers reach this server at, as told to the controller; default: the "
+          "--listen host (this machine's name for a wildcard host) with the bound port");
 ABSL_FLAG(int64_t, wave_elements, int64_t{2} << 20,
           "parameters per chunk streamed back after a commit (Adam runs wave by wave)");
 
@@ -30,6 +55,79 @@ namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
+
+std::string HostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
+
+// The address trainers reach this server at: --advertise, else the --listen host with the bound
+// port, where a wildcard host (which no one can dial) becomes this machine's name.
+std::string AdvertiseAddress(const std::string& listen, int port) {
+  if (std::string advertise = absl::GetFlag(FLAGS_advertise); !advertise.empty()) {
+    return advertise;
+  }
+  const size_t colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "*") {
+    host = HostName();
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+// The shard job ids of the attempts the controller assigned to this server: CreateJob and step
+// traffic are accepted for these only. A withdrawn attempt loses its admission first and its
+// state second, so a CreateJob racing the withdrawal cannot leave state behind (CreateJob asks
+// again after allocating).
+class Admissions {
+ public:
+  explicit Admissions(offload::ShardStore* store) : store_(store) {}
+
+  bool Admits(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return admitted_.count(job_id) > 0;
+  }
+
+  void Start(const offload::v1::Assignment& assignment) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    admitted_.insert(assignment.shard_job_id());
+    by_attempt_[{assignment.job_id(), assignment.attempt()}] = assignment.shard_job_id();
+    std::printf("cpu_optimizer_server: assigned job %s attempt %u as shard %u (shard job %s)\n",
+                assignment.job_id().c_str(), assignment.attempt(), assignment.shard_index(),
+                assignment.shard_job_id().c_str());
+    std::fflush(stdout);
+  }
+
+  void Stop(const offload::v1::AttemptRef& ref) ABSL_LOCKS_EXCLUDED(mu_) {
+    std::string shard_job_id;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = by_attempt_.find({ref.job_id(), ref.attempt()});
+      // An attempt this process never saw start (it restarted) still has the conventional id.
+      shard_job_id =
+          it != by_attempt_.end() ? it->second : absl::StrCat(ref.job_id(), ".", ref.attempt());
+      if (it != by_attempt_.end()) by_attempt_.erase(it);
+      admitted_.erase(shard_job_id);
+    }
+    // The DropJob RPC's path; NOT_FOUND only means the trainers never created it here.
+    absl::Status dropped = store_->DropJob(shard_job_id);
+    if (!dropped.ok() && !absl::IsNotFound(dropped)) {
+      std::fprintf(stderr, "cpu_optimizer_server: dropping shard job %s: %s\n",
+                   shard_job_id.c_str(), dropped.ToString().c_str());
+    }
+    std::printf("cpu_optimizer_server: withdrawn job %s attempt %u (shard job %s%s)\n",
+                ref.job_id().c_str(), ref.attempt(), shard_job_id.c_str(),
+                dropped.ok() ? ", state dropped" : "");
+    std::fflush(stdout);
+  }
+
+ private:
+  offload::ShardStore* const store_;
+  mutable absl::Mutex mu_;
+  std::set<std::string> admitted_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, uint32_t>, std::string> by_attempt_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace
 
@@ -52,11 +150,37 @@ int main(int argc, char** argv) {
   shard_options.wave_elements = absl::GetFlag(FLAGS_wave_elements);
   offload::ShardStore store(shard_options, &pool, *path);
 
+  const std::string controller = absl::GetFlag(FLAGS_controller);
+  // Standalone, this process calls no controller and the shard service checks no tokens (its
+  // traffic is guarded by the network and TLS), so only the TLS flags matter: no token is needed.
+  if (controller.empty() && absl::GetFlag(FLAGS_token_file).empty()) {
+    absl::SetFlag(&FLAGS_allow_unauthenticated, true);
+  }
+  absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
+  if (!security.ok()) {
+    std::fprintf(stderr, "cpu_optimizer_server: %s\n", security.status().ToString().c_str());
+    return 2;
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
+      offload::MakeServerCredentials(security->tls);
+  if (!server_credentials.ok()) {
+    std::fprintf(stderr, "cpu_optimizer_server: %s\n",
+                 server_credentials.status().ToString().c_str());
+    return 2;
+  }
+  Admissions admissions(&store);
+
   offload::ServerOptions server_options;
   server_options.listen_address = absl::GetFlag(FLAGS_listen);
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   server_options.enable_shm = absl::GetFlag(FLAGS_shm);
   server_options.enable_ucx = absl::GetFlag(FLAGS_ucx);
+  server_options.credentials = *server_credentials;
+  if (!controller.empty()) {
+    server_options.job_admission = [&admissions](const std::string& job_id) {
+      return admissions.Admits(job_id);
+    };
+  }
   absl::StatusOr<std::unique_ptr<offload::OptimizerServer>> server =
       offload::OptimizerServer::Start(server_options, &store);
   if (!server.ok()) {
@@ -68,10 +192,50 @@ int main(int argc, char** argv) {
               pool.num_threads(), static_cast<long long>(absl::GetFlag(FLAGS_memory_limit_mib)));
   std::fflush(stdout);
 
+  std::unique_ptr<offload::WorkerAgent> agent;
+  if (!controller.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_credentials =
+        offload::MakeChannelCredentials(security->tls);
+    if (!channel_credentials.ok()) {
+      std::fprintf(stderr, "cpu_optimizer_server: %s\n",
+                   channel_credentials.status().ToString().c_str());
+      return 2;
+    }
+    offload::WorkerAgentOptions agent_options;
+    agent_options.controller = controller;
+    agent_options.credentials = *channel_credentials;
+    agent_options.channel_args = offload::ChannelArgumentsFor(security->tls);
+    agent_options.token = security->client_token;
+    const std::string hostname = HostName();
+    agent_options.info.set_kind(offload::v1::WORKER_KIND_OPTIMIZER_SERVER);
+    agent_options.info.set_name(absl::StrCat(hostname, ":", getpid()));
+    agent_options.info.set_address(
+        AdvertiseAddress(server_options.listen_address, (*server)->port()));
+    agent_options.info.set_hostname(hostname);
+    offload::WorkerHooks hooks;
+    hooks.start = [&admissions](const offload::v1::Assignment& a) { admissions.Start(a); };
+    hooks.stop = [&admissions](const offload::v1::AttemptRef& ref) { admissions.Stop(ref); };
+    absl::StatusOr<std::unique_ptr<offload::WorkerAgent>> started =
+        offload::WorkerAgent::Start(std::move(agent_options), std::move(hooks));
+    if (!started.ok()) {
+      std::fprintf(stderr, "cpu_optimizer_server: joining the pool of controller %s: %s\n",
+                   controller.c_str(), started.status().ToString().c_str());
+      (*server)->Shutdown();
+      return 1;
+    }
+    agent = *std::move(started);
+    std::printf("cpu_optimizer_server joined controller %s as worker %s (address %s)\n",
+                controller.c_str(), agent->worker_id().c_str(),
+                AdvertiseAddress(server_options.listen_address, (*server)->port()).c_str());
+    std::fflush(stdout);
+  }
+
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("cpu_optimizer_server shutting down\n");
+  // The agent first: its hooks use the admissions and the store, which outlive it.
+  agent.reset();
   (*server)->Shutdown();
   return 0;
 }

@@ -35,7 +35,7 @@ job() {  # job LOG RANKS ARGS...: the launcher with two shards, in the backgroun
   log=$1
   local ranks=$2
   shift 2
-  "$launcher" --shards=2 --ranks="$ranks" --server_binary="$server" --trainer_binary="$trainer" \
+  "$launcher" --controller=none --shards=2 --ranks="$ranks" --server_binary="$server" --trainer_binary="$trainer" \
     --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
   launched=$!
   pids+=("$launched")

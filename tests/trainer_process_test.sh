@@ -34,7 +34,7 @@ common=(--data="$data" --layers=2 --heads=2 --channels=32 --context=32 --seq_len
 job() {  # job LOG ARGS...: the launcher with two shards, in the background; sets $launched
   log=$1
   shift
-  "$launcher" --shards=2 --server_binary="$server" --trainer_binary="$trainer" \
+  "$launcher" --controller=none --shards=2 --server_binary="$server" --trainer_binary="$trainer" \
     --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
   launched=$!
 }

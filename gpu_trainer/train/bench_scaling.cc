@@ -64,7 +64,7 @@ Run RunJob(int ranks, int threads) {
   if (launcher.empty()) launcher = BesideThisExecutable("../../services/launcher/offload_local");
   const std::string command = absl::StrCat(
       "OMP_NUM_THREADS=", threads, " OPENBLAS_NUM_THREADS=", threads, " ", launcher,
-      " --shards=", absl::GetFlag(FLAGS_shards), " --ranks=", ranks,
+      " --controller=none --shards=", absl::GetFlag(FLAGS_shards), " --ranks=", ranks,
       " --server_args='--threads=", threads, "' -- --data=", absl::GetFlag(FLAGS_data), " ",
       absl::GetFlag(FLAGS_model_args), " --batch=", batch, " --seq_len=", seq_len,
       " --steps=", total, " --progress=log --log_every=1 --eval_every=0 --eval_batches=1",

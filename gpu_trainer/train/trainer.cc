@@ -383,16 +383,19 @@ absl::StatusOr<StepReport> Trainer::Step() {
   if (o.micro_batches > 1) stats = AccumulatedStats();
 
   // One all-reduce agrees on what every rank needs: the global norm, whether any gradient
-  // overflowed, the loss, and whether to stop.
-  double agreed[4] = {stats.sum_squares, stats.nonfinite ? 1.0 : 0.0, loss_sum / o.micro_batches,
-                      stop_requested_.load() ? 1.0 : 0.0};
-  if (absl::Status s = collectives_->AllReduce(agreed, 4, ReduceOp::kSum); !s.ok()) {
+  // overflowed, the loss, whether to stop, and the checkpoint request (a sum is the one rank's
+  // request; doubles hold request numbers exactly up to 2^53).
+  double agreed[5] = {stats.sum_squares, stats.nonfinite ? 1.0 : 0.0, loss_sum / o.micro_batches,
+                      stop_requested_.load() ? 1.0 : 0.0,
+                      static_cast<double>(checkpoint_requested_.load())};
+  if (absl::Status s = collectives_->AllReduce(agreed, 5, ReduceOp::kSum); !s.ok()) {
     backend_->AbortStep();
     return s;
   }
   const float loss = static_cast<float>(agreed[2] / world_size());
   StepReport report = Report(step, loss, scale, GradStats{agreed[0], agreed[1] > 0});
   report.stop = agreed[3] > 0;
+  report.checkpoint_request = static_cast<uint64_t>(agreed[4]);
   const float grad_multiplier = GradMultiplier(report);
   if (delayed) {
     pending_skipped_ = report.skipped;

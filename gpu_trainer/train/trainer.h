@@ -84,6 +84,9 @@ struct StepReport {
   double grad_norm = 0;
   bool skipped = false;  // overflow: the shards dropped the gradients
   bool stop = false;     // some rank asked to stop (RequestStop): every rank stops after this step
+  // The newest checkpoint request (RequestCheckpoint) any rank has seen, the same on every rank:
+  // when it is new to the caller, every rank checkpoints after this step.
+  uint64_t checkpoint_request = 0;
 };
 
 class Trainer {
@@ -104,6 +107,9 @@ class Trainer {
   // Asks every rank to stop: the next Step's report says stop on all of them. Signal-safe to set
   // from another thread.
   void RequestStop() { stop_requested_.store(true); }
+  // Asks every rank to checkpoint after the next step; `request` numbers the request (the job
+  // controller's counter), so each is carried out once. Only one rank (rank 0) should ask.
+  void RequestCheckpoint(uint64_t request) { checkpoint_requested_.store(request); }
   // With DPU, waits for the update still running on the shards (before the job is dropped or
   // the process ends); a no-op otherwise.
   absl::Status Flush();
@@ -175,6 +181,7 @@ class Trainer {
   std::atomic<bool> send_gradients_{false};   // read by the reducer thread
   std::atomic<bool> accumulate_{false};
   std::atomic<bool> stop_requested_{false};
+  std::atomic<uint64_t> checkpoint_requested_{0};
 
   // One allocation each, sized once: the flat buffers of the step.
   std::vector<uint16_t> weights16_;        // (padded,) what the optimizer sent

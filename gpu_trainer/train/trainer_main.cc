@@ -15,7 +15,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "cpu_optimizer_server/host_buffer.h"
+#include "gpu_trainer/collectives/controller_store.h"
 #include "gpu_trainer/collectives/gloo_collectives.h"
 #include "gpu_trainer/model/cpu_runtime.h"
 #include "gpu_trainer/model/param_layout.h"
@@ -26,6 +28,9 @@
 #include "gpu_trainer/train/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_config.h"
+#include "gpu_trainer/train/trainer_worker.h"
+#include "services/common/security.h"
+#include "services/worker/progress_client.h"
 
 ABSL_FLAG(std::string, shards, "",
           "optimizer shard addresses, comma separated (host:port); empty: optimize in process");
@@ -57,6 +62,15 @@ ABSL_FLAG(std::string, rank_address, "127.0.0.1",
 ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "with world_size > 1: how long the ranks wait for each other to meet, and in each "
           "collective; a rank that died or hangs fails the others after this long at most");
+ABSL_FLAG(std::string, controller, "",
+          "run as a pool worker of the job controller at this host:port: register, wait for an "
+          "assigned rank of a job, train it (as a child process), report, and wait for the next");
+ABSL_FLAG(std::string, report_to, "",
+          "the job controller to report this rank's progress to (set by the pool worker)");
+ABSL_FLAG(std::string, report_job, "", "with --report_to: the job id");
+ABSL_FLAG(uint32_t, report_attempt, 0, "with --report_to: the attempt");
+ABSL_FLAG(std::string, error_file, "",
+          "write the error that ends the run here (the pool worker passes it to the controller)");
 ABSL_FLAG(absl::Duration, lead_timeout, absl::Minutes(30),
           "with world_size > 1: how long the other ranks wait for rank 0 to load the job's state "
           "onto the shards or to write a checkpoint");
@@ -77,7 +91,59 @@ void OnSignal(int sig) {
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "\n%s: %s\n", g_who.c_str(), s.ToString().c_str());
+  if (const std::string path = absl::GetFlag(FLAGS_error_file); !path.empty()) {
+    if (std::FILE* f = std::fopen(path.c_str(), "w")) {
+      std::fputs(s.ToString().c_str(), f);
+      std::fclose(f);
+    }
+  }
   return 1;
+}
+
+// Rank 0 of a job the controller runs reports its progress and hears the controller's requests.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ControllerChannel(std::string* token) {
+  absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
+  if (!security.ok()) return security.status();
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      offload::MakeChannelCredentials(security->tls);
+  if (!credentials.ok()) return credentials.status();
+  *token = security->client_token;
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_report_to), *credentials,
+                                   offload::ChannelArgumentsFor(security->tls));
+}
+
+offload::v1::AttemptRef ReportedAttempt() {
+  offload::v1::AttemptRef ref;
+  ref.set_job_id(absl::GetFlag(FLAGS_report_job));
+  ref.set_attempt(absl::GetFlag(FLAGS_report_attempt));
+  return ref;
+}
+
+absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ControllerRendezvous() {
+  if (absl::GetFlag(FLAGS_report_to).empty()) {
+    return absl::InvalidArgumentError("--rendezvous=controller needs --report_to");
+  }
+  std::string token;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
+  if (!channel.ok()) return channel.status();
+  return std::make_shared<offload::ControllerStore>(
+      *channel, token, ReportedAttempt(),
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_collective_timeout)));
+}
+
+std::unique_ptr<offload::ProgressClient> ConnectProgress(int rank) {
+  if (absl::GetFlag(FLAGS_report_to).empty() || rank != 0) return nullptr;
+  std::string token;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "%s: no progress reports: %s\n", g_who.c_str(),
+                 channel.status().ToString().c_str());
+    return nullptr;
+  }
+  offload::v1::ProgressReport report;
+  *report.mutable_attempt() = ReportedAttempt();
+  report.set_rank(rank);
+  return std::make_unique<offload::ProgressClient>(*channel, token, report);
 }
 
 }  // namespace
@@ -85,10 +151,22 @@ int Fail(const absl::Status& s) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Trains a GPT-2 family model on text or GPT-2 token shards, offloading the optimizer.");
-  absl::ParseCommandLine(argc, argv);
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   offload::KeepFreedMemoryForReuse();
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
+
+  if (absl::GetFlag(FLAGS_controller).empty() && positional.size() > 1) {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional[1], "'")));
+  }
+  if (!absl::GetFlag(FLAGS_controller).empty()) {
+    // Arguments after "--" are this worker's own additions to every rank it runs (display,
+    // timeouts, traces): settings of the machine, not of the job.
+    std::vector<std::string> rank_args(positional.begin() + 1, positional.end());
+    return offload::RunTrainerWorker(argv[0], absl::GetFlag(FLAGS_controller),
+                                     absl::GetFlag(FLAGS_rank_address), rank_args, &g_stop);
+  }
 
   absl::StatusOr<offload::TrainerOptions> options = offload::TrainerOptionsFromFlags();
   if (!options.ok()) return Fail(options.status());
@@ -119,7 +197,15 @@ int main(int argc, char** argv) {
     gloo.prefix = "trainer";
     gloo.hostname = absl::GetFlag(FLAGS_rank_address);
     gloo.timeout = absl::GetFlag(FLAGS_collective_timeout);
-    absl::StatusOr<std::unique_ptr<offload::Collectives>> connected = offload::ConnectGloo(gloo);
+    absl::StatusOr<std::unique_ptr<offload::Collectives>> connected;
+    if (gloo.rendezvous == "controller") {
+      // The ranks of a controller's job meet in its rendezvous store, reachable from any node.
+      absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> store = ControllerRendezvous();
+      if (!store.ok()) return Fail(store.status());
+      connected = offload::ConnectGloo(gloo, *store);
+    } else {
+      connected = offload::ConnectGloo(gloo);
+    }
     if (!connected.ok()) return Fail(connected.status());
     collectives = std::move(*connected);
     // Every rank steps rank 0's job on the shards.
@@ -229,15 +315,57 @@ int main(int argc, char** argv) {
   const uint64_t first_step = t.step();
   bool interrupted = false;
 
+  // Under a job controller rank 0 reports every step and carries out the controller's requests:
+  // pause and cancel stop the run like a signal, a checkpoint request is agreed through the step.
+  std::unique_ptr<offload::ProgressClient> controller = ConnectProgress(rank);
+  offload::v1::ProgressReport progress_report;
+  uint64_t checkpoint_request_done = 0;
+  auto report_progress = [&](uint64_t step, float loss, float loss_scale) {
+    if (controller == nullptr) return;
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    progress_report.set_step(step);
+    progress_report.set_total_steps(t.total_steps());
+    progress_report.set_loss(loss);
+    progress_report.set_val_loss(val_loss);
+    progress_report.set_loss_scale(loss_scale);
+    progress_report.set_tokens_per_s(
+        seconds > 0 ? (step - first_step) * t.tokens_per_step() / seconds : 0);
+    progress_report.set_checkpoint_request_done(checkpoint_request_done);
+    controller->Update(progress_report);
+  };
+  auto note_checkpoint = [&](const std::string& dir) {
+    progress_report.set_checkpoint_dir(dir);
+    progress_report.set_checkpoint_step(t.step());
+  };
+
   // A signal stops the run at a step boundary every rank agrees on (the step's report says so),
   // so their collectives stay in step.
   while (t.step() < t.total_steps()) {
     if (g_stop) t.RequestStop();
+    if (controller != nullptr) {
+      const offload::v1::ProgressReply reply = controller->reply();
+      if (reply.request() == offload::v1::JOB_REQUEST_PAUSE ||
+          reply.request() == offload::v1::JOB_REQUEST_CANCEL) {
+        t.RequestStop();
+      }
+      if (reply.checkpoint_request() > checkpoint_request_done) {
+        t.RequestCheckpoint(reply.checkpoint_request());
+      }
+    }
     absl::StatusOr<offload::StepReport> r = t.Step();
     if (!r.ok()) return Fail(r.status());
     if (lead) {
       reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
     }
+    if (r->checkpoint_request > checkpoint_request_done && checkpoints && !r->stop) {
+      absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
+      if (!dir.ok()) return Fail(dir.status());
+      if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir, " (requested)"));
+      note_checkpoint(*dir);
+    }
+    // Every rank records it, so a later request is told apart from this one whoever asks.
+    checkpoint_request_done = std::max(checkpoint_request_done, r->checkpoint_request);
+    report_progress(r->step, r->loss, r->loss_scale);
     if (r->stop) {
       interrupted = true;
       break;
@@ -253,6 +381,7 @@ int main(int argc, char** argv) {
       absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
       if (!dir.ok()) return Fail(dir.status());
       if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir));
+      note_checkpoint(*dir);
     }
   }
   if (lead) reporter.Finish();
@@ -281,9 +410,17 @@ int main(int argc, char** argv) {
       std::printf("gpu_trainer: checkpoint %s (continue with --resume --checkpoint_dir=%s)\n",
                   dir->c_str(), options->checkpoint_dir.c_str());
     }
+    note_checkpoint(*dir);
   }
   // Every rank's last commit is done before rank 0 drops the job.
   if (absl::Status s = t.Flush(); !s.ok()) return Fail(s);
+  // The controller hears the last step and checkpoint before the worker reports the exit.
+  if (controller != nullptr) {
+    report_progress(t.step(), progress_report.loss(), t.loss_scaler().scale());
+    if (absl::Status s = controller->Flush(absl::Seconds(10)); !s.ok()) {
+      std::fprintf(stderr, "gpu_trainer: last progress report: %s\n", s.ToString().c_str());
+    }
+  }
   if (interrupted) {
     std::printf("gpu_trainer: %sinterrupted at step %llu%s\n",
                 lead ? "" : absl::StrCat("rank ", rank, " ").c_str(),

@@ -25,6 +25,8 @@ class BearerTokens {
   // `authorization` is the whole header or metadata value, "Bearer <token>". The comparison takes
   // the same time whichever byte differs, so timing tells an attacker nothing.
   bool Accepts(absl::string_view authorization) const;
+  // The first token added (a client's default credential); empty when there is none.
+  const std::string& first_token() const;
 
  private:
   std::vector<std::string> tokens_;
@@ -33,6 +35,8 @@ class BearerTokens {
 // OK when tokens is empty or the call's "authorization" metadata is accepted; otherwise
 // UNAUTHENTICATED "missing or invalid bearer token" (no detail about which).
 grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContext& context);
+// The same for the callback API (grpc::CallbackServerContext).
+grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContextBase& context);
 
 // Adds "authorization: Bearer <token>" to a client call; nothing when token is empty.
 void AttachBearer(grpc::ClientContext* context, const std::string& token);
@@ -52,6 +56,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 // client certificate when both are set.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsConfig& tls);
+// Channel arguments that go with MakeChannelCredentials: the server name override, when set.
+grpc::ChannelArguments ChannelArgumentsFor(const TlsConfig& tls);
 
 // What the security flags (security_flags.cc: --token_file, --tls_cert, --tls_key, --tls_ca,
 // --tls_client_auth=none|require, --tls_server_name, --allow_unauthenticated) and $OFFLOAD_TOKEN
@@ -63,6 +69,9 @@ struct SecurityOptions {
   bool allow_unauthenticated = false;
 };
 absl::StatusOr<SecurityOptions> SecurityFromFlags();
+// FAILED_PRECONDITION when there is no token to accept and no --allow_unauthenticated: what a
+// server that must authenticate (the job controller) checks before it starts.
+absl::Status RequireTokens(const SecurityOptions& options);
 // The same flags as arguments for a child process (the trainer agent starting a rank), so it
 // talks to the controller as its parent does. The token travels in the environment, not argv.
 std::vector<std::string> SecurityFlagsForChild();

@@ -15,9 +15,19 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "services/launcher/controlled_job.h"
 #include "services/launcher/local_job.h"
 #include "services/launcher/signal_fd.h"
 
+ABSL_FLAG(std::string, controller, "local",
+          "local: run the job through a job_controller started for it, with the servers and "
+          "trainers as its worker pool (the way a cluster runs jobs); none: start the servers and "
+          "the trainer ranks directly, with their flags");
+ABSL_FLAG(std::string, store, "",
+          "with --controller=local: keep the controller's job store in this SQLite file (default: "
+          "a temporary one, removed at the end)");
+ABSL_FLAG(std::string, controller_binary, "",
+          "job_controller to run; empty = the one in the build tree next to this launcher");
 ABSL_FLAG(int, shards, 1, "optimizer servers to start");
 ABSL_FLAG(int, ranks, 1,
           "trainer processes (data-parallel ranks) to start; above 1 each gets --rank, "
@@ -108,8 +118,32 @@ int main(int argc, char** argv) {
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
   options.kill_timeout = absl::GetFlag(FLAGS_kill_timeout);
 
+  const std::string mode = absl::GetFlag(FLAGS_controller);
+  if (mode != "local" && mode != "none") {
+    std::fprintf(stderr, "offload_local: --controller must be local or none (got '%s')\n",
+                 mode.c_str());
+    return 2;
+  }
   offload::JobOutcome outcome;
-  {
+  if (mode == "local") {
+    offload::ControlledJobOptions controlled;
+    controlled.num_shards = options.num_shards;
+    controlled.num_ranks = options.num_ranks;
+    controlled.controller_binary = absl::GetFlag(FLAGS_controller_binary);
+    if (controlled.controller_binary.empty()) {
+      controlled.controller_binary = BesideThisExecutable(OFFLOAD_CONTROLLER_RELPATH);
+    }
+    controlled.server_binary = options.server_binary;
+    controlled.trainer_binary = options.trainer_binary;
+    controlled.server_args = options.server_args;
+    controlled.trainer_args = options.trainer_args;
+    controlled.store = absl::GetFlag(FLAGS_store);
+    controlled.startup_timeout = options.startup_timeout;
+    controlled.shutdown_timeout = options.shutdown_timeout;
+    controlled.kill_timeout = options.kill_timeout;
+    offload::ControlledJob job(std::move(controlled), &*signals);
+    outcome = job.Run();
+  } else {
     offload::LocalJob job(std::move(options), &*signals);
     outcome = job.Run();
   }

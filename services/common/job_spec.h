@@ -1,0 +1,43 @@
+// Job files and the JobSpec <-> gpu_trainer flags table (DESIGN section 7, proto/offload/v1/
+// job.proto). A job file is YAML or JSON; both parse into the same v1::JobSpec, and every mistake
+// is reported with the path of the field it is about ("training.batch: ...").
+#ifndef OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_
+#define OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "offload/v1/job.pb.h"
+
+namespace offload {
+
+// YAML or JSON text into a JobSpec. Field names may be the proto names (max_restarts) or their
+// JSON names (maxRestarts). Unknown fields, fields given twice, values of the wrong type or out of
+// range are INVALID_ARGUMENT with the field's path. Does not validate values: ValidateJobSpec.
+absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text);
+
+// ParseJobSpec of a file; NOT_FOUND naming the file when it is missing, and every error message
+// starts with the file's path.
+absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path);
+
+// Checks every set field (unset ones take gpu_trainer's defaults); the first problem comes back as
+// INVALID_ARGUMENT "path: problem", e.g. "training.steps: must be >= 1, got 0".
+absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// The gpu_trainer flags of a spec: "--<flag>=<value>" for every set leaf that carries the
+// (offload.v1.flag) option, in descriptor order. Floats are printed so they parse back exactly.
+std::vector<std::string> JobSpecToFlags(const v1::JobSpec& spec);
+
+// The inverse: "--flag=value" (or "-flag=value"), and for bools also "--flag" and "--noflag".
+// Anything else, or a flag that is no JobSpec field, is INVALID_ARGUMENT naming it.
+absl::StatusOr<v1::JobSpec> JobSpecFromFlags(const std::vector<std::string>& args);
+
+// The spec as indented protobuf JSON with the proto field names, for people and `-o json`.
+std::string JobSpecToJson(const v1::JobSpec& spec);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_

@@ -1,0 +1,117 @@
+#include "services/job_controller/grpc_services.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace offload {
+namespace {
+
+// Authenticates, runs `call` and moves its value into `response`.
+template <typename Response, typename Call>
+grpc::Status Serve(const BearerTokens& tokens, const grpc::ServerContext& context,
+                   Response* response, Call call) {
+  if (grpc::Status auth = CheckBearer(tokens, context); !auth.ok()) return auth;
+  absl::StatusOr<Response> result = call();
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl::StatusCode and grpc::StatusCode are both google.rpc.Code.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
+                                       const v1::SubmitJobRequest* request, v1::Job* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->SubmitJob(*request); });
+}
+
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
+                                    v1::Job* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->GetJob(*request); });
+}
+
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
+                                      const v1::ListJobsRequest* request,
+                                      v1::ListJobsResponse* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->ListJobs(*request); });
+}
+
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
+                                       const v1::JobActionRequest* request, v1::Job* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->CancelJob(*request); });
+}
+
+grpc::Status JobServiceImpl::PauseJob(grpc::ServerContext* context,
+                                      const v1::JobActionRequest* request, v1::Job* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->PauseJob(*request); });
+}
+
+grpc::Status JobServiceImpl::ResumeJob(grpc::ServerContext* context,
+                                       const v1::JobActionRequest* request, v1::Job* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->ResumeJob(*request); });
+}
+
+grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
+                                           const v1::JobActionRequest* request, v1::Job* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->CheckpointJob(*request); });
+}
+
+grpc::Status JobServiceImpl::ListJobEvents(grpc::ServerContext* context,
+                                           const v1::ListJobEventsRequest* request,
+                                           v1::ListJobEventsResponse* response) {
+  return Serve(*tokens_, *context, response, [&] { return api_->ListJobEvents(*request); });
+}
+
+grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext* context,
+                                               const v1::RegisterWorkerRequest* request,
+                                               v1::RegisterWorkerResponse* response) {
+  return Serve(*tokens_, *context, response, [&] { return controller_->RegisterWorker(*request); });
+}
+
+grpc::Status WorkerServiceImpl::Heartbeat(grpc::ServerContext* context,
+                                          const v1::HeartbeatRequest* request,
+                                          v1::HeartbeatResponse* response) {
+  return Serve(*tokens_, *context, response, [&] { return controller_->Heartbeat(*request); });
+}
+
+grpc::Status WorkerServiceImpl::ReportProgress(grpc::ServerContext* context,
+                                               const v1::ProgressReport* request,
+                                               v1::ProgressReply* response) {
+  return Serve(*tokens_, *context, response, [&] { return controller_->ReportProgress(*request); });
+}
+
+grpc::Status WorkerServiceImpl::RendezvousSet(grpc::ServerContext* context,
+                                              const v1::RendezvousSetRequest* request,
+                                              v1::RendezvousSetResponse* response) {
+  return Serve(*tokens_, *context, response, [&] { return controller_->RendezvousSet(*request); });
+}
+
+grpc::Status WorkerServiceImpl::RendezvousGet(grpc::ServerContext* context,
+                                              const v1::RendezvousGetRequest* request,
+                                              v1::RendezvousGetResponse* response) {
+  return Serve(*tokens_, *context, response, [&] {
+    // No use waiting past the caller's own deadline: it has stopped listening by then.
+    v1::RendezvousGetRequest bounded = *request;
+    const absl::Duration left = absl::FromChrono(context->deadline()) - absl::Now();
+    if (left < absl::Hours(1)) {
+      const uint32_t left_ms =
+          static_cast<uint32_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(left)));
+      if (bounded.timeout_ms() == 0 || left_ms < bounded.timeout_ms()) {
+        bounded.set_timeout_ms(left_ms);
+      }
+    }
+    return controller_->RendezvousGet(bounded);
+  });
+}
+
+}  // namespace offload

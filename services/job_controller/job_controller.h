@@ -1,0 +1,180 @@
+// The job controller (DESIGN section 7): the jobs and their state machine, the worker pool
+// (registration, heartbeats, assignment of attempts), progress from the trainers, the rendezvous
+// store of each attempt, and the durable store every change goes through before a call returns.
+#ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_CONTROLLER_H_
+#define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_CONTROLLER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "offload/v1/job.pb.h"
+#include "offload/v1/worker.pb.h"
+#include "services/job_controller/job_api.h"
+#include "services/job_controller/job_store.h"
+
+namespace offload {
+
+struct JobControllerOptions {
+  JobStore* store = nullptr;  // required; outlives the controller
+  absl::Duration heartbeat_interval = absl::Seconds(1);
+  absl::Duration heartbeat_timeout = absl::Seconds(10);
+  // Every timestamp and timeout the controller decides by; tests drive a fake one. Rendezvous
+  // waits are real waits and use the real clock.
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
+  std::string job_id_prefix = "job-";
+  // Progress reports are persisted at most this often per job (checkpoints always at once).
+  absl::Duration progress_persist_interval = absl::Seconds(1);
+};
+
+class JobController : public JobApi {
+ public:
+  // Reloads every job of the store. Jobs that were running come back with their worker slots
+  // vacant; the workers take them back when they register again, and a slot still vacant a
+  // heartbeat_timeout later fails the attempt.
+  static absl::StatusOr<std::unique_ptr<JobController>> Create(JobControllerOptions options);
+  ~JobController() override;
+
+  // JobApi.
+  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request) override;
+  absl::StatusOr<v1::Job> GetJob(const v1::GetJobRequest& request) override;
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request) override;
+  absl::StatusOr<v1::Job> CancelJob(const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> PauseJob(const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> ResumeJob(const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> CheckpointJob(const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::ListJobEventsResponse> ListJobEvents(
+      const v1::ListJobEventsRequest& request) override;
+
+  // The worker protocol of worker.proto.
+  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
+      const v1::RegisterWorkerRequest& request);
+  // NOT_FOUND "unknown worker; register again" for a worker id this controller does not know.
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  // FAILED_PRECONDITION when the report's attempt is no longer the job's current one: the rank
+  // should stop.
+  absl::StatusOr<v1::ProgressReply> ReportProgress(const v1::ProgressReport& report);
+  absl::StatusOr<v1::RendezvousSetResponse> RendezvousSet(const v1::RendezvousSetRequest& request);
+  // Waits (at most 10 minutes) until every key is set.
+  absl::StatusOr<v1::RendezvousGetResponse> RendezvousGet(const v1::RendezvousGetRequest& request);
+
+  // Declares workers without a heartbeat for heartbeat_timeout dead, fails attempts whose workers
+  // did not come back after a controller restart, persists throttled progress and schedules.
+  // The binary calls it every heartbeat_interval; tests call it after moving their clock.
+  absl::Status Tick();
+
+  // Wakes every waiting RendezvousGet with UNAVAILABLE, before the server shuts down.
+  void Shutdown();
+
+ private:
+  struct Worker {
+    std::string id;
+    uint64_t number = 0;  // registration order: the scheduler prefers older workers
+    v1::WorkerInfo info;
+    absl::Time last_heartbeat;
+    // The attempt this worker holds a slot of (job_id empty: none).
+    std::string job_id;
+    uint32_t attempt = 0;
+    uint32_t slot = 0;          // rank, or shard index
+    bool delivered = false;     // its Assignment went out in a heartbeat
+    bool acknowledged = false;  // it listed the attempt in `running`
+    bool finished = false;      // a trainer that reported its rank's end
+    std::optional<v1::Assignment> pending_start;
+    std::vector<v1::AttemptRef> pending_stop;
+    // Attempts it said it still runs that are not its slot's: it is busy until they are gone.
+    std::vector<v1::AttemptRef> other_running;
+  };
+
+  struct JobEntry {
+    v1::Job job;
+    uint64_t next_sequence = 1;
+    std::vector<v1::JobEvent> unsaved_events;
+    bool dirty = false;           // the stored record is older than `job`
+    bool progress_dirty = false;  // only progress changed since the last write
+    absl::Time last_persist = absl::InfinitePast();
+    // Per attempt: CheckpointJob's counter, and whether the trainers have their Assignments yet
+    // (they wait until every optimizer server of the attempt has acknowledged its own).
+    uint64_t checkpoint_request = 0;
+    bool trainers_released = false;
+    // After a controller restart a CHECKPOINTING job asks its trainers for one more checkpoint,
+    // since the counter they carried out is not known.
+    bool reissue_checkpoint = false;
+    // When the slots left vacant by a controller restart must be filled again.
+    absl::Time vacancy_deadline = absl::InfiniteFuture();
+    // The first progress report of the attempt, for the ETA.
+    std::optional<std::pair<absl::Time, uint64_t>> first_report;
+  };
+
+  using RendezvousKey = std::pair<std::string, uint32_t>;
+
+  explicit JobController(JobControllerOptions options);
+  absl::Status Load();
+
+  absl::StatusOr<JobEntry*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records an event with the job's current state and attempt.
+  void AddEvent(JobEntry& entry, std::string message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status SetState(JobEntry& entry, v1::JobState to, std::string reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes every job with unwritten changes; the first error, the others still tried.
+  absl::Status PersistDirty() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Persist(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies a user's action and keeps it only once it is stored.
+  absl::StatusOr<v1::Job> Act(const v1::JobActionRequest& request,
+                              const std::function<absl::Status(JobEntry&)>& action)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartAttempt(JobEntry& entry, const std::vector<Worker*>& trainers,
+                    const std::vector<Worker*>& servers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static v1::Assignment MakeAssignment(const v1::Job& job, v1::WorkerKind kind, uint32_t slot);
+  // Hands the trainers their Assignments once every server of the attempt acknowledged its own.
+  void MaybeReleaseTrainers(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the attempt's workers (queueing the stops they need) and drops its rendezvous.
+  void EndAttempt(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The attempt ended in `to` (SUCCEEDED, PAUSED, CANCELLED).
+  void FinishAttempt(JobEntry& entry, v1::JobState to, std::string reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The attempt failed: restart from the last checkpoint if the spec allows, else FAILED.
+  void FailAttempt(JobEntry& entry, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnAttemptResult(Worker& worker, const v1::AttemptResult& result)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeBack(Worker& worker, const v1::Assignment& running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Whether any rank of the attempt got its Assignment (and so can hear a request).
+  bool TrainersStarted(const JobEntry& entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsCurrent(const JobEntry& entry, uint32_t attempt) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsLive(const Worker& worker, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsFree(const Worker& worker, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string Describe(const Worker& worker) const;
+
+  const JobControllerOptions options_;
+  const absl::Time started_;
+  const std::string worker_id_tag_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar rendezvous_changed_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> submit_order_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_worker_number_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<RendezvousKey, std::map<std::string, std::string>> rendezvous_ ABSL_GUARDED_BY(mu_);
+};
+
+// The model's flat parameter space split for the spec's ranks and optimizer servers (DESIGN
+// section 3), with gpu_trainer's defaults for unset fields. INVALID_ARGUMENT naming the field.
+absl::StatusOr<v1::PartitionMap> PartitionForSpec(const v1::JobSpec& spec);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_CONTROLLER_H_

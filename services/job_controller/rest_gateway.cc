@@ -1,0 +1,509 @@
+#include "services/job_controller/rest_gateway.h"
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <fstream>
+#include <initializer_list>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "google/protobuf/util/json_util.h"
+#include "httplib.h"
+
+namespace offload {
+namespace {
+
+constexpr char kJsonType[] = "application/json";
+
+// JSON string literal for `text`. Bytes that are not valid UTF-8 become U+FFFD so an error
+// message quoting a client's bad input still yields a body every JSON parser accepts.
+std::string JsonQuote(absl::string_view text) {
+  std::string out = "\"";
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+      ++i;
+    } else if (c == '\n') {
+      out += "\\n";
+      ++i;
+    } else if (c == '\r') {
+      out += "\\r";
+      ++i;
+    } else if (c == '\t') {
+      out += "\\t";
+      ++i;
+    } else if (c < 0x20 || c == 0x7f) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\u00";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+      ++i;
+    } else if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+    } else {
+      // Length of the sequence from its lead byte, then check the continuation bytes.
+      size_t length = 0;
+      if (c >= 0xc2 && c <= 0xdf) {
+        length = 2;
+      } else if (c >= 0xe0 && c <= 0xef) {
+        length = 3;
+      } else if (c >= 0xf0 && c <= 0xf4) {
+        length = 4;
+      }
+      bool valid = length > 0 && i + length <= text.size();
+      for (size_t k = 1; valid && k < length; ++k) {
+        valid = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
+      }
+      if (valid) {
+        out.append(text.data() + i, length);
+        i += length;
+      } else {
+        out += "\\ufffd";
+        ++i;
+      }
+    }
+  }
+  out += '"';
+  return out;
+}
+
+std::string ErrorBody(absl::StatusCode code, absl::string_view message) {
+  return absl::StrCat("{\"code\":", static_cast<int>(code),
+                      ",\"status\":", JsonQuote(absl::StatusCodeToString(code)),
+                      ",\"message\":", JsonQuote(message), "}\n");
+}
+
+void SetError(httplib::Response& res, int http_status, absl::StatusCode code,
+              absl::string_view message) {
+  res.status = http_status;
+  res.set_content(ErrorBody(code, message), kJsonType);
+}
+
+void SetStatus(httplib::Response& res, const absl::Status& status) {
+  SetError(res, HttpStatusFor(status.code()), status.code(), status.message());
+}
+
+void SetMessage(httplib::Response& res, const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = false;
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) {
+    SetError(res, 500, absl::StatusCode::kInternal,
+             absl::StrCat("cannot encode the response: ", status.message().ToString()));
+    return;
+  }
+  res.status = 200;
+  json += '\n';
+  res.set_content(json, kJsonType);
+}
+
+template <typename T>
+void Reply(httplib::Response& res, const absl::StatusOr<T>& result) {
+  if (result.ok()) {
+    SetMessage(res, *result);
+  } else {
+    SetStatus(res, result.status());
+  }
+}
+
+// Unknown fields are errors here as in job files: a misspelt field must not be silently dropped.
+absl::Status ParseBody(const std::string& body, google::protobuf::Message* message) {
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto status = google::protobuf::util::JsonStringToMessage(body, message, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid request body: ", status.message().ToString()));
+  }
+  return absl::OkStatus();
+}
+
+// "RUNNING", "running" and "JOB_STATE_RUNNING" all name JOB_STATE_RUNNING.
+absl::StatusOr<v1::JobState> ParseState(absl::string_view text) {
+  std::string name = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
+  if (!absl::StartsWith(name, "JOB_STATE_")) name = absl::StrCat("JOB_STATE_", name);
+  v1::JobState state;
+  if (name == "JOB_STATE_UNSPECIFIED" || !v1::JobState_Parse(name, &state)) {
+    return absl::InvalidArgumentError(absl::StrCat("state: unknown job state '", text, "'"));
+  }
+  return state;
+}
+
+template <typename Int>
+absl::StatusOr<Int> ParseUnsigned(absl::string_view name, absl::string_view text) {
+  Int value = 0;
+  if (!absl::SimpleAtoi(text, &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": '", text, "' is not a non-negative integer"));
+  }
+  return value;
+}
+
+absl::Status CheckQueryNames(const httplib::Request& req,
+                             std::initializer_list<absl::string_view> allowed) {
+  for (const auto& [name, value] : req.params) {
+    bool known = false;
+    for (absl::string_view a : allowed) known = known || name == a;
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown query parameter '", name, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ListJobsRequest> ListRequestFromQuery(const httplib::Request& req) {
+  if (absl::Status s = CheckQueryNames(req, {"state", "page_size", "page_token"}); !s.ok()) {
+    return s;
+  }
+  v1::ListJobsRequest request;
+  const auto states = req.params.equal_range("state");
+  for (auto it = states.first; it != states.second; ++it) {
+    // state=RUNNING,PAUSED is the same as state=RUNNING&state=PAUSED.
+    for (absl::string_view one : absl::StrSplit(it->second, ',', absl::SkipWhitespace())) {
+      absl::StatusOr<v1::JobState> state = ParseState(one);
+      if (!state.ok()) return state.status();
+      request.add_states(*state);
+    }
+  }
+  if (req.has_param("page_size")) {
+    absl::StatusOr<uint32_t> size =
+        ParseUnsigned<uint32_t>("page_size", req.get_param_value("page_size"));
+    if (!size.ok()) return size.status();
+    request.set_page_size(*size);
+  }
+  request.set_page_token(req.get_param_value("page_token"));
+  return request;
+}
+
+class RestGatewayImpl final : public RestGateway {
+ public:
+  RestGatewayImpl(JobApi* api, const BearerTokens* tokens, std::unique_ptr<httplib::Server> server)
+      : api_(api), tokens_(tokens), server_(std::move(server)) {}
+
+  ~RestGatewayImpl() override {
+    if (thread_.joinable()) {
+      // stop() only acts once the accept loop has started; Listen waited for that.
+      server_->stop();
+      thread_.join();
+    }
+  }
+
+  int port() const override { return port_; }
+
+  absl::Status Listen(const RestOptions& options) {
+    Configure(options);
+    if (options.port == 0) {
+      port_ = server_->bind_to_any_port(options.host);
+      if (port_ < 0) {
+        return absl::UnavailableError(
+            absl::StrCat("REST gateway: cannot bind ", options.host, " to a free port"));
+      }
+    } else {
+      if (!server_->bind_to_port(options.host, options.port)) {
+        return absl::UnavailableError(absl::StrCat("REST gateway: cannot bind ", options.host, ":",
+                                                   options.port, " (in use?)"));
+      }
+      port_ = options.port;
+    }
+    thread_ = std::thread([this] {
+      server_->listen_after_bind();
+      loop_ended_ = true;
+    });
+    // Until the accept loop runs, stop() is a no-op and the destructor would wait forever.
+    while (!server_->is_running() && !loop_ended_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (loop_ended_) {
+      return absl::UnavailableError(
+          absl::StrCat("REST gateway: listening on ", options.host, ":", port_, " failed"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  void Configure(const RestOptions& options) {
+    server_->set_payload_max_length(options.max_body_bytes);
+    // httplib's default is SO_REUSEPORT, which lets a second gateway share a busy port (and the
+    // kernel split connections between them); SO_REUSEADDR alone still allows a quick restart.
+    server_->set_socket_options([](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
+    // One catch-all handler per method: the routes are matched in Route so that a known path
+    // with the wrong method can answer 405 instead of httplib's 404.
+    const auto handler = [this](const httplib::Request& req, httplib::Response& res) {
+      Route(req, res);
+    };
+    server_->Get(".*", handler);
+    server_->Post(".*", handler);
+    server_->Put(".*", handler);
+    server_->Patch(".*", handler);
+    server_->Delete(".*", handler);
+    server_->Options(".*", handler);
+    const size_t max_body = options.max_body_bytes;
+    // httplib answers some requests itself (413 for a large body, 400 for a bad request line);
+    // they get the same JSON error bodies as ours. Responses that already have a body are ours.
+    server_->set_error_handler(httplib::Server::HandlerWithResponse(
+        [max_body](const httplib::Request&, httplib::Response& res) {
+          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+          switch (res.status) {
+            case 413:
+              res.set_content(
+                  ErrorBody(absl::StatusCode::kResourceExhausted,
+                            absl::StrCat("request body is larger than ", max_body, " bytes")),
+                  kJsonType);
+              break;
+            case 404:
+              res.set_content(ErrorBody(absl::StatusCode::kNotFound, "no such route"), kJsonType);
+              break;
+            case 400:
+            case 414:
+            case 416:
+              res.set_content(ErrorBody(absl::StatusCode::kInvalidArgument,
+                                        absl::StrCat("malformed HTTP request (", res.status, ")")),
+                              kJsonType);
+              break;
+            default:
+              res.set_content(ErrorBody(absl::StatusCode::kInternal,
+                                        absl::StrCat("request failed (HTTP ", res.status, ")")),
+                              kJsonType);
+          }
+          return httplib::Server::HandlerResponse::Handled;
+        }));
+    server_->set_exception_handler(
+        [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+          // The exception's text may carry internals; the log of the controller is the place.
+          SetError(res, 500, absl::StatusCode::kInternal, "internal error");
+        });
+  }
+
+  bool Authorized(const httplib::Request& req) const {
+    if (tokens_ == nullptr || tokens_->empty()) return true;
+    return tokens_->Accepts(req.get_header_value("Authorization"));
+  }
+
+  static void MethodNotAllowed(const httplib::Request& req, httplib::Response& res,
+                               absl::string_view allowed) {
+    res.set_header("Allow", std::string(allowed));
+    SetError(res, 405, absl::StatusCode::kUnimplemented,
+             absl::StrCat("method ", req.method, " is not allowed on ", req.path,
+                          " (allowed: ", allowed, ")"));
+  }
+
+  static void NoRoute(const httplib::Request& req, httplib::Response& res) {
+    SetError(res, 404, absl::StatusCode::kNotFound,
+             absl::StrCat("no route for ", req.method, " ", req.path));
+  }
+
+  static bool IsGet(const httplib::Request& req) {
+    return req.method == "GET" || req.method == "HEAD";
+  }
+
+  void Route(const httplib::Request& req, httplib::Response& res) {
+    absl::string_view path = req.path;
+    if (path == "/healthz") {
+      if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
+      res.status = 200;
+      res.set_content("{\"status\":\"SERVING\"}\n", kJsonType);
+      return;
+    }
+    if (path != "/v1" && !absl::StartsWith(path, "/v1/")) return NoRoute(req, res);
+    // Before routing, so that without a token nothing is learnt, not even which routes exist.
+    if (!Authorized(req)) {
+      res.set_header("WWW-Authenticate", "Bearer");
+      SetError(res, 401, absl::StatusCode::kUnauthenticated, "missing or invalid bearer token");
+      return;
+    }
+    if (path == "/v1/jobs") {
+      if (IsGet(req)) return List(req, res);
+      if (req.method == "POST") return Submit(req, res);
+      return MethodNotAllowed(req, res, "GET, POST");
+    }
+    if (!absl::ConsumePrefix(&path, "/v1/jobs/")) return NoRoute(req, res);
+    // What is left: "{id}", "{id}/events" or "{id}:{verb}".
+    const size_t slash = path.find('/');
+    const size_t colon = path.find(':');
+    if (slash != absl::string_view::npos) {
+      const absl::string_view id = path.substr(0, slash);
+      if (id.empty() || colon < slash || path.substr(slash) != "/events") {
+        return NoRoute(req, res);
+      }
+      if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
+      return Events(std::string(id), req, res);
+    }
+    if (colon != absl::string_view::npos) {
+      const absl::string_view id = path.substr(0, colon);
+      const absl::string_view verb = path.substr(colon + 1);
+      using Action = absl::StatusOr<v1::Job> (JobApi::*)(const v1::JobActionRequest&);
+      Action action = nullptr;
+      if (verb == "cancel") {
+        action = &JobApi::CancelJob;
+      } else if (verb == "pause") {
+        action = &JobApi::PauseJob;
+      } else if (verb == "resume") {
+        action = &JobApi::ResumeJob;
+      } else if (verb == "checkpoint") {
+        action = &JobApi::CheckpointJob;
+      }
+      if (id.empty() || action == nullptr) return NoRoute(req, res);
+      if (req.method != "POST") return MethodNotAllowed(req, res, "POST");
+      return Act(std::string(id), action, req, res);
+    }
+    if (path.empty()) return NoRoute(req, res);
+    if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
+    v1::GetJobRequest request;
+    request.set_id(std::string(path));
+    Reply(res, api_->GetJob(request));
+  }
+
+  void Submit(const httplib::Request& req, httplib::Response& res) {
+    v1::SubmitJobRequest request;
+    if (absl::Status s = ParseBody(req.body, request.mutable_spec()); !s.ok()) {
+      return SetStatus(res, s);
+    }
+    Reply(res, api_->SubmitJob(request));
+  }
+
+  void List(const httplib::Request& req, httplib::Response& res) {
+    absl::StatusOr<v1::ListJobsRequest> request = ListRequestFromQuery(req);
+    if (!request.ok()) return SetStatus(res, request.status());
+    Reply(res, api_->ListJobs(*request));
+  }
+
+  void Events(std::string id, const httplib::Request& req, httplib::Response& res) {
+    if (absl::Status s = CheckQueryNames(req, {"after_sequence"}); !s.ok()) {
+      return SetStatus(res, s);
+    }
+    v1::ListJobEventsRequest request;
+    request.set_id(std::move(id));
+    if (req.has_param("after_sequence")) {
+      absl::StatusOr<uint64_t> after =
+          ParseUnsigned<uint64_t>("after_sequence", req.get_param_value("after_sequence"));
+      if (!after.ok()) return SetStatus(res, after.status());
+      request.set_after_sequence(*after);
+    }
+    Reply(res, api_->ListJobEvents(request));
+  }
+
+  void Act(std::string id, absl::StatusOr<v1::Job> (JobApi::*action)(const v1::JobActionRequest&),
+           const httplib::Request& req, httplib::Response& res) {
+    v1::JobActionRequest request;
+    // An empty body is the same as {}: `curl -X POST .../jobs/ID:cancel` should just work.
+    if (!absl::StripAsciiWhitespace(req.body).empty()) {
+      if (absl::Status s = ParseBody(req.body, &request); !s.ok()) return SetStatus(res, s);
+    }
+    if (!request.id().empty() && request.id() != id) {
+      return SetStatus(
+          res, absl::InvalidArgumentError(absl::StrCat("id: the body names job '", request.id(),
+                                                       "' but the path '", id, "'")));
+    }
+    request.set_id(std::move(id));
+    Reply(res, (api_->*action)(request));
+  }
+
+  JobApi* const api_;
+  const BearerTokens* const tokens_;
+  std::unique_ptr<httplib::Server> server_;
+  int port_ = -1;
+  std::atomic<bool> loop_ended_{false};
+  std::thread thread_;
+};
+
+bool Readable(const std::string& path) { return std::ifstream(path).good(); }
+
+}  // namespace
+
+int HttpStatusFor(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk:
+      return 200;
+    case absl::StatusCode::kCancelled:
+      return 499;
+    case absl::StatusCode::kUnknown:
+      return 500;
+    case absl::StatusCode::kInvalidArgument:
+      return 400;
+    case absl::StatusCode::kDeadlineExceeded:
+      return 504;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kAlreadyExists:
+      return 409;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
+    case absl::StatusCode::kFailedPrecondition:
+      return 400;
+    case absl::StatusCode::kAborted:
+      return 409;
+    case absl::StatusCode::kOutOfRange:
+      return 400;
+    case absl::StatusCode::kUnimplemented:
+      return 501;
+    case absl::StatusCode::kInternal:
+      return 500;
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    case absl::StatusCode::kDataLoss:
+      return 500;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    default:
+      return 500;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<RestGateway>> RestGateway::Start(JobApi* api,
+                                                                const BearerTokens* tokens,
+                                                                const RestOptions& options) {
+  std::unique_ptr<httplib::Server> server;
+  const TlsConfig& tls = options.tls;
+  if (!tls.cert_file.empty()) {
+    if (tls.key_file.empty()) {
+      return absl::InvalidArgumentError("REST gateway: a TLS certificate needs its key file");
+    }
+    if (tls.require_client_cert && tls.ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "REST gateway: requiring client certificates needs a CA file to verify them");
+    }
+    for (const std::string* file : {&tls.cert_file, &tls.key_file, &tls.ca_file}) {
+      if (!file->empty() && !Readable(*file)) {
+        return absl::NotFoundError(absl::StrCat("REST gateway: cannot read '", *file, "'"));
+      }
+    }
+    // httplib verifies client certificates exactly when it is given a CA for them.
+    auto ssl = std::make_unique<httplib::SSLServer>(
+        tls.cert_file.c_str(), tls.key_file.c_str(),
+        tls.require_client_cert ? tls.ca_file.c_str() : nullptr);
+    if (!ssl->is_valid()) {
+      return absl::InvalidArgumentError(absl::StrCat("REST gateway: the TLS certificate '",
+                                                     tls.cert_file, "', key '", tls.key_file,
+                                                     "' or CA file cannot be loaded"));
+    }
+    server = std::move(ssl);
+  } else {
+    server = std::make_unique<httplib::Server>();
+  }
+  auto gateway = std::make_unique<RestGatewayImpl>(api, tokens, std::move(server));
+  if (absl::Status s = gateway->Listen(options); !s.ok()) return s;
+  return std::unique_ptr<RestGateway>(std::move(gateway));
+}
+
+}  // namespace offload

@@ -1,0 +1,462 @@
+#include "services/job_controller/rest_gateway.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+
+namespace offload {
+namespace {
+
+constexpr char kToken[] = "s3cret-token";
+
+// Stores submitted jobs and remembers the last request of each kind, so tests can check what the
+// gateway made of the HTTP request.
+class FakeJobApi : public JobApi {
+ public:
+  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (request.spec().name() == "reject") return absl::InvalidArgumentError("name: rejected");
+    v1::Job job;
+    job.set_id(absl::StrCat("job-", ++next_id_));
+    *job.mutable_spec() = request.spec();
+    job.set_state(v1::JOB_STATE_PENDING);
+    job.mutable_progress()->set_total_steps(request.spec().training().steps());
+    jobs_[job.id()] = job;
+    return job;
+  }
+  absl::StatusOr<v1::Job> GetJob(const v1::GetJobRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return Find(request.id());
+  }
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_list = request;
+    v1::ListJobsResponse response;
+    for (const auto& [id, job] : jobs_) *response.add_jobs() = job;
+    response.set_next_page_token("next");
+    return response;
+  }
+  absl::StatusOr<v1::Job> CancelJob(const v1::JobActionRequest& request) override {
+    return Act("cancel", request, v1::JOB_STATE_CANCELLED);
+  }
+  absl::StatusOr<v1::Job> PauseJob(const v1::JobActionRequest& request) override {
+    return Act("pause", request, v1::JOB_STATE_PAUSED);
+  }
+  absl::StatusOr<v1::Job> ResumeJob(const v1::JobActionRequest& request) override {
+    return Act("resume", request, v1::JOB_STATE_RUNNING);
+  }
+  absl::StatusOr<v1::Job> CheckpointJob(const v1::JobActionRequest& request) override {
+    return Act("checkpoint", request, v1::JOB_STATE_CHECKPOINTING);
+  }
+  absl::StatusOr<v1::ListJobEventsResponse> ListJobEvents(
+      const v1::ListJobEventsRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_events = request;
+    absl::StatusOr<v1::Job> job = Find(request.id());
+    if (!job.ok()) return job.status();
+    v1::ListJobEventsResponse response;
+    v1::JobEvent* event = response.add_events();
+    event->set_sequence(request.after_sequence() + 1);
+    event->set_job_id(request.id());
+    event->set_state(job->state());
+    event->set_message("submitted");
+    return response;
+  }
+
+  std::string last_action;
+  v1::JobActionRequest last_action_request;
+  v1::ListJobsRequest last_list;
+  v1::ListJobEventsRequest last_events;
+
+ private:
+  absl::StatusOr<v1::Job> Find(const std::string& id) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
+    return it->second;
+  }
+  absl::StatusOr<v1::Job> Act(std::string verb, const v1::JobActionRequest& request,
+                              v1::JobState state) {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_action = std::move(verb);
+    last_action_request = request;
+    auto it = jobs_.find(request.id());
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("job '", request.id(), "' not found"));
+    }
+    if (it->second.state() == v1::JOB_STATE_CANCELLED) {
+      return absl::FailedPreconditionError("job is cancelled");
+    }
+    it->second.set_state(state);
+    it->second.set_reason(request.reason());
+    return it->second;
+  }
+
+  std::mutex mu_;
+  int next_id_ = 0;
+  std::map<std::string, v1::Job> jobs_;
+};
+
+template <typename M>
+M Parse(const std::string& json) {
+  M message;
+  const auto status = google::protobuf::util::JsonStringToMessage(json, &message);
+  EXPECT_TRUE(status.ok()) << status.ToString() << " in " << json;
+  return message;
+}
+
+struct ErrorBody {
+  int code = -1;
+  std::string status;
+  std::string message;
+};
+
+ErrorBody ParseError(const std::string& json) {
+  const auto body = Parse<google::protobuf::Struct>(json);
+  ErrorBody error;
+  const auto& fields = body.fields();
+  EXPECT_EQ(fields.size(), 3u) << json;
+  if (fields.count("code")) error.code = static_cast<int>(fields.at("code").number_value());
+  if (fields.count("status")) error.status = fields.at("status").string_value();
+  if (fields.count("message")) error.message = fields.at("message").string_value();
+  return error;
+}
+
+class RestGatewayTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tokens_.Add(kToken);
+    RestOptions options;
+    options.host = "127.0.0.1";
+    options.max_body_bytes = 4096;
+    auto gateway = RestGateway::Start(&api_, &tokens_, options);
+    ASSERT_TRUE(gateway.ok()) << gateway.status();
+    gateway_ = *std::move(gateway);
+    ASSERT_GT(gateway_->port(), 0);
+  }
+
+  // A client that sends the right token.
+  std::unique_ptr<httplib::Client> Client(const std::string& token = kToken) {
+    auto client = std::make_unique<httplib::Client>("127.0.0.1", gateway_->port());
+    if (!token.empty()) client->set_bearer_token_auth(token);
+    return client;
+  }
+
+  v1::Job SubmitOk(const std::string& spec_json) {
+    auto res = Client()->Post("/v1/jobs", spec_json, "application/json");
+    EXPECT_TRUE(res);
+    if (!res) return {};
+    EXPECT_EQ(res->status, 200) << res->body;
+    EXPECT_EQ(res->get_header_value("Content-Type"), "application/json");
+    return Parse<v1::Job>(res->body);
+  }
+
+  FakeJobApi api_;
+  BearerTokens tokens_;
+  std::unique_ptr<RestGateway> gateway_;
+};
+
+TEST_F(RestGatewayTest, SubmitGetAndList) {
+  const v1::Job submitted =
+      SubmitOk(R"({"name": "demo", "training": {"steps": 10}, "parallel": {"ranks": 2}})");
+  EXPECT_EQ(submitted.id(), "job-1");
+  EXPECT_EQ(submitted.spec().name(), "demo");
+  EXPECT_EQ(submitted.spec().training().steps(), 10);
+  EXPECT_EQ(submitted.spec().parallel().ranks(), 2u);
+  EXPECT_EQ(submitted.state(), v1::JOB_STATE_PENDING);
+
+  auto res = Client()->Get("/v1/jobs/job-1");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  // Field names as in the .proto, enums by name, and no default-valued fields.
+  EXPECT_NE(res->body.find("\"total_steps\""), std::string::npos) << res->body;
+  EXPECT_NE(res->body.find("\"JOB_STATE_PENDING\""), std::string::npos) << res->body;
+  EXPECT_EQ(res->body.find("\"reason\""), std::string::npos) << res->body;
+  EXPECT_EQ(Parse<v1::Job>(res->body).spec().name(), "demo");
+
+  res = Client()->Get(
+      "/v1/jobs?state=RUNNING&state=JOB_STATE_PAUSED&state=failed,cancelled&page_size=5"
+      "&page_token=abc");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const auto list = Parse<v1::ListJobsResponse>(res->body);
+  ASSERT_EQ(list.jobs_size(), 1);
+  EXPECT_EQ(list.jobs(0).id(), "job-1");
+  EXPECT_EQ(list.next_page_token(), "next");
+  ASSERT_EQ(api_.last_list.states_size(), 4);
+  EXPECT_EQ(api_.last_list.states(0), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(api_.last_list.states(1), v1::JOB_STATE_PAUSED);
+  EXPECT_EQ(api_.last_list.states(2), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(api_.last_list.states(3), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(api_.last_list.page_size(), 5u);
+  EXPECT_EQ(api_.last_list.page_token(), "abc");
+
+  res = Client()->Get("/v1/jobs");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(api_.last_list.states_size(), 0);
+}
+
+TEST_F(RestGatewayTest, ListRejectsBadQueries) {
+  for (const char* path : {"/v1/jobs?state=SLEEPING", "/v1/jobs?page_size=-1",
+                           "/v1/jobs?page_size=many", "/v1/jobs?colour=red"}) {
+    auto res = Client()->Get(path);
+    ASSERT_TRUE(res) << path;
+    EXPECT_EQ(res->status, 400) << path;
+    const ErrorBody error = ParseError(res->body);
+    EXPECT_EQ(error.code, 3) << path;
+    EXPECT_EQ(error.status, "INVALID_ARGUMENT") << path;
+  }
+  auto res = Client()->Get("/v1/jobs?state=SLEEPING");
+  ASSERT_TRUE(res);
+  EXPECT_NE(ParseError(res->body).message.find("SLEEPING"), std::string::npos);
+  res = Client()->Get("/v1/jobs?colour=red");
+  ASSERT_TRUE(res);
+  EXPECT_NE(ParseError(res->body).message.find("colour"), std::string::npos);
+}
+
+TEST_F(RestGatewayTest, Actions) {
+  SubmitOk(R"({"name": "a"})");
+  auto res =
+      Client()->Post("/v1/jobs/job-1:pause", R"({"reason": "maintenance"})", "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(api_.last_action, "pause");
+  EXPECT_EQ(api_.last_action_request.id(), "job-1");
+  EXPECT_EQ(api_.last_action_request.reason(), "maintenance");
+  EXPECT_EQ(Parse<v1::Job>(res->body).state(), v1::JOB_STATE_PAUSED);
+
+  // No body at all is the same as {}.
+  res = Client()->Post("/v1/jobs/job-1:resume");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(api_.last_action, "resume");
+  EXPECT_EQ(api_.last_action_request.reason(), "");
+
+  res = Client()->Post("/v1/jobs/job-1:checkpoint", "{}", "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(api_.last_action, "checkpoint");
+
+  res = Client()->Post("/v1/jobs/job-1:cancel", "{}", "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(api_.last_action, "cancel");
+  EXPECT_EQ(Parse<v1::Job>(res->body).state(), v1::JOB_STATE_CANCELLED);
+
+  // The API's FAILED_PRECONDITION is a 400 with the message.
+  res = Client()->Post("/v1/jobs/job-1:cancel", "{}", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  const ErrorBody error = ParseError(res->body);
+  EXPECT_EQ(error.status, "FAILED_PRECONDITION");
+  EXPECT_EQ(error.code, 9);
+  EXPECT_EQ(error.message, "job is cancelled");
+
+  // A body naming another job is refused rather than acting on either.
+  res = Client()->Post("/v1/jobs/job-1:pause", R"({"id": "job-2"})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400) << res->body;
+
+  res = Client()->Post("/v1/jobs/job-1:explode", "{}", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+  EXPECT_EQ(ParseError(res->body).status, "NOT_FOUND");
+
+  res = Client()->Get("/v1/jobs/job-1:cancel");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 405);
+  EXPECT_EQ(res->get_header_value("Allow"), "POST");
+}
+
+TEST_F(RestGatewayTest, Events) {
+  SubmitOk(R"({"name": "a"})");
+  auto res = Client()->Get("/v1/jobs/job-1/events?after_sequence=3");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(api_.last_events.id(), "job-1");
+  EXPECT_EQ(api_.last_events.after_sequence(), 3u);
+  const auto events = Parse<v1::ListJobEventsResponse>(res->body);
+  ASSERT_EQ(events.events_size(), 1);
+  EXPECT_EQ(events.events(0).sequence(), 4u);
+  EXPECT_EQ(events.events(0).message(), "submitted");
+
+  res = Client()->Get("/v1/jobs/nope/events");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+}
+
+TEST_F(RestGatewayTest, UnknownJobIsNotFound) {
+  auto res = Client()->Get("/v1/jobs/job-42");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "application/json");
+  const ErrorBody error = ParseError(res->body);
+  EXPECT_EQ(error.code, 5);
+  EXPECT_EQ(error.status, "NOT_FOUND");
+  EXPECT_EQ(error.message, "job 'job-42' not found");
+}
+
+TEST_F(RestGatewayTest, MissingOrWrongTokenIsUnauthenticated) {
+  for (const std::string token : {"", "wrong-token", "s3cret-toke", "s3cret-token2"}) {
+    for (const char* path : {"/v1/jobs", "/v1/jobs/job-1", "/v1/nowhere"}) {
+      auto res = Client(token)->Get(path);
+      ASSERT_TRUE(res);
+      EXPECT_EQ(res->status, 401) << token << " " << path;
+      EXPECT_EQ(res->get_header_value("WWW-Authenticate"), "Bearer");
+      EXPECT_EQ(res->body,
+                "{\"code\":16,\"status\":\"UNAUTHENTICATED\",\"message\":\"missing or invalid "
+                "bearer token\"}\n");
+    }
+    auto res = Client(token)->Post("/v1/jobs", R"({"name": "x"})", "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 401);
+  }
+  // Another scheme with the right secret is still refused.
+  auto client = Client("");
+  auto res = client->Get("/v1/jobs", {{"Authorization", std::string("Basic ") + kToken}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 401);
+  res = Client()->Get("/v1/jobs");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+}
+
+TEST_F(RestGatewayTest, HealthzNeedsNoToken) {
+  auto res = Client("")->Get("/healthz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "application/json");
+  const auto body = Parse<google::protobuf::Struct>(res->body);
+  EXPECT_EQ(body.fields().at("status").string_value(), "SERVING");
+}
+
+TEST_F(RestGatewayTest, UnknownFieldIsBadRequestNamingIt) {
+  auto res =
+      Client()->Post("/v1/jobs", R"({"name": "x", "trainig": {"steps": 3}})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  const ErrorBody error = ParseError(res->body);
+  EXPECT_EQ(error.code, 3);
+  EXPECT_EQ(error.status, "INVALID_ARGUMENT");
+  EXPECT_NE(error.message.find("trainig"), std::string::npos) << error.message;
+
+  res = Client()->Post("/v1/jobs", "{not json", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_EQ(ParseError(res->body).status, "INVALID_ARGUMENT");
+
+  // A spec the API refuses: its message comes back as it is.
+  res = Client()->Post("/v1/jobs", R"({"name": "reject"})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_EQ(ParseError(res->body).message, "name: rejected");
+}
+
+TEST_F(RestGatewayTest, TooLargeBodyIs413) {
+  const std::string body = absl::StrCat(R"({"name": ")", std::string(8000, 'x'), R"("})");
+  auto res = Client()->Post("/v1/jobs", body, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 413);
+  const ErrorBody error = ParseError(res->body);
+  EXPECT_EQ(error.status, "RESOURCE_EXHAUSTED");
+  EXPECT_NE(error.message.find("4096"), std::string::npos) << error.message;
+}
+
+TEST_F(RestGatewayTest, UnknownRouteAndWrongMethod) {
+  for (const char* path : {"/", "/v2/jobs", "/v1/jobs/", "/v1/jobs/job-1/logs", "/v1/other"}) {
+    auto res = Client()->Get(path);
+    ASSERT_TRUE(res) << path;
+    EXPECT_EQ(res->status, 404) << path;
+    EXPECT_EQ(ParseError(res->body).status, "NOT_FOUND") << path;
+  }
+  auto res = Client()->Delete("/v1/jobs");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 405);
+  EXPECT_EQ(res->get_header_value("Allow"), "GET, POST");
+  EXPECT_EQ(ParseError(res->body).status, "UNIMPLEMENTED");
+  res = Client()->Post("/v1/jobs/job-1", "{}", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 405);
+  res = Client()->Put("/healthz", "{}", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 405);
+}
+
+TEST(RestGatewayStartTest, BusyPortFailsCleanly) {
+  FakeJobApi api;
+  BearerTokens none;
+  RestOptions options;
+  options.host = "127.0.0.1";
+  auto first = RestGateway::Start(&api, &none, options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  options.port = (*first)->port();
+  auto second = RestGateway::Start(&api, &none, options);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(second.status().message().find(std::to_string(options.port)), std::string::npos);
+}
+
+TEST(RestGatewayStartTest, NoTokensMeansNoAuth) {
+  FakeJobApi api;
+  BearerTokens none;
+  RestOptions options;
+  options.host = "127.0.0.1";
+  auto gateway = RestGateway::Start(&api, &none, options);
+  ASSERT_TRUE(gateway.ok()) << gateway.status();
+  httplib::Client client("127.0.0.1", (*gateway)->port());
+  auto res = client.Get("/v1/jobs");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+}
+
+TEST(RestGatewayStartTest, MissingTlsFilesFail) {
+  FakeJobApi api;
+  BearerTokens none;
+  RestOptions options;
+  options.host = "127.0.0.1";
+  options.tls.cert_file = "/nonexistent/cert.pem";
+  options.tls.key_file = "/nonexistent/key.pem";
+  auto gateway = RestGateway::Start(&api, &none, options);
+  ASSERT_FALSE(gateway.ok());
+  EXPECT_NE(gateway.status().message().find("/nonexistent/cert.pem"), std::string::npos);
+  options.tls.key_file.clear();
+  EXPECT_EQ(RestGateway::Start(&api, &none, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HttpStatusForTest, FollowsGoogleRpcCodeMapping) {
+  const std::pair<absl::StatusCode, int> table[] = {
+      {absl::StatusCode::kOk, 200},
+      {absl::StatusCode::kCancelled, 499},
+      {absl::StatusCode::kUnknown, 500},
+      {absl::StatusCode::kInvalidArgument, 400},
+      {absl::StatusCode::kDeadlineExceeded, 504},
+      {absl::StatusCode::kNotFound, 404},
+      {absl::StatusCode::kAlreadyExists, 409},
+      {absl::StatusCode::kPermissionDenied, 403},
+      {absl::StatusCode::kResourceExhausted, 429},
+      {absl::StatusCode::kFailedPrecondition, 400},
+      {absl::StatusCode::kAborted, 409},
+      {absl::StatusCode::kOutOfRange, 400},
+      {absl::StatusCode::kUnimplemented, 501},
+      {absl::StatusCode::kInternal, 500},
+      {absl::StatusCode::kUnavailable, 503},
+      {absl::StatusCode::kDataLoss, 500},
+      {absl::StatusCode::kUnauthenticated, 401},
+  };
+  for (const auto& [code, http] : table) {
+    EXPECT_EQ(HttpStatusFor(code), http) << absl::StatusCodeToString(code);
+  }
+  EXPECT_EQ(HttpStatusFor(static_cast<absl::StatusCode>(99)), 500);
+}
+
+}  // namespace
+}  // namespace offload

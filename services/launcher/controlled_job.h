@@ -1,0 +1,84 @@
+// ControlledJob: one training job on this machine run the way a cluster runs it (DESIGN section
+// 7): a local job_controller with its own store and token, S optimizer servers and W trainers
+// that join its pool, and the job submitted to it as a JobSpec made from the trainer flags. The
+// launcher then only watches the job through the controller's API, asks it to pause on Ctrl-C,
+// and shuts the pool down when the job has ended.
+#ifndef OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_
+#define OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "offload/v1/job.grpc.pb.h"
+#include "services/launcher/child_process.h"
+#include "services/launcher/local_job.h"
+#include "services/launcher/signal_fd.h"
+
+namespace offload {
+
+struct ControlledJobOptions {
+  int num_shards = 1;
+  int num_ranks = 1;
+  std::string controller_binary;
+  std::string server_binary;
+  std::string trainer_binary;
+  std::vector<std::string> server_args;
+  // gpu_trainer flags; they become the JobSpec (JobSpecFromFlags), relative paths made absolute.
+  std::vector<std::string> trainer_args;
+  // The controller's SQLite store; empty: one in the job's temporary directory, removed at the end.
+  std::string store;
+  absl::Duration startup_timeout = absl::Seconds(30);
+  // After Ctrl-C, how long the job has to checkpoint and pause.
+  absl::Duration shutdown_timeout = absl::Seconds(60);
+  absl::Duration kill_timeout = absl::Seconds(5);
+};
+
+class ControlledJob {
+ public:
+  // `signals` must report SIGINT, SIGTERM and SIGCHLD.
+  ControlledJob(ControlledJobOptions options, SignalFd* signals);
+  // Kills and reaps whatever still runs and removes the temporary directory.
+  ~ControlledJob();
+  ControlledJob(const ControlledJob&) = delete;
+  ControlledJob& operator=(const ControlledJob&) = delete;
+
+  // Runs the job to its end; exit code 0 when it succeeded, 130 when it paused on Ctrl-C (resume
+  // with --resume), 1 otherwise. Call it from the main thread (see ChildProcess::Spawn).
+  JobOutcome Run();
+
+ private:
+  struct Process {
+    std::string name;  // "controller", "server 0", "trainer 1"
+    std::unique_ptr<ChildProcess> child;
+    std::thread forwarder;
+  };
+
+  absl::Status Prepare();
+  absl::Status StartController();
+  absl::Status StartPool();
+  // Also sorts the trainer flags that are no JobSpec field into rank_args_.
+  absl::StatusOr<v1::JobSpec> MakeSpec();
+  JobOutcome Watch(const std::string& job_id);
+  // The first pool process that has exited, if any (it is reaped).
+  Process* ExitedProcess();
+  void StopAll();
+
+  ControlledJobOptions options_;
+  SignalFd* signals_;
+  std::string temp_dir_;
+  std::string token_file_;
+  std::string token_;
+  std::vector<std::string> rank_args_;
+  std::string grpc_address_;
+  std::string http_address_;
+  std::unique_ptr<v1::JobService::Stub> stub_;
+  std::vector<Process> processes_;  // [0] is the controller
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_

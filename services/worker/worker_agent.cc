@@ -1,0 +1,192 @@
+#include "services/worker/worker_agent.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "services/common/security.h"
+
+namespace offload {
+namespace {
+
+void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+bool SameAttempt(const v1::AttemptRef& a, const v1::AttemptRef& b) {
+  return a.job_id() == b.job_id() && a.attempt() == b.attempt();
+}
+
+v1::AttemptRef RefOf(const v1::Assignment& a) {
+  v1::AttemptRef ref;
+  ref.set_job_id(a.job_id());
+  ref.set_attempt(a.attempt());
+  return ref;
+}
+
+}  // namespace
+
+WorkerAgent::WorkerAgent(WorkerAgentOptions options, WorkerHooks hooks)
+    : options_(std::move(options)), hooks_(std::move(hooks)) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      options_.credentials != nullptr ? options_.credentials : grpc::InsecureChannelCredentials();
+  grpc::ChannelArguments args = options_.channel_args;
+  channel_ = grpc::CreateCustomChannel(options_.controller, credentials, args);
+  stub_ = v1::WorkerService::NewStub(channel_);
+}
+
+absl::StatusOr<std::unique_ptr<WorkerAgent>> WorkerAgent::Start(WorkerAgentOptions options,
+                                                                WorkerHooks hooks) {
+  std::unique_ptr<WorkerAgent> agent(new WorkerAgent(std::move(options), std::move(hooks)));
+  const absl::Time deadline = absl::Now() + agent->options_.connect_timeout;
+  for (;;) {
+    absl::Status s = agent->Register();
+    if (s.ok()) break;
+    // Only an unreachable controller is worth waiting for; a refusal (a bad token) is final.
+    if (s.code() != absl::StatusCode::kUnavailable &&
+        s.code() != absl::StatusCode::kDeadlineExceeded) {
+      return absl::Status(s.code(), absl::StrCat("registering with the job controller at ",
+                                                 agent->options_.controller, ": ", s.message()));
+    }
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(
+          absl::StrCat("the job controller at ", agent->options_.controller, " did not answer in ",
+                       absl::FormatDuration(agent->options_.connect_timeout), ": ", s.message()));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  agent->thread_ = std::thread([a = agent.get()] { a->Loop(); });
+  return agent;
+}
+
+WorkerAgent::~WorkerAgent() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+std::string WorkerAgent::worker_id() const {
+  absl::MutexLock lock(&mu_);
+  return worker_id_;
+}
+
+void WorkerAgent::Finished(v1::AttemptResult result) {
+  absl::MutexLock lock(&mu_);
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [&](const v1::Assignment& a) {
+                                  return SameAttempt(RefOf(a), result.attempt());
+                                }),
+                 running_.end());
+  finished_.push_back(std::move(result));
+}
+
+void WorkerAgent::Drain(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto sent = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_.empty(); };
+  mu_.AwaitWithTimeout(absl::Condition(&sent), timeout);
+}
+
+absl::Status WorkerAgent::Register() {
+  v1::RegisterWorkerRequest request;
+  *request.mutable_worker() = options_.info;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const v1::Assignment& a : running_) *request.add_running() = a;
+  }
+  v1::RegisterWorkerResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  AttachBearer(&context, options_.token);
+  grpc::Status s = stub_->RegisterWorker(&context, request, &response);
+  if (!s.ok()) return FromGrpc(s);
+  absl::MutexLock lock(&mu_);
+  worker_id_ = response.worker_id();
+  if (response.heartbeat_interval_ms() > 0) {
+    interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
+  }
+  return absl::OkStatus();
+}
+
+void WorkerAgent::Loop() {
+  for (;;) {
+    absl::Duration interval;
+    {
+      absl::MutexLock lock(&mu_);
+      interval = interval_;
+      // Wakes early only to stop; results wait for the next beat, which is soon enough.
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
+      if (stopping_) return;
+    }
+    HeartbeatOnce();
+  }
+}
+
+void WorkerAgent::HeartbeatOnce() {
+  v1::HeartbeatRequest request;
+  size_t num_finished;
+  {
+    absl::MutexLock lock(&mu_);
+    request.set_worker_id(worker_id_);
+    for (const v1::Assignment& a : running_) *request.add_running() = RefOf(a);
+    for (const v1::AttemptResult& r : finished_) *request.add_finished() = r;
+    num_finished = finished_.size();
+  }
+  v1::HeartbeatResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  AttachBearer(&context, options_.token);
+  grpc::Status s = stub_->Heartbeat(&context, request, &response);
+  if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+    // The controller restarted (or declared this worker dead): join again with what still runs.
+    absl::Status r = Register();
+    std::fprintf(stderr, "worker %s: the job controller lost this worker; registering again: %s\n",
+                 options_.info.name().c_str(), r.ok() ? "ok" : r.ToString().c_str());
+    return;
+  }
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (!unreachable_) {
+      std::fprintf(stderr, "worker %s: heartbeat to %s failed (%s); retrying\n",
+                   options_.info.name().c_str(), options_.controller.c_str(),
+                   s.error_message().c_str());
+      unreachable_ = true;
+    }
+    return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (unreachable_) {
+      std::fprintf(stderr, "worker %s: the job controller answers again\n",
+                   options_.info.name().c_str());
+      unreachable_ = false;
+    }
+    // Results queued while this beat was in flight stay for the next one.
+    finished_.erase(finished_.begin(), finished_.begin() + num_finished);
+  }
+  for (const v1::AttemptRef& ref : response.stop()) {
+    {
+      absl::MutexLock lock(&mu_);
+      running_.erase(
+          std::remove_if(running_.begin(), running_.end(),
+                         [&](const v1::Assignment& a) { return SameAttempt(RefOf(a), ref); }),
+          running_.end());
+    }
+    if (hooks_.stop) hooks_.stop(ref);
+  }
+  for (const v1::Assignment& a : response.start()) {
+    {
+      absl::MutexLock lock(&mu_);
+      running_.push_back(a);
+    }
+    if (hooks_.start) hooks_.start(a);
+  }
+}
+
+}  // namespace offload
