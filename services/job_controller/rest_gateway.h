@@ -23,8 +23,8 @@ namespace offload {
 
 struct RestOptions {
   std::string host = "0.0.0.0";
-  int port = 0;  // 0: any free port (port() tells which)
-  TlsConfig tls;  // HTTPS when tls.cert_file is set
+  int port = 0;                     // 0: any free port (port() tells which)
+  TlsConfig tls;                    // HTTPS when tls.cert_file is set
   size_t max_body_bytes = 1 << 20;  // larger request bodies get 413
 };
 
@@ -32,8 +32,7 @@ class RestGateway {
  public:
   // Serves `api` on threads of its own until the gateway is destroyed. `tokens` (empty: no auth)
   // and `api` must outlive it. Fails if the address cannot be bound or the TLS files are bad.
-  static absl::StatusOr<std::unique_ptr<RestGateway>> Start(JobApi* api,
-                                                            const BearerTokens* tokens,
+  static absl::StatusOr<std::unique_ptr<RestGateway>> Start(JobApi* api, const BearerTokens* tokens,
                                                             const RestOptions& options);
   virtual ~RestGateway() = default;
   virtual int port() const = 0;
