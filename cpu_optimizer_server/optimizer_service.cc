@@ -12,6 +12,7 @@
 #include "cpu_optimizer_server/ucx_transport.h"
 #endif
 #include "cpu_optimizer_server/wire_convert.h"
+#include "cpu_optimizer_server/server_metrics.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -41,7 +42,11 @@ class GrpcParamSink final : public ParamSink {
     data->resize(n * 2);
     return data->data();
   }
-  bool Send(int slot) override { return stream_->Write(messages_[slot]); }
+  bool Send(int slot) override {
+    ServerMetrics::Get().Sent(DataPlane::kGrpc,
+                              static_cast<int64_t>(messages_[slot].params().data().size()));
+    return stream_->Write(messages_[slot]);
+  }
 
  private:
   grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* const stream_;
@@ -149,6 +154,7 @@ grpc::Status OptimizerService::Step(
       v1::GradChunk* grad = request.mutable_grad();
       absl::StatusOr<DType> dtype = DTypeFromProto(grad->dtype(), "grad.dtype");
       if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+      ServerMetrics::Get().Received(DataPlane::kGrpc, static_cast<int64_t>(grad->data().size()));
       if (absl::Status s =
               (*session)->AddGradients(WireOffset(grad->offset()), *dtype, grad->accumulate(),
                                        std::move(*grad->mutable_data()));

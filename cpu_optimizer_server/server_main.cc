@@ -22,8 +22,12 @@
 #include "cpu_optimizer_server/adam_kernel.h"
 #include "cpu_optimizer_server/host_buffer.h"
 #include "cpu_optimizer_server/optimizer_service.h"
+#include "cpu_optimizer_server/server_metrics.h"
 #include "cpu_optimizer_server/shard_store.h"
 #include "cpu_optimizer_server/thread_pool.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "services/common/metrics.h"
+#include "services/common/metrics_flags.h"
 #include "services/common/security.h"
 #include "services/worker/worker_agent.h"
 
@@ -149,6 +153,16 @@ int main(int argc, char** argv) {
   shard_options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_mib) << 20;
   shard_options.wave_elements = absl::GetFlag(FLAGS_wave_elements);
   offload::ShardStore store(shard_options, &pool, *path);
+  absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
+      offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address),
+                                         "cpu_optimizer_server");
+  if (!metrics.ok()) {
+    std::fprintf(stderr, "cpu_optimizer_server: %s\n", metrics.status().ToString().c_str());
+    return 2;
+  }
+  if (*metrics != nullptr) {
+    for (auto& c : offload::MakeShardStoreCollectors(&store)) (*metrics)->Add(std::move(c));
+  }
 
   const std::string controller = absl::GetFlag(FLAGS_controller);
   // Standalone, this process calls no controller and the shard service checks no tokens (its
@@ -181,6 +195,8 @@ int main(int argc, char** argv) {
       return admissions.Admits(job_id);
     };
   }
+  // grpc.health.v1 on the shard port, for Kubernetes' gRPC probes and load balancers.
+  grpc::EnableDefaultHealthCheckService(true);
   absl::StatusOr<std::unique_ptr<offload::OptimizerServer>> server =
       offload::OptimizerServer::Start(server_options, &store);
   if (!server.ok()) {

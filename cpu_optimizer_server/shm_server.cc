@@ -18,6 +18,7 @@
 #include "cpu_optimizer_server/shm_transport.h"
 #include "cpu_optimizer_server/step_session.h"
 #include "cpu_optimizer_server/wire_convert.h"
+#include "cpu_optimizer_server/server_metrics.h"
 
 namespace offload {
 namespace {
@@ -30,6 +31,7 @@ class ShmParamSink final : public ParamSink {
   void* Buffer(int slot, int64_t offset, int64_t n) override {
     ShmHeader* h = segment_->header();
     end_[slot] = offset - h->range_offset + n;
+    n_[slot] = n;
     return segment_->param_area() + (offset - h->range_offset) * 2;
   }
   bool Send(int slot) override {
@@ -37,12 +39,14 @@ class ShmParamSink final : public ParamSink {
     h->params_published.store(end_[slot], std::memory_order_release);
     h->shard_event.fetch_add(1, std::memory_order_release);
     ShmWake(&h->shard_event);
+    ServerMetrics::Get().Sent(DataPlane::kShm, n_[slot] * 2);
     return true;  // the step completes whether or not the trainer is still there
   }
 
  private:
   const ShmSegment* const segment_;
   int64_t end_[2] = {0, 0};
+  int64_t n_[2] = {0, 0};  // 16-bit values in each slot's wave
 };
 
 class ShmServer final : public DataPlaneServer {
@@ -239,6 +243,10 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
                   cmd.offset, dtype, cmd.accumulate != 0,
                   std::string(segment->slot(cmd.slot), cmd.n * DTypeSize(dtype)));
             }
+          }
+          if (s.ok()) {
+            ServerMetrics::Get().Received(DataPlane::kShm,
+                                          cmd.n * DTypeSize(static_cast<DType>(cmd.dtype)));
           }
           if (!s.ok()) fail(seq, std::move(s));
         }

@@ -1,11 +1,13 @@
 #include "cpu_optimizer_server/step_session.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/adam_kernel_internal.h"
+#include "cpu_optimizer_server/server_metrics.h"
 
 namespace offload {
 
@@ -286,6 +288,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     outcome.receiver_gone = !StreamWaves(nullptr, sink);
   } else if (args.skip) {
     outcome.skipped = true;
+    ServerMetrics::Get().StepSkipped();
   } else {
     uint64_t t;
     {
@@ -295,8 +298,11 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     const AdamStepScalars scalars = ComputeAdamStepScalars(
         job_->config.adam, args.lr, static_cast<int64_t>(t), args.grad_multiplier);
     // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
+    const auto begin = std::chrono::steady_clock::now();
     outcome.receiver_gone = !StreamWaves(&scalars, sink);
     outcome.applied = true;
+    ServerMetrics::Get().StepApplied(
+        length, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
   }
   std::lock_guard<std::mutex> lock(r->mu);
   if (!replay_) {

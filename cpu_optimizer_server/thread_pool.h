@@ -50,11 +50,16 @@ class ThreadPool {
   Ticket RunAsync(std::function<void(int thread_index)> fn);
   // Queues and waits.
   void Run(std::function<void(int thread_index)> fn) { RunAsync(std::move(fn)).Wait(); }
+  // Regions queued and not yet finished by every worker (for the queue depth metric).
+  size_t queue_depth() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queue_.size();
+  }
 
  private:
   void WorkerLoop(int index);
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::deque<std::shared_ptr<Ticket::Region>> queue_;  // guarded by mu_
   uint64_t generation_ = 0;                            // regions started so far; guarded by mu_

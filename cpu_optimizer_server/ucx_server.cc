@@ -22,6 +22,7 @@
 #include "cpu_optimizer_server/ucx_common.h"
 #include "cpu_optimizer_server/ucx_transport.h"
 #include "cpu_optimizer_server/wire_convert.h"
+#include "cpu_optimizer_server/server_metrics.h"
 
 namespace offload {
 namespace {
@@ -155,6 +156,7 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
     h.kind = static_cast<uint32_t>(Kind::kParams);
     h.offset = static_cast<uint64_t>(s.offset);
     h.n = s.n;
+    ServerMetrics::Get().Sent(DataPlane::kUcx, s.n * 2);
     return server_->worker_
         ->Send(session_->ep, ucx::kToTrainerAm, h, s.buffer.data(), s.n * 2, s.inflight,
                s.memh->get())
@@ -309,6 +311,7 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
         absl::StatusOr<DType> dtype = DTypeFromProto(static_cast<v1::DType>(h.dtype), "grad.dtype");
         st = dtype.status();
         if (st.ok()) {
+          ServerMetrics::Get().Received(DataPlane::kUcx, static_cast<int64_t>(c->data.size()));
           st = it->second->AddGradients(WireOffset(h.offset), *dtype, h.accumulate != 0,
                                         std::move(c->data));
         }

@@ -117,6 +117,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
     return absl::ResourceExhaustedError(
         absl::StrCat("Gpt2Cpu::Create: cannot allocate ", total * 4, " bytes of activations"));
   }
+  model->activation_floats_ = total;
   carve(model->memory_.get(), &model->acts_, &model->grads_);
   model->inputs_.resize(int64_t{max_batch} * max_seq);
   model->targets_.resize(int64_t{max_batch} * max_seq);

@@ -30,6 +30,8 @@ class Gpt2Cpu {
 
   const Gpt2Config& config() const { return config_; }
   int64_t num_params() const { return num_params_; }
+  // Bytes of the one activation allocation (activations and their gradients).
+  int64_t activation_bytes() const { return activation_floats_ * 4; }
 
   // params (num_params,) fp32 in layout order; inputs and targets (B, T) int32, B <= max_batch,
   // T <= max_seq. Token ids outside [0, vocab) -> InvalidArgument naming the position, nothing
@@ -105,6 +107,7 @@ class Gpt2Cpu {
   int64_t num_params_ = 0;
   std::vector<int64_t> tensor_offsets_;  // Gpt2ParamLayout(config_)[i].offset
   std::unique_ptr<float[]> memory_;      // every Activations and ActivationGrads view
+  int64_t activation_floats_ = 0;        // memory_'s length
   Activations acts_{};
   ActivationGrads grads_{};
   // The last Forward's batch, copied: Backward needs them and the caller's may be gone.

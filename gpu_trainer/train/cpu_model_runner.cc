@@ -1,6 +1,8 @@
 // The CPU backend as a ModelRunner: the 16-bit weights are upcast once per update into an fp32
 // copy that Gpt2Cpu computes with, and each finished gradient range is rounded to 16 bits (with
 // its statistics) on the backward thread before it is reported.
+#include <unistd.h>
+
 #include <algorithm>
 #include <vector>
 
@@ -21,6 +23,15 @@ class CpuModelRunner final : public ModelRunner {
         grads_(model_->num_params(), 0.0f) {}
 
   int64_t num_params() const override { return model_->num_params(); }
+
+  DeviceMemory Memory() const override {
+    DeviceMemory m;
+    m.device = "cpu";
+    m.used_bytes = model_->activation_bytes() +
+                   static_cast<int64_t>(params_.size() + grads_.size()) * sizeof(float);
+    m.total_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+    return m;
+  }
 
   std::string Describe() const override {
     return absl::StrCat("cpu backend, ", kernels_ == CpuKernelSet::kFast ? "fast" : "naive",

@@ -18,10 +18,14 @@ namespace {
 
 class CudaModelRunner final : public ModelRunner {
  public:
-  CudaModelRunner(std::unique_ptr<Gpt2Cuda> model, std::string device)
-      : model_(std::move(model)), device_(std::move(device)) {}
+  CudaModelRunner(std::unique_ptr<Gpt2Cuda> model, std::string device, int64_t total_bytes)
+      : model_(std::move(model)), device_(std::move(device)), total_bytes_(total_bytes) {}
 
   int64_t num_params() const override { return model_->num_params(); }
+
+  DeviceMemory Memory() const override {
+    return DeviceMemory{"cuda", model_->device_bytes(), total_bytes_};
+  }
 
   std::string Describe() const override {
     return absl::StrCat("cuda backend, ", DTypeName(model_->dtype()), ", ", device_, ", ",
@@ -53,6 +57,7 @@ class CudaModelRunner final : public ModelRunner {
  private:
   std::unique_ptr<Gpt2Cuda> model_;
   const std::string device_;
+  const int64_t total_bytes_;  // the GPU's memory
 };
 
 }  // namespace
@@ -75,7 +80,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
   absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
       Gpt2Cuda::Create(config, max_batch, max_seq, options);
   if (!model.ok()) return model.status();
-  return std::make_unique<CudaModelRunner>(std::move(*model), DescribeCudaDevice(*info));
+  return std::make_unique<CudaModelRunner>(std::move(*model), DescribeCudaDevice(*info),
+                                           info->total_bytes);
 }
 
 #else

@@ -51,6 +51,14 @@ class ModelRunner {
   virtual bool has_fp32_gradients() const { return false; }
   // logits (V,) of position t of sequence 0 of the last Forward.
   virtual absl::Status Logits(int t, float* logits) = 0;
+
+  // For the device memory metrics: what this runner holds on its device, and the device's size.
+  struct DeviceMemory {
+    std::string device;  // "cpu" or "cuda"
+    int64_t used_bytes = 0;
+    int64_t total_bytes = 0;
+  };
+  virtual DeviceMemory Memory() const = 0;
 };
 
 // dtype: the 16-bit format of weights and gradients (fp16 or bf16).

@@ -44,13 +44,19 @@ class PhaseTrace {
   std::vector<std::size_t> thread_hashes_;  // guarded by mu_; index = Event::thread
 };
 
-// Records [construction, destruction) as one event; a null trace records nothing.
+// Adds a phase's duration to the offload_trainer_phase_seconds histogram (trainer_metrics.cc).
+void ObservePhaseSeconds(const char* phase, double seconds);
+
+// Records [construction, destruction) as one event, and its duration in the phase metrics; a
+// null trace records only the metrics.
 class TracePhase {
  public:
   TracePhase(PhaseTrace* trace, const char* name, uint64_t step)
       : trace_(trace), name_(name), step_(step), begin_(PhaseTrace::Clock::now()) {}
   ~TracePhase() {
-    if (trace_ != nullptr) trace_->Record(name_, step_, begin_, PhaseTrace::Clock::now());
+    const PhaseTrace::Clock::time_point end = PhaseTrace::Clock::now();
+    ObservePhaseSeconds(name_, std::chrono::duration<double>(end - begin_).count());
+    if (trace_ != nullptr) trace_->Record(name_, step_, begin_, end);
   }
   TracePhase(const TracePhase&) = delete;
   TracePhase& operator=(const TracePhase&) = delete;

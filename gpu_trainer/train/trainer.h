@@ -129,6 +129,7 @@ class Trainer {
   const Gpt2Config& model_config() const { return options_.model; }
   int64_t num_params() const { return runner_->num_params(); }
   std::string DescribeBackend() const { return runner_->Describe(); }
+  ModelRunner::DeviceMemory DeviceMemory() const { return runner_->Memory(); }
   const DynamicLossScaler& loss_scaler() const { return scaler_; }
   // The 16-bit weights the trainer computes with, (padded_length,).
   const std::vector<uint16_t>& weights16() const { return weights16_; }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -28,9 +29,16 @@
 #include "gpu_trainer/train/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_config.h"
+#include "gpu_trainer/train/trainer_metrics.h"
 #include "gpu_trainer/train/trainer_worker.h"
+#include "services/common/metrics.h"
+#include "services/common/metrics_flags.h"
 #include "services/common/security.h"
 #include "services/worker/progress_client.h"
+
+// trainer_config.cc's, for the metrics' info labels.
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, model);
 
 ABSL_FLAG(std::string, shards, "",
           "optimizer shard addresses, comma separated (host:port); empty: optimize in process");
@@ -71,6 +79,12 @@ ABSL_FLAG(std::string, report_job, "", "with --report_to: the job id");
 ABSL_FLAG(uint32_t, report_attempt, 0, "with --report_to: the attempt");
 ABSL_FLAG(std::string, error_file, "",
           "write the error that ends the run here (the pool worker passes it to the controller)");
+ABSL_FLAG(std::string, rank_metrics_address, "",
+          "with --controller: HOST:PORT where each rank this worker runs serves its training "
+          "metrics (the worker's own are on --metrics_address)");
+ABSL_FLAG(int, worker_index, -1,
+          "with --controller: this worker's place in its set (a Kubernetes completion index); "
+          "the controller gives rank i to the worker with index i where it can. -1: none");
 ABSL_FLAG(absl::Duration, lead_timeout, absl::Minutes(30),
           "with world_size > 1: how long the other ranks wait for rank 0 to load the job's state "
           "onto the shards or to write a checkpoint");
@@ -160,12 +174,22 @@ int main(int argc, char** argv) {
     return Fail(
         absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional[1], "'")));
   }
+  // The pool worker serves its own metrics; each rank it runs serves the training metrics on
+  // --rank_metrics_address.
+  absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
+      offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address), g_who);
+  if (!metrics.ok()) return Fail(metrics.status());
+
   if (!absl::GetFlag(FLAGS_controller).empty()) {
     // Arguments after "--" are this worker's own additions to every rank it runs (display,
     // timeouts, traces): settings of the machine, not of the job.
     std::vector<std::string> rank_args(positional.begin() + 1, positional.end());
+    if (const std::string a = absl::GetFlag(FLAGS_rank_metrics_address); !a.empty()) {
+      rank_args.push_back(absl::StrCat("--metrics_address=", a));
+    }
     return offload::RunTrainerWorker(argv[0], absl::GetFlag(FLAGS_controller),
-                                     absl::GetFlag(FLAGS_rank_address), rank_args, &g_stop);
+                                     absl::GetFlag(FLAGS_rank_address),
+                                     absl::GetFlag(FLAGS_worker_index), rank_args, &g_stop);
   }
 
   absl::StatusOr<offload::TrainerOptions> options = offload::TrainerOptionsFromFlags();
@@ -265,6 +289,21 @@ int main(int argc, char** argv) {
   if (!trainer.ok()) return Fail(trainer.status());
   offload::Trainer& t = **trainer;
   const offload::Gpt2Config& c = options->model;
+  {
+    offload::TrainerInfo info;
+    info.job_id = absl::GetFlag(FLAGS_report_job).empty() ? options->job_id
+                                                          : absl::GetFlag(FLAGS_report_job);
+    info.rank = rank;
+    info.world_size = world_size;
+    info.device = absl::GetFlag(FLAGS_device);
+    info.model = absl::GetFlag(FLAGS_model);
+    offload::SetTrainerInfo(info);
+    offload::RecordDeviceMemory(t.DeviceMemory());
+  }
+  // This rank's share of a step's tokens, and the model FLOPs they take.
+  const double rank_tokens_per_step = static_cast<double>(t.tokens_per_step()) / world_size;
+  const double rank_flops_per_step =
+      offload::Gpt2FlopsPerToken(c, options->seq_len) * rank_tokens_per_step;
   // Rank 0 speaks for the job; the others say only what concerns them (errors, the end).
   if (lead) {
     std::printf(
@@ -352,8 +391,11 @@ int main(int argc, char** argv) {
         t.RequestCheckpoint(reply.checkpoint_request());
       }
     }
+    const absl::Time step_begin = absl::Now();
     absl::StatusOr<offload::StepReport> r = t.Step();
     if (!r.ok()) return Fail(r.status());
+    offload::RecordTrainerStep(*r, absl::ToDoubleSeconds(absl::Now() - step_begin),
+                               rank_tokens_per_step, rank_flops_per_step);
     if (lead) {
       reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
     }

@@ -107,8 +107,8 @@ std::vector<std::string> RankCommandLine(const std::string& trainer_binary,
 }
 
 int RunTrainerWorker(const std::string& trainer_binary, const std::string& controller,
-                     const std::string& rank_address, const std::vector<std::string>& rank_args,
-                     volatile std::sig_atomic_t* stop) {
+                     const std::string& rank_address, int worker_index,
+                     const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop) {
   // argv[0] may be relative or found on PATH; the children need the real file.
   std::string self = trainer_binary;
   char exe[PATH_MAX + 1] = {};
@@ -134,6 +134,7 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
   options.info.set_kind(v1::WORKER_KIND_TRAINER);
   options.info.set_name(name);
   options.info.set_hostname(rank_address);
+  if (worker_index >= 0) options.info.set_index(worker_index);
   Mailbox mailbox;
   WorkerHooks hooks;
   hooks.start = [&mailbox](const v1::Assignment& a) { mailbox.Start(a); };

@@ -24,12 +24,13 @@ std::vector<std::string> RankCommandLine(const std::string& trainer_binary,
                                          const std::vector<std::string>& rank_args,
                                          const v1::Assignment& assignment);
 
-// rank_args go to every rank after the job's flags. Runs until *stop is set (SIGINT/SIGTERM): a
-// running rank is asked to stop in order (SIGINT: it checkpoints) and waited for. Returns the
-// process exit status.
+// rank_args go to every rank after the job's flags. worker_index (-1: none) is this worker's
+// place in its set, WorkerInfo.index. Runs until *stop is set (SIGINT/SIGTERM): a running rank
+// is asked to stop in order (SIGINT: it checkpoints) and waited for. Returns the process exit
+// status.
 int RunTrainerWorker(const std::string& trainer_binary, const std::string& controller,
-                     const std::string& rank_address, const std::vector<std::string>& rank_args,
-                     volatile std::sig_atomic_t* stop);
+                     const std::string& rank_address, int worker_index,
+                     const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop);
 
 }  // namespace offload
 

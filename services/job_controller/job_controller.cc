@@ -17,6 +17,9 @@
 namespace offload {
 namespace {
 
+// The index of Stats' per-kind arrays.
+int KindIndex(v1::WorkerKind kind) { return kind == v1::WORKER_KIND_OPTIMIZER_SERVER ? 1 : 0; }
+
 // Rendezvous waits are capped so a forgotten rank cannot hold a server thread for ever.
 constexpr absl::Duration kMaxRendezvousWait = absl::Minutes(10);
 constexpr uint32_t kMaxListPageSize = 1000;
@@ -459,6 +462,16 @@ void JobController::Schedule() {
     std::sort(shards.begin(), shards.end(), older);
     trainers.resize(ranks);
     shards.resize(servers);
+    // Slots follow the workers' indexes (a k8s completion index) where they have them, so pod i
+    // runs rank i; workers without one come after, oldest first.
+    auto by_index = [](const Worker* a, const Worker* b) {
+      if (a->info.has_index() != b->info.has_index()) return a->info.has_index();
+      return a->info.has_index() && a->info.index() != b->info.index()
+                 ? a->info.index() < b->info.index()
+                 : a->number < b->number;
+    };
+    std::sort(trainers.begin(), trainers.end(), by_index);
+    std::sort(shards.begin(), shards.end(), by_index);
     StartAttempt(entry, trainers, shards);
   }
 }
@@ -592,6 +605,7 @@ void JobController::FinishAttempt(JobEntry& entry, v1::JobState to, std::string 
 }
 
 void JobController::FailAttempt(JobEntry& entry, const std::string& why) {
+  ++attempt_failures_;
   const v1::Job& job = entry.job;
   // A user who asked the job to stop gets the stop, however the attempt ended.
   if (job.request() == v1::JOB_REQUEST_CANCEL) {
@@ -602,6 +616,7 @@ void JobController::FailAttempt(JobEntry& entry, const std::string& why) {
                   absl::StrCat("paused; the attempt ended with: ", why));
   } else if (job.restarts() < job.spec().max_restarts() && !job.spec().checkpoint().dir().empty()) {
     entry.job.set_restarts(job.restarts() + 1);
+    ++restarts_;
     FinishAttempt(entry, v1::JOB_STATE_PENDING,
                   absl::StrCat("restarting from the last checkpoint after: ", why, " (restart ",
                                entry.job.restarts(), " of ", entry.job.spec().max_restarts(), ")"));
@@ -892,6 +907,25 @@ absl::StatusOr<v1::RendezvousGetResponse> JobController::RendezvousGet(
   }
 }
 
+JobController::Stats JobController::GetStats() const {
+  absl::MutexLock lock(&mu_);
+  Stats stats;
+  for (int state = v1::JobState_MIN; state <= v1::JobState_MAX; ++state) {
+    if (state != v1::JOB_STATE_UNSPECIFIED && v1::JobState_IsValid(state)) {
+      stats.jobs[static_cast<v1::JobState>(state)] = 0;
+    }
+  }
+  for (const auto& [id, entry] : jobs_) ++stats.jobs[entry.job.state()];
+  for (const auto& [id, worker] : workers_) {
+    const bool busy = !worker.job_id.empty() || !worker.other_running.empty();
+    ++stats.workers[KindIndex(worker.info.kind())][busy ? 1 : 0];
+  }
+  for (int k = 0; k < 2; ++k) stats.heartbeat_timeouts[k] = heartbeat_timeouts_[k];
+  stats.attempt_failures = attempt_failures_;
+  stats.restarts = restarts_;
+  return stats;
+}
+
 absl::Status JobController::Tick() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock();
@@ -903,6 +937,7 @@ absl::Status JobController::Tick() {
     auto it = workers_.find(id);
     const Worker worker = std::move(it->second);
     workers_.erase(it);
+    ++heartbeat_timeouts_[KindIndex(worker.info.kind())];
     if (worker.job_id.empty() || worker.finished) continue;
     auto job = jobs_.find(worker.job_id);
     if (job == jobs_.end() || !IsCurrent(job->second, worker.attempt)) continue;

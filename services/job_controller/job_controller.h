@@ -76,6 +76,17 @@ class JobController : public JobApi {
   // Wakes every waiting RendezvousGet with UNAVAILABLE, before the server shuts down.
   void Shutdown();
 
+  // What the controller's metrics report (docs/METRICS.md), read when Prometheus scrapes.
+  struct Stats {
+    std::map<v1::JobState, int> jobs;  // every state but UNSPECIFIED, zeros included
+    // Registered workers: [0 trainer, 1 optimizer server][0 idle, 1 busy].
+    int workers[2][2] = {};
+    uint64_t heartbeat_timeouts[2] = {};  // workers declared dead, by kind as above
+    uint64_t attempt_failures = 0;
+    uint64_t restarts = 0;
+  };
+  Stats GetStats() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Worker {
     std::string id;
@@ -167,6 +178,10 @@ class JobController : public JobApi {
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> submit_order_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);
+  // Since this process started (Prometheus handles the reset at a restart).
+  uint64_t heartbeat_timeouts_[2] ABSL_GUARDED_BY(mu_) = {};
+  uint64_t attempt_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_worker_number_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<RendezvousKey, std::map<std::string, std::string>> rendezvous_ ABSL_GUARDED_BY(mu_);
 };

@@ -17,7 +17,10 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "services/common/metrics.h"
+#include "services/common/metrics_flags.h"
 #include "services/common/security.h"
+#include "services/job_controller/controller_metrics.h"
 #include "services/job_controller/grpc_services.h"
 #include "services/job_controller/job_controller.h"
 #include "services/job_controller/job_store.h"
@@ -87,6 +90,14 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<offload::JobController>> controller =
       offload::JobController::Create(options);
   if (!controller.ok()) return Fail(controller.status().ToString());
+  absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
+      offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address), "job_controller");
+  if (!metrics.ok()) return Fail(metrics.status().ToString());
+  if (*metrics != nullptr) {
+    for (auto& c : offload::MakeControllerCollectors(controller->get())) {
+      (*metrics)->Add(std::move(c));
+    }
+  }
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       offload::MakeServerCredentials(security->tls);

@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "services/job_controller/controller_metrics.h"
 #include "services/job_controller/job_store.h"
 
 namespace offload {
@@ -309,6 +311,30 @@ TEST_F(JobControllerTest, TwoRanksTwoShards) {
   EXPECT_THAT(r1.start(0).shard_addresses(), ElementsAre("s0:50051", "s1:50051"));
 }
 
+TEST_F(JobControllerTest, RanksFollowWorkerIndexes) {
+  // Pods of an Indexed Job register in any order; rank i goes to the worker with index i.
+  const std::string s0 = Server("s0");
+  std::vector<std::string> trainers(3);
+  for (int index : {2, 0, 1}) {
+    v1::RegisterWorkerRequest request;
+    request.mutable_worker()->set_kind(v1::WORKER_KIND_TRAINER);
+    request.mutable_worker()->set_name(absl::StrCat("pod-", index));
+    request.mutable_worker()->set_index(index);
+    absl::StatusOr<v1::RegisterWorkerResponse> r = controller_->RegisterWorker(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    trainers[index] = r->worker_id();
+  }
+  const std::string job_id = Submit(Spec(3, 1)).id();
+  ASSERT_EQ(Get(job_id).state(), v1::JOB_STATE_RUNNING);
+  Beat(s0);
+  Beat(s0, {Ref(job_id, 1)});
+  for (uint32_t index = 0; index < 3; ++index) {
+    v1::HeartbeatResponse r = Beat(trainers[index]);
+    ASSERT_EQ(r.start_size(), 1);
+    EXPECT_EQ(r.start(0).rank(), index);
+  }
+}
+
 TEST_F(JobControllerTest, ProgressUpdatesTheJob) {
   const std::string job_id = Submit(Spec()).id();
   const std::string server = Server("s0"), trainer = Trainer("t0");
@@ -586,6 +612,23 @@ TEST_F(JobControllerTest, ALostWorkerRestartsTheJobThenFailsIt) {
   job = Get(job_id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(job.reason(), "worker " + trainer + " (t1) lost its heartbeat");
+
+  // What the metrics read: both losses, one restart, the job failed, the server still there.
+  const JobController::Stats stats = controller_->GetStats();
+  EXPECT_EQ(stats.heartbeat_timeouts[0], 2u);  // trainers
+  EXPECT_EQ(stats.heartbeat_timeouts[1], 0u);
+  EXPECT_EQ(stats.attempt_failures, 2u);
+  EXPECT_EQ(stats.restarts, 1u);
+  EXPECT_EQ(stats.jobs.at(v1::JOB_STATE_FAILED), 1);
+  EXPECT_EQ(stats.jobs.at(v1::JOB_STATE_RUNNING), 0);
+  EXPECT_EQ(stats.jobs.size(), 7u);  // every state, zeros included
+  EXPECT_EQ(stats.workers[0][0] + stats.workers[0][1], 0);
+  EXPECT_EQ(stats.workers[1][0] + stats.workers[1][1], 1);
+}
+
+TEST(ControllerMetricsTest, StateLabels) {
+  EXPECT_EQ(JobStateLabel(v1::JOB_STATE_PENDING), "pending");
+  EXPECT_EQ(JobStateLabel(v1::JOB_STATE_CHECKPOINTING), "checkpointing");
 }
 
 TEST_F(JobControllerTest, ARankErrorFailsAJobWithoutCheckpoints) {

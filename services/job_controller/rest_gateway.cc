@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
+#include "services/common/metrics.h"
 
 namespace offload {
 namespace {
@@ -239,12 +240,7 @@ class RestGatewayImpl final : public RestGateway {
  private:
   void Configure(const RestOptions& options) {
     server_->set_payload_max_length(options.max_body_bytes);
-    // httplib's default is SO_REUSEPORT, which lets a second gateway share a busy port (and the
-    // kernel split connections between them); SO_REUSEADDR alone still allows a quick restart.
-    server_->set_socket_options([](socket_t sock) {
-      int yes = 1;
-      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    });
+    server_->set_socket_options(ExclusiveListenSocketOptions);
     // One catch-all handler per method: the routes are matched in Route so that a known path
     // with the wrong method can answer 405 instead of httplib's 404.
     const auto handler = [this](const httplib::Request& req, httplib::Response& res) {

@@ -1,6 +1,9 @@
 #include "services/launcher/controlled_job.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,6 +16,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "services/common/job_spec.h"
@@ -33,6 +37,23 @@ absl::StatusOr<std::string> RandomToken() {
   close(fd);
   if (n != sizeof(bytes)) return absl::InternalError("short read from /dev/urandom");
   return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
+
+// A free loopback port for a child's /metrics. Another process could take it before the child
+// binds it; the child then fails naming the address, which is rare enough on one machine.
+absl::StatusOr<int> FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  if (!ok) return absl::InternalError("cannot find a free loopback port for /metrics");
+  return ntohs(addr.sin_port);
 }
 
 std::string Absolute(const std::string& path) {
@@ -102,11 +123,46 @@ absl::Status ControlledJob::Prepare() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> ControlledJob::MetricsFlag(const std::string& job,
+                                                      const std::string& flag) {
+  if (options_.metrics_targets_dir.empty()) return std::string();
+  absl::StatusOr<int> port = FreeLoopbackPort();
+  if (!port.ok()) return port.status();
+  const std::string address = absl::StrCat("127.0.0.1:", *port);
+  metrics_targets_[job].push_back(address);
+  return absl::StrCat("--", flag, "=", address);
+}
+
+absl::Status ControlledJob::WriteMetricsTargets() const {
+  const std::string& dir = options_.metrics_targets_dir;
+  if (dir.empty()) return absl::OkStatus();
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  for (const auto& [job, addresses] : metrics_targets_) {
+    // Prometheus re-reads the files when they change: write whole files, then rename.
+    const std::string path = absl::StrCat(dir, "/", job, ".json");
+    const std::string temp = path + ".tmp";
+    std::FILE* f = std::fopen(temp.c_str(), "w");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", temp));
+    std::fprintf(f, "[{\"targets\": [\"%s\"], \"labels\": {}}]\n",
+                 absl::StrJoin(addresses, "\", \"").c_str());
+    const bool written = std::fclose(f) == 0;
+    if (!written || std::rename(temp.c_str(), path.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("cannot write ", path));
+    }
+  }
+  Say(absl::StrCat("Prometheus targets in ", dir));
+  return absl::OkStatus();
+}
+
 absl::Status ControlledJob::StartController() {
   SpawnOptions spawn;
   spawn.argv = {options_.controller_binary, "--grpc_address=127.0.0.1:0",
                 "--http_address=127.0.0.1:0", absl::StrCat("--store=", options_.store),
                 absl::StrCat("--token_file=", token_file_)};
+  absl::StatusOr<std::string> metrics = MetricsFlag("offload-controller");
+  if (!metrics.ok()) return metrics.status();
+  if (!metrics->empty()) spawn.argv.push_back(*metrics);
   spawn.capture_output = true;
   spawn.null_stdin = true;
   absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
@@ -140,6 +196,9 @@ absl::Status ControlledJob::StartPool() {
   for (int k = 0; k < options_.num_shards; ++k) {
     SpawnOptions spawn;
     spawn.argv = {options_.server_binary, "--listen=127.0.0.1:0", controller, token};
+    absl::StatusOr<std::string> metrics = MetricsFlag("offload-optimizer-server");
+    if (!metrics.ok()) return metrics.status();
+    if (!metrics->empty()) spawn.argv.push_back(*metrics);
     spawn.argv.insert(spawn.argv.end(), options_.server_args.begin(), options_.server_args.end());
     spawn.capture_output = true;
     spawn.null_stdin = true;
@@ -153,7 +212,15 @@ absl::Status ControlledJob::StartPool() {
   // The trainers keep the terminal: rank 0 draws its progress bar there, as without a controller.
   for (int r = 0; r < options_.num_ranks; ++r) {
     SpawnOptions spawn;
-    spawn.argv = {options_.trainer_binary, controller, token, "--rank_address=127.0.0.1", "--"};
+    spawn.argv = {options_.trainer_binary, controller, token, "--rank_address=127.0.0.1",
+                  absl::StrCat("--worker_index=", r)};
+    for (const char* job : {"offload-trainer-worker", "offload-trainer"}) {
+      absl::StatusOr<std::string> metrics = MetricsFlag(
+          job, job == std::string("offload-trainer") ? "rank_metrics_address" : "metrics_address");
+      if (!metrics.ok()) return metrics.status();
+      if (!metrics->empty()) spawn.argv.push_back(*metrics);
+    }
+    spawn.argv.push_back("--");
     spawn.argv.insert(spawn.argv.end(), rank_args_.begin(), rank_args_.end());
     spawn.null_stdin = true;
     absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
@@ -210,6 +277,10 @@ JobOutcome ControlledJob::Run() {
     return {1, s.ToString()};
   }
   if (absl::Status s = StartPool(); !s.ok()) {
+    StopAll();
+    return {1, s.ToString()};
+  }
+  if (absl::Status s = WriteMetricsTargets(); !s.ok()) {
     StopAll();
     return {1, s.ToString()};
   }

@@ -6,6 +6,7 @@
 #ifndef OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_
 #define OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -35,6 +36,10 @@ struct ControlledJobOptions {
   // After Ctrl-C, how long the job has to checkpoint and pause.
   absl::Duration shutdown_timeout = absl::Seconds(60);
   absl::Duration kill_timeout = absl::Seconds(5);
+  // When set, every process serves /metrics on a free loopback port, and the ports are written
+  // there as Prometheus file_sd target files, one per scrape job: offload-controller.json,
+  // offload-optimizer-server.json, offload-trainer-worker.json, offload-trainer.json.
+  std::string metrics_targets_dir;
 };
 
 class ControlledJob {
@@ -58,6 +63,11 @@ class ControlledJob {
   };
 
   absl::Status Prepare();
+  // "--metrics_address=127.0.0.1:PORT" with a free port recorded under the scrape `job`; empty
+  // when no metrics were asked for.
+  absl::StatusOr<std::string> MetricsFlag(const std::string& job,
+                                          const std::string& flag = "metrics_address");
+  absl::Status WriteMetricsTargets() const;
   absl::Status StartController();
   absl::Status StartPool();
   // Also sorts the trainer flags that are no JobSpec field into rank_args_.
@@ -77,6 +87,7 @@ class ControlledJob {
   std::string http_address_;
   std::unique_ptr<v1::JobService::Stub> stub_;
   std::vector<Process> processes_;  // [0] is the controller
+  std::map<std::string, std::vector<std::string>> metrics_targets_;  // scrape job -> host:port
 };
 
 }  // namespace offload

@@ -23,6 +23,9 @@ ABSL_FLAG(std::string, controller, "local",
           "local: run the job through a job_controller started for it, with the servers and "
           "trainers as its worker pool (the way a cluster runs jobs); none: start the servers and "
           "the trainer ranks directly, with their flags");
+ABSL_FLAG(std::string, metrics_targets_dir, "",
+          "with --controller=local: every process serves Prometheus /metrics on a free loopback "
+          "port, listed in file_sd target files in this directory (see monitoring/)");
 ABSL_FLAG(std::string, store, "",
           "with --controller=local: keep the controller's job store in this SQLite file (default: "
           "a temporary one, removed at the end)");
@@ -138,6 +141,7 @@ int main(int argc, char** argv) {
     controlled.server_args = options.server_args;
     controlled.trainer_args = options.trainer_args;
     controlled.store = absl::GetFlag(FLAGS_store);
+    controlled.metrics_targets_dir = absl::GetFlag(FLAGS_metrics_targets_dir);
     controlled.startup_timeout = options.startup_timeout;
     controlled.shutdown_timeout = options.shutdown_timeout;
     controlled.kill_timeout = options.kill_timeout;

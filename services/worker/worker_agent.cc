@@ -5,9 +5,46 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/metrics.h"
 #include "services/common/security.h"
 
 namespace offload {
+namespace {
+
+// docs/METRICS.md, "Pool workers". One agent per process, so plain process-wide metrics.
+struct WorkerMetrics {
+  prometheus::Gauge& registered;
+  prometheus::Gauge& busy;
+  prometheus::Counter& assignments;
+  prometheus::Counter& heartbeat_failures;
+
+  static WorkerMetrics& Get() {
+    static WorkerMetrics* m = new WorkerMetrics{
+        prometheus::BuildGauge()
+            .Name("offload_worker_registered")
+            .Help("1 while this worker is registered with the job controller.")
+            .Register(MetricsRegistry())
+            .Add({}),
+        prometheus::BuildGauge()
+            .Name("offload_worker_busy")
+            .Help("1 while this worker runs an assignment.")
+            .Register(MetricsRegistry())
+            .Add({}),
+        prometheus::BuildCounter()
+            .Name("offload_worker_assignments_total")
+            .Help("Assignments this worker has started.")
+            .Register(MetricsRegistry())
+            .Add({}),
+        prometheus::BuildCounter()
+            .Name("offload_worker_heartbeat_failures_total")
+            .Help("Heartbeats that did not reach the job controller.")
+            .Register(MetricsRegistry())
+            .Add({})};
+    return *m;
+  }
+};
+
+}  // namespace
 namespace {
 
 void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
@@ -84,6 +121,7 @@ void WorkerAgent::Finished(v1::AttemptResult result) {
                                   return SameAttempt(RefOf(a), result.attempt());
                                 }),
                  running_.end());
+  WorkerMetrics::Get().busy.Set(running_.empty() ? 0 : 1);
   finished_.push_back(std::move(result));
 }
 
@@ -105,7 +143,11 @@ absl::Status WorkerAgent::Register() {
   SetDeadline(&context, options_.call_timeout);
   AttachBearer(&context, options_.token);
   grpc::Status s = stub_->RegisterWorker(&context, request, &response);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) {
+    WorkerMetrics::Get().registered.Set(0);
+    return FromGrpc(s);
+  }
+  WorkerMetrics::Get().registered.Set(1);
   absl::MutexLock lock(&mu_);
   worker_id_ = response.worker_id();
   if (response.heartbeat_interval_ms() > 0) {
@@ -151,6 +193,7 @@ void WorkerAgent::HeartbeatOnce() {
     return;
   }
   if (!s.ok()) {
+    WorkerMetrics::Get().heartbeat_failures.Increment();
     absl::MutexLock lock(&mu_);
     if (!unreachable_) {
       std::fprintf(stderr, "worker %s: heartbeat to %s failed (%s); retrying\n",
@@ -177,6 +220,7 @@ void WorkerAgent::HeartbeatOnce() {
           std::remove_if(running_.begin(), running_.end(),
                          [&](const v1::Assignment& a) { return SameAttempt(RefOf(a), ref); }),
           running_.end());
+      WorkerMetrics::Get().busy.Set(running_.empty() ? 0 : 1);
     }
     if (hooks_.stop) hooks_.stop(ref);
   }
@@ -184,7 +228,9 @@ void WorkerAgent::HeartbeatOnce() {
     {
       absl::MutexLock lock(&mu_);
       running_.push_back(a);
+      WorkerMetrics::Get().busy.Set(1);
     }
+    WorkerMetrics::Get().assignments.Increment();
     if (hooks_.start) hooks_.start(a);
   }
 }
