@@ -11,8 +11,8 @@
 #ifdef OFFLOAD_HAVE_UCX
 #include "cpu_optimizer_server/ucx_transport.h"
 #endif
-#include "cpu_optimizer_server/wire_convert.h"
 #include "cpu_optimizer_server/server_metrics.h"
+#include "cpu_optimizer_server/wire_convert.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 

@@ -39,8 +39,9 @@ ServerMetrics::ServerMetrics() {
   steps_skipped_ = &steps.Add({{"result", "skipped"}});
   adam_seconds_ = &prometheus::BuildHistogram()
                        .Name("offload_optimizer_adam_seconds")
-                       .Help("Wall time of the Adam update of one range step, with its "
-                             "parameters streamed back wave by wave.")
+                       .Help(
+                           "Wall time of the Adam update of one range step, with its "
+                           "parameters streamed back wave by wave.")
                        .Register(registry)
                        .Add({}, DurationBuckets());
 }
@@ -67,12 +68,14 @@ std::vector<std::shared_ptr<prometheus::Collectable>> MakeShardStoreCollectors(
       "The server's memory budget for state, accumulators and gradients in flight.", [store] {
         return Samples{{{}, static_cast<double>(store->options().memory_limit_bytes)}};
       }));
-  out.push_back(CallbackMetric::Gauge(
-      "offload_optimizer_shard_jobs", "Shard jobs held.",
-      [store] { return Samples{{{}, static_cast<double>(store->Jobs().size())}}; }));
+  out.push_back(CallbackMetric::Gauge("offload_optimizer_shard_jobs", "Shard jobs held.", [store] {
+    return Samples{{{}, static_cast<double>(store->Jobs().size())}};
+  }));
   out.push_back(CallbackMetric::Gauge(
       "offload_optimizer_queue_depth", "Adam work regions queued or running on the thread pool.",
-      [store] { return Samples{{{}, static_cast<double>(store->pool()->queue_depth())}}; }));
+      [store] {
+        return Samples{{{}, static_cast<double>(store->pool()->queue_depth())}};
+      }));
   return out;
 }
 

@@ -14,11 +14,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/server_metrics.h"
 #include "cpu_optimizer_server/shm_segment.h"
 #include "cpu_optimizer_server/shm_transport.h"
 #include "cpu_optimizer_server/step_session.h"
 #include "cpu_optimizer_server/wire_convert.h"
-#include "cpu_optimizer_server/server_metrics.h"
 
 namespace offload {
 namespace {

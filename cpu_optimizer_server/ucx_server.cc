@@ -18,11 +18,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/server_metrics.h"
 #include "cpu_optimizer_server/step_session.h"
 #include "cpu_optimizer_server/ucx_common.h"
 #include "cpu_optimizer_server/ucx_transport.h"
 #include "cpu_optimizer_server/wire_convert.h"
-#include "cpu_optimizer_server/server_metrics.h"
 
 namespace offload {
 namespace {

@@ -291,8 +291,8 @@ int main(int argc, char** argv) {
   const offload::Gpt2Config& c = options->model;
   {
     offload::TrainerInfo info;
-    info.job_id = absl::GetFlag(FLAGS_report_job).empty() ? options->job_id
-                                                          : absl::GetFlag(FLAGS_report_job);
+    info.job_id =
+        absl::GetFlag(FLAGS_report_job).empty() ? options->job_id : absl::GetFlag(FLAGS_report_job);
     info.rank = rank;
     info.world_size = world_size;
     info.device = absl::GetFlag(FLAGS_device);

@@ -10,9 +10,9 @@ namespace offload {
 namespace {
 
 // Every phase the training loop times (trainer.cc, gradient_sender.cc, gradient_reducer.cc).
-constexpr const char* kPhases[] = {"forward",     "backward",       "wait_reduce",
+constexpr const char* kPhases[] = {"forward",      "backward",       "wait_reduce",
                                    "wait_offload", "commit",         "wait_commit",
-                                   "all_gather",  "reduce_scatter", "send_gradients"};
+                                   "all_gather",   "reduce_scatter", "send_gradients"};
 constexpr int kNumPhases = sizeof(kPhases) / sizeof(kPhases[0]);
 
 struct Metrics {
@@ -113,8 +113,7 @@ void SetTrainerInfo(const TrainerInfo& info) {
       .Set(1);
 }
 
-void RecordTrainerStep(const StepReport& report, double step_seconds, double tokens,
-                       double flops) {
+void RecordTrainerStep(const StepReport& report, double step_seconds, double tokens, double flops) {
   Metrics& m = Metrics::Get();
   m.steps.Increment();
   if (report.skipped) m.skipped.Increment();

@@ -95,17 +95,15 @@ class ProcessCollector : public prometheus::Collectable {
     };
     if (f.size() >= 22) {
       out.push_back(Family("process_cpu_seconds_total",
-                                "Total user and system CPU time spent in seconds.",
-                                prometheus::MetricType::Counter));
+                           "Total user and system CPU time spent in seconds.",
+                           prometheus::MetricType::Counter));
       AddValue(&out.back(), (field(14) + field(15)) / ticks_);
-      out.push_back(
-          Family("process_start_time_seconds",
-                      "Start time of the process since unix epoch in seconds."));
+      out.push_back(Family("process_start_time_seconds",
+                           "Start time of the process since unix epoch in seconds."));
       AddValue(&out.back(), boot_time_ + field(22) / ticks_);
       out.push_back(Family("process_virtual_memory_bytes", "Virtual memory size in bytes."));
       AddValue(&out.back(), field(23));
-      out.push_back(
-          Family("process_resident_memory_bytes", "Resident memory size in bytes."));
+      out.push_back(Family("process_resident_memory_bytes", "Resident memory size in bytes."));
       AddValue(&out.back(), field(24) * page_);
     }
     out.push_back(Family("process_open_fds", "Number of open file descriptors."));

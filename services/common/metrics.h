@@ -2,9 +2,10 @@
 // process that every library adds its families to, the standard process_* gauges, and the
 // /metrics endpoint on the address `--metrics_address` names. The page is prometheus-cpp's text
 // format served by cpp-httplib (the REST gateway's server): prometheus-cpp's own civetweb exposer
-// fails to start inside gpu_trainer, and one HTTP library is enough. Counters and gauges are lock-free atomics, so the hot paths update them per chunk or per
-// step; values that are cheaper to read than to keep up to date (bytes held, queue depth) come
-// from collectors that run only when Prometheus scrapes.
+// fails to start inside gpu_trainer, and one HTTP library is enough. Counters and gauges are
+// lock-free atomics, so the hot paths update them per chunk or per step; values that are cheaper to
+// read than to keep up to date (bytes held, queue depth) come from collectors that run only when
+// Prometheus scrapes.
 #ifndef OFFLOAD_SERVICES_COMMON_METRICS_H_
 #define OFFLOAD_SERVICES_COMMON_METRICS_H_
 
@@ -49,8 +50,7 @@ class CallbackMetric : public prometheus::Collectable {
   };
   using Collector = std::function<std::vector<Sample>()>;
   // `type` is Gauge or Counter.
-  CallbackMetric(std::string name, std::string help, prometheus::MetricType type,
-                 Collector collect)
+  CallbackMetric(std::string name, std::string help, prometheus::MetricType type, Collector collect)
       : name_(std::move(name)), help_(std::move(help)), type_(type), collect_(std::move(collect)) {}
   std::vector<prometheus::MetricFamily> Collect() const override;
 
@@ -110,8 +110,8 @@ void ExclusiveListenSocketOptions(int socket);
 
 // Starts the server when `address` is not empty (the binaries' --metrics_address), and prints
 // "<binary>: metrics on http://ADDRESS/metrics". Null when `address` is empty.
-absl::StatusOr<std::unique_ptr<MetricsServer>> StartMetricsServerIfAsked(
-    const std::string& address, const std::string& binary);
+absl::StatusOr<std::unique_ptr<MetricsServer>> StartMetricsServerIfAsked(const std::string& address,
+                                                                         const std::string& binary);
 
 }  // namespace offload
 

@@ -34,10 +34,11 @@ TEST(MetricsServerTest, ServesRegistryProcessAndCallbackMetrics) {
                                      .Add({});
   counter.Increment(3);
   int calls = 0;
-  (*server)->Add(CallbackMetric::Gauge("offload_test_depth", "Depth read at scrape time.", [&calls] {
-    ++calls;
-    return std::vector<CallbackMetric::Sample>{{{{"queue", "a"}}, 7}};
-  }));
+  (*server)->Add(
+      CallbackMetric::Gauge("offload_test_depth", "Depth read at scrape time.", [&calls] {
+        ++calls;
+        return std::vector<CallbackMetric::Sample>{{{{"queue", "a"}}, 7}};
+      }));
   (*server)->Add(CallbackMetric::Counter("offload_test_done_total", "Done, kept elsewhere.", [] {
     return std::vector<CallbackMetric::Sample>{{{}, 5}};
   }));
@@ -76,8 +77,7 @@ TEST(MetricsServerTest, ProcessMetricsAreSane) {
 TEST(MetricsServerTest, BadAddressesAreErrors) {
   EXPECT_EQ(MetricsServer::Start("no-port", "t").status().code(),
             absl::StatusCode::kInvalidArgument);
-  absl::StatusOr<std::unique_ptr<MetricsServer>> first =
-      MetricsServer::Start("127.0.0.1:0", "t");
+  absl::StatusOr<std::unique_ptr<MetricsServer>> first = MetricsServer::Start("127.0.0.1:0", "t");
   ASSERT_TRUE(first.ok()) << first.status();
   absl::StatusOr<std::unique_ptr<MetricsServer>> second =
       MetricsServer::Start((*first)->address(), "t");

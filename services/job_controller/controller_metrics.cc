@@ -22,15 +22,14 @@ std::string JobStateLabel(v1::JobState state) {
 std::vector<std::shared_ptr<prometheus::Collectable>> MakeControllerCollectors(
     const JobController* controller) {
   std::vector<std::shared_ptr<prometheus::Collectable>> out;
-  out.push_back(CallbackMetric::Gauge("offload_controller_jobs", "Jobs in each state.",
-                                      [controller] {
-                                        Samples samples;
-                                        for (const auto& [state, n] :
-                                             controller->GetStats().jobs) {
-                                          samples.push_back({{{"state", JobStateLabel(state)}}, n});
-                                        }
-                                        return samples;
-                                      }));
+  out.push_back(
+      CallbackMetric::Gauge("offload_controller_jobs", "Jobs in each state.", [controller] {
+        Samples samples;
+        for (const auto& [state, n] : controller->GetStats().jobs) {
+          samples.push_back({{{"state", JobStateLabel(state)}}, n});
+        }
+        return samples;
+      }));
   out.push_back(CallbackMetric::Gauge(
       "offload_controller_workers", "Registered pool workers, by kind and state.", [controller] {
         const JobController::Stats stats = controller->GetStats();

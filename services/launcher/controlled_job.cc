@@ -124,7 +124,7 @@ absl::Status ControlledJob::Prepare() {
 }
 
 absl::StatusOr<std::string> ControlledJob::MetricsFlag(const std::string& job,
-                                                      const std::string& flag) {
+                                                       const std::string& flag) {
   if (options_.metrics_targets_dir.empty()) return std::string();
   absl::StatusOr<int> port = FreeLoopbackPort();
   if (!port.ok()) return port.status();

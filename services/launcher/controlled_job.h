@@ -86,7 +86,7 @@ class ControlledJob {
   std::string grpc_address_;
   std::string http_address_;
   std::unique_ptr<v1::JobService::Stub> stub_;
-  std::vector<Process> processes_;  // [0] is the controller
+  std::vector<Process> processes_;                                   // [0] is the controller
   std::map<std::string, std::vector<std::string>> metrics_targets_;  // scrape job -> host:port
 };
 

@@ -19,27 +19,27 @@ struct WorkerMetrics {
   prometheus::Counter& heartbeat_failures;
 
   static WorkerMetrics& Get() {
-    static WorkerMetrics* m = new WorkerMetrics{
-        prometheus::BuildGauge()
-            .Name("offload_worker_registered")
-            .Help("1 while this worker is registered with the job controller.")
-            .Register(MetricsRegistry())
-            .Add({}),
-        prometheus::BuildGauge()
-            .Name("offload_worker_busy")
-            .Help("1 while this worker runs an assignment.")
-            .Register(MetricsRegistry())
-            .Add({}),
-        prometheus::BuildCounter()
-            .Name("offload_worker_assignments_total")
-            .Help("Assignments this worker has started.")
-            .Register(MetricsRegistry())
-            .Add({}),
-        prometheus::BuildCounter()
-            .Name("offload_worker_heartbeat_failures_total")
-            .Help("Heartbeats that did not reach the job controller.")
-            .Register(MetricsRegistry())
-            .Add({})};
+    static WorkerMetrics* m =
+        new WorkerMetrics{prometheus::BuildGauge()
+                              .Name("offload_worker_registered")
+                              .Help("1 while this worker is registered with the job controller.")
+                              .Register(MetricsRegistry())
+                              .Add({}),
+                          prometheus::BuildGauge()
+                              .Name("offload_worker_busy")
+                              .Help("1 while this worker runs an assignment.")
+                              .Register(MetricsRegistry())
+                              .Add({}),
+                          prometheus::BuildCounter()
+                              .Name("offload_worker_assignments_total")
+                              .Help("Assignments this worker has started.")
+                              .Register(MetricsRegistry())
+                              .Add({}),
+                          prometheus::BuildCounter()
+                              .Name("offload_worker_heartbeat_failures_total")
+                              .Help("Heartbeats that did not reach the job controller.")
+                              .Register(MetricsRegistry())
+                              .Add({})};
     return *m;
   }
 };

@@ -1,0 +1,83 @@
+# syntax=docker/dockerfile:1
+# The Offload image: job_controller, cpu_optimizer_server, gpu_trainer and offloadctl in
+# /opt/offload/bin, the demo corpus in /opt/offload/data, running as uid 10001. k8s/ runs it.
+#
+#   docker build -t offload:0.1.0 .                              # CPU backend only
+#   docker build --build-arg CUDA_VERSION=13-0 -t offload:0.1.0 .  # with the CUDA backend
+#
+# The CUDA backend needs nvcc at build time: CUDA_VERSION (NVIDIA's package suffix, e.g. 13-0)
+# adds NVIDIA's CUDA repository for Debian 12 and its compiler, cuBLAS and runtime packages.
+# Without it the trainer has only the CPU backend (a job with training.device=cuda fails).
+# The GPU driver (libcuda) comes from the node through the NVIDIA container toolkit.
+#
+# Not built by the tests (the development machines have no container engine); keep it simple.
+# tests/k8s_manifests_test.sh only checks that it installs what the manifests run.
+
+ARG DEBIAN_IMAGE=debian:12
+
+FROM ${DEBIAN_IMAGE} AS build
+ARG CUDA_VERSION=""
+ENV DEBIAN_FRONTEND=noninteractive
+# The build packages: the same list ./scripts/build installs (scripts/bootstrap).
+COPY scripts/bootstrap /tmp/bootstrap
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends ca-certificates curl \
+ && /tmp/bootstrap \
+ && if [ -n "$CUDA_VERSION" ]; then \
+      curl -fsSL -o /tmp/cuda-keyring.deb \
+        https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb \
+      && dpkg -i /tmp/cuda-keyring.deb && apt-get update -q \
+      && apt-get install -y -q --no-install-recommends "cuda-nvcc-$CUDA_VERSION" \
+           "cuda-cudart-dev-$CUDA_VERSION" "libcublas-dev-$CUDA_VERSION"; \
+    fi \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY . .
+# OFF without CUDA_VERSION, so a CPU-only image is a deliberate choice, not a missing nvcc.
+RUN if [ -n "$CUDA_VERSION" ]; then \
+      cuda="-DOFFLOAD_CUDA=ON -DCMAKE_CUDA_COMPILER=/usr/local/cuda-$(echo "$CUDA_VERSION" | tr - .)/bin/nvcc"; \
+    else \
+      cuda="-DOFFLOAD_CUDA=OFF"; \
+    fi \
+ && cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release $cuda \
+ && cmake --build /build -j "$(nproc)" \
+      --target job_controller cpu_optimizer_server gpu_trainer offloadctl \
+ && mkdir -p /out/bin \
+ && cp /build/services/job_controller/job_controller /build/cpu_optimizer_server/cpu_optimizer_server \
+       /build/gpu_trainer/train/gpu_trainer /build/services/offloadctl/offloadctl /out/bin/ \
+ && strip --strip-unneeded /out/bin/*
+
+FROM ${DEBIAN_IMAGE}
+ARG CUDA_VERSION=""
+ENV DEBIAN_FRONTEND=noninteractive
+# Runtime libraries only (those of the -dev packages in scripts/bootstrap); ibverbs-providers
+# and librdmacm1, UCX's way to RDMA NICs (k8s/overlays/rdma), are named though libucx0 pulls them.
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends ca-certificates \
+      libabsl20220623 libgrpc++1.51 libgrpc29 libprotobuf32 libopenblas0-openmp libgomp1 \
+      libucx0 libgloo0 libsqlite3-0 libcpp-httplib0.11 libyaml-cpp0.7 \
+      ibverbs-providers librdmacm1 \
+ && if [ -n "$CUDA_VERSION" ]; then \
+      apt-get install -y -q --no-install-recommends curl \
+      && curl -fsSL -o /tmp/cuda-keyring.deb \
+        https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb \
+      && dpkg -i /tmp/cuda-keyring.deb && rm /tmp/cuda-keyring.deb && apt-get update -q \
+      && apt-get install -y -q --no-install-recommends "cuda-cudart-$CUDA_VERSION" "libcublas-$CUDA_VERSION" \
+      && echo "/usr/local/cuda-$(echo "$CUDA_VERSION" | tr - .)/targets/x86_64-linux/lib" \
+           > /etc/ld.so.conf.d/offload-cuda.conf \
+      && ldconfig \
+      && apt-get purge -y curl && apt-get autoremove -y; \
+    fi \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 offload \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin offload
+COPY --from=build /out/bin/ /opt/offload/bin/
+COPY data/tinyshakespeare.txt /opt/offload/data/tinyshakespeare.txt
+# Every library resolves (libcuda, the driver, is mounted into GPU containers at run time).
+RUN ! ldd /opt/offload/bin/* | grep -v 'libcuda\.so' | grep 'not found'
+ENV PATH=/opt/offload/bin:$PATH
+# The pods mount an emptyDir at /tmp under a read-only root filesystem.
+WORKDIR /tmp
+USER 10001:10001
+CMD ["job_controller", "--help"]

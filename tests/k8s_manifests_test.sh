@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# Validates the Kubernetes manifests in k8s/ (DESIGN section 2: "manifest validation").
+#
+#   tests/k8s_manifests_test.sh [REPO_ROOT [BUILD_DIR]]
+#
+# For k8s/base and every overlay in k8s/overlays/:
+#   - `kubectl kustomize` renders it and prints nothing on stderr (no deprecation warnings);
+#   - every object validates against its Kubernetes / Prometheus Operator schema (the npm
+#     kubernetes-models packages, tests/k8s/validate.cjs) and has no field the schema does not
+#     define (our own walk over the same schemas: the JSON schemas accept unknown fields);
+#   - the policy checks of tests/k8s/check_manifests.py hold (security contexts, resources,
+#     probes, Guaranteed optimizer pods, the Indexed trainer Job, /dev/shm, PodMonitor jobs and
+#     ports against docs/METRICS.md, the PrometheusRule against monitoring/prometheus/rules/).
+# Every case in tests/k8s/broken/ must be rejected with the message in its `expected` file, so
+# none of these checks can pass by checking nothing. k8s/base/prometheus-rule.yaml must be what
+# k8s/tools/make-prometheus-rule.py generates, and the Dockerfile must ship what the manifests run.
+#
+# Needs kubectl (with kustomize v5), node and npm, and /usr/bin/python3 with PyYAML
+# (python3-yaml). The npm packages pinned in tests/k8s/package-lock.json are installed with
+# `npm ci` into $OFFLOAD_NPM_CACHE (default ~/.cache/offload-k8s-test), outside the source tree;
+# the first run downloads them, later runs work offline. BUILD_DIR, when given, holds the
+# scratch files (else a temporary directory). OFFLOAD_K8S_TEST_VERBOSE=1 also prints every
+# problem found in the broken cases.
+set -euo pipefail
+
+root=$(cd "${1:-$(dirname "$0")/..}" && pwd)
+build_dir=${2:-}
+tests="$root/tests/k8s"
+npm_dir=${OFFLOAD_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/offload-k8s-test}
+
+passed=0
+failed=0
+pass() { echo "PASS: $*"; passed=$((passed + 1)); }
+fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
+die() {
+  echo "FAIL: $*"
+  echo "0 passed, 1 failed"
+  exit 1
+}
+
+# --- tools ------------------------------------------------------------------------------------
+command -v kubectl >/dev/null ||
+  die "kubectl not found: install kubectl (it carries kustomize v5) to validate k8s/"
+kustomize_version=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\{0,1\}\([0-9][0-9]*\).*/\1/p')
+if [ -z "$kustomize_version" ] || [ "$kustomize_version" -lt 5 ]; then
+  die "kubectl's kustomize is not v5 or newer ($(kubectl version --client 2>&1 | tr '\n' ' '))"
+fi
+command -v node >/dev/null || die "node not found (Node.js 18 or newer runs the schema validation)"
+command -v npm >/dev/null || die "npm not found (installs the pinned kubernetes-models packages)"
+python=/usr/bin/python3
+[ -x "$python" ] || python=$(command -v python3) || die "python3 not found"
+"$python" -c 'import yaml' 2>/dev/null || die "$python has no PyYAML (apt-get install python3-yaml)"
+
+if [ -n "$build_dir" ]; then
+  mkdir -p "$build_dir"
+  work=$(mktemp -d "$build_dir/k8s_manifests_test.XXXXXX")
+else
+  work=$(mktemp -d "${TMPDIR:-/tmp}/k8s_manifests_test.XXXXXX")
+fi
+trap 'rm -rf "$work"' EXIT
+
+# --- npm packages (pinned by tests/k8s/package-lock.json) ------------------------------------
+install_packages() {
+  local want
+  want=$(cat "$tests/package.json" "$tests/package-lock.json" | sha256sum | cut -d' ' -f1)
+  if [ -d "$npm_dir/node_modules" ] && [ "$(cat "$npm_dir/.installed" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  echo "installing the pinned npm packages into $npm_dir (npm ci)"
+  mkdir -p "$npm_dir"
+  cp "$tests/package.json" "$tests/package-lock.json" "$npm_dir/"
+  rm -f "$npm_dir/.installed"
+  if ! (cd "$npm_dir" && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error) \
+      >"$work/npm.log" 2>&1; then
+    sed 's/^/  npm: /' "$work/npm.log" | tail -20
+    die "npm ci in $npm_dir failed (is the npm registry reachable?)"
+  fi
+  echo "$want" >"$npm_dir/.installed"
+}
+if command -v flock >/dev/null; then
+  mkdir -p "$(dirname "$npm_dir")"
+  exec 9>"$npm_dir.lock"
+  flock 9
+  install_packages
+  flock -u 9
+else
+  install_packages
+fi
+
+# --- render -----------------------------------------------------------------------------------
+: >"$work/problems.txt"
+rendered=()   # name=file.yaml of the cases that rendered
+render() {
+  local name=$1 dir=$2
+  if ! kubectl kustomize "$dir" >"$work/$name.yaml" 2>"$work/$name.err"; then
+    printf '%s\tkubectl kustomize failed: %s\n' "$name" "$(tr '\n' ' ' <"$work/$name.err")" \
+      >>"$work/problems.txt"
+    return 0
+  fi
+  if [ -s "$work/$name.err" ]; then
+    printf '%s\tkubectl kustomize printed warnings: %s\n' "$name" "$(tr '\n' ' ' <"$work/$name.err")" \
+      >>"$work/problems.txt"
+  fi
+  rendered+=("$name=$work/$name.yaml")
+}
+
+good=(base)
+render base "$root/k8s/base"
+for dir in "$root"/k8s/overlays/*/; do
+  name=$(basename "$dir")
+  good+=("$name")
+  render "$name" "$dir"
+done
+broken=()
+for dir in "$tests"/broken/*/; do
+  name=broken-$(basename "$dir")
+  broken+=("$name")
+  render "$name" "$dir"
+done
+[ ${#good[@]} -ge 4 ] || die "expected k8s/base and the single-node, multi-node and rdma overlays"
+[ ${#broken[@]} -ge 3 ] || die "expected the negative cases in tests/k8s/broken/"
+
+# --- policy (also writes the objects as JSON) and schemas ------------------------------------
+if [ ${#rendered[@]} -gt 0 ]; then
+  if ! "$python" "$tests/check_manifests.py" --repo "$root" --json-dir "$work" "${rendered[@]}" \
+      >>"$work/problems.txt" 2>"$work/policy.err"; then
+    cat "$work/policy.err"
+    die "tests/k8s/check_manifests.py crashed"
+  fi
+  json=()
+  for r in "${rendered[@]}"; do json+=("${r%%=*}=$work/${r%%=*}.json"); done
+  if ! node "$tests/validate.cjs" "$npm_dir" "${json[@]}" >>"$work/problems.txt" 2>"$work/schema.err"; then
+    cat "$work/schema.err"
+    die "tests/k8s/validate.cjs crashed"
+  fi
+fi
+
+problems_of() { awk -F'\t' -v c="$1" '$1 == c { sub(/^[^\t]*\t/, ""); print }' "$work/problems.txt"; }
+objects_in() { grep -c '^kind:' "$work/$1.yaml" 2>/dev/null || echo 0; }
+
+for name in "${good[@]}"; do
+  problems=$(problems_of "$name")
+  if [ -z "$problems" ]; then
+    pass "$name: renders without warnings; $(objects_in "$name") objects pass the schemas, the unknown-field check and the policy checks"
+  else
+    fail "$name:"
+    printf '%s\n' "$problems" | sed 's/^/    /'
+  fi
+done
+
+for name in "${broken[@]}"; do
+  dir="$tests/broken/${name#broken-}"
+  expected=$(head -n 1 "$dir/expected")
+  problems=$(problems_of "$name")
+  if [ -z "$problems" ]; then
+    fail "$name: accepted, but must be rejected with: $expected"
+  elif printf '%s\n' "$problems" | grep -qF -- "$expected"; then
+    pass "$name: rejected: $expected"
+    if [ -n "${OFFLOAD_K8S_TEST_VERBOSE:-}" ]; then printf '%s\n' "$problems" | sed 's/^/    /'; fi
+  else
+    fail "$name: rejected, but not with: $expected"
+    printf '%s\n' "$problems" | sed 's/^/    /'
+  fi
+done
+
+# --- the PrometheusRule is generated from monitoring/prometheus/rules -------------------------
+if "$python" "$root/k8s/tools/make-prometheus-rule.py" --check >"$work/rule.diff" 2>&1; then
+  pass "k8s/base/prometheus-rule.yaml is up to date with monitoring/prometheus/rules/*.yml"
+else
+  fail "k8s/base/prometheus-rule.yaml is out of date: run k8s/tools/make-prometheus-rule.py"
+  head -40 "$work/rule.diff" | sed 's/^/    /'
+fi
+# ... and its --check notices a change of the rules.
+mkdir -p "$work/rules"
+cp "$root"/monitoring/prometheus/rules/*.yml "$work/rules/"
+printf 'groups:\n  - name: offload-k8s-test-extra\n    rules:\n      - record: x\n        expr: vector(1)\n' \
+  >"$work/rules/zz-offload-k8s-test-extra.yml"
+if "$python" "$root/k8s/tools/make-prometheus-rule.py" --rules-dir "$work/rules" --check \
+    >/dev/null 2>&1; then
+  fail "make-prometheus-rule.py --check accepted a PrometheusRule that lacks a rule group"
+else
+  pass "make-prometheus-rule.py --check rejects a PrometheusRule that lacks a rule group"
+fi
+
+# --- the image ships what the manifests run ---------------------------------------------------
+dockerfile="$root/Dockerfile"
+if [ ! -f "$dockerfile" ]; then
+  fail "no Dockerfile at the repository root"
+else
+  missing=()
+  while read -r bin; do
+    grep -q "/${bin##*/}\( \|$\)" "$dockerfile" || missing+=("$bin")
+  done < <(cat "$work"/*.yaml | grep -o '/opt/offload/bin/[a-z_]*' | sort -u)
+  grep -q '^USER 10001' "$dockerfile" || missing+=("USER 10001")
+  grep -q 'data/tinyshakespeare.txt' "$dockerfile" || missing+=("/opt/offload/data/tinyshakespeare.txt")
+  if [ ${#missing[@]} -eq 0 ]; then
+    pass "the Dockerfile installs every binary the manifests run, the demo corpus, and runs as uid 10001"
+  else
+    fail "the Dockerfile lacks: ${missing[*]}"
+  fi
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
