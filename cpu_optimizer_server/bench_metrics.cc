@@ -45,6 +45,7 @@ BENCHMARK(BM_HistogramObserve);
 // add to it.
 void BM_RangeStepAccounting(benchmark::State& state) {
   ServerMetrics& m = ServerMetrics::Get();
+  m.Enable();
   for (auto _ : state) {
     for (int chunk = 0; chunk < 4; ++chunk) m.Received(DataPlane::kGrpc, 1 << 20);
     m.Sent(DataPlane::kGrpc, 4 << 20);

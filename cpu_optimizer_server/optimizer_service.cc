@@ -154,13 +154,14 @@ grpc::Status OptimizerService::Step(
       v1::GradChunk* grad = request.mutable_grad();
       absl::StatusOr<DType> dtype = DTypeFromProto(grad->dtype(), "grad.dtype");
       if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-      ServerMetrics::Get().Received(DataPlane::kGrpc, static_cast<int64_t>(grad->data().size()));
+      const int64_t bytes = static_cast<int64_t>(grad->data().size());
       if (absl::Status s =
               (*session)->AddGradients(WireOffset(grad->offset()), *dtype, grad->accumulate(),
                                        std::move(*grad->mutable_data()));
           !s.ok()) {
         return ToGrpcStatus(s);
       }
+      ServerMetrics::Get().Received(DataPlane::kGrpc, bytes);
     } else if (request.has_commit()) {
       commit.step = request.commit().step();
       commit.lr = request.commit().lr();

@@ -161,6 +161,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (*metrics != nullptr) {
+    offload::ServerMetrics::Get().Enable();
     for (auto& c : offload::MakeShardStoreCollectors(&store)) (*metrics)->Add(std::move(c));
   }
 

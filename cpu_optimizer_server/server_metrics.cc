@@ -11,7 +11,8 @@ ServerMetrics& ServerMetrics::Get() {
   return *metrics;
 }
 
-ServerMetrics::ServerMetrics() {
+void ServerMetrics::Enable() {
+  if (enabled()) return;
   prometheus::Registry& registry = MetricsRegistry();
   auto& receive = prometheus::BuildCounter()
                       .Name("offload_optimizer_receive_bytes_total")
@@ -44,9 +45,11 @@ ServerMetrics::ServerMetrics() {
                            "parameters streamed back wave by wave.")
                        .Register(registry)
                        .Add({}, DurationBuckets());
+  enabled_.store(true, std::memory_order_release);
 }
 
 void ServerMetrics::StepApplied(int64_t elements, double adam_seconds) {
+  if (!enabled()) return;
   steps_applied_->Increment();
   params_updated_->Increment(static_cast<double>(elements));
   adam_seconds_->Observe(adam_seconds);

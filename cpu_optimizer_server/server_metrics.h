@@ -4,6 +4,7 @@
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_SERVER_METRICS_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_SERVER_METRICS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -19,21 +20,34 @@ class ShardStore;
 // The data plane a step stream came over; the `transport` label.
 enum class DataPlane { kGrpc = 0, kShm = 1, kUcx = 2 };
 
+// Counts nothing until Enable(): the trainer's in-process optimizer runs the same StepSession,
+// and its updates must not appear as an optimizer server's.
 class ServerMetrics {
  public:
-  // Registered in the process registry on first use.
   static ServerMetrics& Get();
+  // Registers the families in the process registry, all at zero, and starts counting. The
+  // optimizer server calls it once at startup, before it serves.
+  void Enable();
 
-  // Gradient bytes received / 16-bit parameter bytes sent back over `plane`.
-  void Received(DataPlane plane, int64_t bytes) { receive_[Index(plane)]->Increment(bytes); }
-  void Sent(DataPlane plane, int64_t bytes) { transmit_[Index(plane)]->Increment(bytes); }
+  // Gradient bytes accepted / 16-bit parameter bytes sent back over `plane`.
+  void Received(DataPlane plane, int64_t bytes) {
+    if (enabled()) receive_[Index(plane)]->Increment(bytes);
+  }
+  void Sent(DataPlane plane, int64_t bytes) {
+    if (enabled()) transmit_[Index(plane)]->Increment(bytes);
+  }
   // A range step committed: `elements` updated by Adam in `adam_seconds`, or skipped.
   void StepApplied(int64_t elements, double adam_seconds);
-  void StepSkipped() { steps_skipped_->Increment(); }
+  void StepSkipped() {
+    if (enabled()) steps_skipped_->Increment();
+  }
 
  private:
-  ServerMetrics();
+  ServerMetrics() = default;
   static int Index(DataPlane plane) { return static_cast<int>(plane); }
+  bool enabled() const { return enabled_.load(std::memory_order_acquire); }
+
+  std::atomic<bool> enabled_{false};  // set once the pointers below are
 
   prometheus::Counter* receive_[3];
   prometheus::Counter* transmit_[3];

@@ -31,10 +31,12 @@
 #include "cpu_optimizer_server/optimizer_client.h"
 #include "cpu_optimizer_server/optimizer_service.h"
 #include "cpu_optimizer_server/range_driver.h"
+#include "cpu_optimizer_server/server_metrics.h"
 #include "cpu_optimizer_server/shard_store.h"
 #include "cpu_optimizer_server/shm_transport.h"
 #include "cpu_optimizer_server/step_transport.h"
 #include "cpu_optimizer_server/thread_pool.h"
+#include "services/common/metrics.h"
 #ifdef OFFLOAD_HAVE_UCX
 #include "cpu_optimizer_server/ucx_transport.h"
 #endif
@@ -514,6 +516,40 @@ TEST_P(StepExchangeTest, SkippedStepSendsNoParametersAndCounts) {
   EXPECT_EQ(r->adam_step(), 1u);
   const std::vector<uint16_t> e = Reference(0, g3.data(), DType::kBf16);
   EXPECT_TRUE(p == e) << FirstDifference(p, e) << " seed " << seed_;
+}
+
+// The process registry's value of counter `name` with label `transport` (or none), 0 if absent.
+double CounterValue(const std::string& name, const std::string& transport = "") {
+  for (const prometheus::MetricFamily& f : MetricsRegistry().Collect()) {
+    if (f.name != name) continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      bool match = transport.empty();
+      for (const auto& label : m.label) {
+        if (label.name == "transport" && label.value == transport) match = true;
+      }
+      if (match) return m.counter.value;
+    }
+  }
+  return 0;
+}
+
+TEST_P(StepExchangeTest, MetricsCountAcceptedBytesAndSteps) {
+  ServerMetrics::Get().Enable();
+  const std::string plane = GetParam().kind;
+  const double received = CounterValue("offload_optimizer_receive_bytes_total", plane);
+  const double sent = CounterValue("offload_optimizer_transmit_bytes_total", plane);
+  const double updated = CounterValue("offload_optimizer_params_updated_total");
+  std::vector<uint16_t> g = Bf16Grads(kLen0), p;
+  // A chunk the shard refuses (outside the range) is not counted as received.
+  std::vector<uint16_t> extra(16);
+  auto bad = Exchange(0, 1, {Chunk{kTotal, 16, extra.data(), DType::kBf16}}, &p);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(CounterValue("offload_optimizer_receive_bytes_total", plane), received);
+  auto r = Exchange(0, 1, Whole(0, g.data()), &p);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(CounterValue("offload_optimizer_receive_bytes_total", plane) - received, kLen0 * 2);
+  EXPECT_EQ(CounterValue("offload_optimizer_transmit_bytes_total", plane) - sent, kLen0 * 2);
+  EXPECT_EQ(CounterValue("offload_optimizer_params_updated_total") - updated, kLen0);
 }
 
 TEST_P(StepExchangeTest, AccumulatedMicroBatchesEqualTheSummedGradients) {

@@ -311,9 +311,10 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
         absl::StatusOr<DType> dtype = DTypeFromProto(static_cast<v1::DType>(h.dtype), "grad.dtype");
         st = dtype.status();
         if (st.ok()) {
-          ServerMetrics::Get().Received(DataPlane::kUcx, static_cast<int64_t>(c->data.size()));
+          const int64_t bytes = static_cast<int64_t>(c->data.size());
           st = it->second->AddGradients(WireOffset(h.offset), *dtype, h.accumulate != 0,
                                         std::move(c->data));
+          if (st.ok()) ServerMetrics::Get().Received(DataPlane::kUcx, bytes);
         }
       }
       if (!st.ok()) {

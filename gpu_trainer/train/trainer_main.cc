@@ -2,6 +2,7 @@
 // (--shards), or with the same optimizer code in process when no shards are given.
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <memory>
@@ -178,7 +179,13 @@ int main(int argc, char** argv) {
   // --rank_metrics_address.
   absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
       offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address), g_who);
-  if (!metrics.ok()) return Fail(metrics.status());
+  if (!metrics.ok()) {
+    // A rank of a controller's job trains without its metrics rather than fail the attempt
+    // (its port may have been taken since its worker was started); anything else refuses.
+    if (absl::GetFlag(FLAGS_report_to).empty()) return Fail(metrics.status());
+    std::fprintf(stderr, "%s: no metrics: %s\n", g_who.c_str(),
+                 metrics.status().ToString().c_str());
+  }
 
   if (!absl::GetFlag(FLAGS_controller).empty()) {
     // Arguments after "--" are this worker's own additions to every rank it runs (display,
@@ -391,11 +398,12 @@ int main(int argc, char** argv) {
         t.RequestCheckpoint(reply.checkpoint_request());
       }
     }
-    const absl::Time step_begin = absl::Now();
+    const auto step_begin = std::chrono::steady_clock::now();
     absl::StatusOr<offload::StepReport> r = t.Step();
     if (!r.ok()) return Fail(r.status());
-    offload::RecordTrainerStep(*r, absl::ToDoubleSeconds(absl::Now() - step_begin),
-                               rank_tokens_per_step, rank_flops_per_step);
+    offload::RecordTrainerStep(
+        *r, std::chrono::duration<double>(std::chrono::steady_clock::now() - step_begin).count(),
+        rank_tokens_per_step, rank_flops_per_step);
     if (lead) {
       reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
     }

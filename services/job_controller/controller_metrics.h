@@ -15,9 +15,8 @@ namespace offload {
 // "pending", "running", ... : the JobState name without its prefix, in lower case.
 std::string JobStateLabel(v1::JobState state);
 
-// `controller` must outlive the collectors.
-std::vector<std::shared_ptr<prometheus::Collectable>> MakeControllerCollectors(
-    const JobController* controller);
+// Every family of the controller from one GetStats() per scrape. `controller` must outlive it.
+std::shared_ptr<prometheus::Collectable> MakeControllerCollector(const JobController* controller);
 
 }  // namespace offload
 

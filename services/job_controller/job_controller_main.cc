@@ -93,11 +93,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
       offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address), "job_controller");
   if (!metrics.ok()) return Fail(metrics.status().ToString());
-  if (*metrics != nullptr) {
-    for (auto& c : offload::MakeControllerCollectors(controller->get())) {
-      (*metrics)->Add(std::move(c));
-    }
-  }
+  if (*metrics != nullptr) (*metrics)->Add(offload::MakeControllerCollector(controller->get()));
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       offload::MakeServerCredentials(security->tls);
