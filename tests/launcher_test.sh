@@ -207,6 +207,16 @@ rc=0
 expect_log "offload_local: cannot execute the trainer binary /nonexistent/trainer: No such file"
 grep -q "listening" "$log" && fail "a server was started for a trainer that cannot run"
 
+echo "--- 6b'. metrics targets without a controller: refused before anything starts"
+dir=$work/no_metrics && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+"$launcher" --controller=none --metrics_targets_dir="$dir/targets" --server_binary="$server" \
+  >"$log" 2>&1 || rc=$?
+[ "$rc" -eq 2 ] || fail "--metrics_targets_dir with --controller=none exited $rc, want 2"
+expect_log "offload_local: --metrics_targets_dir needs --controller=local"
+[ -e "$dir/targets" ] && fail "targets written without a controller"
+grep -q "listening" "$log" && fail "a server was started"
+
 echo "--- 6c. one of two servers exits at once"
 # The first server started is real, the second fails: the real one must be stopped too.
 cat >"$work/half_server" <<EOF

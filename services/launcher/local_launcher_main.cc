@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
                  mode.c_str());
     return 2;
   }
+  if (mode == "none" && !absl::GetFlag(FLAGS_metrics_targets_dir).empty()) {
+    std::fprintf(stderr, "offload_local: --metrics_targets_dir needs --controller=local\n");
+    return 2;
+  }
   offload::JobOutcome outcome;
   if (mode == "local") {
     offload::ControlledJobOptions controlled;
