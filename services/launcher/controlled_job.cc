@@ -214,9 +214,11 @@ absl::Status ControlledJob::StartPool() {
     SpawnOptions spawn;
     spawn.argv = {options_.trainer_binary, controller, token, "--rank_address=127.0.0.1",
                   absl::StrCat("--worker_index=", r)};
-    for (const char* job : {"offload-trainer-worker", "offload-trainer"}) {
-      absl::StatusOr<std::string> metrics = MetricsFlag(
-          job, job == std::string("offload-trainer") ? "rank_metrics_address" : "metrics_address");
+    // The worker's own metrics, and those of the rank it runs (scrape jobs of docs/METRICS.md).
+    const std::pair<const char*, const char*> kTrainerMetrics[] = {
+        {"offload-trainer-worker", "metrics_address"}, {"offload-trainer", "rank_metrics_address"}};
+    for (const auto& [job, flag] : kTrainerMetrics) {
+      absl::StatusOr<std::string> metrics = MetricsFlag(job, flag);
       if (!metrics.ok()) return metrics.status();
       if (!metrics->empty()) spawn.argv.push_back(*metrics);
     }
