@@ -40,7 +40,7 @@ void GradientReducer::Begin(uint64_t step) {
   stats_ = GradStats{};
   // The padding above the parameters is a bucket of its own: its gradients are the zeros grads32
   // holds there, and the owner of that part of the flat space sends them like the rest.
-  open_ = Bucket{num_params_, padded_length_};
+  open_ = Bucket{num_params_, padded_length_, {}};
   Flush();
 }
 
@@ -52,10 +52,11 @@ void GradientReducer::Add(int64_t offset, int64_t n) {
 
 void GradientReducer::Flush() {
   if (open_.hi > open_.lo) {
+    open_.queued = PhaseTrace::Clock::now();
     queue_.push_back(open_);
     cv_.notify_all();
   }
-  open_ = Bucket{open_.lo, open_.lo};
+  open_ = Bucket{open_.lo, open_.lo, {}};
 }
 
 absl::StatusOr<GradStats> GradientReducer::Finish() {
@@ -68,7 +69,7 @@ absl::StatusOr<GradStats> GradientReducer::Finish() {
 
 void GradientReducer::Abandon() {
   std::unique_lock<std::mutex> lock(mu_);
-  open_ = Bucket{open_.lo, open_.lo};
+  open_ = Bucket{open_.lo, open_.lo, {}};
   cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
 }
 
@@ -86,6 +87,9 @@ void GradientReducer::Loop() {
     GradStats stats;
     absl::Status s;
     if (!failed) {
+      if (trace_ != nullptr) {
+        trace_->Record("reduce_queued", step, bucket.queued, PhaseTrace::Clock::now());
+      }
       TracePhase phase(trace_, "reduce_scatter", step);
       s = Reduce(bucket, &stats);
     }

@@ -38,7 +38,8 @@ class GradientReducer {
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
-  // Starts one backward pass; `step` labels the trace.
+  // Starts one backward pass; `step` labels the trace, where each bucket has two spans:
+  // `reduce_queued` from backward's hand-off until this thread takes it, then `reduce_scatter`.
   void Begin(uint64_t step);
   // Backward's range [offset, offset + n) is final in grads32. Ranges come in backward order:
   // each one ends where the previous began (Gpt2Cpu::Backward's contract).
@@ -53,6 +54,7 @@ class GradientReducer {
  private:
   struct Bucket {
     int64_t lo, hi;
+    PhaseTrace::Clock::time_point queued;  // set by Flush
   };
   void Flush();  // queues the open bucket; mu_ held
   void Loop();
@@ -71,7 +73,7 @@ class GradientReducer {
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t step_ = 0;         // guarded by mu_
-  Bucket open_{0, 0};         // guarded by mu_; [lo, hi) grows downwards
+  Bucket open_{0, 0, {}};     // guarded by mu_; [lo, hi) grows downwards
   std::deque<Bucket> queue_;  // guarded by mu_
   bool busy_ = false;         // guarded by mu_: the thread is reducing a bucket
   GradStats stats_;           // guarded by mu_

@@ -19,7 +19,7 @@ void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate) {
   if (n <= 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Range{offset, n, accumulate});
+    queue_.push_back(Range{offset, n, accumulate, PhaseTrace::Clock::now()});
   }
   cv_.notify_all();
 }
@@ -44,7 +44,13 @@ void GradientSender::Loop() {
     lock.unlock();
     absl::Status s;
     if (!failed) {
-      TracePhase phase(trace_, "send_gradients", step_.load(std::memory_order_relaxed));
+      const uint64_t step = step_.load(std::memory_order_relaxed);
+      // The wait in the queue is a span of its own: a range is queued as soon as it is final,
+      // and sent when this thread gets a core and the ranges before it have left.
+      if (trace_ != nullptr) {
+        trace_->Record("send_queued", step, range.queued, PhaseTrace::Clock::now());
+      }
+      TracePhase phase(trace_, "send_gradients", step);
       s = backend_->SendGradients(range.offset, grads16_ + range.offset, range.n, range.accumulate);
     }
     lock.lock();

@@ -19,7 +19,8 @@ namespace offload {
 class GradientSender {
  public:
   // grads16 (padded_length,) stays owned by the caller and must not change while queued. Each
-  // range sent is recorded in `trace` (may be null) under the step of the last set_step.
+  // range sent is recorded in `trace` (may be null) under the step of the last set_step, as two
+  // spans: `send_queued` from Enqueue until this thread takes it, then `send_gradients`.
   GradientSender(OptimizerBackend* backend, const uint16_t* grads16, PhaseTrace* trace = nullptr);
   void set_step(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
   ~GradientSender();
@@ -42,6 +43,7 @@ class GradientSender {
   struct Range {
     int64_t offset, n;
     bool accumulate;
+    PhaseTrace::Clock::time_point queued;
   };
   std::deque<Range> queue_;  // guarded by mu_
   int in_flight_ = 0;        // guarded by mu_

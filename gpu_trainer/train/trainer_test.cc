@@ -5,12 +5,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -406,29 +409,124 @@ TEST(TrainerDpu, ResumeMidPipelineIsBitIdentical) {
 namespace offload {
 namespace {
 
-// The point of streaming gradients layer by layer: the first ones leave while backward still
-// computes the layers below. The trace shows it, and is a valid Chrome trace file.
-TEST(TrainerTrace, GradientOffloadStartsBeforeBackwardEnds) {
+// Steps an InProcessOptimizer but holds every gradient range until the step's gradients are all
+// computed and reduced (the trace has its `wait_reduce` span). A trainer that sent from inside
+// backward or the reduction would wait on itself: the hold times out and the step fails.
+class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
+ public:
+  HoldSendsUntilGradientsAreReduced(InProcessOptimizer* inner, const PhaseTrace* trace)
+      : OptimizerBackend(inner->partition()), inner_(inner), trace_(trace) {}
+
+  absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
+                         DType param_dtype) override {
+    return inner_->CreateJob(job_id, adam, param_dtype);
+  }
+  absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
+                              const StepCounters* steps) override {
+    return inner_->LoadShardState(shard, slices, steps);
+  }
+  absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
+                              float* out) override {
+    return inner_->ReadSliceState(slice, tensor, offset, n, out);
+  }
+  absl::Status DropJob() override { return inner_->DropJob(); }
+
+ private:
+  absl::Status OpenSlice(int slice, uint64_t step) override {
+    if (open_) return absl::OkStatus();  // the inner backend opens all of the rank's slices
+    step_ = step;
+    open_ = true;
+    return inner_->BeginStep(step);
+  }
+  absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                         bool accumulate) override {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!GradientsReduced()) {
+      if (gave_up_ || std::chrono::steady_clock::now() > deadline) {
+        gave_up_ = true;  // one wait is proof enough; the rest fail at once
+        return absl::DeadlineExceededError(absl::StrCat(
+            "step ", step_, "'s backward and reduction did not end while its sends waited"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return inner_->SendGradients(offset, grads, n, accumulate);
+  }
+  absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+                                            uint16_t* params16) override {
+    open_ = false;
+    return inner_->Commit(lr, grad_multiplier, skip, params16);
+  }
+  void AbortSlices() override {
+    open_ = false;
+    inner_->AbortStep();
+  }
+
+  bool GradientsReduced() const {
+    for (const PhaseTrace::Event& e : trace_->Events()) {
+      if (e.name == "wait_reduce" && e.step == step_) return true;
+    }
+    return false;
+  }
+
+  InProcessOptimizer* const inner_;
+  const PhaseTrace* const trace_;
+  bool open_ = false;
+  uint64_t step_ = 0;
+  bool gave_up_ = false;
+};
+
+// The point of streaming gradients layer by layer: backward hands each layer's gradients on as
+// they are final (to the reducer thread, which rounds them and queues them for the sender) and
+// goes on without waiting for the wire. When those threads get a core is up to the scheduler (on
+// a loaded 2-core machine, often after backward), so the test checks what the trainer decides:
+// the hand-offs happen inside backward, layer by layer, and backward and the reduction end while
+// every send is held. The trace is a valid Chrome trace file.
+TEST(TrainerTrace, GradientsLeaveDuringBackwardWithoutBlockingIt) {
   TrainerOptions o = TinyOptions();
   o.model.num_layers = 4;
   PhaseTrace trace;
   o.trace = &trace;
-  InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
-  Train(o, &backend, 3);
+  InProcessOptimizer inner(MapFor(o, 1), 2, BestSimdPath());
+  HoldSendsUntilGradientsAreReduced held(&inner, &trace);
+  RunResult r = Train(o, &held, 3);
+
+  // Holding changes when the gradients arrive, not what is computed.
+  TrainerOptions plain_options = o;
+  plain_options.trace = nullptr;
+  InProcessOptimizer plain_backend(MapFor(plain_options, 1), 2, BestSimdPath());
+  RunResult plain = Train(plain_options, &plain_backend, 3);
+  EXPECT_EQ(r.losses, plain.losses);
+  EXPECT_EQ(r.weights16, plain.weights16);
+  EXPECT_TRUE(SameBits(r.master, plain.master));
+
   for (uint64_t step = 1; step <= 3; ++step) {
-    double backward_end = -1, first_send = -1;
+    double backward_begin = -1, backward_end = -1, reduce_end = -1;
+    std::vector<double> reduce_queued, send_queued;  // when each hand-off happened
     int sends = 0;
     for (const PhaseTrace::Event& e : trace.Events()) {
       if (e.step != step) continue;
-      if (e.name == "backward") backward_end = e.end_us;
-      if (e.name == "send_gradients") {
-        ++sends;
-        if (first_send < 0 || e.begin_us < first_send) first_send = e.begin_us;
+      if (e.name == "backward") {
+        backward_begin = e.begin_us;
+        backward_end = e.end_us;
       }
+      if (e.name == "wait_reduce") reduce_end = e.end_us;
+      if (e.name == "reduce_queued") reduce_queued.push_back(e.begin_us);
+      if (e.name == "send_queued") send_queued.push_back(e.begin_us);
+      if (e.name == "send_gradients") ++sends;
     }
     ASSERT_GE(backward_end, 0) << "step " << step;
-    EXPECT_GE(sends, o.model.num_layers) << "step " << step;  // ln_f, each layer, embeddings
-    EXPECT_LT(first_send, backward_end) << "step " << step;
+    ASSERT_GE(reduce_end, backward_end) << "step " << step;
+    // Every bucket but the padding (queued when the step begins) is handed on inside backward:
+    // ln_f, each layer, the embeddings.
+    const int inside_backward =
+        std::count_if(reduce_queued.begin(), reduce_queued.end(),
+                      [&](double t) { return t >= backward_begin && t <= backward_end; });
+    EXPECT_GE(inside_backward, o.model.num_layers + 2) << "step " << step;
+    EXPECT_LE(reduce_queued.size() - inside_backward, 1u) << "step " << step;
+    // Each reduced bucket is queued for the optimizer before the reduction is waited for.
+    EXPECT_EQ(send_queued.size(), reduce_queued.size()) << "step " << step;
+    for (double t : send_queued) EXPECT_LE(t, reduce_end) << "step " << step;
+    EXPECT_EQ(sends, static_cast<int>(send_queued.size())) << "step " << step;
   }
   TempDir dir;
   std::filesystem::create_directories(dir.path());
