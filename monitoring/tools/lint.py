@@ -253,11 +253,9 @@ class Lint:
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="*", help="dashboards (.json) and rule files (.yml)")
-    parser.add_argument("--root", default=os.path.normpath(os.path.join(here, "..", "..")),
-                        help="repository root")
+    parser.add_argument("--root", default=queries.DEFAULT_ROOT, help="repository root")
     parser.add_argument("--doc", help="the metrics contract (default: ROOT/docs/METRICS.md)")
     parser.add_argument("--tests", help="promtool unit tests folder "
                                         "(default: ROOT/monitoring/prometheus/tests)")
