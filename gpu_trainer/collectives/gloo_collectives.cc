@@ -90,11 +90,6 @@ Millis Remaining(SteadyClock::time_point deadline) {
   return std::max(left, Millis(1));
 }
 
-// c (n,) := a + b element-wise; c may be a or b.
-void Add(const float* a, const float* b, float* c, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) c[i] = a[i] + b[i];
-}
-
 void SumDoubles(void* c, const void* a, const void* b, size_t n) { gloo::sum<double>(c, a, b, n); }
 
 void MaxDoubles(void* c, const void* a, const void* b, size_t n) { gloo::max<double>(c, a, b, n); }
@@ -324,7 +319,8 @@ class GlooCollectives final : public Collectives {
         }
         const int64_t at = p * kPieceElements;
         float* const dst = last ? out + at : recv_into + at;
-        Add(recv_into + at, mine + at, dst, piece_length(recv_n, p));
+        // dst (piece,) := received + mine; dst may be the received piece itself.
+        gloo::sum<float>(dst, recv_into + at, mine + at, piece_length(recv_n, p));
       }
       for (int64_t p = 0; p < pieces(send_n); ++p) {
         if (!send_buffer->waitSend(Remaining(deadline))) {

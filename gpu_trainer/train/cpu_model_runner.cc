@@ -19,8 +19,7 @@ class CpuModelRunner final : public ModelRunner {
       : model_(std::move(model)),
         kernels_(kernels),
         dtype_(dtype),
-        params_(model_->num_params(), 0.0f),
-        grads_(model_->num_params(), 0.0f) {}
+        params_(model_->num_params(), 0.0f) {}
 
   int64_t num_params() const override { return model_->num_params(); }
 
@@ -60,6 +59,9 @@ class CpuModelRunner final : public ModelRunner {
   absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
       const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
+    // The trainer takes the fp32 path (BackwardFp32 into its own buffer), so this one is sized
+    // only if the 16-bit path is used.
+    if (grads_.empty()) grads_.assign(model_->num_params(), 0.0f);
     GradStats stats;
     absl::Status status =
         model_->Backward(params_.data(), loss_scale, grads_.data(), [&](int64_t offset, int64_t n) {
@@ -93,7 +95,7 @@ class CpuModelRunner final : public ModelRunner {
   const CpuKernelSet kernels_;
   const DType dtype_;
   std::vector<float> params_;  // (num_params,) the 16-bit weights upcast for compute
-  std::vector<float> grads_;   // (num_params,) fp32 from backward
+  std::vector<float> grads_;   // (num_params,) fp32 from the 16-bit Backward; empty until then
   int last_t_ = 0;
 };
 

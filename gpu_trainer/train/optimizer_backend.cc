@@ -23,6 +23,32 @@ v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shar
   return request;
 }
 
+absl::Status OptimizerBackend::LoadMasterWeights(const float* master) {
+  for (int shard = 0; shard < num_shards(); ++shard) {
+    std::vector<StateSliceRef> refs;
+    for (const v1::ShardSlice& s : SlicesOfShard(map_, shard)) {
+      refs.push_back(StateSliceRef{v1::STATE_TENSOR_MASTER_WEIGHTS,
+                                   static_cast<int64_t>(s.offset()), master + s.offset(),
+                                   static_cast<int64_t>(s.length())});
+    }
+    if (absl::Status s = LoadShardState(shard, refs, nullptr); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerBackend::ReadMasterWeights(float* master) {
+  for (int i = 0; i < map_.slices_size(); ++i) {
+    const v1::ShardSlice& s = map_.slices(i);
+    if (absl::Status status =
+            ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, static_cast<int64_t>(s.offset()),
+                           static_cast<int64_t>(s.length()), master + s.offset());
+        !status.ok()) {
+      return status;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status OptimizerBackend::SetRank(int rank) {
   if (rank < 0 || rank >= static_cast<int>(map_.world_size())) {
     return absl::InvalidArgumentError(

@@ -56,6 +56,11 @@ class OptimizerBackend {
                                       float* out) = 0;
   virtual absl::Status DropJob() = 0;
 
+  // The whole map's fp32 master weights, master (padded_length,), loaded onto every shard or read
+  // back from every slice: a fresh start, a resume mid-pipeline and tests, all rank 0's work.
+  absl::Status LoadMasterWeights(const float* master);
+  absl::Status ReadMasterWeights(float* master);
+
   // One step: Begin, any number of SendGradients covering this rank's partition at least once
   // (from one thread, in any order; a second cover of an element must be `accumulate`), then
   // Commit or Abort.

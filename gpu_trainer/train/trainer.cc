@@ -296,15 +296,7 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
       // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
       // the rounding of the master weights, as the commit that made them sent it.
       std::vector<float> master(map.padded_length(), 0.0f);  // (padded,)
-      for (int i = 0; i < map.slices_size(); ++i) {
-        const v1::ShardSlice& slice = map.slices(i);
-        if (absl::Status s = backend_->ReadSliceState(
-                i, v1::STATE_TENSOR_MASTER_WEIGHTS, static_cast<int64_t>(slice.offset()),
-                static_cast<int64_t>(slice.length()), master.data() + slice.offset());
-            !s.ok()) {
-          return s;
-        }
-      }
+      if (absl::Status s = backend_->ReadMasterWeights(master.data()); !s.ok()) return s;
       ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
                        next_weights16_.data());
       next_ready_ = true;
@@ -322,15 +314,7 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
     InitGpt2Params(o.model, o.seed, master.data());
     *how = absl::StrCat("started from GPT-2 initialisation, seed ", o.seed);
   }
-  for (int shard = 0; shard < backend_->num_shards(); ++shard) {
-    std::vector<StateSliceRef> refs;
-    for (const v1::ShardSlice& s : SlicesOfShard(map, shard)) {
-      refs.push_back(StateSliceRef{v1::STATE_TENSOR_MASTER_WEIGHTS,
-                                   static_cast<int64_t>(s.offset()), master.data() + s.offset(),
-                                   static_cast<int64_t>(s.length())});
-    }
-    if (absl::Status s = backend_->LoadShardState(shard, refs, nullptr); !s.ok()) return s;
-  }
+  if (absl::Status s = backend_->LoadMasterWeights(master.data()); !s.ok()) return s;
   ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
                    weights16_.data());
   return absl::OkStatus();

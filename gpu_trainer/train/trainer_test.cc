@@ -286,15 +286,7 @@ RunResult DpuReference(const TrainerOptions& o, OptimizerBackend* backend, uint6
   EXPECT_TRUE(backend->CreateJob(o.job_id, o.adam, o.param_dtype).ok());
   std::vector<float> master(map.padded_length(), 0.0f);
   InitGpt2Params(o.model, o.seed, master.data());
-  for (int shard = 0; shard < backend->num_shards(); ++shard) {
-    std::vector<StateSliceRef> refs;
-    for (const v1::ShardSlice& sl : SlicesOfShard(map, shard)) {
-      refs.push_back(StateSliceRef{v1::STATE_TENSOR_MASTER_WEIGHTS,
-                                   static_cast<int64_t>(sl.offset()), master.data() + sl.offset(),
-                                   static_cast<int64_t>(sl.length())});
-    }
-    EXPECT_TRUE(backend->LoadShardState(shard, refs, nullptr).ok());
-  }
+  EXPECT_TRUE(backend->LoadMasterWeights(master.data()).ok());
   // history[k]: the 16-bit weights after k updates (skipped steps repeat the last).
   std::vector<std::vector<uint16_t>> history(1, std::vector<uint16_t>(map.padded_length()));
   ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
@@ -331,13 +323,7 @@ RunResult DpuReference(const TrainerOptions& o, OptimizerBackend* backend, uint6
   const bool pending = o.dpu && steps > o.dpu_warmup_steps;  // the last update not yet taken
   r.weights16 = history[pending ? steps - 1 : steps];
   r.master.assign(map.padded_length(), 0.0f);
-  for (int i = 0; i < map.slices_size(); ++i) {
-    const v1::ShardSlice& sl = map.slices(i);
-    EXPECT_TRUE(backend
-                    ->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, sl.offset(), sl.length(),
-                                     r.master.data() + sl.offset())
-                    .ok());
-  }
+  EXPECT_TRUE(backend->ReadMasterWeights(r.master.data()).ok());
   return r;
 }
 

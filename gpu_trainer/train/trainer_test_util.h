@@ -94,13 +94,7 @@ inline RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint6
   r.weights16 = (*trainer)->weights16();
   const v1::PartitionMap& map = backend->partition();
   r.master.assign(map.padded_length(), 0.0f);
-  for (int i = 0; i < map.slices_size(); ++i) {
-    const v1::ShardSlice& s = map.slices(i);
-    EXPECT_TRUE(backend
-                    ->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, s.offset(), s.length(),
-                                     r.master.data() + s.offset())
-                    .ok());
-  }
+  EXPECT_TRUE(backend->ReadMasterWeights(r.master.data()).ok());
   return r;
 }
 
