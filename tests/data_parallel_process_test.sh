@@ -12,58 +12,26 @@ launcher=$1
 server=$2
 trainer=$3
 data=$4
+source "$(dirname "$0")/process_lib.sh"
 work=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
 trap cleanup EXIT
-
-fail() {
-  echo "FAIL: $*" >&2
-  if [ -n "${log:-}" ] && [ -f "$log" ]; then tail -n 30 "$log" | sed 's/^/  | /' >&2; fi
-  exit 1
-}
 
 steps=60
 common=(--data="$data" --layers=2 --heads=2 --channels=32 --context=32 --seq_len=32 --batch=8
   --steps=$steps --warmup_steps=10 --eval_every=0 --eval_batches=2 --sample_tokens=0
   --progress=log --log_every=10 --seed=5 --dpu --dpu_warmup_steps=5)
 
-job() {  # job LOG RANKS ARGS...: the launcher with two shards, in the background; sets $launched
-  log=$1
-  local ranks=$2
-  shift 2
-  "$launcher" --controller=none --shards=2 --ranks="$ranks" --server_binary="$server" --trainer_binary="$trainer" \
-    --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
-  launched=$!
-  pids+=("$launched")
-}
-
-same_checkpoint() {  # same_checkpoint DIR_A DIR_B WHAT
-  local a b f
-  a=$1/$(printf 'step-%08d' $steps)
-  b=$2/$(printf 'step-%08d' $steps)
-  for f in model.safetensors shard-0.safetensors shard-1.safetensors manifest.json; do
-    cmp -s "$a/$f" "$b/$f" || fail "$3: $f differs between $a and $b"
-  done
-}
-
 # 1. The straight 2x2 job.
-job "$work/a.log" 2 --checkpoint_dir="$work/a"
+job "$work/a.log" --ranks=2 --checkpoint_dir="$work/a"
 wait "$launched" || fail "the 2x2 job failed"
 grep -q "all 2 trainer ranks exited with status 0" "$work/a.log" || fail "not every rank ended"
 grep -q '"world_size": 2' "$work/a/$(cat "$work/a/latest")/manifest.json" ||
   fail "the checkpoint's partition map is not for 2 ranks"
 
 # 2. Ctrl-C once the job has checkpointed, then resume: the same bytes as the straight job.
-job "$work/b1.log" 2 --checkpoint_dir="$work/b" --checkpoint_every=10
-for _ in $(seq 600); do
-  [ -s "$work/b/latest" ] && break
-  sleep 0.02
-done
-[ -s "$work/b/latest" ] || fail "no checkpoint after 12 s"
+job "$work/b1.log" --ranks=2 --checkpoint_dir="$work/b" --checkpoint_every=10
+wait_for_checkpoint "$work/b"
 kill -INT "$launched"
 status=0
 wait "$launched" || status=$?
@@ -73,26 +41,18 @@ stopped1=$(sed -n 's/^\[rank 1\] gpu_trainer: rank 1 interrupted at step \([0-9]
   "$work/b1.log")
 [ -n "$stopped0" ] && [ "$stopped0" = "$stopped1" ] ||
   fail "Ctrl-C: the ranks stopped at steps '$stopped0' and '$stopped1'"
-job "$work/b2.log" 2 --checkpoint_dir="$work/b" --resume
+job "$work/b2.log" --ranks=2 --checkpoint_dir="$work/b" --resume
 wait "$launched" || fail "the resumed 2x2 job failed"
 grep -q "resumed from .* at step $stopped0" "$work/b2.log" || fail "the job did not resume"
 same_checkpoint "$work/a" "$work/b" "Ctrl-C at step $stopped0 and resume"
 
 # 3. One rank may not continue what two trained.
-job "$work/c.log" 1 --checkpoint_dir="$work/a" --resume --steps=80
+job "$work/c.log" --ranks=1 --checkpoint_dir="$work/a" --resume --steps=80
 wait "$launched" && fail "a single rank resumed a 2-rank checkpoint"
 grep -q "ranks=2 but this run asks for ranks=1" "$work/c.log" || fail "the refusal does not say why"
 
 # 4. kill -9 of rank 1: rank 0 fails on its own, with an error, within the timeout.
-log=$work/server.log
-"$server" --listen=127.0.0.1:0 --threads=1 >"$log" 2>&1 &
-pids+=("$!")
-for _ in $(seq 500); do
-  port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
-  [ -n "$port" ] && break
-  sleep 0.02
-done
-[ -n "$port" ] || fail "the server did not start"
+start_server "$server" "$work/server.log" --threads=1
 mkdir "$work/rendezvous"
 for r in 0 1; do
   "$trainer" "${common[@]}" --steps=100000 --shards=127.0.0.1:$port --rank=$r --world_size=2 \

@@ -5,21 +5,13 @@
 # launcher (no orphans), servers that cannot start, and jobs of two trainer ranks (their flags,
 # the rendezvous directory, rank 1's prefixed output, a failing rank, Ctrl-C, a dying server).
 set -euo pipefail
-launcher=$1
+launch=("$1" --controller=none)  # offload_local; every case here runs without a job controller
 server=$2
+source "$(dirname "$0")/process_lib.sh"
 work=$(mktemp -d)
 pids=()  # everything started, for cleanup whatever happens
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
 trap cleanup EXIT
-
-fail() {
-  echo "FAIL: $*" >&2
-  if [ -n "${log:-}" ] && [ -f "$log" ]; then sed 's/^/  | /' "$log" >&2; fi
-  exit 1
-}
+fail_log_lines=+1  # fail shows the whole launcher log
 
 # A zombie counts as gone: whoever inherits orphans here may reap them late, or never.
 alive() {
@@ -89,7 +81,7 @@ start_job() {
   dir=$work/$1
   mkdir -p "$dir/tmp"
   log=$dir/launcher.log
-  TMPDIR=$dir/tmp FAKE_DIR=$dir FAKE_MODE=$2 "$launcher" --controller=none --shards="$3" --server_binary="$server" \
+  TMPDIR=$dir/tmp FAKE_DIR=$dir FAKE_MODE=$2 "${launch[@]}" --shards="$3" --server_binary="$server" \
     --trainer_binary="$work/fake_trainer" --server_args="--threads=1 --memory_limit_mib=64" \
     "${@:4}" >"$log" 2>&1 &
   job=$!
@@ -192,7 +184,7 @@ expect_all_gone
 echo "--- 6a. the server binary does not exist"
 dir=$work/missing && mkdir -p "$dir" && log=$dir/launcher.log
 rc=0
-FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --controller=none --shards=2 --server_binary=/nonexistent/server \
+FAKE_DIR=$dir FAKE_MODE=exit0 "${launch[@]}" --shards=2 --server_binary=/nonexistent/server \
   --trainer_binary="$work/fake_trainer" >"$log" 2>&1 || rc=$?
 [ "$rc" -ne 0 ] || fail "exit 0 without a server"
 expect_log "offload_local: cannot execute the server binary /nonexistent/server: No such file"
@@ -202,7 +194,7 @@ expect_all_gone
 echo "--- 6b. the trainer binary does not exist: nothing starts"
 dir=$work/no_trainer && mkdir -p "$dir" && log=$dir/launcher.log
 rc=0
-"$launcher" --controller=none --server_binary="$server" --trainer_binary=/nonexistent/trainer >"$log" 2>&1 || rc=$?
+"${launch[@]}" --server_binary="$server" --trainer_binary=/nonexistent/trainer >"$log" 2>&1 || rc=$?
 [ "$rc" -ne 0 ] || fail "exit 0 without a trainer"
 expect_log "offload_local: cannot execute the trainer binary /nonexistent/trainer: No such file"
 grep -q "listening" "$log" && fail "a server was started for a trainer that cannot run"
@@ -210,7 +202,7 @@ grep -q "listening" "$log" && fail "a server was started for a trainer that cann
 echo "--- 6b'. metrics targets without a controller: refused before anything starts"
 dir=$work/no_metrics && mkdir -p "$dir" && log=$dir/launcher.log
 rc=0
-"$launcher" --controller=none --metrics_targets_dir="$dir/targets" --server_binary="$server" \
+"${launch[@]}" --metrics_targets_dir="$dir/targets" --server_binary="$server" \
   >"$log" 2>&1 || rc=$?
 [ "$rc" -eq 2 ] || fail "--metrics_targets_dir with --controller=none exited $rc, want 2"
 expect_log "offload_local: --metrics_targets_dir needs --controller=local"
@@ -228,7 +220,7 @@ EOF
 chmod +x "$work/half_server"
 dir=$work/half && mkdir -p "$dir" && log=$dir/launcher.log
 rc=0
-FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --controller=none --shards=2 --server_binary="$work/half_server" \
+FAKE_DIR=$dir FAKE_MODE=exit0 "${launch[@]}" --shards=2 --server_binary="$work/half_server" \
   --trainer_binary="$work/fake_trainer" >"$log" 2>&1 || rc=$?
 [ "$rc" -ne 0 ] || fail "exit 0 with a failed server"
 expect_log "exited with status 2 before it was listening; last output: fake server: bad flag"
@@ -240,7 +232,7 @@ printf '#!/usr/bin/env bash\nexec sleep 30\n' >"$work/silent_server"
 chmod +x "$work/silent_server"
 dir=$work/silent && mkdir -p "$dir" && log=$dir/launcher.log
 rc=0
-FAKE_DIR=$dir FAKE_MODE=exit0 "$launcher" --controller=none --server_binary="$work/silent_server" \
+FAKE_DIR=$dir FAKE_MODE=exit0 "${launch[@]}" --server_binary="$work/silent_server" \
   --trainer_binary="$work/fake_trainer" --startup_timeout=1s >"$log" 2>&1 || rc=$?
 [ "$rc" -ne 0 ] || fail "exit 0 with a silent server"
 expect_log "did not report 'listening port=N' within 1s; it printed nothing"
@@ -305,7 +297,7 @@ expect_all_gone
 echo "--- 11. --ranks=0 is refused"
 dir=$work/no_ranks && mkdir -p "$dir" && log=$dir/launcher.log
 rc=0
-"$launcher" --controller=none --ranks=0 --server_binary="$server" --trainer_binary="$work/fake_trainer" \
+"${launch[@]}" --ranks=0 --server_binary="$server" --trainer_binary="$work/fake_trainer" \
   >"$log" 2>&1 || rc=$?
 [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
 expect_log "offload_local: --ranks must be at least 1 (got 0)"

@@ -6,31 +6,14 @@
 set -euo pipefail
 server_bin=$1
 train_bin=$2
+source "$(dirname "$0")/process_lib.sh"
 work=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
 trap cleanup EXIT
-
-start_server() {  # sets $port and $server_pid
-  local log=$1
-  "$server_bin" --listen=127.0.0.1:0 --memory_limit_mib=1024 --threads=2 >"$log" 2>&1 &
-  server_pid=$!
-  pids+=("$server_pid")
-  for _ in $(seq 100); do
-    port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
-    if [ -n "$port" ]; then return 0; fi
-    sleep 0.1
-  done
-  echo "server did not start:" >&2
-  cat "$log" >&2
-  return 1
-}
+server_flags=(--memory_limit_mib=1024 --threads=2)
 
 echo "--- a short training run"
-start_server "$work/server1.log"
+start_server "$server_bin" "$work/server1.log" "${server_flags[@]}"
 server1=$server_pid
 "$train_bin" --server="127.0.0.1:$port" --n=1048577 --ranges=2 --steps=6 --job=short \
   | tee "$work/train1.log"
@@ -55,7 +38,7 @@ cat "$work/train2.log" | tail -3
 grep -q "offload_synthetic_train: step: " "$work/train2.log"
 
 echo "--- SIGTERM stops the server"
-start_server "$work/server2.log"
+start_server "$server_bin" "$work/server2.log" "${server_flags[@]}"
 server2=$server_pid
 kill -TERM "$server2"
 timeout 10 tail --pid="$server2" -f /dev/null || { echo "server ignored SIGTERM"; exit 1; }

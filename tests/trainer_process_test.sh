@@ -12,57 +12,15 @@ launcher=$1
 server=$2
 trainer=$3
 data=$4
+source "$(dirname "$0")/process_lib.sh"
 work=$(mktemp -d)
-launched=""
-cleanup() {
-  [ -n "$launched" ] && kill -9 "$launched" 2>/dev/null || true
-  rm -rf "$work"
-}
+pids=()
 trap cleanup EXIT
-
-fail() {
-  echo "FAIL: $*" >&2
-  if [ -n "${log:-}" ] && [ -f "$log" ]; then tail -n 30 "$log" | sed 's/^/  | /' >&2; fi
-  exit 1
-}
 
 steps=160
 common=(--data="$data" --layers=2 --heads=2 --channels=32 --context=32 --seq_len=32 --batch=8
   --steps=$steps --warmup_steps=10 --eval_every=0 --eval_batches=2 --sample_tokens=0
   --progress=log --log_every=20 --seed=5)
-
-job() {  # job LOG ARGS...: the launcher with two shards, in the background; sets $launched
-  log=$1
-  shift
-  "$launcher" --controller=none --shards=2 --server_binary="$server" --trainer_binary="$trainer" \
-    --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
-  launched=$!
-}
-
-final_files() {  # the committed checkpoint of the last step, every file
-  local dir
-  dir=$1/$(printf 'step-%08d' $steps)
-  [ -f "$dir/manifest.json" ] || fail "no checkpoint at $dir"
-  echo "$dir"
-}
-
-same_checkpoint() {  # same_checkpoint DIR_A DIR_B WHAT
-  local a b f
-  a=$(final_files "$1")
-  b=$(final_files "$2")
-  for f in model.safetensors shard-0.safetensors shard-1.safetensors manifest.json; do
-    cmp -s "$a/$f" "$b/$f" || fail "$3: $f differs between $a and $b"
-  done
-}
-
-wait_for_checkpoint() {  # waits until DIR/latest names a checkpoint
-  for _ in $(seq 600); do
-    [ -s "$1/latest" ] && return 0
-    kill -0 "$launched" 2>/dev/null || fail "the job ended before its first checkpoint"
-    sleep 0.02
-  done
-  fail "no checkpoint in $1 after 12 s"
-}
 
 no_processes_left() {
   local p
@@ -114,5 +72,4 @@ same_checkpoint "$work/a" "$work/c" "Ctrl-C and resume"
 job "$work/d.log" --data="$work/missing.txt"
 wait "$launched" && fail "a missing data file did not fail"
 grep -q "missing.txt" "$work/d.log" || fail "the error does not name the missing file"
-launched=""
 echo "trainer_process_test: all cases passed (killed run resumed at step $resumed_at)"

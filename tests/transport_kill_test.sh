@@ -10,12 +10,9 @@
 set -euo pipefail
 server_bin=$1
 peer_bin=$2
+source "$(dirname "$0")/process_lib.sh"
 work=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
 trap cleanup EXIT
 bound_s=20
 n=1048576
@@ -28,24 +25,16 @@ shm_entries() {
   ls /dev/shm 2>/dev/null | grep -E "^offload-($(IFS='|'; echo "${server_pids[*]}"))-" | sort || true
 }
 
+# Not process_lib's fail: this one names the plane and shows the end of every log.
 fail() {
   echo "FAIL [$plane]: $*" >&2
   for f in "$work"/*.log; do echo "== $f" >&2; tail -5 "$f" >&2; done
   exit 1
 }
 
-start_server() {  # sets $port and $server_pid
-  local log=$1
-  "$server_bin" --listen=127.0.0.1:0 --memory_limit_mib=1024 --threads=2 >"$log" 2>&1 &
-  server_pid=$!
-  pids+=("$server_pid")
+start_tracked_server() {  # start_tracked_server LOG: start_server, its pid kept for shm_entries
+  start_server "$server_bin" "$1" --memory_limit_mib=1024 --threads=2
   server_pids+=("$server_pid")
-  for _ in $(seq 100); do
-    port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
-    if [ -n "$port" ]; then return 0; fi
-    sleep 0.1
-  done
-  fail "server did not start: $(cat "$log")"
 }
 
 peer() {  # peer LOG ARGS...: runs the peer in the background, sets $peer_pid
@@ -105,7 +94,7 @@ run_plane() {
   plane=$1 transport=$2
   echo "--- $plane"
   shm_entries >"$work/shm_before"
-  start_server "$work/$plane-server1.log"
+  start_tracked_server "$work/$plane-server1.log"
   peer "$work/$plane-warm.log" --steps=2
   wait_bounded "$peer_pid"
   if [ "$rc" -eq 77 ]; then
@@ -153,7 +142,7 @@ run_plane() {
   no_new_shm_entries
 
   echo "(b2) server killed while the trainer steps flat out"
-  start_server "$work/$plane-server2.log"
+  start_tracked_server "$work/$plane-server2.log"
   peer "$work/$plane-b2.log" --steps=1000000
   wait_for_line "$work/$plane-b2.log" "^peer step=3 "
   kill9 "$server_pid"

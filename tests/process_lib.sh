@@ -1,0 +1,81 @@
+# Helpers shared by the cross-process tests. Sourced, never run:
+#   source "$(dirname "$0")/process_lib.sh"
+# The sourcing script sets `work` (its scratch directory) and `pids` (every process it started)
+# and installs `trap cleanup EXIT`. Helpers marked below read further globals of the script.
+
+# Kills everything in $pids and removes $work.
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+
+# fail MESSAGE...: prints it, then the last $fail_log_lines lines (30; "+1" for all) of $log if the
+# script set one, and exits 1. A script that wants other context defines its own after sourcing.
+fail() {
+  echo "FAIL: $*" >&2
+  if [ -n "${log:-}" ] && [ -f "$log" ]; then
+    tail -n "${fail_log_lines:-30}" "$log" | sed 's/^/  | /' >&2
+  fi
+  exit 1
+}
+
+# start_server BINARY LOG [FLAGS...]: a cpu_optimizer_server on an ephemeral loopback port, in the
+# background. Sets $server_pid and $port, adds the pid to $pids; fails if no port within 10 s (with
+# LOG as $log, so that fail shows it).
+start_server() {
+  local log=$2
+  "$1" --listen=127.0.0.1:0 "${@:3}" >"$log" 2>&1 &
+  server_pid=$!
+  pids+=("$server_pid")
+  for _ in $(seq 500); do
+    port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
+    if [ -n "$port" ]; then return 0; fi
+    sleep 0.02
+  done
+  fail "the server did not start (log: $log)"
+}
+
+# The launcher tests: offload_local, two optimizer servers and gpu_trainer. They read $launcher,
+# $server, $trainer, $steps and the trainer flags every run shares, ${common[@]}.
+
+# job LOG [--ranks=N] ARGS...: the launcher with two shards, in the background, the trainer given
+# ${common[@]} ARGS. Sets $log and $launched and adds the launcher to $pids.
+job() {
+  log=$1
+  shift
+  local ranks=()
+  case ${1-} in --ranks=*) ranks=("$1") && shift ;; esac
+  "$launcher" --controller=none --shards=2 "${ranks[@]}" --server_binary="$server" \
+    --trainer_binary="$trainer" --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
+  launched=$!
+  pids+=("$launched")
+}
+
+# final_files DIR: the committed checkpoint of step $steps in DIR (failing if there is none).
+final_files() {
+  local dir
+  dir=$1/$(printf 'step-%08d' "$steps")
+  [ -f "$dir/manifest.json" ] || fail "no checkpoint at $dir"
+  echo "$dir"
+}
+
+# same_checkpoint DIR_A DIR_B WHAT: the two runs' last checkpoints are the same, byte for byte.
+same_checkpoint() {
+  local a b f
+  a=$(final_files "$1")
+  b=$(final_files "$2")
+  for f in model.safetensors shard-0.safetensors shard-1.safetensors manifest.json; do
+    cmp -s "$a/$f" "$b/$f" || fail "$3: $f differs between $a and $b"
+  done
+}
+
+# wait_for_checkpoint DIR: waits (12 s at most) until DIR/latest names a checkpoint, failing at
+# once if the job $launched ends first.
+wait_for_checkpoint() {
+  for _ in $(seq 600); do
+    [ -s "$1/latest" ] && return 0
+    kill -0 "$launched" 2>/dev/null || fail "the job ended before its first checkpoint"
+    sleep 0.02
+  done
+  fail "no checkpoint in $1 after 12 s"
+}
