@@ -6,7 +6,6 @@
 #include <csignal>
 #include <cstdio>
 #include <map>
-#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -26,6 +25,7 @@
 #include "cpu_optimizer_server/shard_store.h"
 #include "cpu_optimizer_server/thread_pool.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "services/common/job_spec.h"
 #include "services/common/metrics.h"
 #include "services/common/metrics_flags.h"
 #include "services/common/security.h"
@@ -60,12 +60,6 @@ namespace {
 volatile std::sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
 
-std::string HostName() {
-  char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
-  return name;
-}
-
 // The address trainers reach this server at: --advertise, else the --listen host with the bound
 // port, where a wildcard host (which no one can dial) becomes this machine's name.
 std::string AdvertiseAddress(const std::string& listen, int port) {
@@ -75,7 +69,7 @@ std::string AdvertiseAddress(const std::string& listen, int port) {
   const size_t colon = listen.rfind(':');
   std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
   if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "*") {
-    host = HostName();
+    host = offload::ThisHostName();
   }
   return absl::StrCat(host, ":", port);
 }
@@ -90,12 +84,14 @@ class Admissions {
 
   bool Admits(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    return admitted_.count(job_id) > 0;
+    for (const auto& [attempt, shard_job_id] : by_attempt_) {
+      if (shard_job_id == job_id) return true;
+    }
+    return false;
   }
 
   void Start(const offload::v1::Assignment& assignment) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    admitted_.insert(assignment.shard_job_id());
     by_attempt_[{assignment.job_id(), assignment.attempt()}] = assignment.shard_job_id();
     std::printf("cpu_optimizer_server: assigned job %s attempt %u as shard %u (shard job %s)\n",
                 assignment.job_id().c_str(), assignment.attempt(), assignment.shard_index(),
@@ -110,9 +106,8 @@ class Admissions {
       auto it = by_attempt_.find({ref.job_id(), ref.attempt()});
       // An attempt this process never saw start (it restarted) still has the conventional id.
       shard_job_id =
-          it != by_attempt_.end() ? it->second : absl::StrCat(ref.job_id(), ".", ref.attempt());
+          it != by_attempt_.end() ? it->second : offload::ShardJobId(ref.job_id(), ref.attempt());
       if (it != by_attempt_.end()) by_attempt_.erase(it);
-      admitted_.erase(shard_job_id);
     }
     // The DropJob RPC's path; NOT_FOUND only means the trainers never created it here.
     absl::Status dropped = store_->DropJob(shard_job_id);
@@ -129,7 +124,6 @@ class Admissions {
  private:
   offload::ShardStore* const store_;
   mutable absl::Mutex mu_;
-  std::set<std::string> admitted_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint32_t>, std::string> by_attempt_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -223,11 +217,11 @@ int main(int argc, char** argv) {
     agent_options.credentials = *channel_credentials;
     agent_options.channel_args = offload::ChannelArgumentsFor(security->tls);
     agent_options.token = security->client_token;
-    const std::string hostname = HostName();
+    const std::string hostname = offload::ThisHostName();
+    const std::string address = AdvertiseAddress(server_options.listen_address, (*server)->port());
     agent_options.info.set_kind(offload::v1::WORKER_KIND_OPTIMIZER_SERVER);
     agent_options.info.set_name(absl::StrCat(hostname, ":", getpid()));
-    agent_options.info.set_address(
-        AdvertiseAddress(server_options.listen_address, (*server)->port()));
+    agent_options.info.set_address(address);
     agent_options.info.set_hostname(hostname);
     offload::WorkerHooks hooks;
     hooks.start = [&admissions](const offload::v1::Assignment& a) { admissions.Start(a); };
@@ -242,8 +236,7 @@ int main(int argc, char** argv) {
     }
     agent = *std::move(started);
     std::printf("cpu_optimizer_server joined controller %s as worker %s (address %s)\n",
-                controller.c_str(), agent->worker_id().c_str(),
-                AdvertiseAddress(server_options.listen_address, (*server)->port()).c_str());
+                controller.c_str(), agent->worker_id().c_str(), address.c_str());
     std::fflush(stdout);
   }
 

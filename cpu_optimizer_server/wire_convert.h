@@ -6,8 +6,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cpu_optimizer_server/shard_store.h"
-#include "grpcpp/support/status.h"
 #include "offload/v1/optimizer.pb.h"
+#include "services/common/grpc_status.h"
 
 namespace offload {
 
@@ -16,9 +16,6 @@ v1::DType DTypeToProto(DType dtype);
 absl::StatusOr<StateTensor> StateTensorFromProto(v1::StateTensor tensor, const char* field);
 absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request);
 v1::AdamConfig AdamConfigToProto(const AdamHyperParams& adam);
-
-grpc::Status ToGrpcStatus(const absl::Status& status);
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace offload
 

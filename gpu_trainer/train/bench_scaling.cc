@@ -11,9 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -24,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "services/launcher/child_process.h"
 
 ABSL_FLAG(std::string, launcher, "", "offload_local; empty: the one in this build tree");
 ABSL_FLAG(std::string, data, std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt",
@@ -41,13 +40,6 @@ ABSL_FLAG(std::string, trainer_args, "--transport=auto", "more flags for every r
 
 namespace {
 
-std::string BesideThisExecutable(const char* relative_path) {
-  std::error_code error;
-  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) return relative_path;
-  return (self.parent_path() / relative_path).lexically_normal().string();
-}
-
 struct Run {
   bool ok = false;
   double tokens_per_s = 0;
@@ -61,7 +53,8 @@ Run RunJob(int ranks, int threads) {
   const int batch = ranks * absl::GetFlag(FLAGS_rank_batch);
   const int seq_len = absl::GetFlag(FLAGS_seq_len);
   std::string launcher = absl::GetFlag(FLAGS_launcher);
-  if (launcher.empty()) launcher = BesideThisExecutable("../../services/launcher/offload_local");
+  if (launcher.empty())
+    launcher = offload::BesideThisExecutable("../../services/launcher/offload_local");
   const std::string command = absl::StrCat(
       "OMP_NUM_THREADS=", threads, " OPENBLAS_NUM_THREADS=", threads, " ", launcher,
       " --controller=none --shards=", absl::GetFlag(FLAGS_shards), " --ranks=", ranks,

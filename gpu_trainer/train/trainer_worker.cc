@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <cstdio>
 #include <deque>
 #include <fstream>
@@ -31,12 +30,6 @@ std::string ReadSmallFile(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
-}
-
-std::string ThisHostName() {
-  char name[HOST_NAME_MAX + 1] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "localhost";
-  return name;
 }
 
 // The attempts the agent's thread hands over, for the main thread (which must start the children:
@@ -109,10 +102,7 @@ std::vector<std::string> RankCommandLine(const std::string& trainer_binary,
 int RunTrainerWorker(const std::string& trainer_binary, const std::string& controller,
                      const std::string& rank_address, int worker_index,
                      const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop) {
-  // argv[0] may be relative or found on PATH; the children need the real file.
-  std::string self = trainer_binary;
-  char exe[PATH_MAX + 1] = {};
-  if (ssize_t n = readlink("/proc/self/exe", exe, PATH_MAX); n > 0) self.assign(exe, n);
+  const std::string self = ThisExecutable(trainer_binary);
 
   absl::StatusOr<SecurityOptions> security = SecurityFromFlags();
   if (!security.ok()) {

@@ -698,5 +698,34 @@ TEST(JobSpecFlagsTest, BadFlagsAreRefusedByName) {
   }
 }
 
+TEST(JobSpecFlagsTest, IsJobSpecFlagAgreesWithJobSpecFromFlags) {
+  struct Case {
+    const char* arg;
+    bool job_spec;
+  };
+  const Case cases[] = {
+      {"--lr=0.1", true},
+      {"-steps=5", true},
+      {"--dpu", true},
+      {"--noresume", true},
+      {"--lr", true},
+      {"--lr=abc", true},
+      {"lr=0.1", true},
+      {"--", true},
+      {"--foo=1", false},
+      {"--nolr", false},
+      {"--nodpu=true", false},
+      {"--ranks=2", false},
+      {"--progress=false", false},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(IsJobSpecFlag(c.arg), c.job_spec) << c.arg;
+    // The launcher sends the others to the trainer, so exactly these must be unknown here.
+    const absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags({c.arg});
+    EXPECT_EQ(absl::StartsWith(spec.status().message(), "unknown trainer flag"), !c.job_spec)
+        << c.arg;
+  }
+}
+
 }  // namespace
 }  // namespace offload

@@ -4,6 +4,7 @@
 #ifndef OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_
 #define OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,18 @@ std::vector<std::string> JobSpecToFlags(const v1::JobSpec& spec);
 // Anything else, or a flag that is no JobSpec field, is INVALID_ARGUMENT naming it.
 absl::StatusOr<v1::JobSpec> JobSpecFromFlags(const std::vector<std::string>& args);
 
+// Whether JobSpecFromFlags claims `arg`: false only for a flag whose name is no JobSpec field (a
+// setting of the trainer itself). True for every spelling it accepts of a field's flag, whatever
+// the value ("--lr=abc", "--lr" without one), and for anything that is no flag at all ("lr=0.1"):
+// those it refuses, naming the argument, where the trainer would only fail later.
+bool IsJobSpecFlag(absl::string_view arg);
+
 // The spec as indented protobuf JSON with the proto field names, for people and `-o json`.
 std::string JobSpecToJson(const v1::JobSpec& spec);
+
+// The id of an attempt's job on its optimizer servers. The controller assigns it; a server that
+// restarted and never saw the assignment derives it again, so both must use this one rule.
+std::string ShardJobId(const std::string& job_id, uint32_t attempt);
 
 }  // namespace offload
 

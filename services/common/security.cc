@@ -122,6 +122,44 @@ absl::StatusOr<std::pair<std::string, std::string>> ReadKeyPair(const TlsConfig&
   return std::make_pair(*std::move(cert), *std::move(key));
 }
 
+// The PEM contents a TLS server needs; all empty for a plaintext server.
+struct ServerTlsFiles {
+  std::string cert;
+  std::string key;
+  std::string ca;  // only when client certificates are required
+};
+
+// Reads and checks the files once, so CheckServerTls and MakeServerCredentials cannot disagree.
+absl::StatusOr<ServerTlsFiles> ReadServerTls(const TlsConfig& tls) {
+  if (tls.cert_file.empty()) {
+    // Settings that only make sense with TLS must not silently give a plaintext server.
+    if (!tls.key_file.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TLS key file ", tls.key_file, " is set but no certificate file is"));
+    }
+    if (tls.require_client_cert) {
+      return absl::InvalidArgumentError(
+          "TLS client certificates are required but no server certificate file is set");
+    }
+    return ServerTlsFiles();
+  }
+  absl::StatusOr<std::pair<std::string, std::string>> pair = ReadKeyPair(tls);
+  if (!pair.ok()) return pair.status();
+  ServerTlsFiles files;
+  files.cert = std::move(pair->first);
+  files.key = std::move(pair->second);
+  if (tls.require_client_cert) {
+    if (tls.ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "TLS client certificates are required but no CA file is set to verify them");
+    }
+    absl::StatusOr<std::string> ca = ReadCertificates(tls.ca_file, "TLS CA file");
+    if (!ca.ok()) return ca.status();
+    files.ca = *std::move(ca);
+  }
+  return files;
+}
+
 grpc::Status CheckMetadata(const BearerTokens& tokens,
                            const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
   if (tokens.empty()) return grpc::Status::OK;
@@ -180,10 +218,6 @@ bool BearerTokens::Accepts(absl::string_view authorization) const {
   return accepted;
 }
 
-grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContext& context) {
-  return CheckMetadata(tokens, context.client_metadata());
-}
-
 grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContextBase& context) {
   return CheckMetadata(tokens, context.client_metadata());
 }
@@ -193,35 +227,18 @@ void AttachBearer(grpc::ClientContext* context, const std::string& token) {
   context->AddMetadata(std::string(kAuthorizationKey), absl::StrCat("Bearer ", token));
 }
 
+absl::Status CheckServerTls(const TlsConfig& tls) { return ReadServerTls(tls).status(); }
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsConfig& tls) {
-  if (tls.cert_file.empty()) {
-    // Settings that only make sense with TLS must not silently give a plaintext server.
-    if (!tls.key_file.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("TLS key file ", tls.key_file, " is set but no certificate file is"));
-    }
-    if (tls.require_client_cert) {
-      return absl::InvalidArgumentError(
-          "TLS client certificates are required but no server certificate file is set");
-    }
-    return grpc::InsecureServerCredentials();
-  }
-  absl::StatusOr<std::pair<std::string, std::string>> pair = ReadKeyPair(tls);
-  if (!pair.ok()) return pair.status();
+  absl::StatusOr<ServerTlsFiles> files = ReadServerTls(tls);
+  if (!files.ok()) return files.status();
+  if (tls.cert_file.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions options(
       tls.require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
                               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  if (tls.require_client_cert) {
-    if (tls.ca_file.empty()) {
-      return absl::InvalidArgumentError(
-          "TLS client certificates are required but no CA file is set to verify them");
-    }
-    absl::StatusOr<std::string> ca = ReadCertificates(tls.ca_file, "TLS CA file");
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *std::move(ca);
-  }
-  options.pem_key_cert_pairs.push_back({pair->second, pair->first});
+  if (tls.require_client_cert) options.pem_root_certs = std::move(files->ca);
+  options.pem_key_cert_pairs.push_back({std::move(files->key), std::move(files->cert)});
   return grpc::SslServerCredentials(options);
 }
 

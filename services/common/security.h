@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
@@ -33,9 +34,8 @@ class BearerTokens {
 };
 
 // OK when tokens is empty or the call's "authorization" metadata is accepted; otherwise
-// UNAUTHENTICATED "missing or invalid bearer token" (no detail about which).
-grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContext& context);
-// The same for the callback API (grpc::CallbackServerContext).
+// UNAUTHENTICATED "missing or invalid bearer token" (no detail about which). Takes the base
+// class so that both grpc::ServerContext and grpc::CallbackServerContext work.
 grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContextBase& context);
 
 // Adds "authorization: Bearer <token>" to a client call; nothing when token is empty.
@@ -49,6 +49,11 @@ struct TlsConfig {
   std::string server_name_override;  // clients: the name the server's certificate must carry
 };
 
+// What MakeServerCredentials checks before it builds anything: cert_file with a key_file that
+// is its key, a CA file when client certificates are required, every PEM file readable, and no
+// TLS-only setting without cert_file. For servers that load the files themselves (the REST
+// gateway), so that they report bad files as the gRPC server does. Errors name the file.
+absl::Status CheckServerTls(const TlsConfig& tls);
 // Insecure credentials when cert_file is empty. Errors name the file that is missing or bad.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsConfig& tls);

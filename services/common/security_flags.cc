@@ -87,7 +87,8 @@ absl::Status RequireTokens(const SecurityOptions& options) {
   // Secure by default: a server without tokens must say out loud that it means it.
   if (options.accepted.empty() && !options.allow_unauthenticated) {
     return absl::FailedPreconditionError(
-        "no bearer token: set --token_file or $OFFLOAD_TOKEN, or pass --allow_unauthenticated");
+        "no bearer token: give one with --token_file=<file> (one token per line) or "
+        "$OFFLOAD_TOKEN, or pass --allow_unauthenticated on a trusted network");
   }
   return absl::OkStatus();
 }

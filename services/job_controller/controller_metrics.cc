@@ -1,7 +1,6 @@
 #include "services/job_controller/controller_metrics.h"
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
+#include "services/common/job_state_names.h"
 #include "services/common/metrics.h"
 
 namespace offload {
@@ -12,12 +11,8 @@ const char* const kKinds[2] = {"trainer", "optimizer_server"};
 
 }  // namespace
 
-std::string JobStateLabel(v1::JobState state) {
-  std::string name = v1::JobState_Name(state);
-  constexpr absl::string_view kPrefix = "JOB_STATE_";
-  if (absl::StartsWith(name, kPrefix)) name = name.substr(kPrefix.size());
-  return absl::AsciiStrToLower(name);
-}
+// The label values must match the names people see in offloadctl and the REST API.
+std::string JobStateLabel(v1::JobState state) { return StateName(state); }
 
 namespace {
 

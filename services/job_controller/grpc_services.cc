@@ -24,12 +24,6 @@ grpc::Status Serve(const BearerTokens& tokens, const grpc::ServerContext& contex
 
 }  // namespace
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  // absl::StatusCode and grpc::StatusCode are both google.rpc.Code.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
                                        const v1::SubmitJobRequest* request, v1::Job* response) {
   return Serve(*tokens_, *context, response, [&] { return api_->SubmitJob(*request); });

@@ -8,13 +8,12 @@
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/job.grpc.pb.h"
 #include "offload/v1/worker.grpc.pb.h"
+#include "services/common/grpc_status.h"
 #include "services/common/security.h"
 #include "services/job_controller/job_api.h"
 #include "services/job_controller/job_controller.h"
 
 namespace offload {
-
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:

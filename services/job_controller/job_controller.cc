@@ -133,11 +133,11 @@ absl::Status JobController::Load() {
   if (!jobs.ok()) return jobs.status();
   for (v1::Job& job : *jobs) {
     const std::string id = job.id();
-    absl::StatusOr<std::vector<v1::JobEvent>> events = options_.store->Events(id, 0);
-    if (!events.ok()) return events.status();
+    absl::StatusOr<uint64_t> last_sequence = options_.store->LastSequence(id);
+    if (!last_sequence.ok()) return last_sequence.status();
     JobEntry& entry = jobs_[id];
     entry.job = std::move(job);
-    entry.next_sequence = events->empty() ? 1 : events->back().sequence() + 1;
+    entry.next_sequence = *last_sequence + 1;
     entry.last_persist = started_;
     submit_order_.push_back(id);
     if (!IsActive(entry.job.state())) continue;
@@ -480,15 +480,7 @@ void JobController::StartAttempt(JobEntry& entry, const std::vector<Worker*>& tr
                                  const std::vector<Worker*>& servers) {
   v1::Job& job = entry.job;
   job.set_attempt(job.attempt() + 1);
-  job.set_request(v1::JOB_REQUEST_NONE);
-  job.clear_trainer_workers();
-  job.clear_server_workers();
-  job.clear_shard_addresses();
-  entry.checkpoint_request = 0;
-  entry.trainers_released = false;
-  entry.reissue_checkpoint = false;
-  entry.vacancy_deadline = absl::InfiniteFuture();
-  entry.first_report.reset();
+  ResetAttempt(entry);
   auto take = [&](Worker& worker, uint32_t slot) {
     worker.job_id = job.id();
     worker.attempt = job.attempt();
@@ -529,7 +521,7 @@ v1::Assignment JobController::MakeAssignment(const v1::Job& job, v1::WorkerKind 
   v1::Assignment a;
   a.set_job_id(job.id());
   a.set_attempt(job.attempt());
-  a.set_shard_job_id(absl::StrCat(job.id(), ".", job.attempt()));
+  a.set_shard_job_id(ShardJobId(job.id(), job.attempt()));
   *a.mutable_spec() = job.spec();
   *a.mutable_partition() = job.partition();
   a.set_resume(ResumesFromCheckpoint(job));
@@ -557,6 +549,19 @@ void JobController::MaybeReleaseTrainers(JobEntry& entry) {
   entry.trainers_released = true;
 }
 
+void JobController::ResetAttempt(JobEntry& entry) {
+  v1::Job& job = entry.job;
+  job.set_request(v1::JOB_REQUEST_NONE);
+  job.clear_trainer_workers();
+  job.clear_server_workers();
+  job.clear_shard_addresses();
+  entry.checkpoint_request = 0;
+  entry.trainers_released = false;
+  entry.reissue_checkpoint = false;
+  entry.vacancy_deadline = absl::InfiniteFuture();
+  entry.first_report.reset();
+}
+
 void JobController::EndAttempt(JobEntry& entry) {
   v1::Job& job = entry.job;
   const v1::AttemptRef ref = Ref(job.id(), job.attempt());
@@ -581,15 +586,7 @@ void JobController::EndAttempt(JobEntry& entry) {
       worker.other_running.push_back(ref);
     }
   }
-  job.clear_trainer_workers();
-  job.clear_server_workers();
-  job.clear_shard_addresses();
-  job.set_request(v1::JOB_REQUEST_NONE);
-  entry.checkpoint_request = 0;
-  entry.trainers_released = false;
-  entry.reissue_checkpoint = false;
-  entry.vacancy_deadline = absl::InfiniteFuture();
-  entry.first_report.reset();
+  ResetAttempt(entry);
   entry.dirty = true;
   rendezvous_.erase({job.id(), job.attempt()});
   rendezvous_changed_.SignalAll();

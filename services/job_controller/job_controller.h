@@ -150,6 +150,8 @@ class JobController : public JobApi {
   static v1::Assignment MakeAssignment(const v1::Job& job, v1::WorkerKind kind, uint32_t slot);
   // Hands the trainers their Assignments once every server of the attempt acknowledged its own.
   void MaybeReleaseTrainers(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Clears what belongs to one attempt, so a new attempt never inherits the last one's state.
+  static void ResetAttempt(JobEntry& entry);
   // Frees the attempt's workers (queueing the stops they need) and drops its rendezvous.
   void EndAttempt(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The attempt ended in `to` (SUCCEEDED, PAUSED, CANCELLED).

@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -73,10 +74,8 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
   if (!security.ok()) return Fail(std::string(security.status().message()));
-  if (security->accepted.empty() && !security->allow_unauthenticated) {
-    return Fail(
-        "no bearer token: give one with --token_file=<file> (one token per line) or "
-        "$OFFLOAD_TOKEN, or pass --allow_unauthenticated on a trusted network");
+  if (absl::Status s = offload::RequireTokens(*security); !s.ok()) {
+    return Fail(std::string(s.message()));
   }
 
   const std::string store_path = absl::GetFlag(FLAGS_store);

@@ -2,9 +2,7 @@
 
 #include <initializer_list>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 
 namespace offload {
 namespace {
@@ -54,12 +52,6 @@ bool IsTerminal(JobState state) {
 
 bool IsActive(JobState state) {
   return state == v1::JOB_STATE_RUNNING || state == v1::JOB_STATE_CHECKPOINTING;
-}
-
-std::string StateName(JobState state) {
-  const std::string& full = v1::JobState_Name(state);
-  if (full.empty()) return absl::StrCat("state ", static_cast<int>(state));
-  return absl::AsciiStrToLower(absl::StripPrefix(full, "JOB_STATE_"));
 }
 
 }  // namespace offload

@@ -3,10 +3,9 @@
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STATE_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STATE_H_
 
-#include <string>
-
 #include "absl/status/status.h"
 #include "offload/v1/job.pb.h"
+#include "services/common/job_state_names.h"  // IWYU pragma: export (StateName)
 
 namespace offload {
 
@@ -23,9 +22,6 @@ bool IsTerminal(v1::JobState state);
 
 // RUNNING or CHECKPOINTING: an attempt holds workers.
 bool IsActive(v1::JobState state);
-
-// Lower case without the prefix, as people read it: "running", "checkpointing".
-std::string StateName(v1::JobState state);
 
 }  // namespace offload
 

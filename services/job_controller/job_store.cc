@@ -220,6 +220,21 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobStore::Events(const std::string& jo
   return events;
 }
 
+absl::StatusOr<uint64_t> JobStore::LastSequence(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  Statement stmt;
+  if (sqlite3_prepare_v2(db_, "SELECT MAX(sequence) FROM events WHERE job_id = ?1", -1, stmt.out(),
+                         nullptr) != SQLITE_OK) {
+    return Error("prepare the last sequence read");
+  }
+  sqlite3_bind_text(stmt.get(), 1, job_id.data(), static_cast<int>(job_id.size()), SQLITE_STATIC);
+  if (sqlite3_step(stmt.get()) != SQLITE_ROW) return Error("read the last sequence");
+  // MAX over no rows is NULL, which reads as 0: the same as an empty history.
+  const int64_t last = sqlite3_column_int64(stmt.get(), 0);
+  if (sqlite3_step(stmt.get()) != SQLITE_DONE) return Error("read the last sequence");
+  return static_cast<uint64_t>(last);
+}
+
 absl::StatusOr<uint64_t> JobStore::NextJobNumber() {
   absl::MutexLock lock(&mu_);
   Statement stmt;

@@ -40,6 +40,9 @@ class JobStore {
   // The events of `job_id` with sequence > after_sequence, in order.
   absl::StatusOr<std::vector<v1::JobEvent>> Events(const std::string& job_id,
                                                    uint64_t after_sequence);
+  // The highest event sequence of `job_id`, 0 when it has none: what a reload needs, without
+  // parsing the whole history.
+  absl::StatusOr<uint64_t> LastSequence(const std::string& job_id);
   // 1, 2, 3, ...: never the same number twice, across restarts and concurrent openers.
   absl::StatusOr<uint64_t> NextJobNumber();
 

@@ -77,6 +77,31 @@ TEST(JobStoreTest, ReopenReturnsWhatWasCommitted) {
   EXPECT_EQ(*(*store)->NextJobNumber(), 3u);
 }
 
+TEST(JobStoreTest, LastSequenceIsTheHighestOrZero) {
+  const std::string path = TempPath("last_sequence.db");
+  absl::StatusOr<std::unique_ptr<JobStore>> store = JobStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  v1::Job job = MakeJob("job-1", v1::JOB_STATE_PENDING, 1);
+  ASSERT_TRUE((*store)->Commit(job, {}).ok());
+  // No events: 0, so a reload numbers the next event 1, as it did from an empty history.
+  absl::StatusOr<uint64_t> last = (*store)->LastSequence("job-1");
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(*last, 0u);
+  EXPECT_EQ(*(*store)->LastSequence("job-9"), 0u);
+  ASSERT_TRUE((*store)
+                  ->Commit(job, {MakeEvent("job-1", 1, "submitted"), MakeEvent("job-1", 2, "more")})
+                  .ok());
+  ASSERT_TRUE(
+      (*store)
+          ->Commit(MakeJob("job-2", v1::JOB_STATE_PENDING, 2), {MakeEvent("job-2", 7, "other job")})
+          .ok());
+  last = (*store)->LastSequence("job-1");
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(*last, 2u);
+  EXPECT_EQ(*last, (*store)->Events("job-1", 0)->back().sequence());
+  EXPECT_EQ(*(*store)->LastSequence("job-2"), 7u);
+}
+
 TEST(JobStoreTest, ACommitIsAllOrNothing) {
   const std::string path = TempPath("atomic.db");
   absl::StatusOr<std::unique_ptr<JobStore>> store = JobStore::Open(path);

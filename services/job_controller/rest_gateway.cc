@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
-#include <fstream>
 #include <initializer_list>
 #include <thread>
 #include <utility>
@@ -20,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
+#include "services/common/job_state_names.h"
 #include "services/common/metrics.h"
 
 namespace offload {
@@ -135,17 +135,6 @@ absl::Status ParseBody(const std::string& body, google::protobuf::Message* messa
   return absl::OkStatus();
 }
 
-// "RUNNING", "running" and "JOB_STATE_RUNNING" all name JOB_STATE_RUNNING.
-absl::StatusOr<v1::JobState> ParseState(absl::string_view text) {
-  std::string name = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
-  if (!absl::StartsWith(name, "JOB_STATE_")) name = absl::StrCat("JOB_STATE_", name);
-  v1::JobState state;
-  if (name == "JOB_STATE_UNSPECIFIED" || !v1::JobState_Parse(name, &state)) {
-    return absl::InvalidArgumentError(absl::StrCat("state: unknown job state '", text, "'"));
-  }
-  return state;
-}
-
 template <typename Int>
 absl::StatusOr<Int> ParseUnsigned(absl::string_view name, absl::string_view text) {
   Int value = 0;
@@ -177,8 +166,11 @@ absl::StatusOr<v1::ListJobsRequest> ListRequestFromQuery(const httplib::Request&
   for (auto it = states.first; it != states.second; ++it) {
     // state=RUNNING,PAUSED is the same as state=RUNNING&state=PAUSED.
     for (absl::string_view one : absl::StrSplit(it->second, ',', absl::SkipWhitespace())) {
-      absl::StatusOr<v1::JobState> state = ParseState(one);
-      if (!state.ok()) return state.status();
+      absl::StatusOr<v1::JobState> state = ParseStateName(one);
+      if (!state.ok()) {
+        // Errors name the query parameter they are about, as ParseUnsigned's do.
+        return absl::InvalidArgumentError(absl::StrCat("state: ", state.status().message()));
+      }
       request.add_states(*state);
     }
   }
@@ -421,8 +413,6 @@ class RestGatewayImpl final : public RestGateway {
   std::thread thread_;
 };
 
-bool Readable(const std::string& path) { return std::ifstream(path).good(); }
-
 }  // namespace
 
 int HttpStatusFor(absl::StatusCode code) {
@@ -472,17 +462,9 @@ absl::StatusOr<std::unique_ptr<RestGateway>> RestGateway::Start(JobApi* api,
   std::unique_ptr<httplib::Server> server;
   const TlsConfig& tls = options.tls;
   if (!tls.cert_file.empty()) {
-    if (tls.key_file.empty()) {
-      return absl::InvalidArgumentError("REST gateway: a TLS certificate needs its key file");
-    }
-    if (tls.require_client_cert && tls.ca_file.empty()) {
-      return absl::InvalidArgumentError(
-          "REST gateway: requiring client certificates needs a CA file to verify them");
-    }
-    for (const std::string* file : {&tls.cert_file, &tls.key_file, &tls.ca_file}) {
-      if (!file->empty() && !Readable(*file)) {
-        return absl::NotFoundError(absl::StrCat("REST gateway: cannot read '", *file, "'"));
-      }
+    // The gRPC server's checks: httplib's own failure below does not say which file is bad.
+    if (absl::Status s = CheckServerTls(tls); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("REST gateway: ", s.message()));
     }
     // httplib verifies client certificates exactly when it is given a CA for them.
     auto ssl = std::make_unique<httplib::SSLServer>(

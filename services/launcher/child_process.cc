@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -189,6 +191,18 @@ int ExitCodeOf(int wait_status) {
   if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
   if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
   return 1;
+}
+
+std::string ThisExecutable(const std::string& fallback) {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  return error ? fallback : self.string();
+}
+
+std::string BesideThisExecutable(const std::string& relative_path) {
+  const std::string self = ThisExecutable("");
+  if (self.empty()) return relative_path;
+  return (std::filesystem::path(self).parent_path() / relative_path).lexically_normal().string();
 }
 
 }  // namespace offload

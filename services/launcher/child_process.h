@@ -74,6 +74,13 @@ std::string DescribeWaitStatus(int wait_status);
 // The status a shell would report: the exit code, or 128 + the signal that killed it.
 int ExitCodeOf(int wait_status);
 
+// The running program's own file (/proc/self/exe), to start copies of itself or its siblings:
+// argv[0] may be relative or found on PATH. `fallback` where it cannot be read.
+std::string ThisExecutable(const std::string& fallback);
+// `relative_path` taken from the running program's directory (a build tree's layout is fixed at
+// configure time, so a program finds its siblings without flags); as given where that fails.
+std::string BesideThisExecutable(const std::string& relative_path);
+
 }  // namespace offload
 
 #endif  // OFFLOAD_SERVICES_LAUNCHER_CHILD_PROCESS_H_

@@ -237,12 +237,7 @@ absl::StatusOr<v1::JobSpec> ControlledJob::MakeSpec() {
   // the trainers on this machine, which pass them to every rank they run.
   std::vector<std::string> job_args;
   for (const std::string& arg : options_.trainer_args) {
-    absl::StatusOr<v1::JobSpec> one = JobSpecFromFlags({arg});
-    if (!one.ok() && absl::StartsWith(one.status().message(), "unknown trainer flag")) {
-      rank_args_.push_back(arg);
-    } else {
-      job_args.push_back(arg);
-    }
+    (IsJobSpecFlag(arg) ? job_args : rank_args_).push_back(arg);
   }
   absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags(job_args);
   if (!spec.ok()) return spec.status();

@@ -21,21 +21,14 @@
 
 namespace offload {
 
-struct ControlledJobOptions {
-  int num_shards = 1;
-  int num_ranks = 1;
+// The job is the one LocalJobOptions describe, except that trainer_args become the JobSpec
+// (JobSpecFromFlags, relative paths made absolute; flags that are no JobSpec field go to every
+// rank), and that startup_timeout also covers the controller and shutdown_timeout is how long the
+// job has to checkpoint and pause after Ctrl-C.
+struct ControlledJobOptions : LocalJobOptions {
   std::string controller_binary;
-  std::string server_binary;
-  std::string trainer_binary;
-  std::vector<std::string> server_args;
-  // gpu_trainer flags; they become the JobSpec (JobSpecFromFlags), relative paths made absolute.
-  std::vector<std::string> trainer_args;
   // The controller's SQLite store; empty: one in the job's temporary directory, removed at the end.
   std::string store;
-  absl::Duration startup_timeout = absl::Seconds(30);
-  // After Ctrl-C, how long the job has to checkpoint and pause.
-  absl::Duration shutdown_timeout = absl::Seconds(60);
-  absl::Duration kill_timeout = absl::Seconds(5);
   // When set, every process serves /metrics on a free loopback port, and the ports are written
   // there as Prometheus file_sd target files, one per scrape job: offload-controller.json,
   // offload-optimizer-server.json, offload-trainer-worker.json, offload-trainer.json.

@@ -5,9 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -15,6 +13,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "services/launcher/child_process.h"
 #include "services/launcher/controlled_job.h"
 #include "services/launcher/local_job.h"
 #include "services/launcher/signal_fd.h"
@@ -50,19 +49,6 @@ ABSL_FLAG(
 ABSL_FLAG(absl::Duration, kill_timeout, absl::Seconds(5),
           "how long a server has after SIGTERM (and the trainer ranks after SIGINT when a server "
           "or another rank failed) before SIGKILL");
-
-namespace {
-
-// The build tree's layout is fixed at configure time (CMake passes the relative paths), so a
-// launcher run from its build directory finds its siblings without flags.
-std::string BesideThisExecutable(const char* relative_path) {
-  std::error_code error;
-  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) return relative_path;
-  return (self.parent_path() / relative_path).lexically_normal().string();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -108,11 +94,11 @@ int main(int argc, char** argv) {
   options.num_ranks = absl::GetFlag(FLAGS_ranks);
   options.server_binary = absl::GetFlag(FLAGS_server_binary);
   if (options.server_binary.empty()) {
-    options.server_binary = BesideThisExecutable(OFFLOAD_SERVER_RELPATH);
+    options.server_binary = offload::BesideThisExecutable(OFFLOAD_SERVER_RELPATH);
   }
   options.trainer_binary = absl::GetFlag(FLAGS_trainer_binary);
   if (options.trainer_binary.empty()) {
-    options.trainer_binary = BesideThisExecutable(OFFLOAD_TRAINER_RELPATH);
+    options.trainer_binary = offload::BesideThisExecutable(OFFLOAD_TRAINER_RELPATH);
   }
   options.server_args =
       absl::StrSplit(absl::GetFlag(FLAGS_server_args), ' ', absl::SkipWhitespace());
@@ -134,21 +120,13 @@ int main(int argc, char** argv) {
   offload::JobOutcome outcome;
   if (mode == "local") {
     offload::ControlledJobOptions controlled;
-    controlled.num_shards = options.num_shards;
-    controlled.num_ranks = options.num_ranks;
+    static_cast<offload::LocalJobOptions&>(controlled) = options;
     controlled.controller_binary = absl::GetFlag(FLAGS_controller_binary);
     if (controlled.controller_binary.empty()) {
-      controlled.controller_binary = BesideThisExecutable(OFFLOAD_CONTROLLER_RELPATH);
+      controlled.controller_binary = offload::BesideThisExecutable(OFFLOAD_CONTROLLER_RELPATH);
     }
-    controlled.server_binary = options.server_binary;
-    controlled.trainer_binary = options.trainer_binary;
-    controlled.server_args = options.server_args;
-    controlled.trainer_args = options.trainer_args;
     controlled.store = absl::GetFlag(FLAGS_store);
     controlled.metrics_targets_dir = absl::GetFlag(FLAGS_metrics_targets_dir);
-    controlled.startup_timeout = options.startup_timeout;
-    controlled.shutdown_timeout = options.shutdown_timeout;
-    controlled.kill_timeout = options.kill_timeout;
     offload::ControlledJob job(std::move(controlled), &*signals);
     outcome = job.Run();
   } else {

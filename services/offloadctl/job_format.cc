@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -59,31 +58,13 @@ std::string RenderTable(const std::vector<std::vector<std::string>>& rows) {
   return out;
 }
 
-std::string FormatDuration(double seconds) {
+std::string FormatCompactDuration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
   const int64_t total = static_cast<int64_t>(std::llround(seconds));
   if (total < 60) return absl::StrFormat("%ds", total);
   if (total < 3600) return absl::StrFormat("%dm%02ds", total / 60, total % 60);
   if (total < 86400) return absl::StrFormat("%dh%02dm", total / 3600, total % 3600 / 60);
   return absl::StrFormat("%dd%02dh", total / 86400, total % 86400 / 3600);
-}
-
-std::string StateName(v1::JobState state) {
-  const std::string& name = v1::JobState_Name(state);
-  if (name.empty()) return absl::StrCat("state ", static_cast<int>(state));
-  return absl::AsciiStrToLower(absl::StripPrefix(name, "JOB_STATE_"));
-}
-
-absl::StatusOr<v1::JobState> ParseStateName(absl::string_view text) {
-  std::string name = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
-  if (!absl::StartsWith(name, "JOB_STATE_")) name = absl::StrCat("JOB_STATE_", name);
-  v1::JobState state;
-  if (name == "JOB_STATE_UNSPECIFIED" || !v1::JobState_Parse(name, &state)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown job state '", text,
-                     "' (pending, running, paused, checkpointing, succeeded, failed, cancelled)"));
-  }
-  return state;
 }
 
 absl::StatusOr<std::vector<v1::JobState>> ParseStateList(absl::string_view text) {
@@ -119,7 +100,7 @@ std::string FormatRate(double tokens_per_s) {
 std::string FormatEta(const v1::Job& job) {
   // An ETA left over from before a pause or the end says nothing about now.
   if (!Running(job.state()) || !(job.progress().eta_seconds() > 0)) return "-";
-  return FormatDuration(job.progress().eta_seconds());
+  return FormatCompactDuration(job.progress().eta_seconds());
 }
 
 absl::Time ToTime(const google::protobuf::Timestamp& timestamp) {
@@ -139,7 +120,7 @@ std::vector<std::string> JobRow(const v1::Job& job, absl::Time now) {
   const v1::JobProgress& progress = job.progress();
   std::string age = "-";
   if (job.has_create_time()) {
-    age = FormatDuration(absl::ToDoubleSeconds(now - ToTime(job.create_time())));
+    age = FormatCompactDuration(absl::ToDoubleSeconds(now - ToTime(job.create_time())));
   }
   return {job.id(),
           job.spec().name().empty() ? "-" : job.spec().name(),
@@ -204,7 +185,7 @@ std::string JobDetails(const v1::Job& job, absl::Time now, absl::TimeZone zone) 
   auto when = [&](const google::protobuf::Timestamp& t) {
     if (t.seconds() == 0 && t.nanos() == 0) return std::string("-");
     return absl::StrCat(FormatTimestamp(t, zone), " (",
-                        FormatDuration(absl::ToDoubleSeconds(now - ToTime(t))), " ago)");
+                        FormatCompactDuration(absl::ToDoubleSeconds(now - ToTime(t))), " ago)");
   };
   rows.push_back({"Created:", when(job.create_time())});
   rows.push_back({"Updated:", when(job.update_time())});

@@ -12,6 +12,7 @@
 #include "google/protobuf/message.h"
 #include "google/protobuf/timestamp.pb.h"
 #include "offload/v1/job.pb.h"
+#include "services/common/job_state_names.h"  // IWYU pragma: export (StateName, ParseStateName)
 
 namespace offload {
 
@@ -20,14 +21,10 @@ namespace offload {
 std::string RenderTable(const std::vector<std::vector<std::string>>& rows);
 
 // Compact durations for ETA and AGE columns: "42s", "5m07s", "3h20m", "2d04h"; "-" for negative,
-// infinite or NaN seconds.
-std::string FormatDuration(double seconds);
+// infinite or NaN seconds. Not FormatDuration: gpu_trainer's progress.h has one that formats
+// differently, and one binary must never see two definitions of the same name.
+std::string FormatCompactDuration(double seconds);
 
-// "running", "checkpointing", ...: the enum name without JOB_STATE_, in lower case.
-std::string StateName(v1::JobState state);
-// The inverse for command lines and queries: "running", "RUNNING" and "JOB_STATE_RUNNING" all
-// work; INVALID_ARGUMENT naming the text otherwise.
-absl::StatusOr<v1::JobState> ParseStateName(absl::string_view text);
 // A comma-separated list of ParseStateName names; empty text is an empty list.
 absl::StatusOr<std::vector<v1::JobState>> ParseStateList(absl::string_view text);
 

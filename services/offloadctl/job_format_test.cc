@@ -66,17 +66,17 @@ TEST(RenderTableTest, ShortRowsAndEmptyTable) {
   EXPECT_EQ(RenderTable({{"A", "B"}, {"x"}}), "A  B\nx\n");
 }
 
-TEST(FormatDurationTest, Units) {
-  EXPECT_EQ(FormatDuration(0), "0s");
-  EXPECT_EQ(FormatDuration(42.4), "42s");
-  EXPECT_EQ(FormatDuration(59.6), "1m00s");
-  EXPECT_EQ(FormatDuration(307), "5m07s");
-  EXPECT_EQ(FormatDuration(3600), "1h00m");
-  EXPECT_EQ(FormatDuration(12000), "3h20m");
-  EXPECT_EQ(FormatDuration(2 * 86400 + 4 * 3600 + 59), "2d04h");
-  EXPECT_EQ(FormatDuration(-1), "-");
-  EXPECT_EQ(FormatDuration(std::numeric_limits<double>::infinity()), "-");
-  EXPECT_EQ(FormatDuration(std::nan("")), "-");
+TEST(FormatCompactDurationTest, Units) {
+  EXPECT_EQ(FormatCompactDuration(0), "0s");
+  EXPECT_EQ(FormatCompactDuration(42.4), "42s");
+  EXPECT_EQ(FormatCompactDuration(59.6), "1m00s");
+  EXPECT_EQ(FormatCompactDuration(307), "5m07s");
+  EXPECT_EQ(FormatCompactDuration(3600), "1h00m");
+  EXPECT_EQ(FormatCompactDuration(12000), "3h20m");
+  EXPECT_EQ(FormatCompactDuration(2 * 86400 + 4 * 3600 + 59), "2d04h");
+  EXPECT_EQ(FormatCompactDuration(-1), "-");
+  EXPECT_EQ(FormatCompactDuration(std::numeric_limits<double>::infinity()), "-");
+  EXPECT_EQ(FormatCompactDuration(std::nan("")), "-");
 }
 
 TEST(FormatEtaTest, OnlyWhileRunning) {

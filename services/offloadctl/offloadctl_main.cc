@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/job.grpc.pb.h"
+#include "services/common/grpc_status.h"
 #include "services/common/job_spec.h"
 #include "services/common/security.h"
 #include "services/offloadctl/job_format.h"
@@ -172,10 +173,6 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
-absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 void Print(const std::string& text) {
   std::fputs(text.c_str(), stdout);
   if (!text.empty() && text.back() != '\n') std::fputc('\n', stdout);
@@ -319,7 +316,7 @@ class Ctl {
     context.set_deadline(std::chrono::system_clock::now() +
                          absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_timeout)));
     AttachBearer(&context, token_);
-    return FromGrpc((stub_.get()->*method)(&context, request, response));
+    return FromGrpcStatus((stub_.get()->*method)(&context, request, response));
   }
 
   absl::Status GetJob(const std::string& id, v1::Job* job) {
@@ -393,7 +390,12 @@ int Run(int argc, char** argv) {
                                    " argument", it->second.args == 0 ? "s" : "", ", got ",
                                    args.size()));
   }
-  for (const char* specific : {"state", "reason", "follow", "interval"}) {
+  // A flag some command takes is refused on the others; global flags are always allowed.
+  std::set<std::string> specific_flags;
+  for (const auto& entry : Commands()) {
+    specific_flags.insert(entry.second.flags.begin(), entry.second.flags.end());
+  }
+  for (const std::string& specific : specific_flags) {
     if (line->flags_given.count(specific) > 0 && it->second.flags.count(specific) == 0) {
       return UsageError(absl::StrCat("--", specific, " does not apply to ", command));
     }

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "services/common/grpc_status.h"
 #include "services/common/security.h"
 
 namespace offload {
@@ -30,7 +31,6 @@ void ProgressClient::Update(const v1::ProgressReport& progress) {
   report_ = progress;
   *report_.mutable_attempt() = attempt;
   report_.set_rank(rank);
-  dirty_ = true;
 }
 
 v1::ProgressReply ProgressClient::reply() const {
@@ -44,16 +44,13 @@ absl::Status ProgressClient::Send(absl::Duration timeout) {
   {
     absl::MutexLock lock(&mu_);
     report = report_;
-    dirty_ = false;
   }
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   AttachBearer(&context, token_);
   v1::ProgressReply reply;
   grpc::Status s = stub_->ReportProgress(&context, report, &reply);
-  if (!s.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-  }
+  if (!s.ok()) return FromGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   reply_ = reply;
   return absl::OkStatus();

@@ -44,7 +44,6 @@ class ProgressClient {
   const absl::Duration interval_;
   mutable absl::Mutex mu_;
   v1::ProgressReport report_ ABSL_GUARDED_BY(mu_);
-  bool dirty_ ABSL_GUARDED_BY(mu_) = false;
   v1::ProgressReply reply_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Mutex send_mu_;  // one call at a time, in order

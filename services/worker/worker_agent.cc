@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/grpc_status.h"
 #include "services/common/metrics.h"
 #include "services/common/security.h"
 
@@ -51,10 +53,6 @@ void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
   context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
-
 bool SameAttempt(const v1::AttemptRef& a, const v1::AttemptRef& b) {
   return a.job_id() == b.job_id() && a.attempt() == b.attempt();
 }
@@ -64,6 +62,15 @@ v1::AttemptRef RefOf(const v1::Assignment& a) {
   ref.set_job_id(a.job_id());
   ref.set_attempt(a.attempt());
   return ref;
+}
+
+// The attempt no longer runs here, whether it ended or the controller withdrew it.
+void ForgetAttempt(std::vector<v1::Assignment>* running, const v1::AttemptRef& ref) {
+  running->erase(
+      std::remove_if(running->begin(), running->end(),
+                     [&](const v1::Assignment& a) { return SameAttempt(RefOf(a), ref); }),
+      running->end());
+  WorkerMetrics::Get().busy.Set(running->empty() ? 0 : 1);
 }
 
 }  // namespace
@@ -116,12 +123,7 @@ std::string WorkerAgent::worker_id() const {
 
 void WorkerAgent::Finished(v1::AttemptResult result) {
   absl::MutexLock lock(&mu_);
-  running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                [&](const v1::Assignment& a) {
-                                  return SameAttempt(RefOf(a), result.attempt());
-                                }),
-                 running_.end());
-  WorkerMetrics::Get().busy.Set(running_.empty() ? 0 : 1);
+  ForgetAttempt(&running_, result.attempt());
   finished_.push_back(std::move(result));
 }
 
@@ -145,7 +147,7 @@ absl::Status WorkerAgent::Register() {
   grpc::Status s = stub_->RegisterWorker(&context, request, &response);
   if (!s.ok()) {
     WorkerMetrics::Get().registered.Set(0);
-    return FromGrpc(s);
+    return FromGrpcStatus(s);
   }
   WorkerMetrics::Get().registered.Set(1);
   absl::MutexLock lock(&mu_);
@@ -216,11 +218,7 @@ void WorkerAgent::HeartbeatOnce() {
   for (const v1::AttemptRef& ref : response.stop()) {
     {
       absl::MutexLock lock(&mu_);
-      running_.erase(
-          std::remove_if(running_.begin(), running_.end(),
-                         [&](const v1::Assignment& a) { return SameAttempt(RefOf(a), ref); }),
-          running_.end());
-      WorkerMetrics::Get().busy.Set(running_.empty() ? 0 : 1);
+      ForgetAttempt(&running_, ref);
     }
     if (hooks_.stop) hooks_.stop(ref);
   }

@@ -6,6 +6,8 @@
 #ifndef OFFLOAD_SERVICES_WORKER_WORKER_AGENT_H_
 #define OFFLOAD_SERVICES_WORKER_WORKER_AGENT_H_
 
+#include <unistd.h>
+
 #include <functional>
 #include <memory>
 #include <string>
@@ -20,6 +22,14 @@
 #include "offload/v1/worker.grpc.pb.h"
 
 namespace offload {
+
+// This machine's name for WorkerInfo (every pool worker reports it the same way); "localhost" when
+// the system has none to give.
+inline std::string ThisHostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
 
 struct WorkerAgentOptions {
   std::string controller;                                 // host:port
