@@ -59,13 +59,15 @@ final_files() {
   echo "$dir"
 }
 
-# same_checkpoint DIR_A DIR_B WHAT: the two runs' last checkpoints are the same, byte for byte.
+# same_checkpoint DIR_A DIR_B WHAT: the two runs' last checkpoints hold the same files, byte for
+# byte.
 same_checkpoint() {
   local a b f
   a=$(final_files "$1")
   b=$(final_files "$2")
-  for f in model.safetensors shard-0.safetensors shard-1.safetensors manifest.json; do
-    cmp -s "$a/$f" "$b/$f" || fail "$3: $f differs between $a and $b"
+  [ "$(ls "$a")" = "$(ls "$b")" ] || fail "$3: $a and $b hold different files"
+  for f in "$a"/*; do
+    cmp -s "$f" "$b/${f##*/}" || fail "$3: ${f##*/} differs between $a and $b"
   done
 }
 

@@ -238,6 +238,10 @@ absl::StatusOr<std::string> Trainer::Start() {
   absl::Status loaded;
   if (rank() == 0) {
     loaded = LoadJob(resuming ? &dir : nullptr, resuming ? &manifest : nullptr, &how);
+    // A user who asked to resume must not mistake a fresh start for a continued run.
+    if (o.resume && !resuming) {
+      how = absl::StrCat("nothing to resume: no checkpoint in ", o.checkpoint_dir, "; ", how);
+    }
   } else {
     backend_->UseJob(o.job_id, o.param_dtype);
     how = resuming ? absl::StrCat("resumed from ", dir, " at step ", manifest.step())

@@ -347,6 +347,13 @@ int main(int argc, char** argv) {
   } drop_on_exit{&*trainer, backend.get(), lead};
   if (!started.ok()) return Fail(started.status());
   if (lead) std::printf("gpu_trainer: %s\n", started->c_str());
+  if (lead && t.step() >= t.total_steps()) {
+    std::printf(
+        "gpu_trainer: already at step %llu of --steps=%llu: nothing to train (a larger "
+        "--steps trains on)\n",
+        static_cast<unsigned long long>(t.step()),
+        static_cast<unsigned long long>(t.total_steps()));
+  }
   std::fflush(stdout);
 
   const std::string progress = absl::GetFlag(FLAGS_progress);
@@ -356,7 +363,8 @@ int main(int argc, char** argv) {
   const int eval_batches = absl::GetFlag(FLAGS_eval_batches);
   const int checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   const bool checkpoints = !options->checkpoint_dir.empty();
-  float val_loss = 0;
+  float val_loss = 0;      // the latest evaluation's; 0 in a checkpoint taken before any
+  bool evaluated = false;  // an interrupted run may stop before its first evaluation
   const absl::Time start = absl::Now();
   const uint64_t first_step = t.step();
   bool interrupted = false;
@@ -424,6 +432,7 @@ int main(int argc, char** argv) {
       absl::StatusOr<float> v = t.Evaluate(eval_batches);
       if (!v.ok()) return Fail(v.status());
       val_loss = *v;
+      evaluated = true;
       if (lead) reporter.Message(absl::StrFormat("step %d: val_loss %.4f", r->step, val_loss));
     }
     if (checkpoints && checkpoint_every > 0 && r->step % checkpoint_every == 0 &&
@@ -442,12 +451,14 @@ int main(int argc, char** argv) {
     absl::StatusOr<float> v = t.Evaluate(eval_batches);
     if (!v.ok()) return Fail(v.status());
     val_loss = *v;
+    evaluated = true;
   }
   if (lead) {
     std::printf(
-        "gpu_trainer: step %llu val_loss %.4f (%llu steps in %s, %.0f tokens/s, %llu "
+        "gpu_trainer: step %llu val_loss %s (%llu steps in %s, %.0f tokens/s, %llu "
         "skipped)\n",
-        static_cast<unsigned long long>(t.step()), val_loss,
+        static_cast<unsigned long long>(t.step()),
+        evaluated ? absl::StrFormat("%.4f", val_loss).c_str() : "not evaluated yet",
         static_cast<unsigned long long>(t.step() - first_step),
         offload::FormatDuration(seconds).c_str(),
         (t.step() - first_step) * t.tokens_per_step() / std::max(seconds, 1e-9),

@@ -98,6 +98,27 @@ TEST(Trainer, ResumeFromACheckpointIsBitIdentical) {
   EXPECT_TRUE(SameBits(straight.master, resumed.master));
 }
 
+// --resume on an empty checkpoint directory starts fresh (a job's first attempt and its restarts
+// run with the same flags), and says so: the user must not take it for a continued run.
+TEST(Trainer, AResumeWithNothingToResumeSaysSo) {
+  TempDir dir;
+  for (bool resume : {true, false}) {
+    TrainerOptions o = TinyOptions();
+    o.checkpoint_dir = dir.path();
+    o.resume = resume;
+    InProcessOptimizer backend(MapFor(o, 1), 2, BestSimdPath());
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &backend);
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    absl::StatusOr<std::string> started = (*trainer)->Start();
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_EQ(*started, absl::StrCat(resume ? absl::StrCat("nothing to resume: no checkpoint in ",
+                                                           dir.path(), "; ")
+                                            : "",
+                                     "started from GPT-2 initialisation, seed 7"));
+    EXPECT_EQ((*trainer)->step(), 0u);
+  }
+}
+
 TEST(Trainer, ResumeRefusesADifferentModel) {
   TrainerOptions o = TinyOptions();
   TempDir dir;
