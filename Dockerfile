@@ -43,8 +43,8 @@ RUN if [ -n "$CUDA_VERSION" ]; then \
  && cmake --build /build -j "$(nproc)" \
       --target job_controller cpu_optimizer_server gpu_trainer offloadctl \
  && mkdir -p /out/bin \
- && cp /build/services/job_controller/job_controller /build/cpu_optimizer_server/cpu_optimizer_server \
-       /build/gpu_trainer/train/gpu_trainer /build/services/offloadctl/offloadctl /out/bin/ \
+ && cp /build/bin/job_controller /build/bin/cpu_optimizer_server /build/bin/gpu_trainer \
+       /build/bin/offloadctl /out/bin/ \
  && strip --strip-unneeded /out/bin/*
 
 FROM ${DEBIAN_IMAGE}

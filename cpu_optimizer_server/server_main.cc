@@ -18,20 +18,20 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "cpu_optimizer_server/adam_kernel.h"
-#include "cpu_optimizer_server/host_buffer.h"
-#include "cpu_optimizer_server/optimizer_service.h"
-#include "cpu_optimizer_server/server_metrics.h"
-#include "cpu_optimizer_server/shard_store.h"
-#include "cpu_optimizer_server/thread_pool.h"
+#include "base/host_buffer.h"
+#include "base/metrics/metrics.h"
+#include "base/metrics/metrics_flags.h"
+#include "base/security/security.h"
+#include "base/thread_pool.h"
+#include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "cpu_optimizer_server/grpc/optimizer_service.h"
+#include "cpu_optimizer_server/shard/server_metrics.h"
+#include "cpu_optimizer_server/shard/shard_store.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "services/common/job_spec.h"
-#include "services/common/metrics.h"
-#include "services/common/metrics_flags.h"
-#include "services/common/security.h"
 #include "services/worker/worker_agent.h"
 
-// services/common/security_flags.cc
+// base/security/security_flags.cc
 ABSL_DECLARE_FLAG(bool, allow_unauthenticated);
 ABSL_DECLARE_FLAG(std::string, token_file);
 

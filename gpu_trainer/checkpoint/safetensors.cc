@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "cpu_optimizer_server/dtype.h"
+#include "base/dtype.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gpu_trainer/checkpoint/atomic_file.h"

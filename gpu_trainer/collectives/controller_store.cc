@@ -9,8 +9,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/security/security.h"
 #include "gloo/common/error.h"
-#include "services/common/security.h"
 
 namespace offload {
 namespace {

@@ -18,9 +18,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cpu_optimizer_server/dtype.h"
-#include "gpu_trainer/cuda/pinned_staging.h"
-#include "gpu_trainer/model/gpt2_config.h"
+#include "base/dtype.h"
+#include "gpu_trainer/cuda/runtime/pinned_staging.h"
+#include "model_spec/gpt2_config.h"
 
 namespace offload {
 

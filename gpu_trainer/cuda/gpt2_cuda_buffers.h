@@ -7,12 +7,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "gpu_trainer/cuda/attention.h"
-#include "gpu_trainer/cuda/device_buffer.h"
-#include "gpu_trainer/cuda/grad_norm.h"
-#include "gpu_trainer/cuda/layernorm.h"
-#include "gpu_trainer/cuda/matmul.h"
-#include "gpu_trainer/model/gpt2_config.h"
+#include "gpu_trainer/cuda/blas/attention.h"
+#include "gpu_trainer/cuda/blas/matmul.h"
+#include "gpu_trainer/cuda/kernels/grad_norm.h"
+#include "gpu_trainer/cuda/kernels/layernorm.h"
+#include "gpu_trainer/cuda/runtime/device_buffer.h"
+#include "model_spec/gpt2_config.h"
 
 namespace offload {
 

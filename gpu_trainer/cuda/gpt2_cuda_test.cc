@@ -10,13 +10,13 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_optimizer_server/adam_kernel.h"
-#include "gpu_trainer/cuda/cuda_test_util.h"
-#include "gpu_trainer/cuda/gpu_adamw.h"
+#include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "gpu_trainer/cuda/optim/gpu_adamw.h"
+#include "gpu_trainer/cuda/runtime/cuda_test_util.h"
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/model/model_test_util.h"
-#include "gpu_trainer/model/param_layout.h"
 #include "gtest/gtest.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 namespace {

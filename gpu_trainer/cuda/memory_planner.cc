@@ -2,8 +2,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu_trainer/cuda/gpt2_cuda_buffers.h"
-#include "gpu_trainer/cuda/storage_type.h"
-#include "gpu_trainer/model/param_layout.h"
+#include "gpu_trainer/cuda/runtime/storage_type.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 

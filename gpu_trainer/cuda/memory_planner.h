@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "cpu_optimizer_server/dtype.h"
-#include "gpu_trainer/model/gpt2_config.h"
+#include "base/dtype.h"
+#include "model_spec/gpt2_config.h"
 
 namespace offload {
 

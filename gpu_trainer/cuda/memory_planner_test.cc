@@ -8,10 +8,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cpu_optimizer_server/dtype.h"
-#include "gpu_trainer/model/gpt2_config.h"
-#include "gpu_trainer/model/param_layout.h"
+#include "base/dtype.h"
 #include "gtest/gtest.h"
+#include "model_spec/gpt2_config.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 namespace {

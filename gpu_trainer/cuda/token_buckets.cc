@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "gpu_trainer/cuda/encoder.h"
+#include "gpu_trainer/cuda/kernels/encoder.h"
 
 namespace offload {
 

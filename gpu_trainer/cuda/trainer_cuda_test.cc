@@ -6,12 +6,12 @@
 #include <string>
 #include <vector>
 
-#include "gpu_trainer/cuda/cuda_test_util.h"
-#include "gpu_trainer/model/param_layout.h"
-#include "gpu_trainer/train/inprocess_optimizer.h"
-#include "gpu_trainer/train/partition.h"
+#include "gpu_trainer/cuda/runtime/cuda_test_util.h"
+#include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gtest/gtest.h"
+#include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
 
 namespace offload {
 namespace {

@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "gpu_trainer/splitmix64.h"
+#include "base/splitmix64.h"
 
 namespace offload {
 

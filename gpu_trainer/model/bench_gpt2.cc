@@ -20,8 +20,8 @@
 #include "absl/flags/parse.h"
 #include "absl/status/statusor.h"
 #include "gpu_trainer/model/gpt2.h"
-#include "gpu_trainer/model/gpt2_config.h"
-#include "gpu_trainer/model/param_layout.h"
+#include "model_spec/gpt2_config.h"
+#include "model_spec/param_layout.h"
 
 ABSL_FLAG(int, layers, 4, "transformer blocks");
 ABSL_FLAG(int, channels, 128, "model width C");

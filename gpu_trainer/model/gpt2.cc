@@ -11,11 +11,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "gpu_trainer/model/gpt2_config.h"
 #include "gpu_trainer/model/layer_kernels.h"
 #include "gpu_trainer/model/layers_fast.h"
 #include "gpu_trainer/model/layers_naive.h"
-#include "gpu_trainer/model/param_layout.h"
+#include "model_spec/gpt2_config.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 namespace {

@@ -13,8 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "gpu_trainer/model/gpt2_config.h"
 #include "gpu_trainer/model/layer_kernels.h"
+#include "model_spec/gpt2_config.h"
 
 namespace offload {
 

@@ -14,10 +14,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
-#include "gpu_trainer/model/gpt2_config.h"
 #include "gpu_trainer/model/model_test_util.h"
-#include "gpu_trainer/model/param_layout.h"
 #include "gtest/gtest.h"
+#include "model_spec/gpt2_config.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 namespace {

@@ -18,10 +18,10 @@
 #include "absl/status/statusor.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
 #include "gpu_trainer/model/gpt2.h"
-#include "gpu_trainer/model/gpt2_config.h"
 #include "gpu_trainer/model/model_test_util.h"
-#include "gpu_trainer/model/param_layout.h"
 #include "gtest/gtest.h"
+#include "model_spec/gpt2_config.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 namespace {

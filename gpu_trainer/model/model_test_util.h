@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "gpu_trainer/model/gpt2_config.h"
-#include "gpu_trainer/model/param_layout.h"
+#include "model_spec/gpt2_config.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 namespace testing_util {

@@ -11,14 +11,14 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "cpu_optimizer_server/optimizer_service.h"
-#include "cpu_optimizer_server/shard_store.h"
+#include "cpu_optimizer_server/grpc/optimizer_service.h"
+#include "cpu_optimizer_server/shard/shard_store.h"
 #include "gpu_trainer/model/cpu_runtime.h"
-#include "gpu_trainer/model/param_layout.h"
-#include "gpu_trainer/train/inprocess_optimizer.h"
-#include "gpu_trainer/train/partition.h"
-#include "gpu_trainer/train/remote_optimizer.h"
+#include "gpu_trainer/offload/inprocess_optimizer.h"
+#include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
+#include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
 
 ABSL_FLAG(std::string, data, std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt",
           "training text");

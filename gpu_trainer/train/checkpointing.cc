@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
-#include "gpu_trainer/model/param_layout.h"
-#include "gpu_trainer/train/partition.h"
+#include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
 
 namespace offload {
 namespace {

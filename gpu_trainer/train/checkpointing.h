@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "gpu_trainer/model/gpt2_config.h"
-#include "gpu_trainer/train/optimizer_backend.h"
+#include "gpu_trainer/offload/optimizer_backend.h"
+#include "model_spec/gpt2_config.h"
 #include "offload/v1/checkpoint.pb.h"
 
 namespace offload {

@@ -7,8 +7,8 @@
 #include "gpu_trainer/train/model_runner.h"
 
 #ifdef OFFLOAD_HAVE_CUDA
-#include "gpu_trainer/cuda/cuda_device.h"
 #include "gpu_trainer/cuda/gpt2_cuda.h"
+#include "gpu_trainer/cuda/runtime/cuda_device.h"
 #endif
 
 namespace offload {

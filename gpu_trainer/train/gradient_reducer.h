@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "cpu_optimizer_server/dtype.h"
+#include "base/dtype.h"
 #include "gpu_trainer/collectives/collectives.h"
-#include "gpu_trainer/train/grad_stats.h"
+#include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/train/phase_trace.h"
 
 namespace offload {

@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
-#include "gpu_trainer/train/optimizer_backend.h"
+#include "gpu_trainer/offload/optimizer_backend.h"
 #include "gpu_trainer/train/phase_trace.h"
 
 namespace offload {

@@ -12,10 +12,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cpu_optimizer_server/dtype.h"
+#include "base/dtype.h"
 #include "gpu_trainer/model/gpt2.h"
-#include "gpu_trainer/model/gpt2_config.h"
-#include "gpu_trainer/train/grad_stats.h"
+#include "gpu_trainer/precision/grad_stats.h"
+#include "model_spec/gpt2_config.h"
 
 namespace offload {
 

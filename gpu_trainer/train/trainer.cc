@@ -6,15 +6,15 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
-#include "cpu_optimizer_server/wire_convert.h"
+#include "base/dtype_proto.h"
+#include "base/splitmix64.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/collectives/local_collectives.h"
-#include "gpu_trainer/model/param_layout.h"
-#include "gpu_trainer/splitmix64.h"
+#include "gpu_trainer/precision/grad_stats.h"
+#include "gpu_trainer/precision/lr_schedule.h"
 #include "gpu_trainer/train/checkpointing.h"
-#include "gpu_trainer/train/grad_stats.h"
-#include "gpu_trainer/train/lr_schedule.h"
-#include "gpu_trainer/train/partition.h"
+#include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
 
 namespace offload {
 namespace {

@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "services/common/metrics.h"
+#include "base/metrics/metrics.h"
 
 namespace offload {
 namespace {

@@ -13,14 +13,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "cpu_optimizer_server/optimizer_service.h"
-#include "cpu_optimizer_server/shard_store.h"
-#include "cpu_optimizer_server/thread_pool.h"
-#include "gpu_trainer/model/param_layout.h"
-#include "gpu_trainer/train/optimizer_backend.h"
-#include "gpu_trainer/train/partition.h"
+#include "base/thread_pool.h"
+#include "cpu_optimizer_server/grpc/optimizer_service.h"
+#include "cpu_optimizer_server/shard/shard_store.h"
+#include "gpu_trainer/offload/optimizer_backend.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gtest/gtest.h"
+#include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
 
 namespace offload {
 

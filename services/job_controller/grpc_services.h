@@ -5,11 +5,11 @@
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_GRPC_SERVICES_H_
 
 #include "absl/status/status.h"
+#include "base/grpc_status.h"
+#include "base/security/security.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/job.grpc.pb.h"
 #include "offload/v1/worker.grpc.pb.h"
-#include "services/common/grpc_status.h"
-#include "services/common/security.h"
 #include "services/job_controller/job_api.h"
 #include "services/job_controller/job_controller.h"
 

@@ -6,8 +6,8 @@
 #include <memory>
 #include <string>
 
+#include "base/security/security.h"
 #include "gtest/gtest.h"
-#include "services/common/security.h"
 #include "services/job_controller/job_controller.h"
 #include "services/job_controller/job_store.h"
 

@@ -17,10 +17,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "base/metrics/metrics.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
 #include "services/common/job_state_names.h"
-#include "services/common/metrics.h"
 
 namespace offload {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "services/common/security.h"
+#include "base/security/security.h"
 #include "services/job_controller/job_api.h"
 
 namespace offload {

@@ -18,9 +18,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/security/security.h"
 #include "grpcpp/grpcpp.h"
 #include "services/common/job_spec.h"
-#include "services/common/security.h"
 #include "services/launcher/child_output.h"
 
 namespace offload {

@@ -94,11 +94,11 @@ int main(int argc, char** argv) {
   options.num_ranks = absl::GetFlag(FLAGS_ranks);
   options.server_binary = absl::GetFlag(FLAGS_server_binary);
   if (options.server_binary.empty()) {
-    options.server_binary = offload::BesideThisExecutable(OFFLOAD_SERVER_RELPATH);
+    options.server_binary = offload::BesideThisExecutable("cpu_optimizer_server");
   }
   options.trainer_binary = absl::GetFlag(FLAGS_trainer_binary);
   if (options.trainer_binary.empty()) {
-    options.trainer_binary = offload::BesideThisExecutable(OFFLOAD_TRAINER_RELPATH);
+    options.trainer_binary = offload::BesideThisExecutable("gpu_trainer");
   }
   options.server_args =
       absl::StrSplit(absl::GetFlag(FLAGS_server_args), ' ', absl::SkipWhitespace());
@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
     static_cast<offload::LocalJobOptions&>(controlled) = options;
     controlled.controller_binary = absl::GetFlag(FLAGS_controller_binary);
     if (controlled.controller_binary.empty()) {
-      controlled.controller_binary = offload::BesideThisExecutable(OFFLOAD_CONTROLLER_RELPATH);
+      controlled.controller_binary = offload::BesideThisExecutable("job_controller");
     }
     controlled.store = absl::GetFlag(FLAGS_store);
     controlled.metrics_targets_dir = absl::GetFlag(FLAGS_metrics_targets_dir);

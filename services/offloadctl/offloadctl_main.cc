@@ -19,11 +19,11 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/grpc_status.h"
+#include "base/security/security.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/job.grpc.pb.h"
-#include "services/common/grpc_status.h"
 #include "services/common/job_spec.h"
-#include "services/common/security.h"
 #include "services/offloadctl/job_format.h"
 
 ABSL_FLAG(std::string, controller, "",

@@ -2,8 +2,8 @@
 
 #include <utility>
 
-#include "services/common/grpc_status.h"
-#include "services/common/security.h"
+#include "base/grpc_status.h"
+#include "base/security/security.h"
 
 namespace offload {
 

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "services/common/grpc_status.h"
-#include "services/common/metrics.h"
-#include "services/common/security.h"
+#include "base/grpc_status.h"
+#include "base/metrics/metrics.h"
+#include "base/security/security.h"
 
 namespace offload {
 namespace {

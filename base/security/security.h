@@ -1,0 +1,86 @@
+// Bearer-token auth and TLS for every gRPC channel and the REST gateway (DESIGN section 7).
+// Servers accept a set of tokens and check each call's "authorization: Bearer <token>"; clients
+// send one. TLS is optional everywhere; with a CA and require_client_cert it is mutual TLS.
+#ifndef OFFLOAD_BASE_SECURITY_SECURITY_H_
+#define OFFLOAD_BASE_SECURITY_SECURITY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/grpcpp.h"
+
+namespace offload {
+
+// The tokens a server accepts. Empty: no authentication (only with --allow_unauthenticated).
+class BearerTokens {
+ public:
+  // One token per line; blank lines and lines starting with '#' are skipped. NOT_FOUND for a
+  // missing file, INVALID_ARGUMENT for a file without tokens. The messages never quote a token.
+  static absl::StatusOr<BearerTokens> FromFile(const std::string& path);
+  void Add(std::string token);
+  bool empty() const { return tokens_.empty(); }
+  // `authorization` is the whole header or metadata value, "Bearer <token>". The comparison takes
+  // the same time whichever byte differs, so timing tells an attacker nothing.
+  bool Accepts(absl::string_view authorization) const;
+  // The first token added (a client's default credential); empty when there is none.
+  const std::string& first_token() const;
+
+ private:
+  std::vector<std::string> tokens_;
+};
+
+// OK when tokens is empty or the call's "authorization" metadata is accepted; otherwise
+// UNAUTHENTICATED "missing or invalid bearer token" (no detail about which). Takes the base
+// class so that both grpc::ServerContext and grpc::CallbackServerContext work.
+grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContextBase& context);
+
+// Adds "authorization: Bearer <token>" to a client call; nothing when token is empty.
+void AttachBearer(grpc::ClientContext* context, const std::string& token);
+
+struct TlsConfig {
+  std::string cert_file;  // PEM chain: a server's certificate, or a client's for mutual TLS
+  std::string key_file;   // PEM private key of cert_file
+  std::string ca_file;    // PEM roots that verify the peer; a client uses TLS when it is set
+  bool require_client_cert = false;  // servers: mutual TLS, clients must present a cert of ca_file
+  std::string server_name_override;  // clients: the name the server's certificate must carry
+};
+
+// What MakeServerCredentials checks before it builds anything: cert_file with a key_file that
+// is its key, a CA file when client certificates are required, every PEM file readable, and no
+// TLS-only setting without cert_file. For servers that load the files themselves (the REST
+// gateway), so that they report bad files as the gRPC server does. Errors name the file.
+absl::Status CheckServerTls(const TlsConfig& tls);
+// Insecure credentials when cert_file is empty. Errors name the file that is missing or bad.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TlsConfig& tls);
+// Insecure credentials when ca_file is empty; TLS otherwise, with cert_file/key_file as the
+// client certificate when both are set.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const TlsConfig& tls);
+// Channel arguments that go with MakeChannelCredentials: the server name override, when set.
+grpc::ChannelArguments ChannelArgumentsFor(const TlsConfig& tls);
+
+// What the security flags (security_flags.cc: --token_file, --tls_cert, --tls_key, --tls_ca,
+// --tls_client_auth=none|require, --tls_server_name, --allow_unauthenticated) and $OFFLOAD_TOKEN
+// say. Every binary that serves or calls a controller links them.
+struct SecurityOptions {
+  BearerTokens accepted;     // every token of --token_file, plus $OFFLOAD_TOKEN
+  std::string client_token;  // what this process sends: $OFFLOAD_TOKEN, else the file's first
+  TlsConfig tls;
+  bool allow_unauthenticated = false;
+};
+absl::StatusOr<SecurityOptions> SecurityFromFlags();
+// FAILED_PRECONDITION when there is no token to accept and no --allow_unauthenticated: what a
+// server that must authenticate (the job controller) checks before it starts.
+absl::Status RequireTokens(const SecurityOptions& options);
+// The same flags as arguments for a child process (the trainer agent starting a rank), so it
+// talks to the controller as its parent does. The token travels in the environment, not argv.
+std::vector<std::string> SecurityFlagsForChild();
+
+}  // namespace offload
+
+#endif  // OFFLOAD_BASE_SECURITY_SECURITY_H_

@@ -1,0 +1,165 @@
+#include "cpu_optimizer_server/adam/adam_kernel.h"
+
+#include <cmath>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/adam/adam_kernel_internal.h"
+
+namespace offload {
+
+AdamStepScalars ComputeAdamStepScalars(const AdamHyperParams& hp, float lr, int64_t t,
+                                       float grad_multiplier) {
+  // torch.optim computes these with Python floats (double) from the hyper-parameters and hands
+  // them to the tensor ops, which round them to fp32. Doing the same here, starting from the fp32
+  // hyper-parameters, makes the kernel's scalars bit-identical to torch's for the same inputs.
+  const double lr_d = lr;
+  const double beta1 = hp.beta1;
+  const double beta2 = hp.beta2;
+  const double wd = hp.weight_decay;
+  AdamStepScalars s;
+  s.grad_multiplier = grad_multiplier;
+  s.beta1 = hp.beta1;
+  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  s.beta2 = hp.beta2;
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  s.eps = hp.eps;
+  if (hp.adamw) {
+    s.l2_weight_decay = 0.0f;
+    s.decoupled_decay = static_cast<float>(1.0 - lr_d * wd);
+  } else {
+    s.l2_weight_decay = hp.weight_decay;
+    s.decoupled_decay = 1.0f;
+  }
+  if (hp.bias_correction) {
+    // t >= 1; Python's float ** int is C pow(), so std::pow gives the same double.
+    const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
+    const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(t));
+    s.step_size = static_cast<float>(lr_d / bias_correction1);
+    s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  } else {
+    s.step_size = lr;
+    s.bias_correction2_sqrt = 1.0f;
+  }
+  return s;
+}
+
+absl::string_view SimdPathName(SimdPath path) {
+  switch (path) {
+    case SimdPath::kScalar:
+      return "scalar";
+    case SimdPath::kAvx2:
+      return "avx2";
+    case SimdPath::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+absl::StatusOr<SimdPath> ParseSimdPath(absl::string_view name) {
+  SimdPath path;
+  if (name == "auto") {
+    return BestSimdPath();
+  } else if (name == "scalar") {
+    path = SimdPath::kScalar;
+  } else if (name == "avx2") {
+    path = SimdPath::kAvx2;
+  } else if (name == "avx512") {
+    path = SimdPath::kAvx512;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown SIMD path \"", name, "\"; expected one of auto, scalar, avx2, avx512"));
+  }
+  if (!SimdPathSupported(path)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("SIMD path \"", name,
+                     "\" was requested but this CPU (or OS) does not support it; best "
+                     "supported path is \"",
+                     SimdPathName(BestSimdPath()), "\""));
+  }
+  return path;
+}
+
+bool SimdPathSupported(SimdPath path) {
+  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0), not only
+  // the CPUID bits. The init call makes it safe before static constructors have run.
+  __builtin_cpu_init();
+  switch (path) {
+    case SimdPath::kScalar:
+      return true;
+    case SimdPath::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case SimdPath::kAvx512:
+      // adam_avx512.cc is compiled with F, BW, VL, DQ, FMA and F16C.
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+SimdPath BestSimdPath() {
+  if (SimdPathSupported(SimdPath::kAvx512)) return SimdPath::kAvx512;
+  if (SimdPathSupported(SimdPath::kAvx2)) return SimdPath::kAvx2;
+  return SimdPath::kScalar;
+}
+
+// An unsupported path yields nullptr rather than a function that would die of SIGILL somewhere
+// inside a pass: ParseSimdPath is the place that turns a forced path into an error.
+AdamKernelFn GetAdamKernel(SimdPath path) {
+  if (!SimdPathSupported(path)) return nullptr;
+  switch (path) {
+    case SimdPath::kScalar:
+      return &internal::AdamScalar;
+    case SimdPath::kAvx2:
+      return &internal::AdamAvx2;
+    case SimdPath::kAvx512:
+      return &internal::AdamAvx512;
+  }
+  return nullptr;
+}
+
+RooflineKernelFn GetRooflineKernel(SimdPath path) {
+  if (!SimdPathSupported(path)) return nullptr;
+  switch (path) {
+    case SimdPath::kScalar:
+      return &internal::RooflineScalar;
+    case SimdPath::kAvx2:
+      return &internal::RooflineAvx2;
+    case SimdPath::kAvx512:
+      return &internal::RooflineAvx512;
+  }
+  return nullptr;
+}
+
+namespace internal {
+
+FloatToHalfFn GetFloatToHalf(SimdPath path) {
+  if (!SimdPathSupported(path)) return nullptr;
+  switch (path) {
+    case SimdPath::kScalar:
+      return nullptr;
+    case SimdPath::kAvx2:
+      return &FloatToHalfAvx2;
+    case SimdPath::kAvx512:
+      return &FloatToHalfAvx512;
+  }
+  return nullptr;
+}
+
+HalfToFloatFn GetHalfToFloat(SimdPath path) {
+  if (!SimdPathSupported(path)) return nullptr;
+  switch (path) {
+    case SimdPath::kScalar:
+      return nullptr;
+    case SimdPath::kAvx2:
+      return &HalfToFloatAvx2;
+    case SimdPath::kAvx512:
+      return &HalfToFloatAvx512;
+  }
+  return nullptr;
+}
+
+}  // namespace internal
+}  // namespace offload

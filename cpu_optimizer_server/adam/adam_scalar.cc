@@ -1,0 +1,87 @@
+// The scalar reference of the fused Adam pass: the numerics contract in code. Compiled with
+// -ffp-contract=off, so every operation below rounds exactly where it is written; the only
+// fused multiply-adds are the explicit std::fma calls.
+//
+// Operation order follows torch 1.13's _single_tensor_adam on CPU, op by op. Torch's vectorized
+// CPU kernels (AVX2 capability, which Debian's build selects on any AVX2 machine) compute
+//   grad.add(param, alpha=wd)              as fma(param, wd, grad)
+//   exp_avg.mul_(b1).add_(grad, alpha=1-b1) as fma(grad, 1-b1, exp_avg * b1)
+//   exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2)  as fma((1-b2) * g, g, exp_avg_sq * b2)
+//   param.addcdiv_(exp_avg, denom, value=-step_size) as param + (-step_size * exp_avg) / denom
+// (checked bit for bit against torch with testdata/make_adam_fixtures.py). Following that order
+// exactly makes this reference equal torch per element, and the SIMD paths, which do the same
+// correctly rounded operations in the same order, equal this reference bit for bit.
+#include <cmath>
+#include <cstdint>
+
+#include "base/dtype.h"
+#include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "cpu_optimizer_server/adam/adam_kernel_internal.h"
+
+namespace offload {
+namespace internal {
+namespace {
+
+inline float LoadGrad(const void* grad, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kFp32:
+      return static_cast<const float*>(grad)[i];
+    case DType::kFp16:
+      return Fp16ToFloat(static_cast<const uint16_t*>(grad)[i]);
+    case DType::kBf16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(grad)[i]);
+  }
+  return 0.0f;
+}
+
+inline uint16_t ToHalf(float x, DType dtype) {
+  return dtype == DType::kBf16 ? FloatToBf16(x) : FloatToFp16(x);
+}
+
+}  // namespace
+
+void AdamScalar(const AdamStepScalars& s, const AdamSpan& span) {
+  const float neg_step_size = -s.step_size;                // torch: addcdiv_(..., value=-step_size)
+  float* const param = span.param;                         // (n,)
+  float* const exp_avg = span.exp_avg;                     // (n,)
+  float* const exp_avg_sq = span.exp_avg_sq;               // (n,)
+  uint16_t* const out = static_cast<uint16_t*>(span.out);  // (n,) or nullptr
+  for (int64_t i = 0; i < span.n; ++i) {
+    float p = param[i];
+    float g = LoadGrad(span.grad, span.grad_dtype, i) * s.grad_multiplier;
+    // torch only adds the L2 term when weight_decay != 0; fma(p, 0, g) would turn an inf or NaN
+    // weight into a NaN gradient that torch does not produce.
+    if (s.l2_weight_decay != 0.0f) g = std::fma(p, s.l2_weight_decay, g);
+    p = p * s.decoupled_decay;
+    const float m = std::fma(g, s.one_minus_beta1, exp_avg[i] * s.beta1);
+    const float v = std::fma(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
+    const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
+    p = p + (neg_step_size * m) / denom;
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (out != nullptr) out[i] = ToHalf(p, span.out_dtype);
+  }
+}
+
+void RooflineScalar(const AdamSpan& span) {
+  float* const param = span.param;
+  float* const exp_avg = span.exp_avg;
+  float* const exp_avg_sq = span.exp_avg_sq;
+  uint16_t* const out = static_cast<uint16_t*>(span.out);
+  for (int64_t i = 0; i < span.n; ++i) {
+    // All loads, then all stores, as in AdamScalar (see RooflineVector in adam_simd.h).
+    const float g = LoadGrad(span.grad, span.grad_dtype, i);
+    const float p = param[i] + g;
+    const float m = exp_avg[i] + g;
+    const float v = exp_avg_sq[i] + g;
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    // The cheapest store with the same traffic: the high half of the fp32 bits.
+    if (out != nullptr) out[i] = static_cast<uint16_t>(FloatBits(p) >> 16);
+  }
+}
+
+}  // namespace internal
+}  // namespace offload

@@ -1,0 +1,267 @@
+#include "cpu_optimizer_server/grpc/optimizer_client.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/dtype_proto.h"
+#include "base/grpc_status.h"
+#include "cpu_optimizer_server/grpc/grpc_tuning.h"
+
+namespace offload {
+
+absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
+    const ClientOptions& options) {
+  if (options.num_channels < 1) return absl::InvalidArgumentError("num_channels must be >= 1");
+  if (options.chunk_bytes < 64 || options.chunk_bytes > options.max_message_bytes - 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ", options.chunk_bytes,
+                                                   " must be in [64, max_message_bytes - 1024]"));
+  }
+  std::unique_ptr<OptimizerClient> client(new OptimizerClient(options));
+  const gpr_timespec deadline = gpr_time_add(
+      gpr_now(GPR_CLOCK_MONOTONIC),
+      gpr_time_from_millis(absl::ToInt64Milliseconds(options.connect_timeout), GPR_TIMESPAN));
+  for (int i = 0; i < options.num_channels; ++i) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+    args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+    // Without a channel-local subchannel pool, channels to one address share one connection.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    // A shard that vanishes without closing its connections is noticed within seconds.
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    ApplyBulkTransferArgs([&](const char* name, int value) { args.SetInt(name, value); });
+    std::shared_ptr<grpc::Channel> channel =
+        grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+    if (!channel->WaitForConnected(deadline)) {
+      return absl::UnavailableError(absl::StrCat("optimizer shard at ", options.address,
+                                                 " did not answer within ",
+                                                 absl::FormatDuration(options.connect_timeout)));
+    }
+    client->stubs_.push_back(v1::OptimizerShard::NewStub(channel));
+  }
+  return client;
+}
+
+void OptimizerClient::SetDeadline(grpc::ClientContext* context) const {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        absl::ToChronoMilliseconds(options_.call_timeout));
+}
+
+v1::OptimizerShard::Stub* OptimizerClient::NextStub() {
+  return stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()].get();
+}
+
+absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
+    const v1::CreateJobRequest& request) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CreateJobResponse response;
+  grpc::Status s = NextStub()->CreateJob(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::Status OptimizerClient::LoadState(const std::string& job_id, v1::StateTensor tensor,
+                                        int64_t offset, const float* values, int64_t n) {
+  return LoadState(job_id, {StateSliceRef{tensor, offset, values, n}}, nullptr);
+}
+
+absl::Status OptimizerClient::LoadState(const std::string& job_id,
+                                        const std::vector<StateSliceRef>& slices,
+                                        const StepCounters* steps) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::LoadStateResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::LoadStateRequest>> writer =
+      NextStub()->LoadState(&context, &response);
+  v1::LoadStateRequest request;
+  request.set_job_id(job_id);
+  if (steps != nullptr) {
+    request.set_set_steps(true);
+    request.set_completed_step(steps->completed_step);
+    request.set_adam_step(steps->adam_step);
+  }
+  v1::StateChunk* chunk = request.add_chunks();
+  chunk->set_dtype(v1::DTYPE_FP32);
+  const int64_t per_chunk = options_.chunk_bytes / 4;
+  bool open = true;
+  for (const StateSliceRef& slice : slices) {
+    chunk->set_tensor(slice.tensor);
+    for (int64_t done = 0; open && done < slice.n; done += per_chunk) {
+      const int64_t m = std::min(per_chunk, slice.n - done);
+      chunk->set_offset(slice.offset + done);
+      chunk->set_data(slice.values + done, m * 4);
+      open = writer->Write(request);  // false: the server ended the call; Finish says why
+      // The step counters travel in the first message only.
+      request.clear_set_steps();
+      request.clear_completed_step();
+      request.clear_adam_step();
+    }
+  }
+  writer->WritesDone();
+  return FromGrpcStatus(writer->Finish());
+}
+
+absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTensor tensor,
+                                        DType dtype, int64_t offset, int64_t n, void* out) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ReadStateRequest request;
+  request.set_job_id(job_id);
+  request.set_tensor(tensor);
+  request.set_dtype(DTypeToProto(dtype));
+  request.mutable_range()->set_offset(offset);
+  request.mutable_range()->set_length(n);
+  std::unique_ptr<grpc::ClientReader<v1::StateChunk>> reader =
+      NextStub()->ReadState(&context, request);
+  v1::StateChunk chunk;
+  const int size = DTypeSize(dtype);
+  int64_t received = 0;
+  while (reader->Read(&chunk)) {
+    const int64_t at = static_cast<int64_t>(chunk.offset()) - offset;
+    const int64_t bytes = static_cast<int64_t>(chunk.data().size());
+    if (at < 0 || bytes % size != 0 || at + bytes / size > n) {
+      context.TryCancel();
+      reader->Finish();
+      return absl::DataLossError("shard sent a state chunk outside the range asked for");
+    }
+    std::memcpy(static_cast<char*>(out) + at * size, chunk.data().data(), bytes);
+    received += bytes / size;
+  }
+  if (absl::Status s = FromGrpcStatus(reader->Finish()); !s.ok()) return s;
+  if (received != n) {
+    return absl::DataLossError(absl::StrCat("shard sent ", received, " of ", n, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerClient::DropJob(const std::string& job_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::DropJobRequest request;
+  request.set_job_id(job_id);
+  v1::DropJobResponse response;
+  return FromGrpcStatus(NextStub()->DropJob(&context, request, &response));
+}
+
+absl::StatusOr<v1::DescribeShardResponse> OptimizerClient::DescribeShard() {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::DescribeShardResponse response;
+  grpc::Status s = NextStub()->DescribeShard(&context, v1::DescribeShardRequest(), &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std::string& job_id,
+                                                                      uint32_t range_index,
+                                                                      int64_t range_offset,
+                                                                      int64_t range_length,
+                                                                      uint64_t step) {
+  std::unique_ptr<GrpcStepStream> s(new GrpcStepStream());
+  s->context_ = std::make_unique<grpc::ClientContext>();
+  SetDeadline(s->context_.get());
+  s->stream_ = NextStub()->Step(s->context_.get());
+  s->step_ = step;
+  s->range_offset_ = range_offset;
+  s->range_length_ = range_length;
+  s->chunk_bytes_ = options_.chunk_bytes;
+  v1::StepOpen* open = s->request_.mutable_open();
+  open->set_job_id(job_id);
+  open->set_range_index(range_index);
+  open->set_step(step);
+  if (!s->stream_->Write(s->request_)) {
+    s->done_ = true;
+    return FromGrpcStatus(s->stream_->Finish());
+  }
+  return std::unique_ptr<StepStream>(std::move(s));
+}
+
+std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>
+OptimizerClient::Attach(grpc::ClientContext* context) {
+  return NextStub()->Attach(context);
+}
+
+absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
+                                           bool accumulate) {
+  const int size = DTypeSize(dtype);
+  const int64_t per_chunk = chunk_bytes_ / size;
+  v1::GradChunk* grad = request_.mutable_grad();
+  grad->set_dtype(DTypeToProto(dtype));
+  grad->set_accumulate(accumulate);
+  const char* bytes = static_cast<const char*>(data);
+  for (int64_t done = 0; done < n; done += per_chunk) {
+    const int64_t m = std::min(per_chunk, n - done);
+    grad->set_offset(offset + done);
+    grad->mutable_data()->assign(bytes + done * size, m * size);
+    if (!stream_->Write(request_)) {
+      // The shard ended the stream (a refused chunk): its status says why.
+      done_ = true;
+      return FromGrpcStatus(stream_->Finish());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(float lr, float grad_multiplier, bool skip,
+                                                      void* params_out) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
+  v1::StepCommit* commit = request_.mutable_commit();
+  commit->set_step(step_);
+  commit->set_lr(lr);
+  commit->set_grad_multiplier(grad_multiplier);
+  commit->set_skip(skip);
+  done_ = true;
+  if (!stream_->Write(request_)) return FromGrpcStatus(stream_->Finish());
+  stream_->WritesDone();
+  v1::StepResponse response;
+  v1::StepResult result;
+  bool have_result = false;
+  bool bad_chunk = false;
+  int64_t received = 0;
+  while (stream_->Read(&response)) {
+    if (response.has_params()) {
+      const v1::ParamChunk& p = response.params();
+      const int64_t at = static_cast<int64_t>(p.offset()) - range_offset_;
+      const int64_t n = static_cast<int64_t>(p.data().size()) / 2;
+      if (at < 0 || at + n > range_length_) {
+        bad_chunk = true;
+        context_->TryCancel();
+        break;
+      }
+      std::memcpy(static_cast<char*>(params_out) + at * 2, p.data().data(), n * 2);
+      received += n;
+    } else if (response.has_result()) {
+      result = response.result();
+      have_result = true;
+    }
+  }
+  absl::Status s = FromGrpcStatus(stream_->Finish());
+  if (bad_chunk) return absl::DataLossError("shard sent parameters outside the range");
+  if (!s.ok()) return s;
+  if (!have_result) return absl::DataLossError("step stream ended without a result");
+  if (result.step() != step_) {
+    return absl::DataLossError(
+        absl::StrCat("shard answered step ", result.step(), " to the commit of step ", step_));
+  }
+  // Waves do not overlap, so counting elements checks the whole range came back.
+  const int64_t expected = result.skipped() ? 0 : range_length_;
+  if (received != expected) {
+    return absl::DataLossError(
+        absl::StrCat("shard sent ", received, " of ", expected, " parameters of the range"));
+  }
+  return result;
+}
+
+void GrpcStepStream::Abandon() {
+  if (done_) return;
+  done_ = true;
+  context_->TryCancel();
+  stream_->Finish();
+}
+
+GrpcStepStream::~GrpcStepStream() { Abandon(); }
+
+}  // namespace offload

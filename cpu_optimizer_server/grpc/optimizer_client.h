@@ -1,0 +1,119 @@
+// Client of offload.v1.OptimizerShard: what a trainer rank uses to talk to one shard. It keeps a
+// small pool of channels (one HTTP/2 connection carries about 1 GB/s; several streams in flight
+// spread over them) and cuts tensors into chunks under the message limit.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_CLIENT_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/dtype.h"
+#include "cpu_optimizer_server/transport/step_transport.h"
+#include "grpcpp/grpcpp.h"
+#include "offload/v1/optimizer.grpc.pb.h"
+
+namespace offload {
+
+struct ClientOptions {
+  std::string address;  // host:port
+  int num_channels = 2;
+  int64_t chunk_bytes = int64_t{4} << 20;  // payload bytes per gradient / weight chunk
+  int64_t max_message_bytes = int64_t{64} << 20;
+  absl::Duration connect_timeout = absl::Seconds(10);
+  // Deadline of every call, a whole step stream included. Keepalive notices a vanished host;
+  // this bounds a live shard that stops answering, so a trainer never waits forever.
+  absl::Duration call_timeout = absl::Minutes(10);
+};
+
+class OptimizerClient;
+
+// fp32 values of one state tensor for flat elements [offset, offset + n).
+struct StateSliceRef {
+  v1::StateTensor tensor = v1::STATE_TENSOR_MASTER_WEIGHTS;
+  int64_t offset = 0;
+  const float* values = nullptr;  // (n,)
+  int64_t n = 0;
+};
+
+// Step counters restored with a checkpoint's state.
+struct StepCounters {
+  uint64_t completed_step = 0;
+  uint64_t adam_step = 0;
+};
+
+// One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep.
+class GrpcStepStream final : public StepStream {
+ public:
+  absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
+                             bool accumulate = false) override;
+  absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+                                        void* params_out) override;
+  void Abandon() override;
+  ~GrpcStepStream() override;
+
+ private:
+  friend class OptimizerClient;
+
+  GrpcStepStream() = default;
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
+  v1::StepRequest request_;  // reused: its bytes buffer keeps its capacity between chunks
+  uint64_t step_ = 0;
+  int64_t range_offset_ = 0;
+  int64_t range_length_ = 0;
+  int64_t chunk_bytes_ = 0;
+  bool done_ = false;
+};
+
+// The control plane to one shard, and its gRPC data plane.
+class OptimizerClient final : public StepTransport {
+ public:
+  // Connects every channel; fails if the shard does not answer within the connect timeout.
+  static absl::StatusOr<std::unique_ptr<OptimizerClient>> Connect(const ClientOptions& options);
+
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request);
+  // Loads (n,) fp32 values of `tensor` for flat elements [offset, offset + n).
+  absl::Status LoadState(const std::string& job_id, v1::StateTensor tensor, int64_t offset,
+                         const float* values, int64_t n);
+  // One all-or-nothing load of several slices; with `steps`, the ranges' step counters too.
+  absl::Status LoadState(const std::string& job_id, const std::vector<StateSliceRef>& slices,
+                         const StepCounters* steps);
+  // Reads (n,) values of flat elements [offset, offset + n) as dtype into out.
+  absl::Status ReadState(const std::string& job_id, v1::StateTensor tensor, DType dtype,
+                         int64_t offset, int64_t n, void* out);
+  absl::Status DropJob(const std::string& job_id);
+  absl::StatusOr<v1::DescribeShardResponse> DescribeShard();
+
+  absl::string_view name() const override { return "grpc"; }
+  // Opens the step stream of range `range_index` (flat [range_offset, +range_length)).
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStep(const std::string& job_id,
+                                                       uint32_t range_index, int64_t range_offset,
+                                                       int64_t range_length,
+                                                       uint64_t step) override;
+
+  // The Attach stream of a data plane (shm_transport.h, ucx_transport.h): no deadline, since it
+  // lives as long as the attachment; keepalive notices a vanished shard.
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> Attach(
+      grpc::ClientContext* context);
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
+  v1::OptimizerShard::Stub* NextStub();
+  void SetDeadline(grpc::ClientContext* context) const;
+
+  ClientOptions options_;
+  std::vector<std::unique_ptr<v1::OptimizerShard::Stub>> stubs_;
+  std::atomic<uint64_t> next_{0};
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_CLIENT_H_

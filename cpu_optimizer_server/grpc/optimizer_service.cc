@@ -1,0 +1,332 @@
+#include "cpu_optimizer_server/grpc/optimizer_service.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/grpc/grpc_tuning.h"
+#include "cpu_optimizer_server/shard/state_loader.h"
+#include "cpu_optimizer_server/shard/step_session.h"
+#include "cpu_optimizer_server/shm/shm_server.h"
+#ifdef OFFLOAD_HAVE_UCX
+#include "cpu_optimizer_server/ucx/ucx_server.h"
+#endif
+#include "base/grpc_status.h"
+#include "cpu_optimizer_server/shard/server_metrics.h"
+#include "cpu_optimizer_server/shard/wire_convert.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace offload {
+
+namespace {
+
+// Offsets on the wire are uint64. Ranges end below 2^51 (CreateJob checks), so clamping at 2^62
+// keeps every offset + length sum in int64 while still being out of every range.
+int64_t WireOffset(uint64_t offset) {
+  constexpr uint64_t kMax = uint64_t{1} << 62;
+  return static_cast<int64_t>(offset > kMax ? kMax : offset);
+}
+
+// Writes each finished wave of 16-bit parameters as one ParamChunk message. The kernel writes
+// straight into the message's bytes field, so the only copy is gRPC's serialization.
+class GrpcParamSink final : public ParamSink {
+ public:
+  GrpcParamSink(grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream, DType dtype)
+      : stream_(stream) {
+    for (v1::StepResponse& m : messages_) m.mutable_params()->set_dtype(DTypeToProto(dtype));
+  }
+  void* Buffer(int slot, int64_t offset, int64_t n) override {
+    v1::ParamChunk* chunk = messages_[slot].mutable_params();
+    chunk->set_offset(offset);
+    std::string* data = chunk->mutable_data();
+    data->resize(n * 2);
+    return data->data();
+  }
+  bool Send(int slot) override {
+    ServerMetrics::Get().Sent(DataPlane::kGrpc,
+                              static_cast<int64_t>(messages_[slot].params().data().size()));
+    return stream_->Write(messages_[slot]);
+  }
+
+ private:
+  grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* const stream_;
+  v1::StepResponse messages_[2];
+};
+
+}  // namespace
+
+grpc::Status OptimizerService::Admit(const std::string& job_id) const {
+  if (!admit_ || admit_(job_id)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("job ", job_id, " is not assigned to this server"));
+}
+
+grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context,
+                                         const v1::CreateJobRequest* request,
+                                         v1::CreateJobResponse* response) {
+  if (grpc::Status s = Admit(request->job_id()); !s.ok()) return s;
+  absl::StatusOr<JobConfig> config = JobConfigFromProto(*request);
+  if (!config.ok()) return ToGrpcStatus(config.status());
+  absl::StatusOr<int64_t> bytes = store_->CreateJob(*config);
+  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  // The attempt may have been withdrawn while the state was allocated, after its withdrawal
+  // dropped what was there: asking again and dropping ours leaves no orphan either way (the
+  // withdrawal revokes before it drops).
+  if (grpc::Status s = Admit(request->job_id()); !s.ok()) {
+    store_->DropJob(request->job_id()).IgnoreError();
+    return s;
+  }
+  response->set_state_bytes(*bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status OptimizerService::LoadState(grpc::ServerContext* context,
+                                         grpc::ServerReader<v1::LoadStateRequest>* reader,
+                                         v1::LoadStateResponse* response) {
+  v1::LoadStateRequest request;
+  if (!reader->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty LoadState stream");
+  }
+  if (grpc::Status s = Admit(request.job_id()); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<StateLoader>> loader =
+      StateLoader::Start(store_, request.job_id());
+  if (!loader.ok()) return ToGrpcStatus(loader.status());
+  if (request.set_steps()) {
+    absl::Status s = (*loader)->SetSteps(request.completed_step(), request.adam_step());
+    if (!s.ok()) return ToGrpcStatus(s);
+  }
+  bool first = true;
+  do {
+    if (!request.job_id().empty() && request.job_id() != (*loader)->job_id()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "job_id changed within one LoadState stream");
+    }
+    if (!first && request.set_steps()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "set_steps is only read from the first LoadState message");
+    }
+    first = false;
+    for (v1::StateChunk& chunk : *request.mutable_chunks()) {
+      absl::StatusOr<StateTensor> tensor = StateTensorFromProto(chunk.tensor(), "chunk.tensor");
+      if (!tensor.ok()) return ToGrpcStatus(tensor.status());
+      absl::StatusOr<DType> dtype = DTypeFromProto(chunk.dtype(), "chunk.dtype");
+      if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+      if (absl::Status s = (*loader)->AddChunk(*tensor, WireOffset(chunk.offset()), *dtype,
+                                               std::move(*chunk.mutable_data()));
+          !s.ok()) {
+        return ToGrpcStatus(s);
+      }
+    }
+  } while (reader->Read(&request));
+  if (context->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "load cancelled; nothing was applied");
+  }
+  absl::StatusOr<int64_t> loaded = (*loader)->Apply();
+  if (!loaded.ok()) return ToGrpcStatus(loaded.status());
+  response->set_elements_loaded(*loaded);
+  return grpc::Status::OK;
+}
+
+grpc::Status OptimizerService::Step(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  v1::StepRequest request;
+  if (!stream->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty step stream");
+  }
+  if (!request.has_open()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first message of a step stream must be `open`");
+  }
+  if (grpc::Status s = Admit(request.open().job_id()); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<StepSession>> session = StepSession::Open(
+      store_, request.open().job_id(), request.open().range_index(), request.open().step());
+  if (!session.ok()) return ToGrpcStatus(session.status());
+
+  StepCommitArgs commit;
+  for (;;) {
+    if (!stream->Read(&request)) {
+      // The client went away or closed its side without committing: drop the gradients.
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "step stream ended before the commit; nothing was applied");
+    }
+    if (request.has_grad()) {
+      v1::GradChunk* grad = request.mutable_grad();
+      absl::StatusOr<DType> dtype = DTypeFromProto(grad->dtype(), "grad.dtype");
+      if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+      const int64_t bytes = static_cast<int64_t>(grad->data().size());
+      if (absl::Status s =
+              (*session)->AddGradients(WireOffset(grad->offset()), *dtype, grad->accumulate(),
+                                       std::move(*grad->mutable_data()));
+          !s.ok()) {
+        return ToGrpcStatus(s);
+      }
+      ServerMetrics::Get().Received(DataPlane::kGrpc, bytes);
+    } else if (request.has_commit()) {
+      commit.step = request.commit().step();
+      commit.lr = request.commit().lr();
+      commit.grad_multiplier = request.commit().grad_multiplier();
+      commit.skip = request.commit().skip();
+      break;
+    } else if (request.has_open()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "`open` sent twice in one stream");
+    } else {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty StepRequest");
+    }
+  }
+
+  GrpcParamSink sink(stream, (*session)->param_dtype());
+  absl::StatusOr<StepOutcome> outcome = (*session)->Commit(commit, &sink);
+  if (!outcome.ok()) return ToGrpcStatus(outcome.status());
+  if (outcome->receiver_gone) {
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "client left while parameters streamed back; the step was applied whole "
+                        "and a replay of it returns them");
+  }
+  v1::StepResponse response;
+  v1::StepResult* result = response.mutable_result();
+  result->set_step(outcome->step);
+  result->set_applied(outcome->applied);
+  result->set_replayed(outcome->replayed);
+  result->set_skipped(outcome->skipped);
+  result->set_adam_step(outcome->adam_step);
+  result->set_skipped_steps(outcome->skipped_steps);
+  stream->Write(response);
+  return grpc::Status::OK;
+}
+
+grpc::Status OptimizerService::ReadState(grpc::ServerContext* context,
+                                         const v1::ReadStateRequest* request,
+                                         grpc::ServerWriter<v1::StateChunk>* writer) {
+  absl::StatusOr<StateTensor> tensor = StateTensorFromProto(request->tensor(), "tensor");
+  if (!tensor.ok()) return ToGrpcStatus(tensor.status());
+  absl::StatusOr<DType> dtype = DTypeFromProto(request->dtype(), "dtype");
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+  // Keep every chunk under the message limit, with room for the header fields.
+  const int64_t max_elements = (max_message_bytes_ - 1024) / DTypeSize(*dtype);
+  int64_t chunk_elements = static_cast<int64_t>(
+      std::min<uint64_t>(request->chunk_elements(), static_cast<uint64_t>(max_elements)));
+  if (chunk_elements == 0) chunk_elements = std::min(store_->options().wave_elements, max_elements);
+  v1::StateChunk message;
+  message.set_tensor(request->tensor());
+  message.set_dtype(request->dtype());
+  absl::Status s =
+      store_->ReadState(request->job_id(), *tensor, *dtype, WireOffset(request->range().offset()),
+                        WireOffset(request->range().length()), chunk_elements,
+                        [&](int64_t offset, int64_t n, const std::string& bytes) {
+                          message.set_offset(offset);
+                          message.set_data(bytes);
+                          return writer->Write(message);
+                        });
+  return ToGrpcStatus(s);
+}
+
+grpc::Status OptimizerService::DropJob(grpc::ServerContext* context,
+                                       const v1::DropJobRequest* request,
+                                       v1::DropJobResponse* response) {
+  return ToGrpcStatus(store_->DropJob(request->job_id()));
+}
+
+grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
+                                             const v1::DescribeShardRequest* request,
+                                             v1::DescribeShardResponse* response) {
+  response->set_simd_path(std::string(SimdPathName(store_->simd_path())));
+  response->set_threads(store_->pool()->num_threads());
+  response->set_memory_limit_bytes(store_->budget()->limit());
+  response->set_memory_used_bytes(store_->budget()->used());
+  response->set_max_message_bytes(max_message_bytes_);
+  for (DataPlaneServer* plane : data_planes_) response->add_data_planes(plane->plane());
+  for (const std::shared_ptr<Job>& job : store_->Jobs()) {
+    v1::JobStatus* status = response->add_jobs();
+    status->set_job_id(job->config.job_id);
+    *status->mutable_adam() = AdamConfigToProto(job->config.adam);
+    status->set_param_dtype(DTypeToProto(job->config.param_dtype));
+    status->set_state_bytes(job->state_bytes());
+    for (const auto& r : job->ranges) {
+      v1::RangeStatus* rs = status->add_ranges();
+      rs->mutable_range()->set_offset(r->spec.offset);
+      rs->mutable_range()->set_length(r->spec.length);
+      std::lock_guard<std::mutex> lock(r->mu);
+      rs->set_completed_step(r->completed_step);
+      rs->set_adam_step(r->adam_step);
+      rs->set_skipped_steps(r->skipped_steps());
+      rs->set_has_accumulator(r->accumulator != nullptr);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status OptimizerService::Attach(grpc::ServerContext* context, AttachStream* stream) {
+  v1::AttachRequest request;
+  if (!stream->Read(&request)) return grpc::Status(grpc::StatusCode::CANCELLED, "no AttachOpen");
+  if (!request.has_open()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first message of an Attach stream must be an AttachOpen");
+  }
+  const v1::AttachOpen& open = request.open();
+  if (!open.job_id().empty()) {
+    if (grpc::Status s = Admit(open.job_id()); !s.ok()) return s;
+  }
+  for (DataPlaneServer* plane : data_planes_) {
+    if (plane->plane() == open.plane()) return plane->Serve(open, context, stream);
+  }
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      absl::StrCat("this server does not offer the ",
+                                   v1::DataPlane_Name(open.plane()), " data plane"));
+}
+
+absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
+    const ServerOptions& options, ShardStore* store) {
+  const int64_t wave_bytes = store->options().wave_elements * 2;
+  if (wave_bytes + 1024 > options.max_message_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a wave of ", store->options().wave_elements, " 16-bit parameters (",
+                     wave_bytes, " bytes) does not fit the ", options.max_message_bytes,
+                     " byte message limit: lower --wave_elements or raise --max_message_mib"));
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  std::unique_ptr<OptimizerServer> server(new OptimizerServer());
+  if (options.enable_shm) server->data_planes_.push_back(CreateShmServer(store));
+#ifdef OFFLOAD_HAVE_UCX
+  if (options.enable_ucx) {
+    absl::StatusOr<std::unique_ptr<DataPlaneServer>> ucx = CreateUcxServer(store);
+    if (!ucx.ok()) return ucx.status();
+    server->data_planes_.push_back(std::move(*ucx));
+  }
+#endif
+  std::vector<DataPlaneServer*> planes;
+  for (const auto& plane : server->data_planes_) planes.push_back(plane.get());
+  server->service_ =
+      std::make_unique<OptimizerService>(store, options.max_message_bytes, std::move(planes));
+  if (options.job_admission) server->service_->SetJobAdmission(options.job_admission);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(
+      options.listen_address,
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
+      &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  // Trainers ping every 10 s to notice a dead shard; accept that instead of closing on them.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  ApplyBulkTransferArgs(
+      [&](const char* name, int value) { builder.AddChannelArgument(name, value); });
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on ", options.listen_address,
+                     " (address in use, or not an address this host has)"));
+  }
+  return server;
+}
+
+void OptimizerServer::Shutdown() {
+  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+}
+
+OptimizerServer::~OptimizerServer() { Shutdown(); }
+
+}  // namespace offload

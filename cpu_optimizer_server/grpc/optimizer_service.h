@@ -1,0 +1,95 @@
+// The gRPC face of a shard store: offload.v1.OptimizerShard. It only translates wire messages to
+// ShardStore / StepSession / StateLoader calls and back; every rule lives in those.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_SERVICE_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_SERVICE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cpu_optimizer_server/shard/shard_store.h"
+#include "cpu_optimizer_server/transport/data_plane.h"
+#include "grpcpp/grpcpp.h"
+#include "offload/v1/optimizer.grpc.pb.h"
+
+namespace offload {
+
+// Which job ids a server takes. A pool server admits only the shard job ids of the attempts the
+// controller assigned to it, so a trainer of another job (or of a withdrawn attempt) cannot
+// create state or stream steps on it.
+using JobAdmission = std::function<bool(const std::string& job_id)>;
+
+class OptimizerService final : public v1::OptimizerShard::Service {
+ public:
+  // data_planes: the planes offered beside gRPC (not owned; may be empty).
+  OptimizerService(ShardStore* store, int64_t max_message_bytes,
+                   std::vector<DataPlaneServer*> data_planes = {})
+      : store_(store),
+        max_message_bytes_(max_message_bytes),
+        data_planes_(std::move(data_planes)) {}
+
+  // Without one (a standalone server) every job is admitted. Set it before the service serves:
+  // it is read without a lock. A refused job gets PERMISSION_DENIED and changes nothing.
+  void SetJobAdmission(JobAdmission admit) { admit_ = std::move(admit); }
+
+  grpc::Status CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
+                         v1::CreateJobResponse* response) override;
+  grpc::Status LoadState(grpc::ServerContext* context,
+                         grpc::ServerReader<v1::LoadStateRequest>* reader,
+                         v1::LoadStateResponse* response) override;
+  grpc::Status Step(grpc::ServerContext* context,
+                    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
+  grpc::Status ReadState(grpc::ServerContext* context, const v1::ReadStateRequest* request,
+                         grpc::ServerWriter<v1::StateChunk>* writer) override;
+  grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
+                       v1::DropJobResponse* response) override;
+  grpc::Status DescribeShard(grpc::ServerContext* context, const v1::DescribeShardRequest* request,
+                             v1::DescribeShardResponse* response) override;
+  grpc::Status Attach(grpc::ServerContext* context, AttachStream* stream) override;
+
+ private:
+  // OK, or PERMISSION_DENIED when the admission predicate refuses job_id.
+  grpc::Status Admit(const std::string& job_id) const;
+
+  ShardStore* const store_;
+  const int64_t max_message_bytes_;
+  const std::vector<DataPlaneServer*> data_planes_;
+  JobAdmission admit_;
+};
+
+// Options of a running server, shared by the binary, the tests and the benchmarks.
+struct ServerOptions {
+  std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free one
+  int64_t max_message_bytes = int64_t{64} << 20;
+  bool enable_shm = true;  // offer the shared-memory data plane to trainers on this host
+  bool enable_ucx = true;  // offer the UCX data plane (where the build has UCX)
+  // The listening port's credentials (TLS); insecure when null.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // The jobs this server takes (OptimizerService::SetJobAdmission); all when empty.
+  JobAdmission job_admission;
+};
+
+// A shard store served over gRPC with health checking and reflection.
+class OptimizerServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<OptimizerServer>> Start(const ServerOptions& options,
+                                                                ShardStore* store);
+  ~OptimizerServer();
+  int port() const { return port_; }
+  void Wait() { server_->Wait(); }
+  void Shutdown();
+
+ private:
+  OptimizerServer() = default;
+  std::vector<std::unique_ptr<DataPlaneServer>> data_planes_;
+  std::unique_ptr<OptimizerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_SERVICE_H_

@@ -1,0 +1,24 @@
+// What the shard's service and data-plane tests share.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SERVICE_TEST_UTIL_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SERVICE_TEST_UTIL_H_
+
+#include "offload/v1/optimizer.pb.h"
+
+namespace offload {
+
+// The optimizer of the service tests: AdamW with weight decay, so both the decoupled decay and
+// the moments show in every updated value.
+inline v1::AdamConfig TestAdamW() {
+  v1::AdamConfig adam;
+  adam.set_kind(v1::OPTIMIZER_KIND_ADAMW);
+  adam.set_lr(1e-3f);
+  adam.set_beta1(0.9f);
+  adam.set_beta2(0.999f);
+  adam.set_eps(1e-8f);
+  adam.set_weight_decay(0.01f);
+  return adam;
+}
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SERVICE_TEST_UTIL_H_

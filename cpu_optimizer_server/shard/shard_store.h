@@ -1,0 +1,141 @@
+// The state an optimizer shard holds for its jobs: per range, the fp32 master weights and Adam
+// moments, step counters and, only when a step has several micro-batches, an fp32 gradient
+// accumulator. Every byte is accounted against the shard's memory limit.
+//
+// The store has no gRPC in it: the service (optimizer_service.h) translates wire messages into
+// these calls, and the tests drive it directly.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_SHARD_STORE_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_SHARD_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/dtype.h"
+#include "base/host_buffer.h"
+#include "base/thread_pool.h"
+#include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "cpu_optimizer_server/shard/interval_set.h"
+#include "cpu_optimizer_server/shard/memory_budget.h"
+
+namespace offload {
+
+enum class StateTensor { kMasterWeights, kExpAvg, kExpAvgSq };
+
+struct RangeSpec {
+  int64_t offset = 0;  // first element in the job's flat parameter space
+  int64_t length = 0;
+};
+
+struct JobConfig {
+  std::string job_id;
+  std::vector<RangeSpec> ranges;
+  AdamHyperParams adam;
+  DType param_dtype = DType::kFp16;  // the 16-bit copy sent back: kFp16 or kBf16
+};
+
+// One contiguous range of a job on this shard.
+struct RangeState {
+  RangeSpec spec;
+  int index = 0;  // position in JobConfig::ranges
+
+  // One mapping carved into three views, each (length,) fp32 and 64-byte aligned.
+  HostBuffer storage;
+  float* param = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+
+  // Guards the tensor contents (above and the accumulator) for passes that read or write them:
+  // the Adam pass of a commit, loads, reads. Held for a whole pass, so never under `mu`.
+  std::mutex tensors_mu;
+  HostBuffer accumulator_storage;  // (length,) fp32, allocated on the first accumulating chunk
+  float* accumulator = nullptr;
+  Reservation accumulator_reservation;
+
+  // Guards the counters and the step lease; held only briefly.
+  mutable std::mutex mu;
+  bool step_in_progress = false;  // one step stream at a time owns the range
+  uint64_t completed_step = 0;    // the last step committed (applied or skipped)
+  uint64_t adam_step = 0;         // updates applied: the `t` of bias correction
+  // Every committed step was applied or skipped.
+  uint64_t skipped_steps() const { return completed_step - adam_step; }
+  IntervalSet loaded;  // range-relative elements of the master weights loaded so far
+
+  float* Tensor(StateTensor t) const {
+    return t == StateTensor::kMasterWeights ? param
+           : t == StateTensor::kExpAvg      ? exp_avg
+                                            : exp_avg_sq;
+  }
+};
+
+struct Job {
+  JobConfig config;
+  std::vector<std::unique_ptr<RangeState>> ranges;
+  Reservation state_reservation;
+  std::atomic<bool> dropped{false};
+
+  int64_t state_bytes() const;
+};
+
+struct ShardOptions {
+  int64_t memory_limit_bytes = int64_t{16} << 30;
+  // Elements per parameter chunk streamed back: a commit runs Adam wave by wave of this size
+  // and sends each wave while the next one computes. Rounded to whole tiles.
+  int64_t wave_elements = int64_t{2} << 20;
+};
+
+class ShardStore {
+ public:
+  ShardStore(const ShardOptions& options, ThreadPool* pool, SimdPath path);
+
+  // Validates the config, reserves and allocates the state (zeros, first-touched by the tile
+  // owners). Returns the bytes held.
+  absl::StatusOr<int64_t> CreateJob(const JobConfig& config);
+  absl::Status DropJob(const std::string& job_id);
+  absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
+  std::vector<std::shared_ptr<Job>> Jobs() const;
+
+  // Copies `length` elements of a tensor starting at flat `offset` (inside the job's ranges,
+  // possibly spanning adjacent ones) into chunks of at most `chunk_elements`, converted to `dtype`,
+  // and hands each to `emit(flat_offset, n, bytes)`; stops early (OK) when emit returns false.
+  absl::Status ReadState(const std::string& job_id, StateTensor tensor, DType dtype, int64_t offset,
+                         int64_t length, int64_t chunk_elements,
+                         const std::function<bool(int64_t, int64_t, const std::string&)>& emit);
+
+  ThreadPool* pool() const { return pool_; }
+  SimdPath simd_path() const { return path_; }
+  AdamKernelFn adam_kernel() const { return kernel_; }
+  MemoryBudget* budget() { return &budget_; }
+  const ShardOptions& options() const { return options_; }
+
+  // Runs fn(begin, end) over the owned tiles of [begin, end) on every pool thread.
+  void ParallelTiles(int64_t begin, int64_t end,
+                     const std::function<void(int64_t, int64_t)>& fn) const;
+
+ private:
+  const ShardOptions options_;
+  ThreadPool* const pool_;
+  const SimdPath path_;
+  const AdamKernelFn kernel_;
+  MemoryBudget budget_;
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_;  // guarded by mu_
+};
+
+// Validation shared by the store and the service: what a job id may look like.
+absl::Status ValidateJobId(const std::string& job_id);
+
+// Finds the range of `job` that holds all of flat [offset, offset + n); OUT_OF_RANGE otherwise.
+absl::StatusOr<RangeState*> FindRangeFor(const Job& job, int64_t offset, int64_t n);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_SHARD_STORE_H_

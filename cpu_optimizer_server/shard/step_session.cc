@@ -1,0 +1,319 @@
+#include "cpu_optimizer_server/shard/step_session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/adam/adam_kernel_internal.h"
+#include "cpu_optimizer_server/shard/server_metrics.h"
+
+namespace offload {
+
+absl::StatusOr<std::unique_ptr<StepSession>> StepSession::Open(ShardStore* store,
+                                                               const std::string& job_id,
+                                                               uint32_t range_index,
+                                                               uint64_t step) {
+  absl::StatusOr<std::shared_ptr<Job>> job = store->FindJob(job_id);
+  if (!job.ok()) return job.status();
+  if (range_index >= (*job)->ranges.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("range_index ", range_index, " but job ", job_id,
+                                                   " has ", (*job)->ranges.size(),
+                                                   " ranges on this shard"));
+  }
+  RangeState* range = (*job)->ranges[range_index].get();
+  std::lock_guard<std::mutex> lock(range->mu);
+  if (range->step_in_progress) {
+    return absl::AbortedError(
+        absl::StrCat("another step stream is open on range ", range_index, " of job ", job_id));
+  }
+  const bool replay = step != 0 && step == range->completed_step;
+  if (step != range->completed_step + 1 && !replay) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is out of order: range ", range_index, " of job ", job_id,
+                     " last committed step ", range->completed_step, ", so the next is ",
+                     range->completed_step + 1));
+  }
+  if (range->loaded.covered() != range->spec.length) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "master weights of range ", range_index, " of job ", job_id, " are not loaded (",
+        range->loaded.covered(), " of ", range->spec.length, " elements): call LoadState first"));
+  }
+  range->step_in_progress = true;
+  return std::unique_ptr<StepSession>(new StepSession(store, *std::move(job), range, step, replay));
+}
+
+StepSession::StepSession(ShardStore* store, std::shared_ptr<Job> job, RangeState* range,
+                         uint64_t step, bool replay)
+    : store_(store), job_(std::move(job)), range_(range), step_(step), replay_(replay) {}
+
+StepSession::~StepSession() {
+  std::lock_guard<std::mutex> lock(range_->mu);
+  range_->step_in_progress = false;
+}
+
+absl::Status StepSession::ValidateChunk(int64_t offset, int64_t n, bool accumulate) const {
+  const RangeSpec& spec = range_->spec;
+  if (offset < spec.offset || offset >= spec.offset + spec.length ||
+      n > spec.offset + spec.length - offset) {
+    return absl::OutOfRangeError(absl::StrCat("gradient chunk [", offset, ", ", offset + n,
+                                              ") is not inside range ", range_->index, " [",
+                                              spec.offset, ", ", spec.offset + spec.length, ")"));
+  }
+  const int64_t begin = offset - spec.offset;
+  if (!accumulate) {
+    if (auto overlap = covered_.FindOverlap(begin, begin + n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient chunk [", offset, ", ", offset + n,
+          ") overlaps gradients already received for [", overlap->first + spec.offset, ", ",
+          overlap->second + spec.offset, "); set accumulate to add micro-batches"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumulate,
+                                       std::string data) {
+  if (committed_) return absl::FailedPreconditionError("gradient chunk after the commit");
+  const int size = DTypeSize(dtype);
+  if (data.empty()) return absl::InvalidArgumentError("gradient chunk has no data");
+  if (data.size() % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient chunk has ", data.size(),
+                                                   " bytes, not a multiple of ", size, " for ",
+                                                   DTypeName(dtype)));
+  }
+  const int64_t n = static_cast<int64_t>(data.size()) / size;
+  if (absl::Status s = ValidateChunk(offset, n, accumulate); !s.ok()) return s;
+  const int64_t begin = offset - range_->spec.offset;
+  if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
+  if (accumulate && !accumulating_) {
+    if (absl::Status s = StartAccumulating(); !s.ok()) return s;
+  }
+  Reservation held;
+  if (!accumulating_) {
+    absl::StatusOr<Reservation> taken =
+        store_->budget()->Take(static_cast<int64_t>(data.size()), "gradients in flight");
+    if (!taken.ok()) return taken.status();
+    held = *std::move(taken);
+  }
+  // Nothing below can fail: only an accepted chunk counts as received.
+  if (!non_finite_ && HasNonFinite(data.data(), dtype, n)) {
+    non_finite_ = true;
+    first_non_finite_offset_ = offset;
+  }
+  covered_.Insert(begin, begin + n);
+  if (accumulating_) {
+    float* acc = range_->accumulator;
+    const char* src = data.data();
+    store_->ParallelTiles(begin, begin + n, [&](int64_t lo, int64_t hi) {
+      AddAsFloat(src + (lo - begin) * size, dtype, hi - lo, acc + lo);
+    });
+    return absl::OkStatus();
+  }
+  held_bytes_.Absorb(std::move(held));
+  pieces_.push_back(Piece{begin, n, dtype, std::move(data)});
+  return absl::OkStatus();
+}
+
+absl::Status StepSession::AddGradientsView(int64_t offset, DType dtype, const void* data,
+                                           int64_t n) {
+  if (committed_) return absl::FailedPreconditionError("gradient chunk after the commit");
+  if (n <= 0) return absl::InvalidArgumentError("gradient chunk has no data");
+  if (absl::Status s = ValidateChunk(offset, n, /*accumulate=*/false); !s.ok()) return s;
+  const int64_t begin = offset - range_->spec.offset;
+  if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
+  // The caller holds the bytes (and accounts for them), so no reservation here.
+  const char* src = static_cast<const char*>(data);
+  if (!non_finite_ && HasNonFinite(src, dtype, n)) {
+    non_finite_ = true;
+    first_non_finite_offset_ = offset;
+  }
+  covered_.Insert(begin, begin + n);
+  if (accumulating_) {
+    const int size = DTypeSize(dtype);
+    float* acc = range_->accumulator;
+    store_->ParallelTiles(begin, begin + n, [&](int64_t lo, int64_t hi) {
+      AddAsFloat(src + (lo - begin) * size, dtype, hi - lo, acc + lo);
+    });
+    return absl::OkStatus();
+  }
+  Piece piece{begin, n, dtype, std::string()};
+  piece.view = src;
+  pieces_.push_back(std::move(piece));
+  return absl::OkStatus();
+}
+
+// Switches this step to the fp32 accumulator: zero it, fold in the chunks held so far.
+absl::Status StepSession::StartAccumulating() {
+  RangeState* r = range_;
+  const int64_t length = r->spec.length;
+  if (r->accumulator == nullptr) {
+    const int64_t bytes = length * 4;
+    absl::StatusOr<Reservation> reservation =
+        store_->budget()->Take(bytes, absl::StrCat("the gradient accumulator of range ", r->index));
+    if (!reservation.ok()) return reservation.status();
+    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(bytes);
+    if (!storage.ok()) return storage.status();
+    std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+    std::lock_guard<std::mutex> lock(r->mu);  // DescribeShard reads these two under mu
+    r->accumulator_storage = *std::move(storage);
+    r->accumulator = static_cast<float*>(r->accumulator_storage.data());
+    r->accumulator_reservation = *std::move(reservation);
+  }
+  // The lease makes this stream the accumulator's only user until it ends.
+  float* acc = r->accumulator;
+  store_->ParallelTiles(0, length,
+                        [acc](int64_t lo, int64_t hi) { std::memset(acc + lo, 0, (hi - lo) * 4); });
+  for (const Piece& p : pieces_) AddAsFloat(p.bytes(), p.dtype, p.n, acc + p.begin);
+  pieces_.clear();
+  held_bytes_.Reset();
+  accumulating_ = true;
+  return absl::OkStatus();
+}
+
+bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
+  const RangeState* r = range_;
+  const int64_t length = r->spec.length;
+  const int64_t wave = store_->options().wave_elements;
+  const DType out_dtype = job_->config.param_dtype;
+  const AdamKernelFn kernel = store_->adam_kernel();
+  ThreadPool* pool = store_->pool();
+  const int threads = pool->num_threads();
+  std::sort(pieces_.begin(), pieces_.end(),
+            [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+
+  // Applies Adam (if asked) and writes the 16-bit copy for range elements [lo, hi) into out.
+  // A replay only converts: the SIMD conversion of the store's path, bit-identical to dtype.h's.
+  const internal::FloatToHalfFn to_half = internal::GetFloatToHalf(store_->simd_path());
+  auto process = [&](const int64_t base, int64_t hi, uint16_t* out) {
+    if (update == nullptr) {
+      if (to_half != nullptr) {
+        to_half(r->param + base, out_dtype, out, hi - base);
+      } else {
+        ConvertFromFloat(r->param + base, hi - base, out_dtype, out);
+      }
+      return;
+    }
+    AdamSpan span;
+    span.out_dtype = out_dtype;
+    auto run = [&](int64_t b, int64_t e, const void* grad, DType grad_dtype) {
+      span.grad = grad;
+      span.grad_dtype = grad_dtype;
+      span.param = r->param + b;
+      span.exp_avg = r->exp_avg + b;
+      span.exp_avg_sq = r->exp_avg_sq + b;
+      span.out = out + (b - base);
+      span.n = e - b;
+      kernel(*update, span);
+    };
+    if (accumulating_) {
+      run(base, hi, r->accumulator + base, DType::kFp32);
+      return;
+    }
+    // The pieces tile [0, length) exactly (checked before the commit gets here).
+    int64_t lo = base;
+    auto it = std::upper_bound(pieces_.begin(), pieces_.end(), lo,
+                               [](int64_t pos, const Piece& p) { return pos < p.begin; });
+    for (--it; lo < hi; ++it) {
+      const int64_t e = std::min(hi, it->begin + it->n);
+      run(lo, e, it->bytes() + (lo - it->begin) * DTypeSize(it->dtype), it->dtype);
+      lo = e;
+    }
+  };
+
+  bool sink_ok = true;
+  const int64_t num_waves = (length + wave - 1) / wave;
+  ThreadPool::Ticket pending;
+  for (int64_t w = 0; w <= num_waves; ++w) {
+    // Start wave w, then send wave w - 1 while it runs.
+    ThreadPool::Ticket started;
+    if (w < num_waves) {
+      const int64_t lo = w * wave, hi = std::min(length, lo + wave);
+      auto* out = static_cast<uint16_t*>(sink->Buffer(w & 1, r->spec.offset + lo, hi - lo));
+      started = pool->RunAsync([&process, lo, hi, out, threads](int t) {
+        ForEachOwnedTile(lo, hi, t, threads,
+                         [&](int64_t b, int64_t e) { process(b, e, out + (b - lo)); });
+      });
+    }
+    if (w > 0) {
+      pending.Wait();
+      if (sink_ok) sink_ok = sink->Send((w - 1) & 1);
+    }
+    pending = std::move(started);
+  }
+  return sink_ok;
+}
+
+absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, ParamSink* sink) {
+  if (committed_) return absl::FailedPreconditionError("the step was already committed");
+  if (args.step != step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("commit.step is ", args.step, " but the stream opened step ", step_));
+  }
+  if (!std::isfinite(args.lr) || args.lr < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("commit.lr is ", args.lr, "; it must be finite and >= 0"));
+  }
+  // 0 is refused too: it is what an omitted proto3 field reads as, and it would zero the
+  // gradients while the moments and the step count still advance.
+  if (!std::isfinite(args.grad_multiplier) || args.grad_multiplier <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "commit.grad_multiplier is ", args.grad_multiplier, "; it must be finite and > 0"));
+  }
+  if (job_->dropped) {
+    return absl::NotFoundError(absl::StrCat("job ", job_->config.job_id, " was dropped"));
+  }
+  RangeState* r = range_;
+  const int64_t length = r->spec.length;
+  StepOutcome outcome;
+  outcome.step = step_;
+  if (!replay_ && !args.skip) {
+    if (auto gap = covered_.FirstGap(0, length)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no gradient for element ", *gap + r->spec.offset, " of range ", r->index, " [",
+          r->spec.offset, ", ", r->spec.offset + length, "): a commit needs the whole range (",
+          covered_.covered(), " of ", length, " elements received)"));
+    }
+    if (non_finite_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the gradient chunk at element ", first_non_finite_offset_,
+                       " holds inf or NaN: commit with skip set (overflow) instead"));
+    }
+  }
+  committed_ = true;
+  std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+  if (replay_) {
+    outcome.replayed = true;
+    outcome.receiver_gone = !StreamWaves(nullptr, sink);
+  } else if (args.skip) {
+    outcome.skipped = true;
+    ServerMetrics::Get().StepSkipped();
+  } else {
+    uint64_t t;
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      t = r->adam_step + 1;
+    }
+    const AdamStepScalars scalars = ComputeAdamStepScalars(
+        job_->config.adam, args.lr, static_cast<int64_t>(t), args.grad_multiplier);
+    // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
+    const auto begin = std::chrono::steady_clock::now();
+    outcome.receiver_gone = !StreamWaves(&scalars, sink);
+    outcome.applied = true;
+    ServerMetrics::Get().StepApplied(
+        length, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  }
+  std::lock_guard<std::mutex> lock(r->mu);
+  if (!replay_) {
+    r->completed_step = step_;
+    if (outcome.applied) ++r->adam_step;
+  }
+  outcome.adam_step = r->adam_step;
+  outcome.skipped_steps = r->skipped_steps();
+  pieces_.clear();
+  held_bytes_.Reset();
+  return outcome;
+}
+
+}  // namespace offload

@@ -1,0 +1,71 @@
+#include "cpu_optimizer_server/shard/wire_convert.h"
+
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace offload {
+
+absl::StatusOr<StateTensor> StateTensorFromProto(v1::StateTensor tensor, const char* field) {
+  switch (tensor) {
+    case v1::STATE_TENSOR_MASTER_WEIGHTS:
+      return StateTensor::kMasterWeights;
+    case v1::STATE_TENSOR_EXP_AVG:
+      return StateTensor::kExpAvg;
+    case v1::STATE_TENSOR_EXP_AVG_SQ:
+      return StateTensor::kExpAvgSq;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " is ", static_cast<int>(tensor), "; use MASTER_WEIGHTS, EXP_AVG or EXP_AVG_SQ"));
+  }
+}
+
+absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request) {
+  JobConfig config;
+  config.job_id = request.job_id();
+  constexpr uint64_t kMax = std::numeric_limits<int64_t>::max() / 4;
+  for (int i = 0; i < request.ranges_size(); ++i) {
+    const v1::ParamRange& r = request.ranges(i);
+    if (r.offset() > kMax || r.length() > kMax) {
+      return absl::InvalidArgumentError(absl::StrCat("ranges[", i, "] is out of bounds"));
+    }
+    config.ranges.push_back(
+        RangeSpec{static_cast<int64_t>(r.offset()), static_cast<int64_t>(r.length())});
+  }
+  const v1::AdamConfig& a = request.adam();
+  switch (a.kind()) {
+    case v1::OPTIMIZER_KIND_ADAM:
+      config.adam.adamw = false;
+      break;
+    case v1::OPTIMIZER_KIND_ADAMW:
+      config.adam.adamw = true;
+      break;
+    default:
+      return absl::InvalidArgumentError("adam.kind must be ADAM or ADAMW");
+  }
+  config.adam.lr = a.lr();
+  config.adam.beta1 = a.beta1();
+  config.adam.beta2 = a.beta2();
+  config.adam.eps = a.eps();
+  config.adam.weight_decay = a.weight_decay();
+  config.adam.bias_correction = !a.disable_bias_correction();
+  absl::StatusOr<DType> dtype = DTypeFromProto(request.param_dtype(), "param_dtype");
+  if (!dtype.ok()) return dtype.status();
+  config.param_dtype = *dtype;
+  return config;
+}
+
+v1::AdamConfig AdamConfigToProto(const AdamHyperParams& adam) {
+  v1::AdamConfig a;
+  a.set_kind(adam.adamw ? v1::OPTIMIZER_KIND_ADAMW : v1::OPTIMIZER_KIND_ADAM);
+  a.set_lr(adam.lr);
+  a.set_beta1(adam.beta1);
+  a.set_beta2(adam.beta2);
+  a.set_eps(adam.eps);
+  a.set_weight_decay(adam.weight_decay);
+  a.set_disable_bias_correction(!adam.bias_correction);
+  return a;
+}
+
+}  // namespace offload

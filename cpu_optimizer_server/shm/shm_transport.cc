@@ -1,0 +1,417 @@
+// The trainer side of the shared-memory data plane (shm_transport.h).
+//
+// Liveness: each attachment keeps its Attach stream open and runs a watcher thread blocked in
+// stream->Read. The shard sends nothing after AttachReady, so Read returns only when the stream
+// ends (the shard closed it, died or shut down, or this side cancelled it). The watcher then
+// raises `gone` and wakes the segment's event futex; every wait on the segment also wakes up
+// every poll_interval to look at `gone`, so no wait outlives the shard by more than that.
+#include "cpu_optimizer_server/shm/shm_transport.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/grpc/attach_client.h"
+#include "cpu_optimizer_server/shm/shm_segment.h"
+
+namespace offload {
+namespace {
+
+// Runs the trainer's half of the offer / proof / ready exchange on a fresh Attach stream.
+absl::StatusOr<ShmSegment> Handshake(const v1::AttachOpen& open, AttachClient* link) {
+  v1::AttachRequest request;
+  *request.mutable_open() = open;
+  if (absl::Status s = link->Send(request, "the offer"); !s.ok()) return s;
+  absl::StatusOr<v1::AttachResponse> response = link->Receive("the offer");
+  if (!response.ok()) return response.status();
+  if (!response->has_shm()) {
+    link->Cancel();
+    return absl::DataLossError("shard answered a shm AttachOpen with something else than an offer");
+  }
+  absl::StatusOr<ShmSegment> segment = ShmSegment::Open(response->shm().segment_name());
+  if (!segment.ok()) {
+    link->Cancel();
+    return segment.status();
+  }
+  request.mutable_proof()->set_secret(segment->header()->secret, kShmSecretBytes);
+  if (absl::Status s = link->Send(request, "AttachReady"); !s.ok()) return s;
+  response = link->Receive("AttachReady");
+  if (!response.ok()) return response.status();
+  if (!response->has_ready()) {
+    link->Cancel();
+    return absl::DataLossError("shard answered the AttachProof with something else than ready");
+  }
+  return segment;
+}
+
+// One (job, range) attachment: the mapped segment and the Attach stream that keeps it alive.
+class Attachment {
+ public:
+  Attachment(std::string address, const ShmOptions& options, absl::Duration call_timeout)
+      : address_(std::move(address)), options_(options), call_timeout_(call_timeout) {}
+
+  absl::Status Start(OptimizerClient* control, const v1::AttachOpen& open) {
+    link_ = std::make_unique<AttachClient>(
+        control, absl::StrCat("the shm Attach stream of shard ", control->options().address));
+    absl::StatusOr<ShmSegment> segment = Handshake(open, link_.get());
+    if (!segment.ok()) {
+      link_ = nullptr;
+      return segment.status();
+    }
+    segment_ = *std::move(segment);
+    head_ = segment_.header()->cmd_head.load(std::memory_order_relaxed);
+    link_->Watch([this](const grpc::Status&) {
+      gone_.store(true);
+      ShmWake(&segment_.header()->shard_event);
+    });
+    return absl::OkStatus();
+  }
+
+  bool usable() const { return !gone_.load() && !broken_.load(); }
+  std::atomic<bool>& busy() { return busy_; }
+  const ShmSegment& segment() const { return segment_; }
+  ShmHeader* header() const { return segment_.header(); }
+
+  // Waits until done() (called with the segment's state fresh) is true. UNAVAILABLE once the
+  // shard is gone; DEADLINE_EXCEEDED after the call timeout, which also retires the attachment
+  // (its shard may still act on what was pushed).
+  absl::Status WaitUntil(const std::function<bool()>& done, absl::Time deadline) {
+    ShmHeader* h = header();
+    for (;;) {
+      const uint32_t event = h->shard_event.load(std::memory_order_acquire);
+      if (done()) return absl::OkStatus();
+      if (gone_.load()) {
+        return absl::UnavailableError(absl::StrCat("optimizer shard ", address_, " went away"));
+      }
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
+        broken_.store(true);
+        return absl::DeadlineExceededError(absl::StrCat("optimizer shard ", address_,
+                                                        " did not answer on shared memory within ",
+                                                        absl::FormatDuration(call_timeout_)));
+      }
+      ShmWait(&h->shard_event, event, std::min(options_.poll_interval, deadline - now));
+    }
+  }
+
+  absl::Time Deadline() const { return absl::Now() + call_timeout_; }
+
+  // Pushes a command, waiting for a free ring entry. Returns its sequence number.
+  absl::StatusOr<uint32_t> Push(const ShmCommand& cmd) {
+    ShmHeader* h = header();
+    if (absl::Status s = WaitUntil(
+            [&] { return head_ - h->cmd_tail.load(std::memory_order_acquire) < kShmRingSize; },
+            Deadline());
+        !s.ok()) {
+      return s;
+    }
+    h->ring[head_ % kShmRingSize] = cmd;
+    ++head_;
+    h->cmd_head.store(head_, std::memory_order_release);
+    ShmWake(&h->cmd_head);
+    return head_;
+  }
+
+  // The status in the reply area (read after reply_seq was seen with acquire).
+  absl::Status ReplyStatus() const {
+    const ShmReply& r = header()->reply;
+    if (r.code < 0 || r.code > 16) {
+      return absl::DataLossError(absl::StrCat("shard replied with status code ", r.code));
+    }
+    if (r.code == 0) return absl::OkStatus();
+    return absl::Status(
+        static_cast<absl::StatusCode>(r.code),
+        absl::string_view(r.message, std::min<uint32_t>(r.message_bytes, kShmMessageBytes)));
+  }
+
+  // Chunk slot uses so far; use k goes to slot k % chunk_slots.
+  uint32_t slot_uses = 0;
+  const std::string& address() const { return address_; }
+
+ private:
+  const std::string address_;
+  const ShmOptions options_;
+  const absl::Duration call_timeout_;
+  ShmSegment segment_;
+  // The Attach stream that keeps the attachment alive. After segment_: its watcher wakes waits
+  // through the segment, so it must stop (be destroyed) before the segment is unmapped.
+  std::unique_ptr<AttachClient> link_;
+  std::atomic<bool> gone_{false};
+  std::atomic<bool> broken_{false};
+  std::atomic<bool> busy_{false};  // a step stream is in flight
+  uint32_t head_ = 0;              // commands pushed
+};
+
+class ShmStepStream final : public StepStream {
+ public:
+  ShmStepStream(std::shared_ptr<Attachment> attachment, uint64_t step, uint32_t open_seq)
+      : a_(std::move(attachment)), step_(step), open_seq_(open_seq) {}
+  ~ShmStepStream() override { Abandon(); }
+
+  absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
+                             bool accumulate) override;
+  absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+                                        void* params_out) override;
+  void Abandon() override {
+    if (done_) return;
+    ShmCommand cmd{};
+    cmd.kind = static_cast<uint32_t>(ShmCommandKind::kAbandon);
+    a_->Push(cmd).IgnoreError();  // a shard that is gone dropped the step already
+    Finish();
+  }
+
+ private:
+  // No command follows: the attachment is free for the next step.
+  void Finish() {
+    done_ = true;
+    a_->busy().store(false);
+  }
+  // The shard's error for this step if it replied one (it then dropped the step).
+  absl::Status PendingError() {
+    if (a_->header()->reply_seq.load(std::memory_order_acquire) == open_seq_) {
+      return absl::OkStatus();
+    }
+    absl::Status s = a_->ReplyStatus();
+    if (s.ok()) s = absl::DataLossError("shard replied OK to a gradient chunk");
+    Finish();
+    return s;
+  }
+  absl::StatusOr<uint32_t> PushGrad(int64_t offset, DType dtype, int64_t n, bool accumulate,
+                                    uint32_t slot) {
+    ShmCommand cmd{};
+    cmd.kind = static_cast<uint32_t>(ShmCommandKind::kGrad);
+    cmd.dtype = static_cast<uint32_t>(dtype);
+    cmd.accumulate = accumulate;
+    cmd.slot = slot;
+    cmd.offset = offset;
+    cmd.n = n;
+    return a_->Push(cmd);
+  }
+
+  const std::shared_ptr<Attachment> a_;
+  const uint64_t step_;
+  const uint32_t open_seq_;
+  bool done_ = false;
+};
+
+absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
+                                          bool accumulate) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
+  if (n <= 0) return absl::OkStatus();  // nothing to send, as over gRPC
+  if (absl::Status s = PendingError(); !s.ok()) return s;
+  ShmHeader* h = a_->header();
+  const int size = DTypeSize(dtype);
+  const char* bytes = static_cast<const char*>(data);
+  if (!accumulate && size == 2) {
+    // Zero-copy for the shard: the gradients go to their place in the gradient area. A chunk
+    // outside the range is not copied; the shard refuses it with the gRPC service's error.
+    const int64_t at = offset - h->range_offset;
+    if (at >= 0 && at < h->range_length && n <= h->range_length - at) {
+      std::memcpy(a_->segment().grad_area() + at * 2, bytes, n * 2);
+    }
+    absl::StatusOr<uint32_t> seq = PushGrad(offset, dtype, n, false, kShmInPlace);
+    if (!seq.ok()) return seq.status();
+    return PendingError();
+  }
+  // Through the chunk slots, in pieces of at most one slot.
+  const uint32_t slots = h->chunk_slots;
+  const int64_t per_slot = h->chunk_slot_bytes / size;
+  if (slots == 0 || per_slot == 0) {
+    return absl::FailedPreconditionError("the shm segment has no chunk slots");
+  }
+  for (int64_t done = 0; done < n; done += per_slot) {
+    const int64_t m = std::min(per_slot, n - done);
+    if (absl::Status s = a_->WaitUntil(
+            [&] {
+              return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots;
+            },
+            a_->Deadline());
+        !s.ok()) {
+      return s;
+    }
+    const uint32_t slot = a_->slot_uses % slots;
+    std::memcpy(a_->segment().slot(slot), bytes + done * size, m * size);
+    ++a_->slot_uses;
+    absl::StatusOr<uint32_t> seq = PushGrad(offset + done, dtype, m, accumulate, slot);
+    if (!seq.ok()) return seq.status();
+    if (absl::Status s = PendingError(); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multiplier, bool skip,
+                                                     void* params_out) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
+  if (absl::Status s = PendingError(); !s.ok()) return s;
+  ShmHeader* h = a_->header();
+  const int64_t length = h->range_length;
+  // Zeroed before the push (which releases it): the shard writes it only for this commit.
+  h->params_published.store(0, std::memory_order_relaxed);
+  ShmCommand cmd{};
+  cmd.kind = static_cast<uint32_t>(ShmCommandKind::kCommit);
+  cmd.step = step_;
+  cmd.lr = lr;
+  cmd.grad_multiplier = grad_multiplier;
+  cmd.skip = skip;
+  absl::StatusOr<uint32_t> seq = a_->Push(cmd);
+  if (!seq.ok()) {
+    done_ = true;
+    return seq.status();
+  }
+  // Copy each wave out as it is published, while the shard computes the next one.
+  const char* area = a_->segment().param_area();
+  char* out = static_cast<char*>(params_out);
+  int64_t copied = 0;
+  bool bad_progress = false;
+  auto copy_published = [&] {
+    const int64_t published = h->params_published.load(std::memory_order_acquire);
+    if (published < copied || published > length) {
+      bad_progress = true;
+      return;
+    }
+    std::memcpy(out + copied * 2, area + copied * 2, (published - copied) * 2);
+    copied = published;
+  };
+  absl::Status waited = a_->WaitUntil(
+      [&] {
+        const bool replied = h->reply_seq.load(std::memory_order_acquire) == *seq;
+        copy_published();  // after the reply's acquire: everything published is visible
+        return replied || bad_progress;
+      },
+      a_->Deadline());
+  done_ = true;
+  if (!waited.ok()) return waited;
+  if (bad_progress) {
+    a_->busy().store(false);
+    return absl::DataLossError("shard published parameters outside the range");
+  }
+  a_->busy().store(false);
+  if (absl::Status s = a_->ReplyStatus(); !s.ok()) return s;
+  const ShmReply& r = h->reply;
+  v1::StepResult result;
+  result.set_step(r.step);
+  result.set_applied(r.applied != 0);
+  result.set_replayed(r.replayed != 0);
+  result.set_skipped(r.skipped != 0);
+  result.set_adam_step(r.adam_step);
+  result.set_skipped_steps(r.skipped_steps);
+  if (result.step() != step_) {
+    return absl::DataLossError(
+        absl::StrCat("shard answered step ", result.step(), " to the commit of step ", step_));
+  }
+  const int64_t expected = result.skipped() ? 0 : length;
+  if (copied != expected) {
+    return absl::DataLossError(
+        absl::StrCat("shard sent ", copied, " of ", expected, " parameters of the range"));
+  }
+  return result;
+}
+
+class ShmTransport final : public StepTransport {
+ public:
+  ShmTransport(OptimizerClient* control, const ShmOptions& options)
+      : control_(control), options_(options) {}
+  absl::string_view name() const override { return "shm"; }
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStep(const std::string& job_id,
+                                                       uint32_t range_index, int64_t range_offset,
+                                                       int64_t range_length,
+                                                       uint64_t step) override;
+
+ private:
+  absl::StatusOr<std::shared_ptr<Attachment>> Attach(const std::string& job_id,
+                                                     uint32_t range_index);
+
+  OptimizerClient* const control_;
+  const ShmOptions options_;
+  std::mutex mu_;
+  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<Attachment>> attachments_;
+};
+
+absl::StatusOr<std::shared_ptr<Attachment>> ShmTransport::Attach(const std::string& job_id,
+                                                                 uint32_t range_index) {
+  const auto key = std::make_pair(job_id, range_index);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = attachments_.find(key);
+    if (it != attachments_.end()) {
+      if (it->second->usable()) return it->second;
+      attachments_.erase(it);  // its shard went away: attach afresh
+    }
+  }
+  // Outside the lock: other ranges' steps go on while this one attaches.
+  auto attachment = std::make_shared<Attachment>(control_->options().address, options_,
+                                                 control_->options().call_timeout);
+  v1::AttachOpen open;
+  open.set_job_id(job_id);
+  open.set_range_index(range_index);
+  open.set_plane(v1::DATA_PLANE_SHM);
+  if (absl::Status s = attachment->Start(control_, open); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu_);
+  attachments_[key] = attachment;
+  return attachment;
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> ShmTransport::OpenStep(const std::string& job_id,
+                                                                   uint32_t range_index,
+                                                                   int64_t range_offset,
+                                                                   int64_t range_length,
+                                                                   uint64_t step) {
+  absl::StatusOr<std::shared_ptr<Attachment>> a = Attach(job_id, range_index);
+  if (!a.ok()) return a.status();
+  ShmHeader* h = (*a)->header();
+  if (h->range_offset != range_offset || h->range_length != range_length) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("range ", range_index, " of job ", job_id, " is [", h->range_offset, ", ",
+                     h->range_offset + h->range_length, ") on the shard, not [", range_offset, ", ",
+                     range_offset + range_length, ")"));
+  }
+  if ((*a)->busy().exchange(true)) {
+    return absl::AbortedError(absl::StrCat("another step stream is open on range ", range_index,
+                                           " of job ", job_id, " (this transport)"));
+  }
+  ShmCommand cmd{};
+  cmd.kind = static_cast<uint32_t>(ShmCommandKind::kOpen);
+  cmd.step = step;
+  absl::StatusOr<uint32_t> seq = (*a)->Push(cmd);
+  absl::Status s = seq.status();
+  if (s.ok()) {
+    s = (*a)->WaitUntil([&] { return h->reply_seq.load(std::memory_order_acquire) == *seq; },
+                        (*a)->Deadline());
+  }
+  if (s.ok()) s = (*a)->ReplyStatus();
+  if (!s.ok()) {
+    (*a)->busy().store(false);
+    return s;
+  }
+  return std::unique_ptr<StepStream>(new ShmStepStream(*std::move(a), step, *seq));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(OptimizerClient* control,
+                                                                  const ShmOptions& options) {
+  if (control == nullptr)
+    return absl::InvalidArgumentError("CreateShmTransport: no control client");
+  if (options.poll_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("ShmOptions::poll_interval must be positive");
+  }
+  return std::unique_ptr<StepTransport>(new ShmTransport(control, options));
+}
+
+absl::Status ProbeShm(OptimizerClient* control) {
+  AttachClient link(
+      control, absl::StrCat("the shm probe's Attach stream of shard ", control->options().address));
+  v1::AttachOpen open;
+  open.set_plane(v1::DATA_PLANE_SHM);
+  absl::StatusOr<ShmSegment> segment = Handshake(open, &link);
+  if (!segment.ok()) return segment.status();
+  return link.Close();
+}
+
+}  // namespace offload

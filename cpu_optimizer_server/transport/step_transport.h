@@ -1,0 +1,53 @@
+// The step exchange behind one interface (DESIGN section 4): gradient chunks in, a commit,
+// updated 16-bit parameter chunks out, for one range of one shard. Three data planes implement
+// it: gRPC (optimizer_client.h, anywhere, the default), shared memory (shm_transport.h, a trainer
+// and a shard on one host) and UCX (ucx_transport.h, RDMA-capable, across hosts). Session set-up,
+// validation errors and the death of a peer travel on gRPC whatever the data plane.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TRANSPORT_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TRANSPORT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "base/dtype.h"
+#include "offload/v1/optimizer.pb.h"
+
+namespace offload {
+
+// One step of one range: open (done by StepTransport::OpenStep), gradient chunks, commit. The
+// shard validates everything as the gRPC service does; a stream that ends without a commit
+// leaves the shard unchanged.
+class StepStream {
+ public:
+  virtual ~StepStream() = default;  // abandons the step unless it was committed
+  // Sends n gradients of flat elements [offset, offset + n), which must lie in the range.
+  virtual absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
+                                     bool accumulate = false) = 0;
+  // Commits and receives the updated 16-bit parameters of the whole range into params_out
+  // (range length,), whose first element is the range's first element.
+  virtual absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+                                                void* params_out) = 0;
+  // Ends the step without committing (the shard drops the gradients).
+  virtual void Abandon() = 0;
+};
+
+// The data plane to one shard.
+class StepTransport {
+ public:
+  virtual ~StepTransport() = default;
+  virtual absl::string_view name() const = 0;  // "grpc", "shm" or "ucx"
+  // Opens the step of range `range_index` (flat [range_offset, + range_length)).
+  virtual absl::StatusOr<std::unique_ptr<StepStream>> OpenStep(const std::string& job_id,
+                                                               uint32_t range_index,
+                                                               int64_t range_offset,
+                                                               int64_t range_length,
+                                                               uint64_t step) = 0;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TRANSPORT_H_

@@ -1,0 +1,18 @@
+// What both halves of the UCX data plane (ucx_transport.h, ucx_server.h) are configured with.
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_UCX_UCX_OPTIONS_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_UCX_UCX_OPTIONS_H_
+
+#include <cstdint>
+
+#include "absl/time/time.h"
+
+namespace offload {
+
+struct UcxOptions {
+  int64_t chunk_bytes = int64_t{4} << 20;  // gradient and parameter chunk (one active message)
+  absl::Duration poll_interval = absl::Milliseconds(100);
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_UCX_UCX_OPTIONS_H_

@@ -1,0 +1,480 @@
+// The shard side of the UCX data plane (ucx_transport.h).
+//
+// Threading: one UCP context and worker for the whole server, progressed by its own thread
+// (ucx_common.h). The active-message handler runs on that thread and only queues: eager payloads
+// are copied into a string the StepSession then owns, rendezvous payloads are received
+// (ucp_am_recv_data_nbx) straight into such a string, and the command becomes ready when the data
+// has landed. Each attachment's commands run in order on its Serve thread (the gRPC handler
+// thread), so a commit's Adam pass never stalls the progress of other attachments. The worker is
+// UCS_THREAD_MODE_MULTI since the Serve threads post their replies directly.
+//
+// Errors follow OptimizerService::Step: the same StepSession calls, the same statuses. A refused
+// chunk ends that step (its session is dropped, as when the gRPC handler returns) and the error is
+// sent at once and again to the commit.
+#include "cpu_optimizer_server/ucx/ucx_server.h"
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/dtype_proto.h"
+#include "base/grpc_status.h"
+#include "cpu_optimizer_server/shard/server_metrics.h"
+#include "cpu_optimizer_server/shard/step_session.h"
+#include "cpu_optimizer_server/ucx/ucx_common.h"
+
+namespace offload {
+namespace {
+
+using ucx::Header;
+using ucx::Kind;
+
+// Offsets on the wire are uint64; as OptimizerService does, clamp so sums stay in int64 while
+// still lying outside every range.
+int64_t WireOffset(uint64_t offset) {
+  constexpr uint64_t kMax = uint64_t{1} << 62;
+  return static_cast<int64_t>(offset > kMax ? kMax : offset);
+}
+
+struct Command {
+  Header header;
+  std::string data;
+  bool ready = false;
+  absl::Status status;  // the payload could not be received
+};
+
+// A buffer of waves going back to the trainer: two per attachment, registered once
+// (ucp_mem_map) and reused by every step; a slot is refilled only when its send is done.
+struct Slot {
+  std::vector<char> buffer;
+  std::unique_ptr<ucx::MemMap> memh;
+  std::shared_ptr<ucx::Inflight> inflight = std::make_shared<ucx::Inflight>();
+  int64_t offset = 0;
+  int64_t n = 0;
+};
+
+struct Session {
+  uint64_t id = 0;
+  int64_t max_payload = 0;  // bytes: the range in fp32 (the largest valid chunk)
+  ucp_ep_h ep = nullptr;
+  Slot slots[2];  // used by the Serve thread only
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Command>> queue;
+  bool stream_ended = false;
+  bool peer_failed = false;
+  std::string why;
+};
+
+struct DataRecv {
+  std::shared_ptr<Session> session;
+  std::shared_ptr<Command> command;
+};
+
+class UcxServer final : public DataPlaneServer {
+ public:
+  UcxServer(ShardStore* store, const UcxOptions& options, std::unique_ptr<ucx::Worker> worker)
+      : store_(store), options_(options), worker_(std::move(worker)) {}
+
+  absl::Status Init() {
+    if (auto s = worker_->SetAmHandler(ucx::kToShardAm, &UcxServer::OnAm, this); !s.ok()) return s;
+    worker_->Start();
+    return absl::OkStatus();
+  }
+
+  v1::DataPlane plane() const override { return v1::DATA_PLANE_UCX; }
+  grpc::Status Serve(const v1::AttachOpen& open, grpc::ServerContext* context,
+                     AttachStream* stream) override;
+
+ private:
+  class ParamSinkImpl;
+  struct Steps;  // the Serve thread's view of an attachment's step streams
+
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  static void OnDataReceived(void* request, ucs_status_t status, size_t length, void* user_data);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  void Reply(Session* s, const Header& request, Kind kind, const std::string& payload = "",
+             int32_t code = 0);
+  void ReplyError(Session* s, const Header& request, const absl::Status& status) {
+    Reply(s, request, Kind::kError, std::string(status.message()),
+          static_cast<int32_t>(status.code()));
+  }
+  void Execute(Session* s, Steps* steps, Command* c, const std::string& job_id,
+               uint32_t range_index);
+
+  ShardStore* const store_;
+  const UcxOptions options_;
+  std::unique_ptr<ucx::Worker> worker_;
+
+  std::mutex mu_;  // held by the AM handler for its whole run
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+  uint64_t next_session_ = 1;
+};
+
+struct UcxServer::Steps {
+  std::map<uint64_t, std::unique_ptr<StepSession>> open;
+  std::map<uint64_t, absl::Status> failed;  // recent refused streams: the error, for the commit
+  void Fail(uint64_t id, const absl::Status& status) {
+    open.erase(id);
+    failed[id] = status;
+    if (failed.size() > 64) failed.erase(failed.begin());
+  }
+};
+
+// Sends each wave as one PARAMS active message from the attachment's slot buffers.
+class UcxServer::ParamSinkImpl final : public ParamSink {
+ public:
+  ParamSinkImpl(UcxServer* server, Session* session, uint64_t stream_id)
+      : server_(server), session_(session), stream_id_(stream_id) {}
+  ~ParamSinkImpl() override { Drain(); }
+
+  void* Buffer(int slot, int64_t offset, int64_t n) override {
+    Slot& s = session_->slots[slot];
+    WaitSlot(&s);
+    const size_t bytes = static_cast<size_t>(n) * 2;
+    if (s.buffer.size() < bytes) {
+      s.memh.reset();
+      s.buffer.resize(bytes);
+      s.memh = std::make_unique<ucx::MemMap>(server_->worker_->context(), s.buffer.data(),
+                                             s.buffer.size());
+    }
+    s.offset = offset;
+    s.n = n;
+    return s.buffer.data();
+  }
+
+  bool Send(int slot) override {
+    Slot& s = session_->slots[slot];
+    if (Failed()) return false;
+    Header h;
+    h.session_id = session_->id;
+    h.stream_id = stream_id_;
+    h.kind = static_cast<uint32_t>(Kind::kParams);
+    h.offset = static_cast<uint64_t>(s.offset);
+    h.n = s.n;
+    ServerMetrics::Get().Sent(DataPlane::kUcx, s.n * 2);
+    return server_->worker_
+        ->Send(session_->ep, ucx::kToTrainerAm, h, s.buffer.data(), s.n * 2, s.inflight,
+               s.memh->get())
+        .ok();
+  }
+
+  // Waits for both slots; false when the trainer is gone.
+  bool Drain() {
+    for (Slot& s : session_->slots) WaitSlot(&s);
+    for (Slot& s : session_->slots) {
+      if (s.inflight->error() != UCS_OK) return false;
+    }
+    return !Failed();
+  }
+
+ private:
+  bool Failed() {
+    std::lock_guard<std::mutex> lock(session_->mu);
+    return session_->peer_failed;
+  }
+  void WaitSlot(Slot* s) {
+    s->inflight->WaitIdle(server_->options_.poll_interval, absl::InfiniteFuture(),
+                          [this] { return Failed(); });
+  }
+
+  UcxServer* const server_;
+  Session* const session_;
+  const uint64_t stream_id_;
+};
+
+void UcxServer::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* s = static_cast<Session*>(arg);
+  std::lock_guard<std::mutex> lock(s->mu);
+  s->peer_failed = true;
+  s->why = ucs_status_string(status);
+  s->cv.notify_all();
+}
+
+void UcxServer::OnDataReceived(void* request, ucs_status_t status, size_t length, void* user_data) {
+  auto* recv = static_cast<DataRecv*>(user_data);
+  {
+    std::lock_guard<std::mutex> lock(recv->session->mu);
+    if (status != UCS_OK) {
+      recv->command->status = ucx::UcsError(status, "receiving a gradient chunk");
+    }
+    recv->command->ready = true;
+    recv->session->cv.notify_all();
+  }
+  delete recv;
+  if (request != nullptr) ucp_request_free(request);
+}
+
+ucs_status_t UcxServer::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxServer*>(arg);
+  if (header_length != sizeof(Header)) return UCS_OK;
+  auto c = std::make_shared<Command>();
+  std::memcpy(&c->header, header, sizeof(Header));
+  std::lock_guard<std::mutex> lock(self->mu_);
+  auto it = self->sessions_.find(c->header.session_id);
+  if (it == self->sessions_.end()) return UCS_OK;  // an attachment already gone: dropped
+  const std::shared_ptr<Session>& s = it->second;
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  ucs_status_t ret = UCS_OK;
+  if (!rndv) {
+    c->data.assign(static_cast<const char*>(data), length);
+    c->ready = true;
+  } else if (static_cast<int64_t>(length) > s->max_payload) {
+    // Refused without receiving it; the step's error says why.
+    c->status = absl::OutOfRangeError(absl::StrCat("gradient chunk of ", length,
+                                                   " bytes is larger than the whole range (",
+                                                   s->max_payload, " bytes in fp32)"));
+    c->ready = true;
+  } else {
+    c->data.resize(length);
+    auto* recv = new DataRecv{s, c};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = &UcxServer::OnDataReceived;
+    p.user_data = recv;
+    ucs_status_ptr_t r =
+        ucp_am_recv_data_nbx(self->worker_->worker(), data, c->data.data(), length, &p);
+    if (r == nullptr) {
+      c->ready = true;
+      delete recv;
+    } else if (UCS_PTR_IS_ERR(r)) {
+      c->status = ucx::UcsError(UCS_PTR_STATUS(r), "ucp_am_recv_data_nbx");
+      c->ready = true;
+      delete recv;
+    }
+    ret = UCS_INPROGRESS;  // UCX owns the descriptor now
+  }
+  std::lock_guard<std::mutex> session_lock(s->mu);
+  s->queue.push_back(std::move(c));
+  s->cv.notify_all();
+  return ret;
+}
+
+void UcxServer::Reply(Session* s, const Header& request, Kind kind, const std::string& payload,
+                      int32_t code) {
+  Header h;
+  h.session_id = s->id;
+  h.stream_id = request.stream_id;
+  h.kind = static_cast<uint32_t>(kind);
+  h.code = code;
+  h.step = request.step;
+  // Replies are small: eager, so the payload is copied before Send returns... except that UCX may
+  // still queue it, so it lives in a string owned by the completion.
+  auto owned = std::make_shared<std::string>(payload);
+  auto inflight = std::make_shared<ucx::Inflight>();
+  worker_->Send(s->ep, ucx::kToTrainerAm, h, owned->data(), owned->size(), inflight).IgnoreError();
+  // Wait for it: replies are rare (one per OPEN / error / commit) and this keeps `owned` alive.
+  inflight->WaitIdle(options_.poll_interval, absl::Now() + absl::Seconds(30), [s] {
+    std::lock_guard<std::mutex> lock(s->mu);
+    return s->peer_failed;
+  });
+}
+
+void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string& job_id,
+                        uint32_t range_index) {
+  const Header& h = c->header;
+  const uint64_t id = h.stream_id;
+  switch (static_cast<Kind>(h.kind)) {
+    case Kind::kPing:
+      Reply(s, h, Kind::kPong);
+      return;
+    case Kind::kOpen: {
+      if (job_id.empty()) {
+        ReplyError(s, h, absl::FailedPreconditionError("a probe attachment carries no steps"));
+        return;
+      }
+      if (steps->open.count(id) != 0) {
+        ReplyError(s, h, absl::InvalidArgumentError("`open` sent twice in one stream"));
+        return;
+      }
+      absl::StatusOr<std::unique_ptr<StepSession>> session =
+          StepSession::Open(store_, job_id, range_index, h.step);
+      if (!session.ok()) {
+        steps->Fail(id, session.status());
+        ReplyError(s, h, session.status());
+        return;
+      }
+      steps->open[id] = *std::move(session);
+      Reply(s, h, Kind::kOpened);
+      return;
+    }
+    case Kind::kGrad: {
+      auto it = steps->open.find(id);
+      if (it == steps->open.end()) return;  // the step already failed (and said so) or ended
+      absl::Status st = c->status;
+      if (st.ok()) {
+        absl::StatusOr<DType> dtype = DTypeFromProto(static_cast<v1::DType>(h.dtype), "grad.dtype");
+        st = dtype.status();
+        if (st.ok()) {
+          const int64_t bytes = static_cast<int64_t>(c->data.size());
+          st = it->second->AddGradients(WireOffset(h.offset), *dtype, h.accumulate != 0,
+                                        std::move(c->data));
+          if (st.ok()) ServerMetrics::Get().Received(DataPlane::kUcx, bytes);
+        }
+      }
+      if (!st.ok()) {
+        steps->Fail(id, st);
+        ReplyError(s, h, st);
+      }
+      return;
+    }
+    case Kind::kCommit: {
+      auto it = steps->open.find(id);
+      if (it == steps->open.end()) {
+        auto f = steps->failed.find(id);
+        ReplyError(s, h,
+                   f != steps->failed.end()
+                       ? f->second
+                       : absl::FailedPreconditionError("commit of a step stream that is not open"));
+        return;
+      }
+      std::unique_ptr<StepSession> session = std::move(it->second);
+      steps->open.erase(it);
+      StepCommitArgs args;
+      args.step = h.step;
+      args.lr = h.lr;
+      args.grad_multiplier = h.grad_multiplier;
+      args.skip = h.skip != 0;
+      absl::StatusOr<StepOutcome> outcome;
+      bool delivered;
+      {
+        ParamSinkImpl sink(this, s, id);
+        outcome = session->Commit(args, &sink);
+        delivered = sink.Drain();
+      }
+      // Release the range's lease before the trainer hears the result and opens the next step.
+      session.reset();
+      if (!outcome.ok()) {
+        ReplyError(s, h, outcome.status());
+        return;
+      }
+      if (outcome->receiver_gone || !delivered) return;  // nobody to tell
+      v1::StepResult result;
+      result.set_step(outcome->step);
+      result.set_applied(outcome->applied);
+      result.set_replayed(outcome->replayed);
+      result.set_skipped(outcome->skipped);
+      result.set_adam_step(outcome->adam_step);
+      result.set_skipped_steps(outcome->skipped_steps);
+      Reply(s, h, Kind::kResult, result.SerializeAsString());
+      return;
+    }
+    case Kind::kAbandon:
+      steps->open.erase(id);
+      steps->failed.erase(id);
+      return;
+    default:
+      ReplyError(s, h,
+                 absl::InvalidArgumentError(absl::StrCat("unknown UCX message kind ", h.kind)));
+      return;
+  }
+}
+
+grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* context,
+                              AttachStream* stream) {
+  if (open.ucx_worker_address().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "a UCX AttachOpen must carry ucx_worker_address");
+  }
+  const bool probe = open.job_id().empty();
+  auto session = std::make_shared<Session>();
+  if (!probe) {
+    // The same checks (and messages) as StepSession::Open, before anything is set up.
+    absl::StatusOr<std::shared_ptr<Job>> job = store_->FindJob(open.job_id());
+    if (!job.ok()) return ToGrpcStatus(job.status());
+    if (open.range_index() >= (*job)->ranges.size()) {
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("range_index ", open.range_index(), " but job ", open.job_id(), " has ",
+                       (*job)->ranges.size(), " ranges on this shard"));
+    }
+    session->max_payload = (*job)->ranges[open.range_index()]->spec.length * 4;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    session->id = next_session_++;
+    sessions_[session->id] = session;
+  }
+  Session* s = session.get();
+  auto forget = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.erase(s->id);
+  };
+  absl::StatusOr<ucp_ep_h> ep =
+      worker_->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s);
+  if (!ep.ok()) {
+    forget();
+    return grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat("cannot reach the trainer's UCX worker: ", ep.status().message()));
+  }
+  s->ep = *ep;
+  v1::AttachResponse response;
+  response.mutable_ucx()->set_worker_address(worker_->address());
+  response.mutable_ucx()->set_session_id(s->id);
+  bool ok = stream->Write(response);
+  response.mutable_ready();
+  ok = ok && stream->Write(response);
+
+  // Notices the trainer closing or losing its Attach stream.
+  std::thread reader;
+  if (ok) {
+    reader = std::thread([stream, s] {
+      v1::AttachRequest ignored;
+      while (stream->Read(&ignored)) {
+      }
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->stream_ended = true;
+      s->cv.notify_all();
+    });
+  }
+
+  Steps steps;
+  while (ok) {
+    std::shared_ptr<Command> c;
+    {
+      std::unique_lock<std::mutex> lock(s->mu);
+      while (!s->stream_ended && !s->peer_failed && !context->IsCancelled() &&
+             (s->queue.empty() || !s->queue.front()->ready)) {
+        s->cv.wait_for(lock, absl::ToChronoNanoseconds(options_.poll_interval));
+      }
+      if (s->stream_ended || s->peer_failed || context->IsCancelled()) break;
+      c = std::move(s->queue.front());
+      s->queue.pop_front();
+    }
+    Execute(s, &steps, c.get(), open.job_id(), open.range_index());
+  }
+
+  steps.open.clear();  // uncommitted steps are dropped, their leases released
+  forget();            // no new commands for this session
+  if (reader.joinable()) {
+    context->TryCancel();  // unblocks the reader if the trainer's stream is still up
+    reader.join();
+  }
+  worker_->Close(s->ep);  // forced: slot sends still in flight complete as cancelled
+  for (Slot& slot : s->slots) {
+    slot.inflight->WaitIdle(options_.poll_interval, absl::Now() + absl::Seconds(5),
+                            [] { return false; });
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataPlaneServer>> CreateUcxServer(ShardStore* store,
+                                                                 const UcxOptions& options) {
+  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = ucx::Worker::Create();
+  if (!worker.ok()) return worker.status();
+  auto server = std::make_unique<UcxServer>(store, options, *std::move(worker));
+  if (absl::Status s = server->Init(); !s.ok()) return s;
+  return std::unique_ptr<DataPlaneServer>(std::move(server));
+}
+
+}  // namespace offload

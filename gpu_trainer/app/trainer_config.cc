@@ -1,0 +1,164 @@
+#include "gpu_trainer/app/trainer_config.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "model_spec/model_preset.h"
+
+ABSL_FLAG(std::string, model, "demo", "model preset: demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
+ABSL_FLAG(int, layers, 0, "override the preset's number of layers");
+ABSL_FLAG(int, heads, 0, "override the preset's number of attention heads");
+ABSL_FLAG(int, channels, 0, "override the preset's channels");
+ABSL_FLAG(int, context, 0, "override the preset's context length");
+ABSL_FLAG(int, vocab, 0, "vocabulary size; 0: 256 for text, 50257 for GPT-2 token shards");
+ABSL_FLAG(std::string, kernels, "fast", "CPU kernels: fast (BLAS) or naive (the reference loops)");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu: the CPU backend; cuda: the CUDA backend (16-bit compute on the GPU)");
+ABSL_FLAG(int, cuda_device, 0, "which GPU, with --device=cuda");
+ABSL_FLAG(int64_t, pinned_staging_mb, 64,
+          "--device=cuda: pinned host memory per transfer direction (a bounded ring, whatever the "
+          "model size)");
+ABSL_FLAG(std::string, data, "data/tinyshakespeare.txt",
+          "training data: a text file (bytes), an llm.c .bin token shard, or a glob of shards");
+ABSL_FLAG(double, val_fraction, 0.1, "fraction of the data held out for validation (its end)");
+ABSL_FLAG(int, batch, 16,
+          "sequences per step, over all ranks and micro-batches (the global batch)");
+ABSL_FLAG(int, micro_batches, 1,
+          "micro-batches per step: gradients accumulate in fp32 on the shards, one update per "
+          "step; batch must divide by ranks x micro_batches");
+ABSL_FLAG(double, bucket_mb, 8,
+          "fp32 gradient MiB per bucket: the unit reduce-scattered between ranks while backward "
+          "goes on");
+ABSL_FLAG(int, seq_len, 128, "tokens per sequence");
+ABSL_FLAG(int64_t, steps, 600, "training steps");
+ABSL_FLAG(uint64_t, seed, 1337, "seed of the initialisation and the data sampling");
+ABSL_FLAG(std::string, dtype, "fp16", "weights and gradients on the trainer: fp16 or bf16");
+ABSL_FLAG(std::string, optimizer, "adamw", "adamw or adam");
+ABSL_FLAG(float, lr, 2e-3f, "peak learning rate");
+ABSL_FLAG(float, min_lr, 2e-4f, "learning rate at the end of the cosine decay");
+ABSL_FLAG(int, warmup_steps, 50, "steps of linear warm-up");
+ABSL_FLAG(float, beta1, 0.9f, "Adam beta1");
+ABSL_FLAG(float, beta2, 0.95f, "Adam beta2");
+ABSL_FLAG(float, eps, 1e-8f, "Adam epsilon");
+ABSL_FLAG(float, weight_decay, 0.0f, "weight decay (decoupled for adamw, L2 for adam)");
+ABSL_FLAG(float, grad_clip, 1.0f, "max global gradient norm; 0 disables clipping");
+ABSL_FLAG(float, loss_scale, 65536.0f, "initial fp16 loss scale");
+ABSL_FLAG(int, loss_scale_window, 2000, "clean fp16 steps before the loss scale doubles");
+ABSL_FLAG(std::string, job_id, "",
+          "job name on the optimizer shards (one trainer owns it); empty: gpt-<host>-<pid>");
+ABSL_FLAG(std::string, init_from, "",
+          "start from GPT-2 weights in a safetensors file (Hugging Face naming)");
+ABSL_FLAG(std::string, checkpoint_dir, "", "where checkpoints go; empty: none");
+ABSL_FLAG(bool, resume, false, "continue from the latest checkpoint in --checkpoint_dir");
+ABSL_FLAG(int, keep_checkpoints, 2, "checkpoints kept in --checkpoint_dir");
+ABSL_FLAG(bool, dpu, false,
+          "delayed parameter update: after --dpu_warmup_steps, each step's optimizer update runs "
+          "while the next step computes on weights one step older");
+ABSL_FLAG(int64_t, dpu_warmup_steps, 20, "synchronous steps before the delayed update starts");
+
+namespace offload {
+
+absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
+  TrainerOptions o;
+  o.data = absl::GetFlag(FLAGS_data);
+  absl::StatusOr<Gpt2Config> model =
+      ModelPreset(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_vocab), o.data);
+  if (!model.ok()) return model.status();
+  o.model = *model;
+  if (absl::GetFlag(FLAGS_layers) > 0) o.model.num_layers = absl::GetFlag(FLAGS_layers);
+  if (absl::GetFlag(FLAGS_heads) > 0) o.model.num_heads = absl::GetFlag(FLAGS_heads);
+  if (absl::GetFlag(FLAGS_channels) > 0) o.model.channels = absl::GetFlag(FLAGS_channels);
+  if (absl::GetFlag(FLAGS_context) > 0) o.model.context_length = absl::GetFlag(FLAGS_context);
+  if (absl::Status s = ValidateGpt2Config(o.model); !s.ok()) return s;
+
+  const std::string kernels = absl::GetFlag(FLAGS_kernels);
+  if (kernels != "fast" && kernels != "naive") {
+    return absl::InvalidArgumentError("--kernels must be fast or naive");
+  }
+  o.kernels = kernels == "fast" ? CpuKernelSet::kFast : CpuKernelSet::kNaive;
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "cuda") {
+    return absl::InvalidArgumentError("--device must be cpu or cuda");
+  }
+  o.device = device == "cuda" ? ComputeDevice::kCuda : ComputeDevice::kCpu;
+  o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  if (absl::GetFlag(FLAGS_pinned_staging_mb) < 2) {
+    return absl::InvalidArgumentError("--pinned_staging_mb must be >= 2 (two chunks)");
+  }
+  o.pinned_staging_bytes = absl::GetFlag(FLAGS_pinned_staging_mb) << 20;
+  o.val_fraction = absl::GetFlag(FLAGS_val_fraction);
+  if (!(o.val_fraction > 0 && o.val_fraction < 1)) {
+    return absl::InvalidArgumentError("--val_fraction must be in (0, 1)");
+  }
+  o.batch = absl::GetFlag(FLAGS_batch);
+  o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  if (o.micro_batches < 1) return absl::InvalidArgumentError("--micro_batches must be >= 1");
+  const double bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
+  if (!(bucket_mb > 0 && bucket_mb <= 4096)) {
+    return absl::InvalidArgumentError("--bucket_mb must be in (0, 4096]");
+  }
+  o.bucket_elements = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20) / 4));
+  o.seq_len = absl::GetFlag(FLAGS_seq_len);
+  if (absl::GetFlag(FLAGS_steps) < 1) return absl::InvalidArgumentError("--steps must be >= 1");
+  o.steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_steps));
+  o.seed = absl::GetFlag(FLAGS_seed);
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype != "fp16" && dtype != "bf16") {
+    return absl::InvalidArgumentError("--dtype must be fp16 or bf16");
+  }
+  o.param_dtype = dtype == "fp16" ? DType::kFp16 : DType::kBf16;
+
+  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
+  if (optimizer != "adamw" && optimizer != "adam") {
+    return absl::InvalidArgumentError("--optimizer must be adamw or adam");
+  }
+  o.adam.set_kind(optimizer == "adamw" ? v1::OPTIMIZER_KIND_ADAMW : v1::OPTIMIZER_KIND_ADAM);
+  o.adam.set_lr(absl::GetFlag(FLAGS_lr));
+  o.adam.set_beta1(absl::GetFlag(FLAGS_beta1));
+  o.adam.set_beta2(absl::GetFlag(FLAGS_beta2));
+  o.adam.set_eps(absl::GetFlag(FLAGS_eps));
+  o.adam.set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
+  o.schedule.set_max_lr(absl::GetFlag(FLAGS_lr));
+  o.schedule.set_min_lr(absl::GetFlag(FLAGS_min_lr));
+  if (absl::GetFlag(FLAGS_warmup_steps) < 0) {
+    return absl::InvalidArgumentError("--warmup_steps must be >= 0");
+  }
+  o.schedule.set_warmup_steps(absl::GetFlag(FLAGS_warmup_steps));
+  o.schedule.set_total_steps(static_cast<uint32_t>(o.steps));
+  o.grad_clip = absl::GetFlag(FLAGS_grad_clip);
+  if (!std::isfinite(o.grad_clip) || o.grad_clip < 0) {
+    return absl::InvalidArgumentError("--grad_clip must be >= 0");
+  }
+  o.loss_scaler.init_scale = absl::GetFlag(FLAGS_loss_scale);
+  o.loss_scaler.growth_interval = absl::GetFlag(FLAGS_loss_scale_window);
+  if (!(o.loss_scaler.init_scale >= 1) || !std::isfinite(o.loss_scaler.init_scale) ||
+      o.loss_scaler.growth_interval < 1) {
+    return absl::InvalidArgumentError("--loss_scale must be >= 1 and --loss_scale_window >= 1");
+  }
+  o.job_id = absl::GetFlag(FLAGS_job_id);
+  if (o.job_id.empty()) {
+    char host[64] = {};
+    gethostname(host, sizeof(host) - 1);
+    o.job_id = absl::StrCat("gpt-", host, "-", getpid());
+  }
+  o.init_from = absl::GetFlag(FLAGS_init_from);
+  o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  o.resume = absl::GetFlag(FLAGS_resume);
+  o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  o.dpu = absl::GetFlag(FLAGS_dpu);
+  if (absl::GetFlag(FLAGS_dpu_warmup_steps) < 0) {
+    return absl::InvalidArgumentError("--dpu_warmup_steps must be >= 0");
+  }
+  o.dpu_warmup_steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_dpu_warmup_steps));
+  if (o.resume && o.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError("--resume needs --checkpoint_dir");
+  }
+  return o;
+}
+
+}  // namespace offload

@@ -1,0 +1,503 @@
+// gpu_trainer: trains a GPT-2 family model with its optimizer offloaded to CPU optimizer shards
+// (--shards), or with the same optimizer code in process when no shards are given.
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "base/host_buffer.h"
+#include "base/metrics/metrics.h"
+#include "base/metrics/metrics_flags.h"
+#include "base/security/security.h"
+#include "gpu_trainer/app/progress.h"
+#include "gpu_trainer/app/trainer_config.h"
+#include "gpu_trainer/app/trainer_worker.h"
+#include "gpu_trainer/collectives/controller_store.h"
+#include "gpu_trainer/collectives/gloo_collectives.h"
+#include "gpu_trainer/model/cpu_runtime.h"
+#include "gpu_trainer/offload/inprocess_optimizer.h"
+#include "gpu_trainer/offload/remote_optimizer.h"
+#include "gpu_trainer/train/phase_trace.h"
+#include "gpu_trainer/train/trainer.h"
+#include "gpu_trainer/train/trainer_metrics.h"
+#include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
+#include "services/worker/progress_client.h"
+
+// trainer_config.cc's, for the metrics' info labels.
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, model);
+
+ABSL_FLAG(std::string, shards, "",
+          "optimizer shard addresses, comma separated (host:port); empty: optimize in process");
+ABSL_FLAG(std::string, trace_file, "",
+          "write per-phase timestamps of every step here as a Chrome trace (chrome://tracing, "
+          "Perfetto) when the run ends");
+ABSL_FLAG(std::string, transport, "auto",
+          "data plane to the shards: auto (shared memory on this host, else UCX, else gRPC), grpc, "
+          "shm or ucx");
+ABSL_FLAG(int, num_shards, 1, "shards of the in-process optimizer (when --shards is empty)");
+ABSL_FLAG(int, optimizer_threads, 0, "Adam threads of the in-process optimizer; 0: all cores");
+ABSL_FLAG(std::string, progress, "auto", "auto (a bar on a terminal), bar, or log");
+ABSL_FLAG(int, log_every, 10, "steps between log lines when not drawing a bar");
+ABSL_FLAG(int, eval_every, 100, "steps between validation evaluations; 0: only at the end");
+ABSL_FLAG(int, eval_batches, 20, "validation batches per evaluation");
+ABSL_FLAG(int, checkpoint_every, 0, "steps between checkpoints; 0: only at the end");
+ABSL_FLAG(int, sample_tokens, 300, "tokens of text sampled at the end; 0: none");
+ABSL_FLAG(std::string, sample_prompt, "\n", "text the sample starts from");
+ABSL_FLAG(float, sample_temperature, 0.8f, "softmax temperature of the sample");
+ABSL_FLAG(absl::Duration, shard_timeout, absl::Minutes(10),
+          "deadline of each call to an optimizer shard, a whole step included");
+ABSL_FLAG(int, world_size, 1, "trainer ranks of the job (data parallel, ZeRO-2)");
+ABSL_FLAG(int, rank, 0, "this trainer's rank, in [0, world_size)");
+ABSL_FLAG(std::string, rendezvous, "",
+          "with world_size > 1: a directory every rank can reach, where they meet (the launcher "
+          "makes one per job)");
+ABSL_FLAG(std::string, rank_address, "127.0.0.1",
+          "with world_size > 1: the address this rank listens on for the other ranks");
+ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
+          "with world_size > 1: how long the ranks wait for each other to meet, and in each "
+          "collective; a rank that died or hangs fails the others after this long at most");
+ABSL_FLAG(std::string, controller, "",
+          "run as a pool worker of the job controller at this host:port: register, wait for an "
+          "assigned rank of a job, train it (as a child process), report, and wait for the next");
+ABSL_FLAG(std::string, report_to, "",
+          "the job controller to report this rank's progress to (set by the pool worker)");
+ABSL_FLAG(std::string, report_job, "", "with --report_to: the job id");
+ABSL_FLAG(uint32_t, report_attempt, 0, "with --report_to: the attempt");
+ABSL_FLAG(std::string, error_file, "",
+          "write the error that ends the run here (the pool worker passes it to the controller)");
+ABSL_FLAG(std::string, rank_metrics_address, "",
+          "with --controller: HOST:PORT where each rank this worker runs serves its training "
+          "metrics (the worker's own are on --metrics_address)");
+ABSL_FLAG(int, worker_index, -1,
+          "with --controller: this worker's place in its set (a Kubernetes completion index); "
+          "the controller gives rank i to the worker with index i where it can. -1: none");
+ABSL_FLAG(absl::Duration, lead_timeout, absl::Minutes(30),
+          "with world_size > 1: how long the other ranks wait for rank 0 to load the job's state "
+          "onto the shards or to write a checkpoint");
+
+namespace {
+
+volatile std::sig_atomic_t g_stop = 0;
+std::string g_who = "gpu_trainer";  // "gpu_trainer rank R" when there are several
+// The first signal stops the run at the next step boundary (with a checkpoint); a second one
+// ends the process at once, in case a step is stuck.
+void OnSignal(int sig) {
+  if (g_stop) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+  g_stop = 1;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "\n%s: %s\n", g_who.c_str(), s.ToString().c_str());
+  if (const std::string path = absl::GetFlag(FLAGS_error_file); !path.empty()) {
+    if (std::FILE* f = std::fopen(path.c_str(), "w")) {
+      std::fputs(s.ToString().c_str(), f);
+      std::fclose(f);
+    }
+  }
+  return 1;
+}
+
+// Rank 0 of a job the controller runs reports its progress and hears the controller's requests.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ControllerChannel(std::string* token) {
+  absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
+  if (!security.ok()) return security.status();
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      offload::MakeChannelCredentials(security->tls);
+  if (!credentials.ok()) return credentials.status();
+  *token = security->client_token;
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_report_to), *credentials,
+                                   offload::ChannelArgumentsFor(security->tls));
+}
+
+offload::v1::AttemptRef ReportedAttempt() {
+  offload::v1::AttemptRef ref;
+  ref.set_job_id(absl::GetFlag(FLAGS_report_job));
+  ref.set_attempt(absl::GetFlag(FLAGS_report_attempt));
+  return ref;
+}
+
+absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ControllerRendezvous() {
+  if (absl::GetFlag(FLAGS_report_to).empty()) {
+    return absl::InvalidArgumentError("--rendezvous=controller needs --report_to");
+  }
+  std::string token;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
+  if (!channel.ok()) return channel.status();
+  return std::make_shared<offload::ControllerStore>(
+      *channel, token, ReportedAttempt(),
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_collective_timeout)));
+}
+
+std::unique_ptr<offload::ProgressClient> ConnectProgress(int rank) {
+  if (absl::GetFlag(FLAGS_report_to).empty() || rank != 0) return nullptr;
+  std::string token;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "%s: no progress reports: %s\n", g_who.c_str(),
+                 channel.status().ToString().c_str());
+    return nullptr;
+  }
+  offload::v1::ProgressReport report;
+  *report.mutable_attempt() = ReportedAttempt();
+  report.set_rank(rank);
+  return std::make_unique<offload::ProgressClient>(*channel, token, report);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Trains a GPT-2 family model on text or GPT-2 token shards, offloading the optimizer.");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  offload::KeepFreedMemoryForReuse();
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+
+  if (absl::GetFlag(FLAGS_controller).empty() && positional.size() > 1) {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional[1], "'")));
+  }
+  // The pool worker serves its own metrics; each rank it runs serves the training metrics on
+  // --rank_metrics_address.
+  absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
+      offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address), g_who);
+  if (!metrics.ok()) {
+    // A rank of a controller's job trains without its metrics rather than fail the attempt
+    // (its port may have been taken since its worker was started); anything else refuses.
+    if (absl::GetFlag(FLAGS_report_to).empty()) return Fail(metrics.status());
+    std::fprintf(stderr, "%s: no metrics: %s\n", g_who.c_str(),
+                 metrics.status().ToString().c_str());
+  }
+
+  if (!absl::GetFlag(FLAGS_controller).empty()) {
+    // Arguments after "--" are this worker's own additions to every rank it runs (display,
+    // timeouts, traces): settings of the machine, not of the job.
+    std::vector<std::string> rank_args(positional.begin() + 1, positional.end());
+    if (const std::string a = absl::GetFlag(FLAGS_rank_metrics_address); !a.empty()) {
+      rank_args.push_back(absl::StrCat("--metrics_address=", a));
+    }
+    return offload::RunTrainerWorker(argv[0], absl::GetFlag(FLAGS_controller),
+                                     absl::GetFlag(FLAGS_rank_address),
+                                     absl::GetFlag(FLAGS_worker_index), rank_args, &g_stop);
+  }
+
+  absl::StatusOr<offload::TrainerOptions> options = offload::TrainerOptionsFromFlags();
+  if (!options.ok()) return Fail(options.status());
+  const int64_t num_params = offload::Gpt2NumParams(options->model);
+
+  std::vector<std::string> addresses =
+      absl::StrSplit(absl::GetFlag(FLAGS_shards), ',', absl::SkipWhitespace());
+  const int num_shards =
+      addresses.empty() ? absl::GetFlag(FLAGS_num_shards) : static_cast<int>(addresses.size());
+  const int world_size = absl::GetFlag(FLAGS_world_size);
+  const int rank = absl::GetFlag(FLAGS_rank);
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--rank=", rank, " must be in [0, --world_size=", world_size, ") and world_size >= 1")));
+  }
+  if (world_size > 1 && addresses.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "more than one rank needs optimizer servers (--shards): an in-process optimizer would "
+        "give each rank its own copy of the state"));
+  }
+  std::unique_ptr<offload::Collectives> collectives;
+  if (world_size > 1) {
+    g_who = absl::StrCat("gpu_trainer rank ", rank);
+    offload::GlooOptions gloo;
+    gloo.rank = rank;
+    gloo.world_size = world_size;
+    gloo.rendezvous = absl::GetFlag(FLAGS_rendezvous);
+    gloo.prefix = "trainer";
+    gloo.hostname = absl::GetFlag(FLAGS_rank_address);
+    gloo.timeout = absl::GetFlag(FLAGS_collective_timeout);
+    absl::StatusOr<std::unique_ptr<offload::Collectives>> connected;
+    if (gloo.rendezvous == "controller") {
+      // The ranks of a controller's job meet in its rendezvous store, reachable from any node.
+      absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> store = ControllerRendezvous();
+      if (!store.ok()) return Fail(store.status());
+      connected = offload::ConnectGloo(gloo, *store);
+    } else {
+      connected = offload::ConnectGloo(gloo);
+    }
+    if (!connected.ok()) return Fail(connected.status());
+    collectives = std::move(*connected);
+    // Every rank steps rank 0's job on the shards.
+    char job_id[256] = {};
+    options->job_id.copy(job_id, sizeof(job_id) - 1);
+    if (absl::Status s = collectives->Broadcast(job_id, sizeof(job_id), 0); !s.ok()) {
+      return Fail(s);
+    }
+    options->job_id = job_id;
+    options->collectives = collectives.get();
+    options->lead_timeout = absl::GetFlag(FLAGS_lead_timeout);
+  }
+  const bool lead = rank == 0;
+  absl::StatusOr<offload::v1::PartitionMap> map =
+      offload::MakePartitionMap(num_params, world_size, num_shards);
+  if (!map.ok()) return Fail(map.status());
+  std::unique_ptr<offload::OptimizerBackend> backend;
+  std::string data_plane = "in process";
+  if (addresses.empty()) {
+    absl::StatusOr<offload::SimdPath> path = offload::ParseSimdPath("auto");
+    backend = std::make_unique<offload::InProcessOptimizer>(
+        *map, absl::GetFlag(FLAGS_optimizer_threads), *path);
+  } else {
+    offload::ClientOptions client_options;
+    client_options.call_timeout = absl::GetFlag(FLAGS_shard_timeout);
+    absl::StatusOr<offload::TransportChoice> transport =
+        offload::ParseTransportChoice(absl::GetFlag(FLAGS_transport));
+    if (!transport.ok()) return Fail(transport.status());
+    auto remote = offload::RemoteOptimizer::Connect(*map, addresses, client_options, *transport);
+    if (!remote.ok()) return Fail(remote.status());
+    if (absl::Status s = (*remote)->SetRank(rank); !s.ok()) return Fail(s);
+    data_plane = (*remote)->TransportNames();
+    backend = std::move(*remote);
+  }
+
+  // Declared before the trainer, so it outlives the trainer's background commit; written when
+  // main returns, whichever way.
+  struct TraceOnExit {
+    std::unique_ptr<offload::PhaseTrace> trace;
+    std::string path;
+    ~TraceOnExit() {
+      if (trace == nullptr) return;
+      if (absl::Status s = trace->WriteChromeTrace(path); !s.ok()) {
+        std::fprintf(stderr, "gpu_trainer: trace: %s\n", s.ToString().c_str());
+      } else {
+        std::printf("gpu_trainer: trace %s\n", path.c_str());
+      }
+    }
+  } trace_on_exit{nullptr, absl::GetFlag(FLAGS_trace_file)};
+  if (!trace_on_exit.path.empty() && rank > 0) absl::StrAppend(&trace_on_exit.path, ".rank", rank);
+  if (!trace_on_exit.path.empty()) {
+    trace_on_exit.trace = std::make_unique<offload::PhaseTrace>();
+    options->trace = trace_on_exit.trace.get();
+  }
+  absl::StatusOr<std::unique_ptr<offload::Trainer>> trainer =
+      offload::Trainer::Create(*options, backend.get());
+  if (!trainer.ok()) return Fail(trainer.status());
+  offload::Trainer& t = **trainer;
+  const offload::Gpt2Config& c = options->model;
+  {
+    offload::TrainerInfo info;
+    info.job_id =
+        absl::GetFlag(FLAGS_report_job).empty() ? options->job_id : absl::GetFlag(FLAGS_report_job);
+    info.rank = rank;
+    info.world_size = world_size;
+    info.device = absl::GetFlag(FLAGS_device);
+    info.model = absl::GetFlag(FLAGS_model);
+    offload::SetTrainerInfo(info);
+    offload::RecordDeviceMemory(t.DeviceMemory());
+  }
+  // This rank's share of a step's tokens, and the model FLOPs they take.
+  const double rank_tokens_per_step = static_cast<double>(t.tokens_per_step()) / world_size;
+  const double rank_flops_per_step =
+      offload::Gpt2FlopsPerToken(c, options->seq_len) * rank_tokens_per_step;
+  // Rank 0 speaks for the job; the others say only what concerns them (errors, the end).
+  if (lead) {
+    std::printf(
+        "gpu_trainer: GPT-2 layers=%d heads=%d channels=%d context=%d vocab=%d params=%lld "
+        "dtype=%s\ngpu_trainer: %s\n",
+        c.num_layers, c.num_heads, c.channels, c.context_length, c.vocab_size,
+        static_cast<long long>(num_params),
+        std::string(offload::DTypeName(options->param_dtype)).c_str(), t.DescribeBackend().c_str());
+    std::printf(
+        "gpu_trainer: optimizer %s, %d shard(s), data plane %s; batch %d x %d tokens; %llu steps\n",
+        addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),
+        num_shards, data_plane.c_str(), options->batch, options->seq_len,
+        static_cast<unsigned long long>(options->steps));
+    if (world_size > 1) {
+      std::printf(
+          "gpu_trainer: %d ranks (%s), %d sequence(s) per rank per micro-batch, %d "
+          "micro-batch(es)\n",
+          world_size, collectives->Describe().c_str(),
+          options->batch / (world_size * options->micro_batches), options->micro_batches);
+    }
+  }
+  absl::StatusOr<std::string> started = t.Start();
+  // From here on the shards hold the job's state. Whatever ends the run frees it: the state
+  // worth keeping is in the checkpoints, and a resume loads it from there.
+  // Rank 0 created the job, so it drops it; a normal end flushes every rank's commit first.
+  struct DropOnExit {
+    std::unique_ptr<offload::Trainer>* trainer;
+    offload::OptimizerBackend* backend;
+    bool lead;
+    ~DropOnExit() {
+      trainer->reset();  // waits for this rank's DPU commit, if one still runs on the shards
+      if (lead) backend->DropJob().IgnoreError();
+    }
+  } drop_on_exit{&*trainer, backend.get(), lead};
+  if (!started.ok()) return Fail(started.status());
+  if (lead) std::printf("gpu_trainer: %s\n", started->c_str());
+  if (lead && t.step() >= t.total_steps()) {
+    std::printf(
+        "gpu_trainer: already at step %llu of --steps=%llu: nothing to train (a larger "
+        "--steps trains on)\n",
+        static_cast<unsigned long long>(t.step()),
+        static_cast<unsigned long long>(t.total_steps()));
+  }
+  std::fflush(stdout);
+
+  const std::string progress = absl::GetFlag(FLAGS_progress);
+  const bool bar = progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO));
+  offload::ProgressReporter reporter(stdout, bar, t.total_steps(), absl::GetFlag(FLAGS_log_every));
+  const int eval_every = absl::GetFlag(FLAGS_eval_every);
+  const int eval_batches = absl::GetFlag(FLAGS_eval_batches);
+  const int checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  const bool checkpoints = !options->checkpoint_dir.empty();
+  float val_loss = 0;      // the latest evaluation's; 0 in a checkpoint taken before any
+  bool evaluated = false;  // an interrupted run may stop before its first evaluation
+  const absl::Time start = absl::Now();
+  const uint64_t first_step = t.step();
+  bool interrupted = false;
+
+  // Under a job controller rank 0 reports every step and carries out the controller's requests:
+  // pause and cancel stop the run like a signal, a checkpoint request is agreed through the step.
+  std::unique_ptr<offload::ProgressClient> controller = ConnectProgress(rank);
+  offload::v1::ProgressReport progress_report;
+  uint64_t checkpoint_request_done = 0;
+  auto report_progress = [&](uint64_t step, float loss, float loss_scale) {
+    if (controller == nullptr) return;
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    progress_report.set_step(step);
+    progress_report.set_total_steps(t.total_steps());
+    progress_report.set_loss(loss);
+    progress_report.set_val_loss(val_loss);
+    progress_report.set_loss_scale(loss_scale);
+    progress_report.set_tokens_per_s(
+        seconds > 0 ? (step - first_step) * t.tokens_per_step() / seconds : 0);
+    progress_report.set_checkpoint_request_done(checkpoint_request_done);
+    controller->Update(progress_report);
+  };
+  auto note_checkpoint = [&](const std::string& dir) {
+    progress_report.set_checkpoint_dir(dir);
+    progress_report.set_checkpoint_step(t.step());
+  };
+
+  // A signal stops the run at a step boundary every rank agrees on (the step's report says so),
+  // so their collectives stay in step.
+  while (t.step() < t.total_steps()) {
+    if (g_stop) t.RequestStop();
+    if (controller != nullptr) {
+      const offload::v1::ProgressReply reply = controller->reply();
+      if (reply.request() == offload::v1::JOB_REQUEST_PAUSE ||
+          reply.request() == offload::v1::JOB_REQUEST_CANCEL) {
+        t.RequestStop();
+      }
+      if (reply.checkpoint_request() > checkpoint_request_done) {
+        t.RequestCheckpoint(reply.checkpoint_request());
+      }
+    }
+    const auto step_begin = std::chrono::steady_clock::now();
+    absl::StatusOr<offload::StepReport> r = t.Step();
+    if (!r.ok()) return Fail(r.status());
+    offload::RecordTrainerStep(
+        *r, std::chrono::duration<double>(std::chrono::steady_clock::now() - step_begin).count(),
+        rank_tokens_per_step, rank_flops_per_step);
+    if (lead) {
+      reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
+    }
+    if (r->checkpoint_request > checkpoint_request_done && checkpoints && !r->stop) {
+      absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
+      if (!dir.ok()) return Fail(dir.status());
+      if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir, " (requested)"));
+      note_checkpoint(*dir);
+    }
+    // Every rank records it, so a later request is told apart from this one whoever asks.
+    checkpoint_request_done = std::max(checkpoint_request_done, r->checkpoint_request);
+    report_progress(r->step, r->loss, r->loss_scale);
+    if (r->stop) {
+      interrupted = true;
+      break;
+    }
+    if (eval_every > 0 && r->step % eval_every == 0 && r->step < t.total_steps()) {
+      absl::StatusOr<float> v = t.Evaluate(eval_batches);
+      if (!v.ok()) return Fail(v.status());
+      val_loss = *v;
+      evaluated = true;
+      if (lead) reporter.Message(absl::StrFormat("step %d: val_loss %.4f", r->step, val_loss));
+    }
+    if (checkpoints && checkpoint_every > 0 && r->step % checkpoint_every == 0 &&
+        r->step < t.total_steps()) {
+      absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
+      if (!dir.ok()) return Fail(dir.status());
+      if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir));
+      note_checkpoint(*dir);
+    }
+  }
+  if (lead) reporter.Finish();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+
+  // An interrupted run keeps the last validation loss: the user asked it to stop now.
+  if (!interrupted) {
+    absl::StatusOr<float> v = t.Evaluate(eval_batches);
+    if (!v.ok()) return Fail(v.status());
+    val_loss = *v;
+    evaluated = true;
+  }
+  if (lead) {
+    std::printf(
+        "gpu_trainer: step %llu val_loss %s (%llu steps in %s, %.0f tokens/s, %llu "
+        "skipped)\n",
+        static_cast<unsigned long long>(t.step()),
+        evaluated ? absl::StrFormat("%.4f", val_loss).c_str() : "not evaluated yet",
+        static_cast<unsigned long long>(t.step() - first_step),
+        offload::FormatDuration(seconds).c_str(),
+        (t.step() - first_step) * t.tokens_per_step() / std::max(seconds, 1e-9),
+        static_cast<unsigned long long>(t.loss_scaler().skipped_steps()));
+  }
+  if (checkpoints) {
+    absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
+    if (!dir.ok()) return Fail(dir.status());
+    if (lead) {
+      std::printf("gpu_trainer: checkpoint %s (continue with --resume --checkpoint_dir=%s)\n",
+                  dir->c_str(), options->checkpoint_dir.c_str());
+    }
+    note_checkpoint(*dir);
+  }
+  // Every rank's last commit is done before rank 0 drops the job.
+  if (absl::Status s = t.Flush(); !s.ok()) return Fail(s);
+  // The controller hears the last step and checkpoint before the worker reports the exit.
+  if (controller != nullptr) {
+    report_progress(t.step(), progress_report.loss(), t.loss_scaler().scale());
+    if (absl::Status s = controller->Flush(absl::Seconds(10)); !s.ok()) {
+      std::fprintf(stderr, "gpu_trainer: last progress report: %s\n", s.ToString().c_str());
+    }
+  }
+  if (interrupted) {
+    std::printf("gpu_trainer: %sinterrupted at step %llu%s\n",
+                lead ? "" : absl::StrCat("rank ", rank, " ").c_str(),
+                static_cast<unsigned long long>(t.step()),
+                checkpoints && lead ? "; rerun with --resume to continue" : "");
+    return 130;
+  }
+  const int sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
+  if (sample_tokens > 0 && lead) {
+    absl::StatusOr<std::string> text =
+        t.Sample(absl::GetFlag(FLAGS_sample_prompt), sample_tokens,
+                 absl::GetFlag(FLAGS_sample_temperature), options->seed);
+    if (!text.ok()) return Fail(text.status());
+    std::printf("gpu_trainer: sample:\n---\n%s%s\n---\n",
+                absl::GetFlag(FLAGS_sample_prompt).c_str(), text->c_str());
+  }
+  std::fflush(stdout);
+  return 0;
+}

@@ -1,0 +1,195 @@
+#include "gpu_trainer/app/trainer_worker.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <deque>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "base/security/security.h"
+#include "services/common/job_spec.h"
+#include "services/launcher/child_process.h"
+#include "services/worker/worker_agent.h"
+
+namespace offload {
+namespace {
+
+bool SameAttempt(const v1::AttemptRef& ref, const v1::Assignment& a) {
+  return ref.job_id() == a.job_id() && ref.attempt() == a.attempt();
+}
+
+std::string ReadSmallFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The attempts the agent's thread hands over, for the main thread (which must start the children:
+// their death signal is tied to the thread that spawned them).
+class Mailbox {
+ public:
+  void Start(const v1::Assignment& a) {
+    absl::MutexLock lock(&mu_);
+    starts_.push_back(a);
+  }
+  void Stop(const v1::AttemptRef& ref) {
+    absl::MutexLock lock(&mu_);
+    stops_.push_back(ref);
+  }
+  bool TakeStart(absl::Duration wait, v1::Assignment* a) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !starts_.empty(); };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
+    if (starts_.empty()) return false;
+    *a = starts_.front();
+    starts_.pop_front();
+    return true;
+  }
+  // Whether the controller withdrew `a`; forgets the withdrawal once seen.
+  bool Withdrawn(const v1::Assignment& a) {
+    absl::MutexLock lock(&mu_);
+    for (auto it = stops_.begin(); it != stops_.end(); ++it) {
+      if (SameAttempt(*it, a)) {
+        stops_.erase(it);
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::deque<v1::Assignment> starts_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::AttemptRef> stops_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::vector<std::string> RankCommandLine(const std::string& trainer_binary,
+                                         const std::string& controller,
+                                         const std::string& rank_address,
+                                         const std::string& error_file,
+                                         const std::vector<std::string>& rank_args,
+                                         const v1::Assignment& a) {
+  std::vector<std::string> argv = {trainer_binary};
+  for (std::string& flag : JobSpecToFlags(a.spec())) argv.push_back(std::move(flag));
+  argv.push_back(absl::StrCat("--world_size=", a.world_size()));
+  argv.push_back(absl::StrCat("--rank=", a.rank()));
+  argv.push_back(absl::StrCat("--shards=", absl::StrJoin(a.shard_addresses(), ",")));
+  argv.push_back(absl::StrCat("--job_id=", a.shard_job_id()));
+  if (a.resume()) argv.push_back("--resume=true");
+  if (a.world_size() > 1) {
+    argv.push_back("--rendezvous=controller");
+    argv.push_back(absl::StrCat("--rank_address=", rank_address));
+  }
+  argv.push_back(absl::StrCat("--report_to=", controller));
+  argv.push_back(absl::StrCat("--report_job=", a.job_id()));
+  argv.push_back(absl::StrCat("--report_attempt=", a.attempt()));
+  argv.push_back(absl::StrCat("--error_file=", error_file));
+  for (std::string& flag : SecurityFlagsForChild()) argv.push_back(std::move(flag));
+  argv.insert(argv.end(), rank_args.begin(), rank_args.end());
+  return argv;
+}
+
+int RunTrainerWorker(const std::string& trainer_binary, const std::string& controller,
+                     const std::string& rank_address, int worker_index,
+                     const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop) {
+  const std::string self = ThisExecutable(trainer_binary);
+
+  absl::StatusOr<SecurityOptions> security = SecurityFromFlags();
+  if (!security.ok()) {
+    std::fprintf(stderr, "gpu_trainer: %s\n", security.status().ToString().c_str());
+    return 1;
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(security->tls);
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "gpu_trainer: %s\n", credentials.status().ToString().c_str());
+    return 1;
+  }
+  const std::string name = absl::StrCat(ThisHostName(), ":", getpid());
+  WorkerAgentOptions options;
+  options.controller = controller;
+  options.credentials = *credentials;
+  options.channel_args = ChannelArgumentsFor(security->tls);
+  options.token = security->client_token;
+  options.info.set_kind(v1::WORKER_KIND_TRAINER);
+  options.info.set_name(name);
+  options.info.set_hostname(rank_address);
+  if (worker_index >= 0) options.info.set_index(worker_index);
+  Mailbox mailbox;
+  WorkerHooks hooks;
+  hooks.start = [&mailbox](const v1::Assignment& a) { mailbox.Start(a); };
+  hooks.stop = [&mailbox](const v1::AttemptRef& ref) { mailbox.Stop(ref); };
+  absl::StatusOr<std::unique_ptr<WorkerAgent>> agent = WorkerAgent::Start(options, hooks);
+  if (!agent.ok()) {
+    std::fprintf(stderr, "gpu_trainer: %s\n", agent.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("gpu_trainer: pool worker %s (%s) registered with the job controller at %s\n",
+              (*agent)->worker_id().c_str(), name.c_str(), controller.c_str());
+  std::fflush(stdout);
+
+  while (!*stop) {
+    v1::Assignment a;
+    if (!mailbox.TakeStart(absl::Milliseconds(200), &a)) continue;
+    v1::AttemptResult result;
+    result.mutable_attempt()->set_job_id(a.job_id());
+    result.mutable_attempt()->set_attempt(a.attempt());
+    if (mailbox.Withdrawn(a)) continue;  // withdrawn before it started: nothing to report
+    const std::string error_file =
+        absl::StrCat("/tmp/offload-rank-", getpid(), "-", a.job_id(), "-", a.attempt(), ".err");
+    unlink(error_file.c_str());
+    SpawnOptions spawn;
+    spawn.argv = RankCommandLine(self, controller, rank_address, error_file, rank_args, a);
+    spawn.null_stdin = true;
+    std::fprintf(stderr, "gpu_trainer: worker %s runs rank %u of %u of %s (attempt %u)\n",
+                 (*agent)->worker_id().c_str(), a.rank(), a.world_size(), a.job_id().c_str(),
+                 a.attempt());
+    absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
+    if (!child.ok()) {
+      result.set_exit_code(127);
+      result.set_message(std::string(child.status().message()));
+      (*agent)->Finished(result);
+      continue;
+    }
+    bool interrupted = false;
+    absl::Time kill_at = absl::InfiniteFuture();
+    while (!(*child)->WaitFor(absl::Milliseconds(200))) {
+      if (mailbox.Withdrawn(a)) {
+        // The attempt is over elsewhere (a peer died, the job was cancelled): the rank's
+        // collectives could only time out, and its checkpoints are atomic, so end it now.
+        (*child)->Signal(SIGKILL).IgnoreError();
+      }
+      if (*stop && !interrupted) {
+        // Stop in order: the rank finishes its step and checkpoints, like a Ctrl-C.
+        (*child)->Signal(SIGINT).IgnoreError();
+        interrupted = true;
+        kill_at = absl::Now() + absl::Seconds(60);
+      }
+      if (absl::Now() > kill_at) (*child)->Signal(SIGKILL).IgnoreError();
+    }
+    const int status = (*child)->wait_status();
+    result.set_exit_code(ExitCodeOf(status));
+    std::string message = ReadSmallFile(error_file);
+    if (message.empty() && result.exit_code() != 0 && result.exit_code() != 130) {
+      message = absl::StrCat("gpu_trainer rank ", a.rank(), " ", DescribeWaitStatus(status));
+    }
+    result.set_message(message);
+    unlink(error_file.c_str());
+    (*agent)->Finished(result);
+  }
+  // The last result goes out with the next heartbeat before the agent stops.
+  (*agent)->Drain(absl::Seconds(5));
+  return 0;
+}
+
+}  // namespace offload

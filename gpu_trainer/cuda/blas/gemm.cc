@@ -1,0 +1,252 @@
+#include "gpu_trainer/cuda/blas/gemm.h"
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gpu_trainer/cuda/runtime/cuda_check.h"
+
+namespace offload {
+namespace {
+
+template <typename T>
+constexpr cudaDataType_t CudaDataType() {
+  if constexpr (std::is_same_v<T, float>) {
+    return CUDA_R_32F;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return CUDA_R_16F;
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "storage types are float, __half, bf16");
+    return CUDA_R_16BF;
+  }
+}
+
+template <typename T>
+constexpr const char* TypeName() {
+  if constexpr (std::is_same_v<T, float>) {
+    return "fp32";
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return "fp16";
+  } else {
+    return "bf16";
+  }
+}
+
+// Every number of the product, for error messages: a failing call deep in a layer is only
+// debuggable if the message says which product it was.
+template <typename T>
+std::string Describe(const GemmSpec& s) {
+  return absl::StrFormat(
+      "%s gemm op(A)%s (%d x %d) @ op(B)%s (%d x %d) -> C (%d x %d), lda=%d ldb=%d ldc=%d, "
+      "batch=%d strides a=%d b=%d c=%d, alpha=%g beta=%g, bias=%s",
+      TypeName<T>(), s.trans_a ? "=A^T" : "=A", s.m, s.k, s.trans_b ? "=B^T" : "=B", s.k, s.n, s.m,
+      s.n, s.lda, s.ldb, s.ldc, s.batch, s.stride_a, s.stride_b, s.stride_c, s.alpha, s.beta,
+      s.bias != nullptr ? "yes" : "no");
+}
+
+// The largest power of two (up to 256, cuBLASLt's default assumption) dividing the address of
+// every matrix of the batch. The heuristic assumes 256-byte aligned operands unless told
+// otherwise, and the attention products start at offsets into scratch and strided batches whose
+// stride need not be a multiple of 256 bytes.
+uint32_t AlignmentBytes(const void* p, int64_t stride_elems, size_t elem_bytes, int batch) {
+  uint64_t bits = reinterpret_cast<uintptr_t>(p);
+  if (batch > 1) bits |= static_cast<uint64_t>(stride_elems) * elem_bytes;
+  uint32_t alignment = 256;
+  while (alignment > 1 && (bits & (alignment - 1)) != 0) alignment >>= 1;
+  return alignment;
+}
+
+// Owns the descriptors of one product, so every early return destroys them.
+struct Descriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+
+  Descriptors() = default;
+  Descriptors(const Descriptors&) = delete;
+  Descriptors& operator=(const Descriptors&) = delete;
+  ~Descriptors() {
+    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+absl::Status MakeLayout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t rows,
+                        int64_t cols, int64_t ld, int batch, int64_t stride) {
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
+      layout, type, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld));
+  if (batch > 1) {
+    const int32_t count = batch;
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(
+        *layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(
+        *layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSpec(const GemmSpec& s) {
+  // Stored shapes, column-major: A is (k, m) when transposed, else (m, k); B likewise.
+  const int64_t a_rows = s.trans_a ? s.k : s.m;
+  const int64_t b_rows = s.trans_b ? s.n : s.k;
+  if (s.m < 0 || s.n < 0 || s.k <= 0 || s.batch < 1)
+    return absl::InvalidArgumentError("m, n must be >= 0 and k, batch >= 1");
+  if (s.a == nullptr || s.b == nullptr || s.c == nullptr) {
+    return absl::InvalidArgumentError("null matrix pointer");
+  }
+  if (s.lda < std::max<int64_t>(1, a_rows) || s.ldb < std::max<int64_t>(1, b_rows) ||
+      s.ldc < std::max<int64_t>(1, s.m)) {
+    return absl::InvalidArgumentError("leading dimension smaller than the stored rows");
+  }
+  if (s.batch > 1 && (s.stride_a < 0 || s.stride_b < 0 || s.stride_c < 0)) {
+    return absl::InvalidArgumentError("negative batch stride");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CublasLt>> CublasLt::Create(size_t workspace_bytes) {
+  // The destructor releases whatever was acquired if a later step fails.
+  std::unique_ptr<CublasLt> lt(new CublasLt());
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&lt->handle_));
+  if (workspace_bytes > 0) {
+    const cudaError_t error = cudaMalloc(&lt->workspace_, workspace_bytes);
+    if (error != cudaSuccess) {
+      cudaGetLastError();  // an allocation failure is not sticky; start later calls clean
+      lt->workspace_ = nullptr;
+      return CudaErrorStatus(error, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
+    }
+  }
+  lt->workspace_bytes_ = workspace_bytes;
+  return lt;
+}
+
+CublasLt::~CublasLt() {
+  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (handle_ != nullptr) cublasLtDestroy(handle_);
+}
+
+template <typename T>
+absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
+  if (absl::Status s = CheckSpec(spec); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(s.message(), ": ", Describe<T>(spec)));
+  }
+  if (spec.m == 0 || spec.n == 0) return absl::OkStatus();
+  constexpr cudaDataType_t kType = CudaDataType<T>();
+
+  Descriptors d;
+  // fp32 accumulation and fp32 alpha/beta for every storage type; CUBLAS_COMPUTE_32F (not
+  // _FAST_TF32) keeps fp32 inputs off the TF32 tensor cores.
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t trans_b = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  if (spec.bias != nullptr) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &spec.bias, sizeof(spec.bias)));
+    // cublasLt.h: outside the int8 and fp8 kernels the bias has the type of D, which is T
+    // here (the default, -1, means the same; said explicitly so it never depends on it).
+    const int32_t bias_type = kType;
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
+
+  // Stored (column-major) shapes: op(A) is (m, k), so A is (k, m) when transposed.
+  if (absl::Status s =
+          MakeLayout(&d.a, kType, spec.trans_a ? spec.k : spec.m, spec.trans_a ? spec.m : spec.k,
+                     spec.lda, spec.batch, spec.stride_a);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          MakeLayout(&d.b, kType, spec.trans_b ? spec.n : spec.k, spec.trans_b ? spec.k : spec.n,
+                     spec.ldb, spec.batch, spec.stride_b);
+      !s.ok()) {
+    return s;
+  }
+  // C and D are the same matrix.
+  if (absl::Status s = MakeLayout(&d.c, kType, spec.m, spec.n, spec.ldc, spec.batch, spec.stride_c);
+      !s.ok()) {
+    return s;
+  }
+
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&d.pref));
+  const uint64_t workspace_bytes = lt.workspace_bytes();
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+  const uint32_t align_a = AlignmentBytes(spec.a, spec.stride_a, sizeof(T), spec.batch);
+  const uint32_t align_b = AlignmentBytes(spec.b, spec.stride_b, sizeof(T), spec.batch);
+  const uint32_t align_c = AlignmentBytes(spec.c, spec.stride_c, sizeof(T), spec.batch);
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+
+  // First ask for algorithms whose split-K partial sums stay in fp32 (or that do not split):
+  // the in-place and output-type schemes round every partial sum to T, so a 16-bit output
+  // would be rounded more than once. Only if none exists, take any scheme.
+  const uint32_t kSchemeMasks[] = {CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+                                   CUBLASLT_REDUCTION_SCHEME_MASK};
+  cublasLtMatmulHeuristicResult_t heuristic = {};
+  int found = 0;
+  cublasStatus_t heuristic_status = CUBLAS_STATUS_SUCCESS;
+  for (const uint32_t mask : kSchemeMasks) {
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof(mask)));
+    found = 0;
+    heuristic_status = cublasLtMatmulAlgoGetHeuristic(lt.handle(), d.op, d.a, d.b, d.c, d.c, d.pref,
+                                                      1, &heuristic, &found);
+    if (heuristic_status == CUBLAS_STATUS_SUCCESS && found > 0) break;
+  }
+  if (heuristic_status != CUBLAS_STATUS_SUCCESS || found == 0) {
+    return absl::InternalError(absl::StrFormat(
+        "cuBLASLt found no algorithm (%s) for %s; alignments a=%u b=%u c=%u bytes, workspace %u "
+        "bytes",
+        cublasGetStatusName(heuristic_status), Describe<T>(spec), align_a, align_b, align_c,
+        workspace_bytes));
+  }
+
+  const float alpha = spec.alpha;
+  const float beta = spec.beta;
+  const cublasStatus_t status =
+      cublasLtMatmul(lt.handle(), d.op, &alpha, spec.a, d.a, spec.b, d.b, &beta, spec.c, d.c,
+                     spec.c, d.c, &heuristic.algo, lt.workspace(), lt.workspace_bytes(), stream);
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    const absl::Status s = CublasErrorStatus(status, "cublasLtMatmul", __FILE__, __LINE__);
+    return absl::Status(s.code(), absl::StrCat(s.message(), " for ", Describe<T>(spec)));
+  }
+  return absl::OkStatus();
+}
+
+#define OFFLOAD_INSTANTIATE_GEMM(T) \
+  template absl::Status Gemm<T>(CublasLt & lt, const GemmSpec& spec, cudaStream_t stream);
+OFFLOAD_INSTANTIATE_GEMM(float)
+OFFLOAD_INSTANTIATE_GEMM(__half)
+OFFLOAD_INSTANTIATE_GEMM(__nv_bfloat16)
+#undef OFFLOAD_INSTANTIATE_GEMM
+
+}  // namespace offload

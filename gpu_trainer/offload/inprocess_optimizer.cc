@@ -1,0 +1,136 @@
+#include "gpu_trainer/offload/inprocess_optimizer.h"
+
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_optimizer_server/shard/state_loader.h"
+#include "cpu_optimizer_server/shard/wire_convert.h"
+
+namespace offload {
+namespace {
+
+// Parameters land straight in the trainer's 16-bit weights: the wave buffers are views of it.
+class DirectParamSink final : public ParamSink {
+ public:
+  explicit DirectParamSink(uint16_t* params16) : params16_(params16) {}
+  void* Buffer(int slot, int64_t offset, int64_t n) override { return params16_ + offset; }
+  bool Send(int slot) override { return true; }
+
+ private:
+  uint16_t* const params16_;
+};
+
+}  // namespace
+
+InProcessOptimizer::InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path)
+    : OptimizerBackend(std::move(map)), pool_(ThreadPool::Options{threads, false}) {
+  // In process the trainer's own memory is the limit; a budget would only refuse big models.
+  ShardOptions options;
+  options.memory_limit_bytes = std::numeric_limits<int64_t>::max() / 2;
+  for (int s = 0; s < num_shards(); ++s) {
+    stores_.push_back(std::make_unique<ShardStore>(options, &pool_, path));
+  }
+}
+
+InProcessOptimizer::~InProcessOptimizer() { AbortStep(); }
+
+absl::Status InProcessOptimizer::CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
+                                           DType param_dtype) {
+  job_id_ = job_id;
+  param_dtype_ = param_dtype;
+  for (int s = 0; s < num_shards(); ++s) {
+    absl::StatusOr<JobConfig> config =
+        JobConfigFromProto(ShardCreateJobRequest(map_, s, job_id, adam, param_dtype));
+    if (!config.ok()) return config.status();
+    if (absl::StatusOr<int64_t> bytes = stores_[s]->CreateJob(*config); !bytes.ok()) {
+      return bytes.status();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status InProcessOptimizer::LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
+                                                const StepCounters* steps) {
+  if (shard < 0 || shard >= num_shards()) {
+    return absl::InvalidArgumentError(absl::StrCat("no shard ", shard));
+  }
+  absl::StatusOr<std::unique_ptr<StateLoader>> loader =
+      StateLoader::Start(stores_[shard].get(), job_id_);
+  if (!loader.ok()) return loader.status();
+  for (const StateSliceRef& slice : slices) {
+    absl::StatusOr<StateTensor> tensor = StateTensorFromProto(slice.tensor, "tensor");
+    if (!tensor.ok()) return tensor.status();
+    std::string data(reinterpret_cast<const char*>(slice.values), slice.n * sizeof(float));
+    if (absl::Status s = (*loader)->AddChunk(*tensor, slice.offset, DType::kFp32, std::move(data));
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (steps != nullptr) {
+    if (absl::Status s = (*loader)->SetSteps(steps->completed_step, steps->adam_step); !s.ok()) {
+      return s;
+    }
+  }
+  return (*loader)->Apply().status();
+}
+
+absl::Status InProcessOptimizer::ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset,
+                                                int64_t n, float* out) {
+  absl::StatusOr<StateTensor> t = StateTensorFromProto(tensor, "tensor");
+  if (!t.ok()) return t.status();
+  const v1::ShardSlice& s = map_.slices(slice);
+  return stores_[s.shard_index()]->ReadState(job_id_, *t, DType::kFp32, offset, n, int64_t{1} << 20,
+                                             [&](int64_t at, int64_t m, const std::string& bytes) {
+                                               std::memcpy(out + (at - offset), bytes.data(),
+                                                           m * sizeof(float));
+                                               return true;
+                                             });
+}
+
+absl::Status InProcessOptimizer::DropJob() {
+  absl::Status first;
+  for (auto& store : stores_) first.Update(store->DropJob(job_id_));
+  return first;
+}
+
+absl::Status InProcessOptimizer::OpenSlice(int slice, uint64_t step) {
+  sessions_.resize(map_.slices_size());
+  const v1::ShardSlice& s = map_.slices(slice);
+  absl::StatusOr<std::unique_ptr<StepSession>> session =
+      StepSession::Open(stores_[s.shard_index()].get(), job_id_, s.range_index(), step);
+  if (!session.ok()) return session.status();
+  sessions_[slice] = std::move(*session);
+  step_ = step;
+  return absl::OkStatus();
+}
+
+absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint16_t* grads,
+                                           int64_t n, bool accumulate) {
+  std::string data(reinterpret_cast<const char*>(grads), n * sizeof(uint16_t));
+  return sessions_[slice]->AddGradients(offset, grad_dtype(), accumulate, std::move(data));
+}
+
+absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(float lr, float grad_multiplier,
+                                                              bool skip, uint16_t* params16) {
+  DirectParamSink sink(params16);
+  StepCounters counters;
+  absl::Status first;
+  for (auto& session : sessions_) {
+    if (session == nullptr) continue;  // another rank's slice
+    absl::StatusOr<StepOutcome> outcome =
+        session->Commit(StepCommitArgs{step_, lr, grad_multiplier, skip}, &sink);
+    if (!outcome.ok()) {
+      first.Update(outcome.status());
+      continue;
+    }
+    counters = StepCounters{outcome->step, outcome->adam_step};
+  }
+  sessions_.clear();
+  if (!first.ok()) return first;
+  return counters;
+}
+
+void InProcessOptimizer::AbortSlices() { sessions_.clear(); }
+
+}  // namespace offload

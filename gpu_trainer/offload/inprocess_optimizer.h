@@ -1,0 +1,47 @@
+// The optimizer without a server: one ShardStore per shard of the partition map, driven through
+// the same StepSession / StateLoader code the gRPC service runs, so an in-process run and a run
+// against local servers compute bit-identical weights.
+#ifndef OFFLOAD_GPU_TRAINER_OFFLOAD_INPROCESS_OPTIMIZER_H_
+#define OFFLOAD_GPU_TRAINER_OFFLOAD_INPROCESS_OPTIMIZER_H_
+
+#include <memory>
+#include <vector>
+
+#include "base/thread_pool.h"
+#include "cpu_optimizer_server/shard/shard_store.h"
+#include "cpu_optimizer_server/shard/step_session.h"
+#include "gpu_trainer/offload/optimizer_backend.h"
+
+namespace offload {
+
+class InProcessOptimizer final : public OptimizerBackend {
+ public:
+  // `threads` workers for the Adam pass (0: one per core).
+  InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path);
+  ~InProcessOptimizer() override;
+
+  absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
+                         DType param_dtype) override;
+  absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
+                              const StepCounters* steps) override;
+  absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
+                              float* out) override;
+  absl::Status DropJob() override;
+
+ private:
+  absl::Status OpenSlice(int slice, uint64_t step) override;
+  absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                         bool accumulate) override;
+  absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+                                            uint16_t* params16) override;
+  void AbortSlices() override;
+
+  ThreadPool pool_;
+  std::vector<std::unique_ptr<ShardStore>> stores_;     // one per shard
+  std::vector<std::unique_ptr<StepSession>> sessions_;  // per slice, this rank's during a step
+  uint64_t step_ = 0;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_OFFLOAD_INPROCESS_OPTIMIZER_H_

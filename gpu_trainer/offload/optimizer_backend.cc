@@ -1,0 +1,125 @@
+#include "gpu_trainer/offload/optimizer_backend.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/dtype_proto.h"
+#include "model_spec/partition.h"
+
+namespace offload {
+
+v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
+                                           const std::string& job_id, const v1::AdamConfig& adam,
+                                           DType param_dtype) {
+  v1::CreateJobRequest request;
+  request.set_job_id(job_id);
+  for (const v1::ShardSlice& s : SlicesOfShard(map, shard)) {
+    v1::ParamRange* range = request.add_ranges();
+    range->set_offset(s.offset());
+    range->set_length(s.length());
+  }
+  *request.mutable_adam() = adam;
+  request.set_param_dtype(DTypeToProto(param_dtype));
+  return request;
+}
+
+absl::Status OptimizerBackend::LoadMasterWeights(const float* master) {
+  for (int shard = 0; shard < num_shards(); ++shard) {
+    std::vector<StateSliceRef> refs;
+    for (const v1::ShardSlice& s : SlicesOfShard(map_, shard)) {
+      refs.push_back(StateSliceRef{v1::STATE_TENSOR_MASTER_WEIGHTS,
+                                   static_cast<int64_t>(s.offset()), master + s.offset(),
+                                   static_cast<int64_t>(s.length())});
+    }
+    if (absl::Status s = LoadShardState(shard, refs, nullptr); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerBackend::ReadMasterWeights(float* master) {
+  for (int i = 0; i < map_.slices_size(); ++i) {
+    const v1::ShardSlice& s = map_.slices(i);
+    if (absl::Status status =
+            ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, static_cast<int64_t>(s.offset()),
+                           static_cast<int64_t>(s.length()), master + s.offset());
+        !status.ok()) {
+      return status;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerBackend::SetRank(int rank) {
+  if (rank < 0 || rank >= static_cast<int>(map_.world_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside a world of ", map_.world_size(), " ranks"));
+  }
+  rank_ = rank;
+  return absl::OkStatus();
+}
+
+int64_t OptimizerBackend::partition_length() const {
+  return static_cast<int64_t>(map_.padded_length() / map_.world_size());
+}
+
+int64_t OptimizerBackend::partition_offset() const { return rank_ * partition_length(); }
+
+absl::Status OptimizerBackend::BeginStep(uint64_t step) {
+  if (in_step_) return absl::FailedPreconditionError("a step is already open");
+  for (int i = 0; i < map_.slices_size(); ++i) {
+    if (static_cast<int>(map_.slices(i).rank()) != rank_) continue;
+    if (absl::Status s = OpenSlice(i, step); !s.ok()) {
+      AbortSlices();
+      return s;
+    }
+  }
+  in_step_ = true;
+  step_ = step;
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
+                                             bool accumulate) {
+  if (!in_step_) return absl::FailedPreconditionError("SendGradients outside a step");
+  const int64_t end = offset + n;
+  if (offset < partition_offset() || n < 0 || end > partition_offset() + partition_length()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("gradients [", offset, ", ", end, ") outside the partition of rank ", rank_,
+                     " [", partition_offset(), ", ", partition_offset() + partition_length(), ")"));
+  }
+  // Slices are sorted by offset: find the first that ends after `offset`.
+  auto it = std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
+                             [](int64_t o, const v1::ShardSlice& s) {
+                               return o < static_cast<int64_t>(s.offset() + s.length());
+                             });
+  for (; it != map_.slices().end() && static_cast<int64_t>(it->offset()) < end; ++it) {
+    const int64_t lo = std::max<int64_t>(offset, it->offset());
+    const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
+    const int slice = static_cast<int>(it - map_.slices().begin());
+    if (absl::Status s = SendSlice(slice, lo, grads + (lo - offset), hi - lo, accumulate);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,
+                                                      uint16_t* params16) {
+  if (!in_step_) return absl::FailedPreconditionError("Commit outside a step");
+  in_step_ = false;
+  absl::StatusOr<StepCounters> counters = CommitSlices(lr, grad_multiplier, skip, params16);
+  if (counters.ok() && counters->completed_step != step_) {
+    return absl::DataLossError(
+        absl::StrCat("the shards completed step ", counters->completed_step, " for step ", step_));
+  }
+  return counters;
+}
+
+void OptimizerBackend::AbortStep() {
+  if (!in_step_) return;
+  in_step_ = false;
+  AbortSlices();
+}
+
+}  // namespace offload

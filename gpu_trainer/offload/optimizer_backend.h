@@ -1,0 +1,109 @@
+// The trainer's side of the optimizer: where 16-bit gradients go and updated 16-bit weights come
+// from. Two implementations share the partition routing below:
+//   - RemoteOptimizer (remote_optimizer.h): optimizer shards behind the gRPC API;
+//   - InProcessOptimizer (inprocess_optimizer.h): the same shard store, step sessions and Adam
+//     kernels linked into the trainer, without a server. It is the baseline of the
+//     offload-overhead benchmark and, because it runs the very same code, the reference that
+//     the server path must match bit for bit.
+#ifndef OFFLOAD_GPU_TRAINER_OFFLOAD_OPTIMIZER_BACKEND_H_
+#define OFFLOAD_GPU_TRAINER_OFFLOAD_OPTIMIZER_BACKEND_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/dtype.h"
+#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "offload/v1/checkpoint.pb.h"
+#include "offload/v1/optimizer.pb.h"
+
+namespace offload {
+
+class OptimizerBackend {
+ public:
+  explicit OptimizerBackend(v1::PartitionMap map) : map_(std::move(map)) {}
+  virtual ~OptimizerBackend() = default;
+
+  const v1::PartitionMap& partition() const { return map_; }
+  int num_shards() const { return static_cast<int>(map_.num_shards()); }
+
+  // The trainer rank this backend steps for (0 by default): BeginStep, SendGradients and Commit
+  // cover only the slices of its partition [rank * P, (rank + 1) * P). The job's set-up, loads,
+  // reads and drop (rank 0's work) still reach every shard.
+  absl::Status SetRank(int rank);
+  int rank() const { return rank_; }
+  // [offset, offset + length) of this rank's partition.
+  int64_t partition_offset() const;
+  int64_t partition_length() const;
+  // For ranks other than the one that creates the job: step the job `job_id` another rank
+  // created, whose 16-bit type is param_dtype.
+  void UseJob(const std::string& job_id, DType param_dtype) {
+    job_id_ = job_id;
+    param_dtype_ = param_dtype;
+  }
+
+  // Creates the job on every shard with the slices the map gives it. A job of the same id left
+  // on a shard by an earlier run of this trainer is replaced.
+  virtual absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
+                                 DType param_dtype) = 0;
+  // One all-or-nothing load on `shard`; with `steps`, its step counters too (checkpoints).
+  virtual absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
+                                      const StepCounters* steps) = 0;
+  // (n,) fp32 values of flat elements [offset, offset + n), which must lie in one slice.
+  virtual absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
+                                      float* out) = 0;
+  virtual absl::Status DropJob() = 0;
+
+  // The whole map's fp32 master weights, master (padded_length,), loaded onto every shard or read
+  // back from every slice: a fresh start, a resume mid-pipeline and tests, all rank 0's work.
+  absl::Status LoadMasterWeights(const float* master);
+  absl::Status ReadMasterWeights(float* master);
+
+  // One step: Begin, any number of SendGradients covering this rank's partition at least once
+  // (from one thread, in any order; a second cover of an element must be `accumulate`), then
+  // Commit or Abort.
+  absl::Status BeginStep(uint64_t step);
+  // grads (n,) 16-bit for flat elements [offset, offset + n) of this rank's partition, split over
+  // the slices they touch. accumulate: added to what the step received before (micro-batches,
+  // summed in fp32 on the shard).
+  absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
+                             bool accumulate = false);
+  // Applies the step (or skips it) on this rank's slices; their updated 16-bit weights land in
+  // params16 (padded_length,) at their offsets unless skipped. Returns the step counters after
+  // the step.
+  absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
+                                      uint16_t* params16);
+  void AbortStep();
+
+ protected:
+  // Per-slice hooks of one step, slice = index into map.slices(); only this rank's slices are
+  // opened.
+  virtual absl::Status OpenSlice(int slice, uint64_t step) = 0;
+  virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                                 bool accumulate) = 0;
+  // Commits every open slice, writing params16 (padded_length,) at each slice's offset.
+  virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+                                                    uint16_t* params16) = 0;
+  virtual void AbortSlices() = 0;
+  DType grad_dtype() const { return param_dtype_; }
+
+  v1::PartitionMap map_;
+  DType param_dtype_ = DType::kFp16;
+  std::string job_id_;
+
+ private:
+  int rank_ = 0;
+  bool in_step_ = false;
+  uint64_t step_ = 0;
+};
+
+// The CreateJobRequest of one shard: its slices as ranges, in range_index order.
+v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
+                                           const std::string& job_id, const v1::AdamConfig& adam,
+                                           DType param_dtype);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_GPU_TRAINER_OFFLOAD_OPTIMIZER_BACKEND_H_

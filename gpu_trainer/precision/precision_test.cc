@@ -1,0 +1,109 @@
+// The small parts of the training loop: loss scaling, lr schedule, gradient rounding and
+// clipping.
+#include <cmath>
+#include <vector>
+
+#include "gpu_trainer/precision/grad_stats.h"
+#include "gpu_trainer/precision/loss_scaler.h"
+#include "gpu_trainer/precision/lr_schedule.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+TEST(LossScaler, HalvesOnOverflowAndGrowsAfterTheWindow) {
+  LossScalerOptions options;
+  options.growth_interval = 3;
+  DynamicLossScaler scaler(options, /*enabled=*/true);
+  EXPECT_EQ(scaler.scale(), 65536.0f);
+  scaler.Update(true);
+  EXPECT_EQ(scaler.scale(), 32768.0f);
+  EXPECT_EQ(scaler.skipped_steps(), 1u);
+  scaler.Update(false);
+  scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 32768.0f);
+  scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 65536.0f);
+  // An overflow resets the count of clean steps.
+  scaler.Update(false);
+  scaler.Update(true);
+  scaler.Update(false);
+  scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 32768.0f);
+  EXPECT_EQ(scaler.skipped_steps(), 2u);
+}
+
+TEST(LossScaler, DisabledKeepsOneButCountsSkips) {
+  DynamicLossScaler scaler(LossScalerOptions{}, /*enabled=*/false);
+  EXPECT_EQ(scaler.scale(), 1.0f);
+  scaler.Update(true);
+  for (int i = 0; i < 5000; ++i) scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 1.0f);
+  EXPECT_EQ(scaler.skipped_steps(), 1u);
+}
+
+TEST(LossScaler, StateRoundTripsAndBadStateIsRefused) {
+  DynamicLossScaler a(LossScalerOptions{}, true);
+  a.Update(true);
+  a.Update(false);
+  DynamicLossScaler b(LossScalerOptions{}, true);
+  ASSERT_TRUE(b.Restore(a.State()).ok());
+  EXPECT_EQ(b.State().SerializeAsString(), a.State().SerializeAsString());
+  v1::LossScaleState bad = a.State();
+  bad.set_scale(NAN);
+  EXPECT_FALSE(b.Restore(bad).ok());
+  EXPECT_EQ(b.scale(), a.scale());  // unchanged
+  DynamicLossScaler bf16(LossScalerOptions{}, false);
+  EXPECT_FALSE(bf16.Restore(a.State()).ok());  // a scaled state into a run without scaling
+}
+
+TEST(LrSchedule, WarmupThenCosineToTheFloor) {
+  v1::LrSchedule s;
+  s.set_max_lr(1.0f);
+  s.set_min_lr(0.1f);
+  s.set_warmup_steps(10);
+  s.set_total_steps(110);
+  ASSERT_TRUE(ValidateLrSchedule(s).ok());
+  EXPECT_FLOAT_EQ(ScheduledLr(s, 1), 0.1f);
+  EXPECT_FLOAT_EQ(ScheduledLr(s, 5), 0.5f);
+  EXPECT_FLOAT_EQ(ScheduledLr(s, 10), 1.0f);
+  EXPECT_FLOAT_EQ(ScheduledLr(s, 60), 0.55f);  // halfway through the cosine
+  EXPECT_FLOAT_EQ(ScheduledLr(s, 110), 0.1f);
+  EXPECT_FLOAT_EQ(ScheduledLr(s, 500), 0.1f);
+  for (uint64_t t = 11; t < 110; ++t) EXPECT_LE(ScheduledLr(s, t + 1), ScheduledLr(s, t));
+  s.set_min_lr(2.0f);
+  EXPECT_FALSE(ValidateLrSchedule(s).ok());
+  s.set_min_lr(0.1f);
+  s.set_max_lr(NAN);
+  EXPECT_FALSE(ValidateLrSchedule(s).ok());
+}
+
+TEST(GradStats, RoundsAndMeasuresWhatLeaves) {
+  std::vector<float> g = {0.1f, -2.5f, 3e-8f, 1000.0f, -0.333f};
+  std::vector<uint16_t> out(g.size());
+  GradStats s = RoundGradients(g.data(), static_cast<int64_t>(g.size()), DType::kFp16, out.data());
+  double want = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    EXPECT_EQ(out[i], FloatToFp16(g[i]));
+    want += static_cast<double>(Fp16ToFloat(out[i])) * Fp16ToFloat(out[i]);
+  }
+  EXPECT_DOUBLE_EQ(s.sum_squares, want);
+  EXPECT_FALSE(s.nonfinite);
+  // 70000 overflows fp16 (an fp16 loss-scaling overflow) but not bf16.
+  g.push_back(70000.0f);
+  out.resize(g.size());
+  EXPECT_TRUE(RoundGradients(g.data(), 6, DType::kFp16, out.data()).nonfinite);
+  EXPECT_FALSE(RoundGradients(g.data(), 6, DType::kBf16, out.data()).nonfinite);
+  g.push_back(NAN);
+  out.resize(g.size());
+  EXPECT_TRUE(RoundGradients(g.data(), 7, DType::kBf16, out.data()).nonfinite);
+}
+
+TEST(GradStats, ClipCoefficientIsTorchs) {
+  EXPECT_FLOAT_EQ(ClipCoefficient(0.5, 1.0f), 1.0f);
+  EXPECT_FLOAT_EQ(ClipCoefficient(4.0, 1.0f), static_cast<float>(1.0 / (4.0 + 1e-6)));
+  EXPECT_FLOAT_EQ(ClipCoefficient(1e9, 0.0f), 1.0f);  // clipping off
+}
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,397 @@
+// Job files (YAML and JSON), their validation and the JobSpec <-> gpu_trainer flags table.
+#include "services/common/job_spec.h"
+
+#include <stdlib.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+using google::protobuf::util::MessageDifferencer;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// A scratch directory per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "job_spec_test.XXXXXX").string();
+    path_ = mkdtemp(pattern.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string Write(const std::string& name, const std::string& contents) const {
+    const std::string file = path_ + "/" + name;
+    std::ofstream(file, std::ios::binary) << contents;
+    return file;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Job files.
+
+constexpr char kYamlSpec[] = R"(
+# a comment
+name: tiny run
+model: {preset: demo, layers: 2}
+data:
+  path: /data/corpus.txt
+  val_fraction: 0.05
+  seed: 18446744073709551615
+optimizer:
+  algorithm: adamw
+  lr: 3          # an integer where a float goes
+  min_lr: 1e-4
+  beta2: 0.95
+training:
+  steps: 100
+  batch: 8
+  microBatches: 2   # the JSON name works too
+  dtype: bf16
+parallel:
+  ranks: 2
+  dpu: true
+  bucket_mb: 0.5
+checkpoint:
+  dir: /ckpt
+  resume: false
+max_restarts: 3
+)";
+
+constexpr char kJsonSpec[] = R"({
+  "name": "tiny run",
+  "model": {"preset": "demo", "layers": 2},
+  "data": {"path": "/data/corpus.txt", "valFraction": 0.05, "seed": "18446744073709551615"},
+  "optimizer": {"algorithm": "adamw", "lr": 3.0, "min_lr": 0.0001, "beta2": 0.95},
+  "training": {"steps": "100", "batch": 8, "micro_batches": 2, "dtype": "bf16"},
+  "parallel": {"ranks": 2, "dpu": true, "bucketMb": 0.5},
+  "checkpoint": {"dir": "/ckpt", "resume": false},
+  "maxRestarts": 3
+})";
+
+TEST(JobSpecParseTest, YamlAndJsonGiveTheSameSpec) {
+  absl::StatusOr<v1::JobSpec> yaml = ParseJobSpec(kYamlSpec);
+  ASSERT_TRUE(yaml.ok()) << yaml.status();
+  absl::StatusOr<v1::JobSpec> json = ParseJobSpec(kJsonSpec);
+  ASSERT_TRUE(json.ok()) << json.status();
+  std::string diff;
+  MessageDifferencer differencer;
+  differencer.ReportDifferencesToString(&diff);
+  EXPECT_TRUE(differencer.Compare(*yaml, *json)) << diff;
+
+  EXPECT_EQ(yaml->name(), "tiny run");
+  EXPECT_EQ(yaml->model().layers(), 2);
+  EXPECT_EQ(yaml->data().seed(), 18446744073709551615ull);
+  EXPECT_FLOAT_EQ(yaml->optimizer().lr(), 3.0f);
+  EXPECT_FLOAT_EQ(yaml->optimizer().min_lr(), 1e-4f);
+  EXPECT_EQ(yaml->training().micro_batches(), 2);
+  EXPECT_TRUE(yaml->parallel().dpu());
+  EXPECT_TRUE(yaml->checkpoint().has_resume());  // set, to false
+  EXPECT_FALSE(yaml->checkpoint().resume());
+  EXPECT_FALSE(yaml->training().has_seq_len());
+  EXPECT_EQ(yaml->max_restarts(), 3u);
+  EXPECT_TRUE(ValidateJobSpec(*yaml).ok()) << ValidateJobSpec(*yaml);
+}
+
+TEST(JobSpecParseTest, PrintedJsonParsesBack) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(kYamlSpec);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const std::string json = JobSpecToJson(*spec);
+  EXPECT_THAT(json, HasSubstr("\"micro_batches\""));  // proto names, not JSON names
+  absl::StatusOr<v1::JobSpec> back = ParseJobSpec(json);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << json;
+  EXPECT_TRUE(MessageDifferencer::Equals(*spec, *back)) << json;
+}
+
+TEST(JobSpecParseTest, UnknownFieldNamesItsPathAndTheKnownOnes) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec("training:\n  steps: 3\n  batchh: 4\n");
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(spec.status().message(),
+              AllOf(HasSubstr("training.batchh: unknown field"),
+                    HasSubstr("JobSpec.training has: steps, batch, micro_batches")));
+
+  spec = ParseJobSpec(R"({"nmae": "x"})");
+  EXPECT_THAT(spec.status().message(),
+              AllOf(HasSubstr("nmae: unknown field"), HasSubstr("JobSpec has: name, model")));
+}
+
+TEST(JobSpecParseTest, TypeErrorsNameThePathAndTheExpectedType) {
+  struct Case {
+    const char* text;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"training: {batch: x}", "training.batch: expected an integer, got \"x\""},
+      {"training: {batch: 1.5}", "training.batch: expected an integer, got \"1.5\""},
+      {"training: {batch: 3000000000}", "training.batch: 3000000000 is out of range for int32"},
+      {"parallel: {ranks: -1}", "parallel.ranks: -1 is out of range for uint32"},
+      {"data: {seed: 18446744073709551616}", "data.seed: 18446744073709551616 is out of range"},
+      {"parallel: {dpu: yes}", "parallel.dpu: expected true or false, got \"yes\""},
+      {"optimizer: {lr: fast}", "optimizer.lr: expected a number, got \"fast\""},
+      {"optimizer: {lr: 1e39}", "optimizer.lr: 1e39 is out of range for float"},
+      {"optimizer: {lr: [1, 2]}", "optimizer.lr: expected a number, got a list"},
+      {"training: {steps: }", "training.steps: expected an integer, got nothing (null)"},
+      {"training: 5", "training: expected a map of fields, got \"5\""},
+      {"max_restarts: 1\nmaxRestarts: 2", "max_restarts: given more than once"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(c.text);
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(spec.status().message(), HasSubstr(c.message)) << c.text;
+  }
+}
+
+TEST(JobSpecParseTest, DocumentsThatAreNoMapAreRefused) {
+  for (const char* text : {"", "# nothing\n", "- a\n- b\n", "just text", "[1, 2]",
+                           "a: 1\n---\nb: 2\n", "{\"name\": ", "name: [unclosed"}) {
+    absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(text);
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << text;
+  }
+  EXPECT_THAT(ParseJobSpec("- a\n").status().message(), HasSubstr("expected a map"));
+  EXPECT_THAT(ParseJobSpec("name: [unclosed").status().message(), HasSubstr("line 1"));
+}
+
+TEST(JobSpecParseTest, NonFiniteFloatsParseAndFailValidation) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec("data: {path: /d}\noptimizer: {lr: .nan}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(std::isnan(spec->optimizer().lr()));
+  absl::Status status = ValidateJobSpec(*spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("optimizer.lr: must be a finite number"));
+
+  spec = ParseJobSpec(R"({"data": {"path": "/d", "valFraction": "-Infinity"}})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(ValidateJobSpec(*spec).message(), HasSubstr("data.val_fraction: must be a finite"));
+}
+
+TEST(JobSpecFileTest, DemoJobParsesAndValidates) {
+  absl::StatusOr<v1::JobSpec> spec =
+      ReadJobSpecFile(std::string(OFFLOAD_SOURCE_DIR) + "/services/common/testdata/demo_job.yaml");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().preset(), "demo");
+  EXPECT_EQ(spec->data().path(), "/data/tinyshakespeare.txt");
+  EXPECT_EQ(spec->training().steps(), 200);
+  EXPECT_EQ(spec->training().batch(), 16);
+  EXPECT_EQ(spec->parallel().ranks(), 1u);
+  EXPECT_EQ(spec->parallel().optimizer_servers(), 1u);
+  EXPECT_EQ(spec->checkpoint().dir(), "/tmp/offload-demo");
+  EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
+}
+
+TEST(JobSpecFileTest, MissingFileAndErrorsNameTheFile) {
+  absl::StatusOr<v1::JobSpec> spec = ReadJobSpecFile("/nonexistent/job.yaml");
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(spec.status().message(), HasSubstr("/nonexistent/job.yaml"));
+
+  TempDir dir;
+  const std::string file = dir.Write("job.yaml", "training: {stepz: 1}\n");
+  spec = ReadJobSpecFile(file);
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(spec.status().message(), HasSubstr(file + ": training.stepz: unknown field"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation.
+
+v1::JobSpec ValidSpec() {
+  v1::JobSpec spec;
+  spec.set_name("ok-job_1.0");
+  spec.mutable_data()->set_path("/data/corpus.txt");
+  return spec;
+}
+
+TEST(ValidateJobSpecTest, MinimalSpecIsValidAndDataPathIsRequired) {
+  EXPECT_TRUE(ValidateJobSpec(ValidSpec()).ok());
+  v1::JobSpec spec;
+  absl::Status status = ValidateJobSpec(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("data.path: required"));
+}
+
+TEST(ValidateJobSpecTest, MessagesNameTheField) {
+  struct Case {
+    std::function<void(v1::JobSpec*)> edit;
+    const char* message;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const Case cases[] = {
+      {[](v1::JobSpec* s) { s->mutable_data()->set_path("data/corpus.txt"); },
+       "data.path: must be an absolute path"},
+      {[nan](v1::JobSpec* s) { s->mutable_optimizer()->set_lr(nan); },
+       "optimizer.lr: must be a finite number"},
+      {[](v1::JobSpec* s) { s->mutable_optimizer()->set_lr(0); }, "optimizer.lr: must be > 0"},
+      {[](v1::JobSpec* s) { s->mutable_optimizer()->set_beta2(1); },
+       "optimizer.beta2: must be in [0, 1)"},
+      {[](v1::JobSpec* s) { s->mutable_optimizer()->set_eps(0); }, "optimizer.eps: must be > 0"},
+      {[](v1::JobSpec* s) { s->mutable_optimizer()->set_weight_decay(-1); },
+       "optimizer.weight_decay: must be >= 0"},
+      {[](v1::JobSpec* s) { s->mutable_optimizer()->set_algorithm("sgd"); },
+       "optimizer.algorithm: must be one of adamw, adam, got \"sgd\""},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_steps(0); }, "training.steps: must be >= 1"},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_batch(0); }, "training.batch: must be >= 1"},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_micro_batches(0); },
+       "training.micro_batches: must be >= 1"},
+      {[](v1::JobSpec* s) {
+         s->mutable_training()->set_batch(10);
+         s->mutable_training()->set_micro_batches(2);
+         s->mutable_parallel()->set_ranks(3);
+       },
+       "training.batch: 10 is not divisible by parallel.ranks x training.micro_batches = 3 x 2"},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_dtype("fp32"); },
+       "training.dtype: must be one of fp16, bf16"},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_device("tpu"); },
+       "training.device: must be one of cpu, cuda"},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_kernels("turbo"); },
+       "training.kernels: must be one of fast, naive"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_transport("tcp"); },
+       "parallel.transport: must be one of auto, grpc, shm, ucx"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_ranks(0); },
+       "parallel.ranks: must be in [1, 1024]"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_optimizer_servers(2000); },
+       "parallel.optimizer_servers: must be in [1, 1024]"},
+      {[](v1::JobSpec* s) { s->mutable_model()->set_preset("gpt3"); },
+       "model.preset: must be one of demo, gpt2"},
+      {[](v1::JobSpec* s) { s->mutable_model()->set_init_from("weights.safetensors"); },
+       "model.init_from: must be an absolute path"},
+      {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_dir("ckpt"); },
+       "checkpoint.dir: must be an absolute path"},
+      {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_keep(-1); },
+       "checkpoint.keep: must be >= 0"},
+      {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_resume(true); },
+       "checkpoint.resume: needs checkpoint.dir"},
+      {[](v1::JobSpec* s) { s->mutable_data()->set_val_fraction(1); },
+       "data.val_fraction: must be in (0, 1)"},
+      {[](v1::JobSpec* s) { s->set_name(std::string(129, 'a')); }, "name: at most 128"},
+      {[](v1::JobSpec* s) { s->set_name("a/b"); }, "name: character \"/\" at position 1"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = ValidSpec();
+    c.edit(&spec);
+    absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(status.message(), HasSubstr(c.message));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags.
+
+TEST(JobSpecFlagsTest, FlagsInDescriptorOrder) {
+  v1::JobSpec spec = ValidSpec();
+  spec.mutable_model()->set_preset("demo");
+  spec.mutable_optimizer()->set_lr(0.001f);
+  spec.mutable_checkpoint()->set_resume(false);
+  spec.mutable_parallel()->set_ranks(4);  // the controller's, not a trainer flag
+  spec.set_max_restarts(2);
+  EXPECT_THAT(JobSpecToFlags(spec), ElementsAre("--model=demo", "--data=/data/corpus.txt",
+                                                "--lr=0.001", "--resume=false"));
+}
+
+TEST(JobSpecFlagsTest, RoundTripIsExact) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(kYamlSpec);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  // Values that need every digit to come back exactly.
+  spec->mutable_optimizer()->set_beta1(0.1f + 0.2f);
+  spec->mutable_optimizer()->set_eps(1.17549435e-38f);
+  spec->mutable_data()->set_val_fraction(0.1 + 0.2);
+  spec->mutable_eval()->set_sample_prompt("To be = or not");
+  spec->mutable_model()->set_init_from("");
+  // Leaves without a flag do not travel; leave them out of the comparison.
+  spec->clear_name();
+  spec->clear_max_restarts();
+  spec->mutable_parallel()->clear_ranks();
+
+  const std::vector<std::string> flags = JobSpecToFlags(*spec);
+  absl::StatusOr<v1::JobSpec> back = JobSpecFromFlags(flags);
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::string diff;
+  MessageDifferencer differencer;
+  differencer.ReportDifferencesToString(&diff);
+  EXPECT_TRUE(differencer.Compare(*spec, *back)) << diff;
+}
+
+TEST(JobSpecFlagsTest, BoolSpellings) {
+  absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags({"--dpu", "--noresume", "-steps=5"});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->parallel().dpu());
+  EXPECT_TRUE(spec->checkpoint().has_resume());
+  EXPECT_FALSE(spec->checkpoint().resume());
+  EXPECT_EQ(spec->training().steps(), 5);
+}
+
+TEST(JobSpecFlagsTest, BadFlagsAreRefusedByName) {
+  struct Case {
+    std::vector<std::string> args;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{"--foo=1"}, "unknown trainer flag --foo: not a job spec field"},
+      {{"--nolr"}, "unknown trainer flag --nolr"},
+      {{"--ranks=2"}, "unknown trainer flag --ranks"},  // a controller field, not a flag
+      {{"lr=0.1"}, "unexpected argument \"lr=0.1\""},
+      {{"--"}, "unexpected argument \"--\""},
+      {{"--lr"}, "--lr: needs a value"},
+      {{"--lr=abc"}, "--lr: expected a number, got \"abc\""},
+      {{"--batch=1.5"}, "--batch: expected an integer"},
+      {{"--dpu=maybe"}, "--dpu: expected true or false"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags(c.args);
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(spec.status().message(), HasSubstr(c.message));
+  }
+}
+
+TEST(JobSpecFlagsTest, IsJobSpecFlagAgreesWithJobSpecFromFlags) {
+  struct Case {
+    const char* arg;
+    bool job_spec;
+  };
+  const Case cases[] = {
+      {"--lr=0.1", true},
+      {"-steps=5", true},
+      {"--dpu", true},
+      {"--noresume", true},
+      {"--lr", true},
+      {"--lr=abc", true},
+      {"lr=0.1", true},
+      {"--", true},
+      {"--foo=1", false},
+      {"--nolr", false},
+      {"--nodpu=true", false},
+      {"--ranks=2", false},
+      {"--progress=false", false},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(IsJobSpecFlag(c.arg), c.job_spec) << c.arg;
+    // The launcher sends the others to the trainer, so exactly these must be unknown here.
+    const absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags({c.arg});
+    EXPECT_EQ(absl::StartsWith(spec.status().message(), "unknown trainer flag"), !c.job_spec)
+        << c.arg;
+  }
+}
+
+}  // namespace
+}  // namespace offload
