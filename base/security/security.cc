@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/status_macros.h"
 
 namespace offload {
 namespace {
@@ -86,9 +87,8 @@ X509Ptr FirstCertificate(const std::string& pem) {
 }
 
 absl::StatusOr<std::string> ReadCertificates(const std::string& path, absl::string_view what) {
-  absl::StatusOr<std::string> pem = ReadSmallFile(path, what);
-  if (!pem.ok()) return pem.status();
-  if (FirstCertificate(*pem) == nullptr) {
+  OFFLOAD_ASSIGN_OR_RETURN(std::string pem, ReadSmallFile(path, what));
+  if (FirstCertificate(pem) == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " ", path, ": no PEM certificate could be read from it"));
   }
@@ -101,8 +101,8 @@ absl::StatusOr<std::pair<std::string, std::string>> ReadKeyPair(const TlsConfig&
     return absl::InvalidArgumentError(
         absl::StrCat("TLS certificate file ", tls.cert_file, " is set but no key file is"));
   }
-  absl::StatusOr<std::string> cert = ReadCertificates(tls.cert_file, "TLS certificate file");
-  if (!cert.ok()) return cert.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::string cert,
+                           ReadCertificates(tls.cert_file, "TLS certificate file"));
   absl::StatusOr<std::string> key = ReadSmallFile(tls.key_file, "TLS key file");
   if (!key.ok()) return key.status();
   BioPtr bio = MemBio(*key);
@@ -112,14 +112,14 @@ absl::StatusOr<std::pair<std::string, std::string>> ReadKeyPair(const TlsConfig&
     return absl::InvalidArgumentError(absl::StrCat(
         "TLS key file ", tls.key_file, ": no unencrypted PEM private key could be read from it"));
   }
-  X509Ptr x509 = FirstCertificate(*cert);
+  X509Ptr x509 = FirstCertificate(cert);
   const bool matches = X509_check_private_key(x509.get(), pkey.get()) == 1;
   ERR_clear_error();
   if (!matches) {
     return absl::InvalidArgumentError(absl::StrCat(
         "TLS key file ", tls.key_file, " is not the key of certificate file ", tls.cert_file));
   }
-  return std::make_pair(*std::move(cert), *std::move(key));
+  return std::make_pair(std::move(cert), *std::move(key));
 }
 
 // The PEM contents a TLS server needs; all empty for a plaintext server.
@@ -143,11 +143,10 @@ absl::StatusOr<ServerTlsFiles> ReadServerTls(const TlsConfig& tls) {
     }
     return ServerTlsFiles();
   }
-  absl::StatusOr<std::pair<std::string, std::string>> pair = ReadKeyPair(tls);
-  if (!pair.ok()) return pair.status();
+  OFFLOAD_ASSIGN_OR_RETURN(auto pair, ReadKeyPair(tls));  // (cert chain, key)
   ServerTlsFiles files;
-  files.cert = std::move(pair->first);
-  files.key = std::move(pair->second);
+  files.cert = std::move(pair.first);
+  files.key = std::move(pair.second);
   if (tls.require_client_cert) {
     if (tls.ca_file.empty()) {
       return absl::InvalidArgumentError(
@@ -176,10 +175,9 @@ grpc::Status CheckMetadata(const BearerTokens& tokens,
 }  // namespace
 
 absl::StatusOr<BearerTokens> BearerTokens::FromFile(const std::string& path) {
-  absl::StatusOr<std::string> contents = ReadSmallFile(path, "token file");
-  if (!contents.ok()) return contents.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::string contents, ReadSmallFile(path, "token file"));
   BearerTokens tokens;
-  for (absl::string_view line : absl::StrSplit(*contents, '\n')) {
+  for (absl::string_view line : absl::StrSplit(contents, '\n')) {
     line = absl::StripAsciiWhitespace(line);
     if (line.empty() || line[0] == '#') continue;
     tokens.Add(std::string(line));
@@ -231,24 +229,22 @@ absl::Status CheckServerTls(const TlsConfig& tls) { return ReadServerTls(tls).st
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsConfig& tls) {
-  absl::StatusOr<ServerTlsFiles> files = ReadServerTls(tls);
-  if (!files.ok()) return files.status();
+  OFFLOAD_ASSIGN_OR_RETURN(ServerTlsFiles files, ReadServerTls(tls));
   if (tls.cert_file.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions options(
       tls.require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
                               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  if (tls.require_client_cert) options.pem_root_certs = std::move(files->ca);
-  options.pem_key_cert_pairs.push_back({std::move(files->key), std::move(files->cert)});
+  if (tls.require_client_cert) options.pem_root_certs = std::move(files.ca);
+  options.pem_key_cert_pairs.push_back({std::move(files.key), std::move(files.cert)});
   return grpc::SslServerCredentials(options);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsConfig& tls) {
   if (tls.ca_file.empty()) return grpc::InsecureChannelCredentials();
-  absl::StatusOr<std::string> ca = ReadCertificates(tls.ca_file, "TLS CA file");
-  if (!ca.ok()) return ca.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::string ca, ReadCertificates(tls.ca_file, "TLS CA file"));
   grpc::SslCredentialsOptions options;
-  options.pem_root_certs = *std::move(ca);
+  options.pem_root_certs = std::move(ca);
   if (!tls.cert_file.empty() && !tls.key_file.empty()) {
     absl::StatusOr<std::pair<std::string, std::string>> pair = ReadKeyPair(tls);
     if (!pair.ok()) return pair.status();

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/grpc_status.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/grpc_tuning.h"
 
 namespace offload {
@@ -130,7 +131,7 @@ absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTens
     std::memcpy(static_cast<char*>(out) + at * size, chunk.data().data(), bytes);
     received += bytes / size;
   }
-  if (absl::Status s = FromGrpcStatus(reader->Finish()); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
   if (received != n) {
     return absl::DataLossError(absl::StrCat("shard sent ", received, " of ", n, " elements"));
   }

@@ -12,6 +12,7 @@
 #include "cpu_optimizer_server/ucx/ucx_server.h"
 #endif
 #include "base/grpc_status.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -291,9 +292,8 @@ absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
   if (options.enable_shm) server->data_planes_.push_back(CreateShmServer(store));
 #ifdef OFFLOAD_HAVE_UCX
   if (options.enable_ucx) {
-    absl::StatusOr<std::unique_ptr<DataPlaneServer>> ucx = CreateUcxServer(store);
-    if (!ucx.ok()) return ucx.status();
-    server->data_planes_.push_back(std::move(*ucx));
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneServer> ucx, CreateUcxServer(store));
+    server->data_planes_.push_back(std::move(ucx));
   }
 #endif
   std::vector<DataPlaneServer*> planes;

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -78,7 +79,7 @@ class Reservation {
 };
 
 inline absl::StatusOr<Reservation> MemoryBudget::Take(int64_t bytes, const std::string& what) {
-  if (absl::Status s = Reserve(bytes, what); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Reserve(bytes, what));
   return Reservation(this, bytes);
 }
 

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -94,12 +95,12 @@ void ShardStore::ParallelTiles(int64_t begin, int64_t end,
 }
 
 absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& config) {
-  if (absl::Status s = ValidateJobId(config.job_id); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateJobId(config.job_id));
   if (config.ranges.empty()) return absl::InvalidArgumentError("ranges is empty");
   if (config.param_dtype == DType::kFp32) {
     return absl::InvalidArgumentError("param_dtype must be FP16 or BF16");
   }
-  if (absl::Status s = ValidateAdam(config.adam); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateAdam(config.adam));
   std::vector<RangeSpec> sorted = config.ranges;
   int64_t total = 0;
   for (size_t i = 0; i < config.ranges.size(); ++i) {
@@ -134,9 +135,7 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& config) {
       return absl::AlreadyExistsError(
           absl::StrCat("job ", config.job_id, " already exists on this shard"));
     }
-    if (absl::Status s = budget_.Reserve(bytes, absl::StrCat("job ", config.job_id)); !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(budget_.Reserve(bytes, absl::StrCat("job ", config.job_id)));
     job->state_reservation = Reservation(&budget_, bytes);
     // Claim the id now so a concurrent create of the same job fails; the state is filled below
     // before anyone can step on it (a step needs loaded weights, and loads need the ranges).
@@ -213,8 +212,7 @@ std::vector<std::shared_ptr<Job>> ShardStore::Jobs() const {
 absl::Status ShardStore::ReadState(
     const std::string& job_id, StateTensor tensor, DType dtype, int64_t offset, int64_t length,
     int64_t chunk_elements, const std::function<bool(int64_t, int64_t, const std::string&)>& emit) {
-  absl::StatusOr<std::shared_ptr<Job>> job = FindJob(job_id);
-  if (!job.ok()) return job.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_id));
   if (length <= 0) return absl::InvalidArgumentError("range.length is 0");
   if (dtype != DType::kFp32 && tensor != StateTensor::kMasterWeights) {
     return absl::InvalidArgumentError("moments can only be read as FP32");
@@ -223,7 +221,7 @@ absl::Status ShardStore::ReadState(
   // Validate the whole request before sending anything: it may span adjacent ranges.
   std::vector<std::pair<RangeState*, int64_t>> pieces;  // (range, elements from it)
   for (int64_t done = 0; done < length;) {
-    absl::StatusOr<RangeState*> range = FindRangeFor(**job, offset + done, 1);
+    absl::StatusOr<RangeState*> range = FindRangeFor(*job, offset + done, 1);
     if (!range.ok()) return range.status();
     const int64_t m =
         std::min(length - done, (*range)->spec.offset + (*range)->spec.length - (offset + done));

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -26,9 +27,8 @@ absl::string_view TensorName(StateTensor t) {
 
 absl::StatusOr<std::unique_ptr<StateLoader>> StateLoader::Start(ShardStore* store,
                                                                 const std::string& job_id) {
-  absl::StatusOr<std::shared_ptr<Job>> job = store->FindJob(job_id);
-  if (!job.ok()) return job.status();
-  return std::unique_ptr<StateLoader>(new StateLoader(store, *std::move(job)));
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, store->FindJob(job_id));
+  return std::unique_ptr<StateLoader>(new StateLoader(store, std::move(job)));
 }
 
 absl::Status StateLoader::AddChunk(StateTensor tensor, int64_t offset, DType dtype,
@@ -54,19 +54,18 @@ absl::Status StateLoader::AddChunk(StateTensor tensor, int64_t offset, DType dty
   // A chunk may span adjacent ranges (a rank loading its whole partition); split it per range.
   std::vector<Chunk> pieces;
   for (int64_t done = 0; done < n;) {
-    absl::StatusOr<RangeState*> range = FindRangeFor(*job_, offset + done, 1);
-    if (!range.ok()) return range.status();
-    const RangeSpec& spec = (*range)->spec;
+    OFFLOAD_ASSIGN_OR_RETURN(RangeState * range, FindRangeFor(*job_, offset + done, 1));
+    const RangeSpec& spec = range->spec;
     const int64_t begin = offset + done - spec.offset;
     const int64_t m = std::min(n - done, spec.length - begin);
-    if (auto overlap = covered_[{*range, tensor}].FindOverlap(begin, begin + m)) {
+    if (auto overlap = covered_[{range, tensor}].FindOverlap(begin, begin + m)) {
       return absl::InvalidArgumentError(
           absl::StrCat(TensorName(tensor), " chunk [", offset, ", ", offset + n,
                        ") overlaps a chunk of this load at [", overlap->first + spec.offset, ", ",
                        overlap->second + spec.offset, ")"));
     }
     pieces.push_back(
-        Chunk{tensor, *range, begin, m == n ? std::string() : data.substr(done * 4, m * 4)});
+        Chunk{tensor, range, begin, m == n ? std::string() : data.substr(done * 4, m * 4)});
     done += m;
   }
   absl::StatusOr<Reservation> held =

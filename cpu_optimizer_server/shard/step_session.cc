@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/adam/adam_kernel_internal.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 
@@ -15,14 +16,13 @@ absl::StatusOr<std::unique_ptr<StepSession>> StepSession::Open(ShardStore* store
                                                                const std::string& job_id,
                                                                uint32_t range_index,
                                                                uint64_t step) {
-  absl::StatusOr<std::shared_ptr<Job>> job = store->FindJob(job_id);
-  if (!job.ok()) return job.status();
-  if (range_index >= (*job)->ranges.size()) {
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, store->FindJob(job_id));
+  if (range_index >= job->ranges.size()) {
     return absl::InvalidArgumentError(absl::StrCat("range_index ", range_index, " but job ", job_id,
-                                                   " has ", (*job)->ranges.size(),
+                                                   " has ", job->ranges.size(),
                                                    " ranges on this shard"));
   }
-  RangeState* range = (*job)->ranges[range_index].get();
+  RangeState* range = job->ranges[range_index].get();
   std::lock_guard<std::mutex> lock(range->mu);
   if (range->step_in_progress) {
     return absl::AbortedError(
@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<StepSession>> StepSession::Open(ShardStore* store
         range->loaded.covered(), " of ", range->spec.length, " elements): call LoadState first"));
   }
   range->step_in_progress = true;
-  return std::unique_ptr<StepSession>(new StepSession(store, *std::move(job), range, step, replay));
+  return std::unique_ptr<StepSession>(new StepSession(store, std::move(job), range, step, replay));
 }
 
 StepSession::StepSession(ShardStore* store, std::shared_ptr<Job> job, RangeState* range,
@@ -84,11 +84,11 @@ absl::Status StepSession::AddGradients(int64_t offset, DType dtype, bool accumul
                                                    DTypeName(dtype)));
   }
   const int64_t n = static_cast<int64_t>(data.size()) / size;
-  if (absl::Status s = ValidateChunk(offset, n, accumulate); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateChunk(offset, n, accumulate));
   const int64_t begin = offset - range_->spec.offset;
   if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
   if (accumulate && !accumulating_) {
-    if (absl::Status s = StartAccumulating(); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(StartAccumulating());
   }
   Reservation held;
   if (!accumulating_) {
@@ -120,7 +120,7 @@ absl::Status StepSession::AddGradientsView(int64_t offset, DType dtype, const vo
                                            int64_t n) {
   if (committed_) return absl::FailedPreconditionError("gradient chunk after the commit");
   if (n <= 0) return absl::InvalidArgumentError("gradient chunk has no data");
-  if (absl::Status s = ValidateChunk(offset, n, /*accumulate=*/false); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateChunk(offset, n, /*accumulate=*/false));
   const int64_t begin = offset - range_->spec.offset;
   if (replay_) return absl::OkStatus();  // validated; a replay applies nothing
   // The caller holds the bytes (and accounts for them), so no reservation here.
@@ -153,11 +153,10 @@ absl::Status StepSession::StartAccumulating() {
     absl::StatusOr<Reservation> reservation =
         store_->budget()->Take(bytes, absl::StrCat("the gradient accumulator of range ", r->index));
     if (!reservation.ok()) return reservation.status();
-    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(bytes);
-    if (!storage.ok()) return storage.status();
+    OFFLOAD_ASSIGN_OR_RETURN(HostBuffer storage, HostBuffer::Allocate(bytes));
     std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
     std::lock_guard<std::mutex> lock(r->mu);  // DescribeShard reads these two under mu
-    r->accumulator_storage = *std::move(storage);
+    r->accumulator_storage = std::move(storage);
     r->accumulator = static_cast<float*>(r->accumulator_storage.data());
     r->accumulator_reservation = *std::move(reservation);
   }

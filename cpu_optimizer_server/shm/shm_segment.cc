@@ -15,6 +15,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 namespace {
@@ -175,7 +176,7 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name) {
   segment.name_ = name;
   segment.base_ = base;
   segment.size_ = bytes;
-  if (absl::Status s = Validate(base, bytes); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Validate(base, bytes));
   return segment;
 }
 

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/attach_client.h"
 #include "cpu_optimizer_server/shm/shm_segment.h"
 
@@ -27,7 +28,7 @@ namespace {
 absl::StatusOr<ShmSegment> Handshake(const v1::AttachOpen& open, AttachClient* link) {
   v1::AttachRequest request;
   *request.mutable_open() = open;
-  if (absl::Status s = link->Send(request, "the offer"); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(link->Send(request, "the offer"));
   absl::StatusOr<v1::AttachResponse> response = link->Receive("the offer");
   if (!response.ok()) return response.status();
   if (!response->has_shm()) {
@@ -40,7 +41,7 @@ absl::StatusOr<ShmSegment> Handshake(const v1::AttachOpen& open, AttachClient* l
     return segment.status();
   }
   request.mutable_proof()->set_secret(segment->header()->secret, kShmSecretBytes);
-  if (absl::Status s = link->Send(request, "AttachReady"); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(link->Send(request, "AttachReady"));
   response = link->Receive("AttachReady");
   if (!response.ok()) return response.status();
   if (!response->has_ready()) {
@@ -105,12 +106,9 @@ class Attachment {
   // Pushes a command, waiting for a free ring entry. Returns its sequence number.
   absl::StatusOr<uint32_t> Push(const ShmCommand& cmd) {
     ShmHeader* h = header();
-    if (absl::Status s = WaitUntil(
-            [&] { return head_ - h->cmd_tail.load(std::memory_order_acquire) < kShmRingSize; },
-            Deadline());
-        !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(WaitUntil(
+        [&] { return head_ - h->cmd_tail.load(std::memory_order_acquire) < kShmRingSize; },
+        Deadline()));
     h->ring[head_ % kShmRingSize] = cmd;
     ++head_;
     h->cmd_head.store(head_, std::memory_order_release);
@@ -204,7 +202,7 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
                                           bool accumulate) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   if (n <= 0) return absl::OkStatus();  // nothing to send, as over gRPC
-  if (absl::Status s = PendingError(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(PendingError());
   ShmHeader* h = a_->header();
   const int size = DTypeSize(dtype);
   const char* bytes = static_cast<const char*>(data);
@@ -215,8 +213,7 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
     if (at >= 0 && at < h->range_length && n <= h->range_length - at) {
       std::memcpy(a_->segment().grad_area() + at * 2, bytes, n * 2);
     }
-    absl::StatusOr<uint32_t> seq = PushGrad(offset, dtype, n, false, kShmInPlace);
-    if (!seq.ok()) return seq.status();
+    OFFLOAD_ASSIGN_OR_RETURN(uint32_t seq, PushGrad(offset, dtype, n, false, kShmInPlace));
     return PendingError();
   }
   // Through the chunk slots, in pieces of at most one slot.
@@ -227,20 +224,14 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
   }
   for (int64_t done = 0; done < n; done += per_slot) {
     const int64_t m = std::min(per_slot, n - done);
-    if (absl::Status s = a_->WaitUntil(
-            [&] {
-              return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots;
-            },
-            a_->Deadline());
-        !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(a_->WaitUntil(
+        [&] { return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots; },
+        a_->Deadline()));
     const uint32_t slot = a_->slot_uses % slots;
     std::memcpy(a_->segment().slot(slot), bytes + done * size, m * size);
     ++a_->slot_uses;
-    absl::StatusOr<uint32_t> seq = PushGrad(offset + done, dtype, m, accumulate, slot);
-    if (!seq.ok()) return seq.status();
-    if (absl::Status s = PendingError(); !s.ok()) return s;
+    OFFLOAD_ASSIGN_OR_RETURN(uint32_t seq, PushGrad(offset + done, dtype, m, accumulate, slot));
+    OFFLOAD_RETURN_IF_ERROR(PendingError());
   }
   return absl::OkStatus();
 }
@@ -248,7 +239,7 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
 absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multiplier, bool skip,
                                                      void* params_out) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
-  if (absl::Status s = PendingError(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(PendingError());
   ShmHeader* h = a_->header();
   const int64_t length = h->range_length;
   // Zeroed before the push (which releases it): the shard writes it only for this commit.
@@ -292,7 +283,7 @@ absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multip
     return absl::DataLossError("shard published parameters outside the range");
   }
   a_->busy().store(false);
-  if (absl::Status s = a_->ReplyStatus(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(a_->ReplyStatus());
   const ShmReply& r = h->reply;
   v1::StepResult result;
   result.set_step(r.step);
@@ -351,7 +342,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> ShmTransport::Attach(const std::stri
   open.set_job_id(job_id);
   open.set_range_index(range_index);
   open.set_plane(v1::DATA_PLANE_SHM);
-  if (absl::Status s = attachment->Start(control_, open); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(attachment->Start(control_, open));
   std::lock_guard<std::mutex> lock(mu_);
   attachments_[key] = attachment;
   return attachment;
@@ -362,34 +353,33 @@ absl::StatusOr<std::unique_ptr<StepStream>> ShmTransport::OpenStep(const std::st
                                                                    int64_t range_offset,
                                                                    int64_t range_length,
                                                                    uint64_t step) {
-  absl::StatusOr<std::shared_ptr<Attachment>> a = Attach(job_id, range_index);
-  if (!a.ok()) return a.status();
-  ShmHeader* h = (*a)->header();
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, Attach(job_id, range_index));
+  ShmHeader* h = a->header();
   if (h->range_offset != range_offset || h->range_length != range_length) {
     return absl::InvalidArgumentError(
         absl::StrCat("range ", range_index, " of job ", job_id, " is [", h->range_offset, ", ",
                      h->range_offset + h->range_length, ") on the shard, not [", range_offset, ", ",
                      range_offset + range_length, ")"));
   }
-  if ((*a)->busy().exchange(true)) {
+  if (a->busy().exchange(true)) {
     return absl::AbortedError(absl::StrCat("another step stream is open on range ", range_index,
                                            " of job ", job_id, " (this transport)"));
   }
   ShmCommand cmd{};
   cmd.kind = static_cast<uint32_t>(ShmCommandKind::kOpen);
   cmd.step = step;
-  absl::StatusOr<uint32_t> seq = (*a)->Push(cmd);
+  absl::StatusOr<uint32_t> seq = a->Push(cmd);
   absl::Status s = seq.status();
   if (s.ok()) {
-    s = (*a)->WaitUntil([&] { return h->reply_seq.load(std::memory_order_acquire) == *seq; },
-                        (*a)->Deadline());
+    s = a->WaitUntil([&] { return h->reply_seq.load(std::memory_order_acquire) == *seq; },
+                     a->Deadline());
   }
-  if (s.ok()) s = (*a)->ReplyStatus();
+  if (s.ok()) s = a->ReplyStatus();
   if (!s.ok()) {
-    (*a)->busy().store(false);
+    a->busy().store(false);
     return s;
   }
-  return std::unique_ptr<StepStream>(new ShmStepStream(*std::move(a), step, *seq));
+  return std::unique_ptr<StepStream>(new ShmStepStream(std::move(a), step, *seq));
 }
 
 }  // namespace
@@ -409,8 +399,7 @@ absl::Status ProbeShm(OptimizerClient* control) {
       control, absl::StrCat("the shm probe's Attach stream of shard ", control->options().address));
   v1::AttachOpen open;
   open.set_plane(v1::DATA_PLANE_SHM);
-  absl::StatusOr<ShmSegment> segment = Handshake(open, &link);
-  if (!segment.ok()) return segment.status();
+  OFFLOAD_ASSIGN_OR_RETURN(ShmSegment segment, Handshake(open, &link));
   return link.Close();
 }
 

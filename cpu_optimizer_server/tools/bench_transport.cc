@@ -44,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_split.h"
 #include "base/host_buffer.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
@@ -151,13 +152,13 @@ class Bench {
     std::unique_ptr<StepTransport> owned;
     StepTransport* transport = client->get();
     if (plane.kind == "shm") {
-      if (absl::Status s = ProbeShm(client->get()); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(ProbeShm(client->get()));
       auto t = CreateShmTransport(client->get());
       if (!t.ok()) return t.status();
       owned = *std::move(t);
 #ifdef OFFLOAD_HAVE_UCX
     } else if (plane.kind == "ucx") {
-      if (absl::Status s = ProbeUcx(client->get()); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(ProbeUcx(client->get()));
       UcxOptions ucx;
       ucx.chunk_bytes = absl::GetFlag(FLAGS_chunk_kib) << 10;
       auto t = CreateUcxTransport(client->get(), ucx);
@@ -208,9 +209,7 @@ class Bench {
     auto stream = transport->OpenStep("bench", 0, 0, n_, step);
     if (!stream.ok()) return stream.status();
     if (send) {
-      if (absl::Status s = (*stream)->SendGradients(0, grads_.data(), dtype_, n_); !s.ok()) {
-        return s;
-      }
+      OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, grads_.data(), dtype_, n_));
     }
     return (*stream)->Commit(1e-4f, 1.0f, skip, params_.data());
   }

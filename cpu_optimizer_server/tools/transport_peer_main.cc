@@ -23,6 +23,7 @@
 #include "absl/flags/parse.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
@@ -54,12 +55,12 @@ int Fail(const char* what, const absl::Status& status) {
 absl::StatusOr<std::unique_ptr<StepTransport>> MakeTransport(const std::string& kind,
                                                              OptimizerClient* client) {
   if (kind == "shm") {
-    if (absl::Status s = ProbeShm(client); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(ProbeShm(client));
     return CreateShmTransport(client);
   }
   if (kind == "ucx") {
 #ifdef OFFLOAD_HAVE_UCX
-    if (absl::Status s = ProbeUcx(client); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(ProbeUcx(client));
     return CreateUcxTransport(client);
 #else
     return absl::UnimplementedError("this build has no UCX");
@@ -75,18 +76,14 @@ absl::StatusOr<v1::StepResult> Step(StepTransport* transport, const std::string&
   auto stream = transport->OpenStep(job, 0, 0, n, step);
   if (!stream.ok()) return stream.status();
   const int64_t half = n / 2;
-  if (absl::Status s = (*stream)->SendGradients(0, grads.data(), DType::kFp16, half); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, grads.data(), DType::kFp16, half));
   if (pause_ms > 0) {
     std::printf("peer mid-exchange step=%llu\n", static_cast<unsigned long long>(step));
     std::fflush(stdout);
     std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
   }
-  if (absl::Status s = (*stream)->SendGradients(half, grads.data() + half, DType::kFp16, n - half);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(
+      (*stream)->SendGradients(half, grads.data() + half, DType::kFp16, n - half));
   return (*stream)->Commit(1e-4f, 1.0f, false, params->data());
 }
 

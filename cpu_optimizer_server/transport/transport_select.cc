@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
 #ifdef OFFLOAD_HAVE_UCX
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/ucx/ucx_transport.h"
 #endif
 
@@ -59,13 +60,12 @@ absl::StatusOr<StepTransport*> SelectStepTransport(OptimizerClient* control, Tra
     case TransportChoice::kAuto:
       break;
   }
-  absl::StatusOr<v1::DescribeShardResponse> shard = control->DescribeShard();
-  if (!shard.ok()) return shard.status();
-  if (Offers(*shard, v1::DATA_PLANE_SHM) && ProbeShm(control).ok()) {
+  OFFLOAD_ASSIGN_OR_RETURN(v1::DescribeShardResponse shard, control->DescribeShard());
+  if (Offers(shard, v1::DATA_PLANE_SHM) && ProbeShm(control).ok()) {
     return Keep(CreateShmTransport(control), owned);
   }
 #ifdef OFFLOAD_HAVE_UCX
-  if (Offers(*shard, v1::DATA_PLANE_UCX) && ProbeUcx(control).ok()) {
+  if (Offers(shard, v1::DATA_PLANE_UCX) && ProbeUcx(control).ok()) {
     return Keep(CreateUcxTransport(control), owned);
   }
 #endif

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/grpc_status.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/step_session.h"
 #include "cpu_optimizer_server/ucx/ucx_common.h"
@@ -470,10 +471,9 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
 
 absl::StatusOr<std::unique_ptr<DataPlaneServer>> CreateUcxServer(ShardStore* store,
                                                                  const UcxOptions& options) {
-  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = ucx::Worker::Create();
-  if (!worker.ok()) return worker.status();
-  auto server = std::make_unique<UcxServer>(store, options, *std::move(worker));
-  if (absl::Status s = server->Init(); !s.ok()) return s;
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ucx::Worker> worker, ucx::Worker::Create());
+  auto server = std::make_unique<UcxServer>(store, options, std::move(worker));
+  OFFLOAD_RETURN_IF_ERROR(server->Init());
   return std::unique_ptr<DataPlaneServer>(std::move(server));
 }
 

@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/attach_client.h"
 #include "cpu_optimizer_server/ucx/ucx_common.h"
 
@@ -302,7 +303,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> UcxTransport::Attach(const std::stri
   open->set_range_index(range_index);
   open->set_plane(v1::DATA_PLANE_UCX);
   open->set_ucx_worker_address(worker_->address());
-  if (absl::Status s = att->link->Send(request, "the AttachOpen was sent"); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(att->link->Send(request, "the AttachOpen was sent"));
   absl::StatusOr<v1::AttachResponse> response = att->link->Receive("its UcxOffer");
   if (!response.ok()) return response.status();
   if (!response->has_ucx()) {
@@ -418,11 +419,8 @@ absl::Status UcxStepStream::Open() {
     return s;
   }
   StreamState* st = state_.get();
-  if (absl::Status s = transport_->Wait(
-          att_.get(), st, [st] { return st->opened || !st->error.ok(); }, "OPEN");
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(transport_->Wait(
+      att_.get(), st, [st] { return st->opened || !st->error.ok(); }, "OPEN"));
   return ShardError();
 }
 
@@ -453,7 +451,7 @@ absl::Status UcxStepStream::SendGradients(int64_t offset, const void* data, DTyp
       return s;
     }
   }
-  if (absl::Status s = WaitSends(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(WaitSends());
   // A refused chunk: the shard's answer says why (it may also come only with the commit).
   if (absl::Status s = ShardError(); !s.ok()) {
     done_ = true;
@@ -466,7 +464,7 @@ absl::StatusOr<v1::StepResult> UcxStepStream::Commit(float lr, float grad_multip
                                                      void* params_out) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   done_ = true;
-  if (absl::Status s = ShardError(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ShardError());
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->params_out = static_cast<char*>(params_out);
@@ -543,12 +541,11 @@ absl::StatusOr<std::unique_ptr<StepStream>> UcxTransport::OpenStep(const std::st
   stale.reset();
   if (att == nullptr) {
     // Two threads may race to attach the same range; the loser's attachment is simply dropped.
-    absl::StatusOr<std::shared_ptr<Attachment>> made = Attach(job_id, range_index);
-    if (!made.ok()) return made.status();
+    OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> made, Attach(job_id, range_index));
     std::lock_guard<std::mutex> lock(mu_);
-    auto [it, inserted] = attachments_.emplace(key, *made);
+    auto [it, inserted] = attachments_.emplace(key, made);
     att = it->second;
-    if (!inserted) stale = *std::move(made);
+    if (!inserted) stale = std::move(made);
   }
   stale.reset();
   auto [id, state] = AddStream(att.get());
@@ -563,10 +560,9 @@ absl::StatusOr<std::unique_ptr<StepStream>> UcxTransport::OpenStep(const std::st
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> MakeTransport(OptimizerClient* control,
                                                             const UcxOptions& options) {
-  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = ucx::Worker::Create();
-  if (!worker.ok()) return worker.status();
-  auto t = std::make_unique<UcxTransport>(control, options, *std::move(worker));
-  if (absl::Status s = t->Init(); !s.ok()) return s;
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ucx::Worker> worker, ucx::Worker::Create());
+  auto t = std::make_unique<UcxTransport>(control, options, std::move(worker));
+  OFFLOAD_RETURN_IF_ERROR(t->Init());
   return t;
 }
 
@@ -575,17 +571,15 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> MakeTransport(OptimizerClient* con
 absl::StatusOr<std::unique_ptr<StepTransport>> CreateUcxTransport(OptimizerClient* control,
                                                                   const UcxOptions& options) {
   if (options.chunk_bytes < 4) return absl::InvalidArgumentError("UCX chunk_bytes below 4");
-  absl::StatusOr<std::unique_ptr<UcxTransport>> t = MakeTransport(control, options);
-  if (!t.ok()) return t.status();
-  return std::unique_ptr<StepTransport>(*std::move(t));
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<UcxTransport> t, MakeTransport(control, options));
+  return std::unique_ptr<StepTransport>(std::move(t));
 }
 
 absl::Status ProbeUcx(OptimizerClient* control) {
   absl::StatusOr<std::unique_ptr<UcxTransport>> t = MakeTransport(control, UcxOptions());
   if (!t.ok()) return t.status();
-  absl::StatusOr<std::shared_ptr<Attachment>> att = (*t)->Attach("", 0);
-  if (!att.ok()) return att.status();
-  return (*t)->Ping(*att);
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> att, (*t)->Attach("", 0));
+  return (*t)->Ping(att);
 }
 
 }  // namespace offload

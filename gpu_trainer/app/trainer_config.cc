@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "model_spec/model_preset.h"
 
 ABSL_FLAG(std::string, model, "demo", "model preset: demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
@@ -74,7 +75,7 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   if (absl::GetFlag(FLAGS_heads) > 0) o.model.num_heads = absl::GetFlag(FLAGS_heads);
   if (absl::GetFlag(FLAGS_channels) > 0) o.model.channels = absl::GetFlag(FLAGS_channels);
   if (absl::GetFlag(FLAGS_context) > 0) o.model.context_length = absl::GetFlag(FLAGS_context);
-  if (absl::Status s = ValidateGpt2Config(o.model); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(o.model));
 
   const std::string kernels = absl::GetFlag(FLAGS_kernels);
   if (kernels != "fast" && kernels != "naive") {

@@ -22,6 +22,7 @@
 #include "base/metrics/metrics.h"
 #include "base/metrics/metrics_flags.h"
 #include "base/security/security.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/app/progress.h"
 #include "gpu_trainer/app/trainer_config.h"
 #include "gpu_trainer/app/trainer_worker.h"
@@ -117,14 +118,13 @@ int Fail(const absl::Status& s) {
 
 // Rank 0 of a job the controller runs reports its progress and hears the controller's requests.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ControllerChannel(std::string* token) {
-  absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
-  if (!security.ok()) return security.status();
+  OFFLOAD_ASSIGN_OR_RETURN(offload::SecurityOptions security, offload::SecurityFromFlags());
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      offload::MakeChannelCredentials(security->tls);
+      offload::MakeChannelCredentials(security.tls);
   if (!credentials.ok()) return credentials.status();
-  *token = security->client_token;
+  *token = security.client_token;
   return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_report_to), *credentials,
-                                   offload::ChannelArgumentsFor(security->tls));
+                                   offload::ChannelArgumentsFor(security.tls));
 }
 
 offload::v1::AttemptRef ReportedAttempt() {
@@ -139,10 +139,9 @@ absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ControllerRendezvous() 
     return absl::InvalidArgumentError("--rendezvous=controller needs --report_to");
   }
   std::string token;
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
-  if (!channel.ok()) return channel.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ControllerChannel(&token));
   return std::make_shared<offload::ControllerStore>(
-      *channel, token, ReportedAttempt(),
+      channel, token, ReportedAttempt(),
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_collective_timeout)));
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -89,10 +90,9 @@ absl::Status AtomicFileWriter::Commit() {
 }
 
 absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents) {
-  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> w = AtomicFileWriter::Open(path);
-  if (!w.ok()) return w.status();
-  if (absl::Status s = (*w)->Append(contents); !s.ok()) return s;
-  return (*w)->Commit();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> w, AtomicFileWriter::Open(path));
+  OFFLOAD_RETURN_IF_ERROR(w->Append(contents));
+  return w->Commit();
 }
 
 }  // namespace offload

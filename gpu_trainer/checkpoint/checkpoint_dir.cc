@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/atomic_file.h"
 #include "gpu_trainer/checkpoint/manifest.h"
 
@@ -67,7 +68,7 @@ absl::Status ForEachEntry(const std::string& dir,
   closedir(d);
   // Collected first: fn may remove entries, which readdir does not promise to tolerate.
   for (const std::string& name : names) {
-    if (absl::Status s = fn(name); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(fn(name));
   }
   return absl::OkStatus();
 }
@@ -129,7 +130,7 @@ std::string StepDirName(uint64_t step) { return absl::StrFormat("step-%08d", ste
 
 absl::StatusOr<CheckpointStaging> CheckpointStaging::Begin(const std::string& root, uint64_t step) {
   if (root.empty()) return absl::InvalidArgumentError("checkpoint root is empty");
-  if (absl::Status s = MakeDirs(root); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(MakeDirs(root));
   // A staging dir only exists while a writer runs or after it crashed, and there is one writer
   // per root, so every one found now is debris.
   absl::Status cleaned = ForEachEntry(root, [&](const std::string& name) {
@@ -162,7 +163,7 @@ absl::StatusOr<std::string> CheckpointStaging::Commit(const v1::CheckpointManife
     return absl::InvalidArgumentError(
         absl::StrCat("keep is ", keep, "; at least 1 checkpoint must stay"));
   }
-  if (absl::Status s = ValidateManifest(manifest); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateManifest(manifest));
   if (manifest.step() != step_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "manifest says step ", manifest.step(), " but this checkpoint was begun for step ", step_));
@@ -176,16 +177,13 @@ absl::StatusOr<std::string> CheckpointStaging::Commit(const v1::CheckpointManife
           absl::StrCat("the manifest names ", file, " but ", PathOf(file), " was not written"));
     }
   }
-  if (absl::Status s = WriteFileAtomic(PathOf(kManifestFileName), ManifestToJson(manifest));
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(WriteFileAtomic(PathOf(kManifestFileName), ManifestToJson(manifest)));
   // Writers may not have fsynced their files; the rename below must not become durable before
   // the data it publishes.
   absl::Status synced =
       ForEachEntry(staging_dir_, [&](const std::string& name) { return FsyncPath(PathOf(name)); });
   if (!synced.ok()) return synced;
-  if (absl::Status s = FsyncPath(staging_dir_); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(FsyncPath(staging_dir_));
 
   const std::string name = StepDirName(step_);
   const std::string final_dir = absl::StrCat(root_, "/", name);
@@ -193,30 +191,25 @@ absl::StatusOr<std::string> CheckpointStaging::Commit(const v1::CheckpointManife
     // The same step checkpointed again (e.g. a run rewound to it). If it is the current
     // checkpoint, swap the two dirs in one atomic step so `latest` never names a missing dir;
     // otherwise nothing reads it and it can simply go.
-    absl::StatusOr<std::string> current = LatestName(root_);
-    if (!current.ok()) return current.status();
-    if (*current == name) {
+    OFFLOAD_ASSIGN_OR_RETURN(std::string current, LatestName(root_));
+    if (current == name) {
       if (renameat2(AT_FDCWD, staging_dir_.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) !=
           0) {
         return absl::ErrnoToStatus(errno,
                                    absl::StrCat("cannot atomically replace ", final_dir,
                                                 ", the current checkpoint, with ", staging_dir_));
       }
-      if (absl::Status s = FsyncPath(root_); !s.ok()) return s;
-      if (absl::Status s = RemoveTree(staging_dir_); !s.ok()) return s;  // now the old contents
-    } else if (absl::Status s = RemoveTree(final_dir); !s.ok()) {
-      return s;
-    }
+      OFFLOAD_RETURN_IF_ERROR(FsyncPath(root_));
+      OFFLOAD_RETURN_IF_ERROR(RemoveTree(staging_dir_));  // now the old contents
+    } else
+      OFFLOAD_RETURN_IF_ERROR(RemoveTree(final_dir));
   }
   if (IsDirectory(staging_dir_) && rename(staging_dir_.c_str(), final_dir.c_str()) != 0) {
     return absl::ErrnoToStatus(errno,
                                absl::StrCat("cannot rename ", staging_dir_, " to ", final_dir));
   }
-  if (absl::Status s = FsyncPath(root_); !s.ok()) return s;
-  if (absl::Status s = WriteFileAtomic(absl::StrCat(root_, "/", kLatestFileName), name + "\n");
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(FsyncPath(root_));
+  OFFLOAD_RETURN_IF_ERROR(WriteFileAtomic(absl::StrCat(root_, "/", kLatestFileName), name + "\n"));
   committed_ = true;
 
   // Pruning last: until `latest` moved on, the older checkpoints were still the current one.
@@ -243,25 +236,23 @@ absl::StatusOr<std::string> CheckpointStaging::Commit(const v1::CheckpointManife
 }
 
 absl::StatusOr<std::string> LatestCheckpointDir(const std::string& root) {
-  absl::StatusOr<std::string> name = LatestName(root);
-  if (!name.ok()) return name.status();
-  if (name->empty()) {
+  OFFLOAD_ASSIGN_OR_RETURN(std::string name, LatestName(root));
+  if (name.empty()) {
     return absl::NotFoundError(
         absl::StrCat("no checkpoint in ", root, " yet (no ", kLatestFileName, " file)"));
   }
-  std::string dir = absl::StrCat(root, "/", *name);
+  std::string dir = absl::StrCat(root, "/", name);
   if (!IsDirectory(dir)) {
     return absl::DataLossError(
-        absl::StrCat(root, "/", kLatestFileName, " names ", *name, " but ", dir, " is missing"));
+        absl::StrCat(root, "/", kLatestFileName, " names ", name, " but ", dir, " is missing"));
   }
   return dir;
 }
 
 absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
   const std::string path = absl::StrCat(checkpoint_dir, "/", kManifestFileName);
-  absl::StatusOr<std::string> text = ReadFile(path);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<v1::CheckpointManifest> m = ParseManifestJson(*text);
+  OFFLOAD_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  absl::StatusOr<v1::CheckpointManifest> m = ParseManifestJson(text);
   if (!m.ok()) {
     return absl::Status(m.status().code(), absl::StrCat(path, ": ", m.status().message()));
   }

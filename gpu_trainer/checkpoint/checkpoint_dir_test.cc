@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
 #include "gpu_trainer/checkpoint/test_util.h"
 
@@ -30,13 +31,12 @@ v1::CheckpointManifest Manifest(uint64_t step) {
 
 // A whole checkpoint of `step` whose model tensor holds the value `step`.
 absl::StatusOr<std::string> Save(const std::string& root, uint64_t step, int keep = 2) {
-  absl::StatusOr<CheckpointStaging> staging = CheckpointStaging::Begin(root, step);
-  if (!staging.ok()) return staging.status();
+  OFFLOAD_ASSIGN_OR_RETURN(CheckpointStaging staging, CheckpointStaging::Begin(root, step));
   const float v = static_cast<float>(step);
-  absl::Status s = WriteSafetensors(staging->PathOf("model.safetensors"),
+  absl::Status s = WriteSafetensors(staging.PathOf("model.safetensors"),
                                     {{"w", TensorDType::kF32, {1}, &v, nullptr}}, {});
   if (!s.ok()) return s;
-  return staging->Commit(Manifest(step), keep);
+  return staging.Commit(Manifest(step), keep);
 }
 
 float ModelValue(const std::string& dir) {

@@ -1,6 +1,7 @@
 #include "gpu_trainer/checkpoint/manifest.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace offload {
@@ -33,7 +34,7 @@ absl::Status ValidateManifest(const v1::CheckpointManifest& m) {
                                                    v1::DType_Name(m.param_dtype()),
                                                    "; expected DTYPE_FP16 or DTYPE_BF16"));
   }
-  if (absl::Status s = CheckFileName("model_file", m.model_file()); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CheckFileName("model_file", m.model_file()));
   for (int i = 0; i < m.shard_files_size(); ++i) {
     absl::Status s =
         CheckFileName(absl::StrCat("shard_files[", i, "].file"), m.shard_files(i).file());
@@ -52,7 +53,7 @@ absl::StatusOr<v1::CheckpointManifest> ParseManifestJson(absl::string_view json)
     return absl::InvalidArgumentError(
         absl::StrCat("manifest is not a valid CheckpointManifest: ", std::string(s.message())));
   }
-  if (absl::Status v = ValidateManifest(m); !v.ok()) return v;
+  OFFLOAD_RETURN_IF_ERROR(ValidateManifest(m));
   return m;
 }
 

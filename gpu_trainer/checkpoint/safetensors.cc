@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/dtype.h"
+#include "base/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gpu_trainer/checkpoint/atomic_file.h"
@@ -411,17 +412,16 @@ absl::Status WriteSafetensors(const std::string& path,
   // element size (the usual case: whole 64-element blocks) can be used in place from an mmap.
   header.append((8 - header.size() % 8) % 8, ' ');
 
-  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> w = AtomicFileWriter::Open(path);
-  if (!w.ok()) return w.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> w, AtomicFileWriter::Open(path));
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(uint64_t{header.size()} >> (8 * i));
-  if (absl::Status s = (*w)->Append(len, 8); !s.ok()) return s;
-  if (absl::Status s = (*w)->Append(header); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(w->Append(len, 8));
+  OFFLOAD_RETURN_IF_ERROR(w->Append(header));
   std::vector<uint8_t> chunk;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const SafetensorsTensor& t = tensors[i];
     if (t.data != nullptr) {
-      if (absl::Status s = (*w)->Append(t.data, sizes[i]); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(w->Append(t.data, sizes[i]));
       continue;
     }
     chunk.resize(static_cast<size_t>(std::min(sizes[i], kFillChunkBytes)));
@@ -431,11 +431,11 @@ absl::Status WriteSafetensors(const std::string& path,
         return absl::Status(s.code(), absl::StrCat(path, ": filling tensor '", t.name, "' bytes [",
                                                    done, ", ", done + n, "): ", s.message()));
       }
-      if (absl::Status s = (*w)->Append(chunk.data(), n); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(w->Append(chunk.data(), n));
       done += n;
     }
   }
-  return (*w)->Commit();
+  return w->Commit();
 }
 
 }  // namespace offload

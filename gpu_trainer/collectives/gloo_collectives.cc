@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/status_macros.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
@@ -132,18 +133,16 @@ class GlooCollectives final : public Collectives {
   absl::Status ReduceScatter(const float* data, float* out,
                              const std::vector<int64_t>& counts) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckUsable("reduce_scatter"); !s.ok()) return s;
-    if (absl::Status s = CheckReduceScatterArgs(rank_, world_size_, data, out, counts); !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(CheckUsable("reduce_scatter"));
+    OFFLOAD_RETURN_IF_ERROR(CheckReduceScatterArgs(rank_, world_size_, data, out, counts));
     return Run("reduce_scatter",
                [&](uint32_t tag) { return RingReduceScatter(data, out, counts, tag); });
   }
 
   absl::Status AllGather16(const uint16_t* in, uint16_t* out, int64_t n) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckUsable("all_gather16"); !s.ok()) return s;
-    if (absl::Status s = CheckAllGather16Args(rank_, world_size_, in, out, n); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(CheckUsable("all_gather16"));
+    OFFLOAD_RETURN_IF_ERROR(CheckAllGather16Args(rank_, world_size_, in, out, n));
     return Run("all_gather16", [&](uint32_t tag) {
       if (n == 0) return absl::OkStatus();
       gloo::AllgatherOptions opts(context_);
@@ -159,8 +158,8 @@ class GlooCollectives final : public Collectives {
 
   absl::Status AllReduce(double* values, int n, ReduceOp op) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckUsable("all_reduce"); !s.ok()) return s;
-    if (absl::Status s = CheckAllReduceArgs(values, n, op); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(CheckUsable("all_reduce"));
+    OFFLOAD_RETURN_IF_ERROR(CheckAllReduceArgs(values, n, op));
     return Run("all_reduce", [&](uint32_t tag) {
       if (n == 0) return absl::OkStatus();
       gloo::AllreduceOptions opts(context_);
@@ -179,8 +178,8 @@ class GlooCollectives final : public Collectives {
   absl::Status BroadcastWithin(void* data, int64_t bytes, int root,
                                absl::Duration timeout) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckUsable("broadcast"); !s.ok()) return s;
-    if (absl::Status s = CheckBroadcastArgs(world_size_, data, bytes, root); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(CheckUsable("broadcast"));
+    OFFLOAD_RETURN_IF_ERROR(CheckBroadcastArgs(world_size_, data, bytes, root));
     return Run("broadcast", [&](uint32_t tag) {
       if (bytes == 0) return absl::OkStatus();
       gloo::BroadcastOptions opts(context_);
@@ -196,7 +195,7 @@ class GlooCollectives final : public Collectives {
 
   absl::Status Barrier() override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckUsable("barrier"); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(CheckUsable("barrier"));
     return Run("barrier", [&](uint32_t tag) {
       gloo::BarrierOptions opts(context_);
       opts.setTag(tag);
@@ -371,7 +370,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> Rendezvous(const GlooOptions& optio
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const GlooOptions& options) {
-  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CheckOptions(options));
   if (options.rendezvous.empty()) {
     return absl::InvalidArgumentError("GlooOptions.rendezvous (a directory) is empty");
   }
@@ -393,7 +392,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const GlooOptions& opti
 
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(
     const GlooOptions& options, std::shared_ptr<gloo::rendezvous::Store> store) {
-  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CheckOptions(options));
   if (options.world_size == 1) return SingleRankCollectives();
   if (store == nullptr) return absl::InvalidArgumentError("ConnectGloo: store is null");
   // Gloo writes to its sockets without MSG_NOSIGNAL: a write to a peer that has closed raises

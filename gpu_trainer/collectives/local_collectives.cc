@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 namespace {
@@ -32,13 +33,13 @@ class LocalCollectives final : public Collectives {
 
   absl::Status ReduceScatter(const float* data, float* out,
                              const std::vector<int64_t>& counts) override {
-    if (absl::Status s = CheckReduceScatterArgs(0, 1, data, out, counts); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(CheckReduceScatterArgs(0, 1, data, out, counts));
     if (counts[0] > 0 && out != data) std::memcpy(out, data, counts[0] * sizeof(float));
     return absl::OkStatus();
   }
 
   absl::Status AllGather16(const uint16_t* in, uint16_t* out, int64_t n) override {
-    if (absl::Status s = CheckAllGather16Args(0, 1, in, out, n); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(CheckAllGather16Args(0, 1, in, out, n));
     if (n > 0 && in != out) std::memcpy(out, in, n * sizeof(uint16_t));
     return absl::OkStatus();
   }

@@ -33,6 +33,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/dtype.h"
+#include "base/status_macros.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
@@ -152,7 +153,7 @@ absl::StatusOr<BenchConfig> ConfigFromFlags() {
   if (b.steps < 1 || b.warmup < 0) {
     return absl::InvalidArgumentError("--steps must be >= 1 and --warmup >= 0");
   }
-  if (absl::Status s = ValidateGpt2Config(b.model); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(b.model));
   if (absl::GetFlag(FLAGS_shards) < 1) return absl::InvalidArgumentError("--shards must be >= 1");
   if (absl::GetFlag(FLAGS_plan_memory_gib) < 0 || absl::GetFlag(FLAGS_plan_batch) < 1 ||
       absl::GetFlag(FLAGS_plan_seq_len) < 1 || absl::GetFlag(FLAGS_peak_tflops) < 0) {
@@ -192,8 +193,8 @@ absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, doubl
   {
     std::vector<float> params(n);  // (num_params,) fp32, the GPT-2 initialisation
     InitGpt2Params(b.model, kSeed, params.data());
-    if (absl::Status s = m.SetParams(params.data()); !s.ok()) return s;
-    if (absl::Status s = (*adamw)->Init(params.data()); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(m.SetParams(params.data()));
+    OFFLOAD_RETURN_IF_ERROR((*adamw)->Init(params.data()));
   }
   GpuResult r;
   r.params = n;
@@ -231,21 +232,20 @@ absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, doubl
     }
     if (i == 0) r.first_loss = *loss;
     r.last_loss = *loss;
-    absl::StatusOr<CudaGradStats> stats = m.Backward(loss_scale, nullptr, nullptr);
-    if (!stats.ok()) return stats.status();
-    const double norm = std::sqrt(stats->sum_squares) / loss_scale;
+    OFFLOAD_ASSIGN_OR_RETURN(CudaGradStats stats, m.Backward(loss_scale, nullptr, nullptr));
+    const double norm = std::sqrt(stats.sum_squares) / loss_scale;
     const float multiplier = ClipCoefficient(norm, kMaxGradNorm) / loss_scale;
     const float lr = ScheduledLr(schedule, static_cast<uint64_t>((*adamw)->step() + 1));
-    if (stats->nonfinite) ++r.skipped;
+    if (stats.nonfinite) ++r.skipped;
     if (absl::Status s =
-            (*adamw)->Step(lr, multiplier, stats->nonfinite, m.device_grads(), m.device_params());
+            (*adamw)->Step(lr, multiplier, stats.nonfinite, m.device_grads(), m.device_params());
         !s.ok()) {
       return s;
     }
     // The step is over when the update has landed: the next Forward would wait for it anyway.
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.compute_stream()));
     std::fprintf(stderr, "bench_gpu: GPU-resident step %d/%d loss %.4f%s\n", i + 1,
-                 b.warmup + b.steps, *loss, stats->nonfinite ? " (overflow: skipped)" : "");
+                 b.warmup + b.steps, *loss, stats.nonfinite ? " (overflow: skipped)" : "");
   }
   r.step_s = absl::ToDoubleSeconds(absl::Now() - start) / b.steps;
   r.tokens_per_s = static_cast<double>(BT) / r.step_s;
@@ -275,19 +275,18 @@ TrainerOptions OffloadOptions(const BenchConfig& b, int device) {
 // Seconds per training step after the warm-up steps (bench_trainer's TimeSteps).
 absl::StatusOr<double> TimeTrainerSteps(const TrainerOptions& o, const BenchConfig& b,
                                         OptimizerBackend* backend, const char* what) {
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, backend);
-  if (!trainer.ok()) return trainer.status();
-  if (absl::StatusOr<std::string> s = (*trainer)->Start(); !s.ok()) return s.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o, backend));
+  if (absl::StatusOr<std::string> s = trainer->Start(); !s.ok()) return s.status();
   absl::Time start = absl::Now();
   for (int i = 0; i < b.warmup + b.steps; ++i) {
     if (i == b.warmup) start = absl::Now();
-    absl::StatusOr<StepReport> r = (*trainer)->Step();
+    absl::StatusOr<StepReport> r = trainer->Step();
     if (!r.ok()) return r.status();
     std::fprintf(stderr, "bench_gpu: offload %s step %d/%d loss %.4f%s\n", what, i + 1,
                  b.warmup + b.steps, r->loss, r->skipped ? " (overflow: skipped)" : "");
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start) / b.steps;
-  if (absl::Status s = backend->DropJob(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(backend->DropJob());
   return seconds;
 }
 
@@ -305,9 +304,8 @@ absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
   out->params = map->num_params();
 
   InProcessOptimizer in_process(*map, 0, BestSimdPath());
-  absl::StatusOr<double> local = TimeTrainerSteps(o, b, &in_process, "inprocess");
-  if (!local.ok()) return local.status();
-  out->inprocess_step_s = *local;
+  OFFLOAD_ASSIGN_OR_RETURN(double local, TimeTrainerSteps(o, b, &in_process, "inprocess"));
+  out->inprocess_step_s = local;
 
   // The shards as the launcher would run them, in this process on loopback.
   ThreadPool pool(ThreadPool::Options{});

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/blas/attention.h"
 #include "gpu_trainer/cuda/blas/gemm.h"
 #include "gpu_trainer/cuda/blas/matmul.h"
@@ -151,9 +152,8 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params_, 0, n_ * sizeof(T), nullptr));
 
-  absl::StatusOr<std::unique_ptr<CublasLt>> lt = CublasLt::Create(kCublasWorkspaceBytes);
-  if (!lt.ok()) return lt.status();
-  lt_ = std::move(*lt);
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<CublasLt> lt, CublasLt::Create(kCublasWorkspaceBytes));
+  lt_ = std::move(lt);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   range_done_.assign(c_.num_layers + 2, nullptr);
   for (cudaEvent_t& e : range_done_) {
@@ -488,7 +488,7 @@ Gpt2Cuda::~Gpt2Cuda() = default;
 absl::StatusOr<std::unique_ptr<Gpt2Cuda>> Gpt2Cuda::Create(const Gpt2Config& config, int max_batch,
                                                            int max_seq,
                                                            const CudaModelOptions& options) {
-  if (absl::Status s = ValidateGpt2Config(config); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(config));
   if (max_batch <= 0 || max_seq <= 0 || max_seq > config.context_length ||
       int64_t{max_batch} * max_seq > kMaxTokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -501,8 +501,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Cuda>> Gpt2Cuda::Create(const Gpt2Config& con
         "Gpt2Cuda::Create: channels = ", config.channels,
         " must be a multiple of 8 (cuBLASLt's bias epilogue needs 16-byte aligned tensors)"));
   }
-  absl::StatusOr<CudaDeviceInfo> device = UseCudaDevice(options.device);
-  if (!device.ok()) return device.status();
+  OFFLOAD_ASSIGN_OR_RETURN(CudaDeviceInfo device, UseCudaDevice(options.device));
   std::unique_ptr<Gpt2Cuda> model(new Gpt2Cuda(config, options));
   model->num_params_ = Gpt2NumParams(config);
   model->impl_ = DispatchStorageType(options.dtype, [&](auto zero) -> std::unique_ptr<Impl> {

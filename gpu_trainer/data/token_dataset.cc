@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -81,7 +82,7 @@ absl::Status AppendShard(const std::string& path, std::vector<uint16_t>* out) {
                      "-byte header (256 int32), found a file of ", *size, " bytes"));
   }
   uint8_t header[kShardHeaderBytes];
-  if (absl::Status s = ReadExact(fd.get(), path, 0, kShardHeaderBytes, header); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ReadExact(fd.get(), path, 0, kShardHeaderBytes, header));
   const int32_t magic = LoadLe32(header);
   const int32_t version = LoadLe32(header + 4);
   const int32_t count = LoadLe32(header + 8);
@@ -124,7 +125,7 @@ absl::StatusOr<TokenDataset> TokenDataset::FromTextFile(const std::string& path)
   if (!size.ok()) return size.status();
   if (*size == 0) return absl::InvalidArgumentError(absl::StrCat("text file ", path, " is empty"));
   std::vector<uint8_t> bytes(static_cast<size_t>(*size));
-  if (absl::Status s = ReadExact(fd.get(), path, 0, *size, bytes.data()); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ReadExact(fd.get(), path, 0, *size, bytes.data()));
   return TokenDataset(std::vector<uint16_t>(bytes.begin(), bytes.end()), 256);
 }
 
@@ -132,7 +133,7 @@ absl::StatusOr<TokenDataset> TokenDataset::FromTokenShards(const std::vector<std
   if (paths.empty()) return absl::InvalidArgumentError("no token shards given");
   std::vector<uint16_t> tokens;
   for (const std::string& path : paths) {
-    if (absl::Status s = AppendShard(path, &tokens); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(AppendShard(path, &tokens));
   }
   if (tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/model/layer_kernels.h"
 #include "gpu_trainer/model/layers_fast.h"
 #include "gpu_trainer/model/layers_naive.h"
@@ -50,7 +51,7 @@ Gpt2Cpu::Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq,
 
 absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& config, int max_batch,
                                                          int max_seq, CpuKernelSet kernels) {
-  if (absl::Status s = ValidateGpt2Config(config); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(config));
   if (max_batch <= 0 || max_seq <= 0 || max_seq > config.context_length ||
       int64_t{max_batch} * max_seq > kMaxTokens) {
     return absl::InvalidArgumentError(absl::StrCat(

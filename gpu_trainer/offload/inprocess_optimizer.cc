@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/state_loader.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 
@@ -59,28 +60,22 @@ absl::Status InProcessOptimizer::LoadShardState(int shard, const std::vector<Sta
       StateLoader::Start(stores_[shard].get(), job_id_);
   if (!loader.ok()) return loader.status();
   for (const StateSliceRef& slice : slices) {
-    absl::StatusOr<StateTensor> tensor = StateTensorFromProto(slice.tensor, "tensor");
-    if (!tensor.ok()) return tensor.status();
+    OFFLOAD_ASSIGN_OR_RETURN(StateTensor tensor, StateTensorFromProto(slice.tensor, "tensor"));
     std::string data(reinterpret_cast<const char*>(slice.values), slice.n * sizeof(float));
-    if (absl::Status s = (*loader)->AddChunk(*tensor, slice.offset, DType::kFp32, std::move(data));
-        !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(
+        (*loader)->AddChunk(tensor, slice.offset, DType::kFp32, std::move(data)));
   }
   if (steps != nullptr) {
-    if (absl::Status s = (*loader)->SetSteps(steps->completed_step, steps->adam_step); !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR((*loader)->SetSteps(steps->completed_step, steps->adam_step));
   }
   return (*loader)->Apply().status();
 }
 
 absl::Status InProcessOptimizer::ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset,
                                                 int64_t n, float* out) {
-  absl::StatusOr<StateTensor> t = StateTensorFromProto(tensor, "tensor");
-  if (!t.ok()) return t.status();
+  OFFLOAD_ASSIGN_OR_RETURN(StateTensor t, StateTensorFromProto(tensor, "tensor"));
   const v1::ShardSlice& s = map_.slices(slice);
-  return stores_[s.shard_index()]->ReadState(job_id_, *t, DType::kFp32, offset, n, int64_t{1} << 20,
+  return stores_[s.shard_index()]->ReadState(job_id_, t, DType::kFp32, offset, n, int64_t{1} << 20,
                                              [&](int64_t at, int64_t m, const std::string& bytes) {
                                                std::memcpy(out + (at - offset), bytes.data(),
                                                            m * sizeof(float));

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
+#include "base/status_macros.h"
 #include "model_spec/partition.h"
 
 namespace offload {
@@ -31,7 +32,7 @@ absl::Status OptimizerBackend::LoadMasterWeights(const float* master) {
                                    static_cast<int64_t>(s.offset()), master + s.offset(),
                                    static_cast<int64_t>(s.length())});
     }
-    if (absl::Status s = LoadShardState(shard, refs, nullptr); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(LoadShardState(shard, refs, nullptr));
   }
   return absl::OkStatus();
 }
@@ -96,10 +97,7 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
     const int64_t lo = std::max<int64_t>(offset, it->offset());
     const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
     const int slice = static_cast<int>(it - map_.slices().begin());
-    if (absl::Status s = SendSlice(slice, lo, grads + (lo - offset), hi - lo, accumulate);
-        !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(SendSlice(slice, lo, grads + (lo - offset), hi - lo, accumulate));
   }
   return absl::OkStatus();
 }

@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "gpu_trainer/model/cpu_runtime.h"
@@ -63,21 +64,20 @@ TrainerOptions BenchOptions() {
 
 // Seconds per training step, after the warm-up steps.
 absl::StatusOr<double> TimeSteps(const TrainerOptions& o, OptimizerBackend* backend) {
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, backend);
-  if (!trainer.ok()) return trainer.status();
-  if (absl::StatusOr<std::string> s = (*trainer)->Start(); !s.ok()) return s.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o, backend));
+  if (absl::StatusOr<std::string> s = trainer->Start(); !s.ok()) return s.status();
   for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) {
-    if (auto r = (*trainer)->Step(); !r.ok()) return r.status();
+    if (auto r = trainer->Step(); !r.ok()) return r.status();
   }
   const int steps = absl::GetFlag(FLAGS_steps);
   const absl::Time start = absl::Now();
   for (int i = 0; i < steps; ++i) {
-    if (auto r = (*trainer)->Step(); !r.ok()) return r.status();
+    if (auto r = trainer->Step(); !r.ok()) return r.status();
   }
   // With DPU the last update is still running: it is part of the work timed.
-  if (absl::Status s = (*trainer)->Flush(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(trainer->Flush());
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start) / steps;
-  if (absl::Status s = backend->DropJob(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(backend->DropJob());
   return seconds;
 }
 

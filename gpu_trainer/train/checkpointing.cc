@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
 #include "model_spec/param_layout.h"
@@ -69,11 +70,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
     model_tensors.push_back(std::move(t));
   }
   manifest.set_model_file("model.safetensors");
-  if (absl::Status s = WriteSafetensors(staging->PathOf(manifest.model_file()), model_tensors,
-                                        {{"format", "pt"}});
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(
+      WriteSafetensors(staging->PathOf(manifest.model_file()), model_tensors, {{"format", "pt"}}));
 
   // Each shard's fp32 state, streamed from the shard in chunks straight into its file.
   const v1::PartitionMap& map = backend->partition();
@@ -102,11 +100,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
     file->set_file(ShardFileName(shard));
     file->set_completed_step(counters.completed_step);
     file->set_adam_step(counters.adam_step);
-    if (absl::Status s = WriteSafetensors(staging->PathOf(file->file()), tensors,
-                                          {{"shard_index", absl::StrCat(shard)}});
-        !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(WriteSafetensors(staging->PathOf(file->file()), tensors,
+                                             {{"shard_index", absl::StrCat(shard)}}));
   }
   return staging->Commit(manifest, keep);
 }
@@ -122,17 +117,17 @@ absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManif
   }
   // Model weights: the exact 16-bit values.
   const std::string model_path = absl::StrCat(dir, "/", manifest.model_file());
-  absl::StatusOr<std::unique_ptr<SafetensorsReader>> model = SafetensorsReader::Open(model_path);
-  if (!model.ok()) return model.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> model,
+                           SafetensorsReader::Open(model_path));
   const TensorDType want = SafetensorsDType(manifest.param_dtype());
   std::memset(weights16, 0, map.padded_length() * sizeof(uint16_t));
   for (const ParamTensor& p : Gpt2ParamLayout(ModelConfigFromProto(manifest.model()))) {
-    const SafetensorsEntry* e = (*model)->Find(p.name);
+    const SafetensorsEntry* e = model->Find(p.name);
     if (e == nullptr || e->dtype != want || e->shape != p.shape) {
       return absl::DataLossError(absl::StrCat(model_path, ": tensor ", p.name,
                                               " is missing or has the wrong dtype or shape"));
     }
-    std::memcpy(weights16 + p.offset, (*model)->Data(*e), p.numel * sizeof(uint16_t));
+    std::memcpy(weights16 + p.offset, model->Data(*e), p.numel * sizeof(uint16_t));
   }
   // Shard state: one all-or-nothing load per shard, step counters included.
   if (manifest.shard_files_size() != static_cast<int>(map.num_shards())) {
@@ -168,25 +163,21 @@ absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManif
       }
     }
     const StepCounters counters{file.completed_step(), file.adam_step()};
-    if (absl::Status s = backend->LoadShardState(file.shard_index(), refs, &counters); !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(backend->LoadShardState(file.shard_index(), refs, &counters));
   }
   return absl::OkStatus();
 }
 
 absl::Status LoadGpt2Weights(const std::string& path, const Gpt2Config& config, float* params) {
-  absl::StatusOr<std::unique_ptr<SafetensorsReader>> reader = SafetensorsReader::Open(path);
-  if (!reader.ok()) return reader.status();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader,
+                           SafetensorsReader::Open(path));
   for (const ParamTensor& p : Gpt2ParamLayout(config)) {
     std::string name = p.name;
-    if ((*reader)->Find(name) == nullptr) name = absl::StrCat("transformer.", p.name);
-    if ((*reader)->Find(name) == nullptr) {
+    if (reader->Find(name) == nullptr) name = absl::StrCat("transformer.", p.name);
+    if (reader->Find(name) == nullptr) {
       return absl::NotFoundError(absl::StrCat(path, ": no tensor ", p.name, " (GPT-2 naming)"));
     }
-    if (absl::Status s = (*reader)->ReadAsFloat(name, p.shape, params + p.offset); !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(reader->ReadAsFloat(name, p.shape, params + p.offset));
   }
   return absl::OkStatus();
 }

@@ -7,6 +7,7 @@
 #include "gpu_trainer/train/model_runner.h"
 
 #ifdef OFFLOAD_HAVE_CUDA
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/gpt2_cuda.h"
 #include "gpu_trainer/cuda/runtime/cuda_device.h"
 #endif
@@ -42,11 +43,10 @@ class CudaModelRunner final : public ModelRunner {
   absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
       const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
-    absl::StatusOr<CudaGradStats> stats = model_->Backward(loss_scale, grads16, on_ready);
-    if (!stats.ok()) return stats.status();
+    OFFLOAD_ASSIGN_OR_RETURN(CudaGradStats stats, model_->Backward(loss_scale, grads16, on_ready));
     GradStats out;
-    out.sum_squares = stats->sum_squares;
-    out.nonfinite = stats->nonfinite;
+    out.sum_squares = stats.sum_squares;
+    out.nonfinite = stats.nonfinite;
     return out;
   }
 
@@ -69,8 +69,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
   if (dtype != DType::kFp16 && dtype != DType::kBf16) {
     return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
   }
-  absl::StatusOr<CudaDeviceInfo> info = UseCudaDevice(device);
-  if (!info.ok()) return info.status();
+  OFFLOAD_ASSIGN_OR_RETURN(CudaDeviceInfo info, UseCudaDevice(device));
   CudaModelOptions options;
   options.dtype = dtype;
   options.device = device;
@@ -80,8 +79,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
   absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
       Gpt2Cuda::Create(config, max_batch, max_seq, options);
   if (!model.ok()) return model.status();
-  return std::make_unique<CudaModelRunner>(std::move(*model), DescribeCudaDevice(*info),
-                                           info->total_bytes);
+  return std::make_unique<CudaModelRunner>(std::move(*model), DescribeCudaDevice(info),
+                                           info.total_bytes);
 }
 
 #else

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -114,9 +115,7 @@ absl::Status GradientReducer::Reduce(const Bucket& bucket, GradStats* stats) {
   const int64_t mine_lo = std::max(bucket.lo, rank * partition_length_);
   const int64_t mine = counts_[rank];
   float* out = grads32_ + mine_lo;  // (mine,)
-  if (absl::Status s = collectives_->ReduceScatter(grads32_ + bucket.lo, out, counts_); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(collectives_->ReduceScatter(grads32_ + bucket.lo, out, counts_));
   if (mine == 0) return absl::OkStatus();
   // The mean over ranks, before rounding: each rank's loss is the mean over its share of the
   // batch, so this is the gradient of the whole batch's mean loss.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/splitmix64.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/collectives/local_collectives.h"
 #include "gpu_trainer/precision/grad_stats.h"
@@ -33,18 +34,11 @@ absl::Status CheckSame(const char* what, const std::string& in_checkpoint,
 absl::Status CheckResumable(const v1::CheckpointManifest& m, const TrainerOptions& o,
                             int world_size) {
   const v1::ModelConfig want = ModelConfigToProto(o.model);
-  if (absl::Status s = CheckSame("model", m.model().ShortDebugString(), want.ShortDebugString());
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = CheckSame("dtype", v1::DType_Name(m.param_dtype()),
-                                 v1::DType_Name(DTypeToProto(o.param_dtype)));
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = CheckSame("seed", absl::StrCat(m.seed()), absl::StrCat(o.seed)); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(
+      CheckSame("model", m.model().ShortDebugString(), want.ShortDebugString()));
+  OFFLOAD_RETURN_IF_ERROR(CheckSame("dtype", v1::DType_Name(m.param_dtype()),
+                                    v1::DType_Name(DTypeToProto(o.param_dtype))));
+  OFFLOAD_RETURN_IF_ERROR(CheckSame("seed", absl::StrCat(m.seed()), absl::StrCat(o.seed)));
   // The optimizer must be the one the checkpoint trained with; only the length of the run
   // (and with it the end of the cosine decay) may change, to train longer.
   if (absl::Status s =
@@ -97,7 +91,7 @@ Trainer::~Trainer() {
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
                                                          OptimizerBackend* backend) {
   std::unique_ptr<Trainer> trainer(new Trainer(options, backend));
-  if (absl::Status s = trainer->Init(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(trainer->Init());
   return trainer;
 }
 
@@ -129,10 +123,9 @@ absl::Status Trainer::Init() {
   if (o.dpu && o.dpu_warmup_steps > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError("dpu_warmup_steps is out of range");
   }
-  if (absl::Status s = ValidateLrSchedule(o.schedule); !s.ok()) return s;
-  absl::StatusOr<TokenDataset> dataset = TokenDataset::Open(o.data);
-  if (!dataset.ok()) return dataset.status();
-  dataset_ = std::make_unique<TokenDataset>(std::move(*dataset));
+  OFFLOAD_RETURN_IF_ERROR(ValidateLrSchedule(o.schedule));
+  OFFLOAD_ASSIGN_OR_RETURN(TokenDataset dataset, TokenDataset::Open(o.data));
+  dataset_ = std::make_unique<TokenDataset>(std::move(dataset));
   if (dataset_->vocab_size() > o.model.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("the data ", o.data, " has tokens up to ",
                                                    dataset_->vocab_size() - 1, " but the model's ",
@@ -202,11 +195,10 @@ absl::StatusOr<std::string> Trainer::Start() {
           "--checkpoint_dir"));
     }
     if (latest.ok()) {
-      absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(*latest);
-      if (!m.ok()) return m.status();
-      if (absl::Status s = CheckResumable(*m, o, world_size()); !s.ok()) return s;
+      OFFLOAD_ASSIGN_OR_RETURN(v1::CheckpointManifest m, ReadManifest(*latest));
+      OFFLOAD_RETURN_IF_ERROR(CheckResumable(m, o, world_size()));
       dir = *latest;
-      manifest = *std::move(m);
+      manifest = std::move(m);
       resuming = true;
     } else if (!absl::IsNotFound(latest.status())) {
       return latest.status();
@@ -224,9 +216,9 @@ absl::StatusOr<std::string> Trainer::Start() {
                      " resume_step=", resuming ? static_cast<int64_t>(manifest.step()) : -1);
     char lead[1024] = {};
     mine.copy(lead, sizeof(lead) - 1);
-    if (absl::Status s = collectives_->Broadcast(lead, sizeof(lead), 0); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(lead, sizeof(lead), 0));
     double differs = mine.substr(0, sizeof(lead) - 1) == lead ? 0.0 : 1.0;
-    if (absl::Status s = collectives_->AllReduce(&differs, 1, ReduceOp::kMax); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(collectives_->AllReduce(&differs, 1, ReduceOp::kMax));
     if (differs > 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("the ranks disagree on their settings or checkpoint; rank 0: ", lead,
@@ -257,13 +249,10 @@ absl::StatusOr<std::string> Trainer::Start() {
   if (!lead_ok) {
     return absl::FailedPreconditionError("rank 0 could not start the job (its log says why)");
   }
-  if (absl::Status s = collectives_->Broadcast(weights16_.data(), weights16_.size() * 2, 0);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(weights16_.data(), weights16_.size() * 2, 0));
   if (o.dpu) {
     int32_t next = next_ready_ ? 1 : 0;
-    if (absl::Status s = collectives_->Broadcast(&next, sizeof(next), 0); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(&next, sizeof(next), 0));
     next_ready_ = next != 0;
     if (next_ready_) {
       if (absl::Status s =
@@ -275,8 +264,8 @@ absl::StatusOr<std::string> Trainer::Start() {
   }
   if (resuming) {
     const v1::CheckpointManifest& m = manifest;
-    if (absl::Status s = sampler_->Restore(m.data()); !s.ok()) return s;
-    if (absl::Status s = scaler_.Restore(m.loss_scale()); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(sampler_->Restore(m.data()));
+    OFFLOAD_RETURN_IF_ERROR(scaler_.Restore(m.loss_scale()));
     step_ = m.step();
     counters_ = StepCounters{m.shard_files(0).completed_step(), m.shard_files(0).adam_step()};
     last_loss_ = m.train_loss();
@@ -288,19 +277,17 @@ absl::StatusOr<std::string> Trainer::Start() {
 absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::CheckpointManifest* manifest,
                               std::string* how) {
   const TrainerOptions& o = options_;
-  if (absl::Status s = backend_->CreateJob(o.job_id, o.adam, o.param_dtype); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(backend_->CreateJob(o.job_id, o.adam, o.param_dtype));
   const v1::PartitionMap& map = backend_->partition();
   if (checkpoint != nullptr) {
     const v1::CheckpointManifest& m = *manifest;
-    if (absl::Status s = RestoreCheckpoint(*checkpoint, m, weights16_.data(), backend_); !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(RestoreCheckpoint(*checkpoint, m, weights16_.data(), backend_));
     if (o.dpu && m.step() > o.dpu_warmup_steps) {
       // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
       // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
       // the rounding of the master weights, as the commit that made them sent it.
       std::vector<float> master(map.padded_length(), 0.0f);  // (padded,)
-      if (absl::Status s = backend_->ReadMasterWeights(master.data()); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(backend_->ReadMasterWeights(master.data()));
       ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
                        next_weights16_.data());
       next_ready_ = true;
@@ -312,13 +299,13 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
   // Fresh start: fp32 master weights on the shards, their 16-bit rounding here.
   std::vector<float> master(map.padded_length(), 0.0f);  // (padded,) the padding stays 0
   if (!o.init_from.empty()) {
-    if (absl::Status s = LoadGpt2Weights(o.init_from, o.model, master.data()); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(LoadGpt2Weights(o.init_from, o.model, master.data()));
     *how = absl::StrCat("started from weights from ", o.init_from);
   } else {
     InitGpt2Params(o.model, o.seed, master.data());
     *how = absl::StrCat("started from GPT-2 initialisation, seed ", o.seed);
   }
-  if (absl::Status s = backend_->LoadMasterWeights(master.data()); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(backend_->LoadMasterWeights(master.data()));
   ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
                    weights16_.data());
   return absl::OkStatus();
@@ -326,7 +313,7 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
 
 absl::Status Trainer::ApplyWeights() {
   if (!params_stale_) return absl::OkStatus();
-  if (absl::Status s = runner_->SetWeights(weights16_.data()); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(runner_->SetWeights(weights16_.data()));
   params_stale_ = false;
   return absl::OkStatus();
 }
@@ -339,11 +326,11 @@ absl::StatusOr<StepReport> Trainer::Step() {
   // step at a time), and its own commit then runs in the background.
   const bool delayed = o.dpu && step > o.dpu_warmup_steps;
   sender_->set_step(step);
-  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   sampler_->Next(inputs_.data(), targets_.data());
   const float scale = scaler_.scale();
   if (!delayed) {
-    if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(backend_->BeginStep(step));
   }
   double loss_sum = 0;
   GradStats stats;
@@ -401,7 +388,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
     if (!counters.ok()) return counters.status();
     counters_ = *counters;
     if (!report.skipped) {
-      if (absl::Status s = AllGatherPartitions(weights16_.data()); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(weights16_.data()));
       params_stale_ = true;
     }
   }
@@ -447,7 +434,7 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
   *loss_sum += *loss;
   // grads16_ is about to be rewritten: the previous micro-batch must have left.
   if (k > 0) {
-    if (absl::Status s = sender_->Drain(); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(sender_->Drain());
   }
   send_gradients_.store(send);
   accumulate_.store(k > 0);
@@ -491,7 +478,7 @@ void Trainer::OnGradientsRounded(int64_t offset, int64_t n) {
 absl::Status Trainer::OpenDelayedStep(uint64_t step) {
   {
     TracePhase phase(options_.trace, "wait_commit", step);
-    if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(FinishPendingCommit());
   }
   if (next_ready_) {
     // The previous step's update: the next step computes with it.
@@ -499,7 +486,7 @@ absl::Status Trainer::OpenDelayedStep(uint64_t step) {
     next_ready_ = false;
     params_stale_ = true;
   }
-  if (absl::Status s = backend_->BeginStep(step); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(backend_->BeginStep(step));
   sender_->Enqueue(backend_->partition_offset(), backend_->partition_length());
   return absl::OkStatus();
 }
@@ -541,29 +528,27 @@ absl::Status Trainer::AllGatherPartitions(uint16_t* buffer) {
 
 absl::StatusOr<bool> Trainer::WaitPendingCommit() {
   if (!pending_commit_.valid()) return false;
-  absl::StatusOr<StepCounters> counters = pending_commit_.get();
-  if (!counters.ok()) return counters.status();
-  counters_ = *counters;
+  OFFLOAD_ASSIGN_OR_RETURN(StepCounters counters, pending_commit_.get());
+  counters_ = counters;
   return true;
 }
 
 absl::Status Trainer::FinishPendingCommit() {
-  absl::StatusOr<bool> waited = WaitPendingCommit();
-  if (!waited.ok()) return waited.status();
-  if (!*waited || pending_skipped_) return absl::OkStatus();
-  if (absl::Status s = AllGatherPartitions(next_weights16_.data()); !s.ok()) return s;
+  OFFLOAD_ASSIGN_OR_RETURN(bool waited, WaitPendingCommit());
+  if (!waited || pending_skipped_) return absl::OkStatus();
+  OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(next_weights16_.data()));
   next_ready_ = true;
   return absl::OkStatus();
 }
 
 absl::Status Trainer::Flush() {
-  if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(FinishPendingCommit());
   // A skipped commit gathers nothing: the barrier is what says every rank's commit is done.
   return world_size() > 1 ? collectives_->Barrier() : absl::OkStatus();
 }
 
 absl::StatusOr<float> Trainer::Evaluate(int batches) {
-  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   const TrainerOptions& o = options_;
   const int64_t available = NumValidationBatches(val_, o.batch, o.seq_len);
   const int64_t count = std::max<int64_t>(1, std::min<int64_t>(batches, available));
@@ -581,13 +566,13 @@ absl::StatusOr<float> Trainer::Evaluate(int batches) {
       sum += *loss;
     }
   }
-  if (absl::Status s = collectives_->AllReduce(&sum, 1, ReduceOp::kSum); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(collectives_->AllReduce(&sum, 1, ReduceOp::kSum));
   return static_cast<float>(sum / (count * pieces));
 }
 
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int n, float temperature,
                                             uint64_t seed) {
-  if (absl::Status s = ApplyWeights(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   const int V = options_.model.vocab_size;
   const int max_t = options_.seq_len;
   std::vector<int32_t> tokens;
@@ -600,9 +585,8 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int n, fl
   for (int i = 0; i < n; ++i) {
     const int t = std::min<int>(static_cast<int>(tokens.size()), max_t);
     const int32_t* context = tokens.data() + tokens.size() - t;  // (1, t)
-    absl::StatusOr<float> unused = runner_->Forward(context, nullptr, 1, t);
-    if (!unused.ok()) return unused.status();
-    if (absl::Status s = runner_->Logits(t - 1, logits.data()); !s.ok()) return s;
+    OFFLOAD_ASSIGN_OR_RETURN(float unused, runner_->Forward(context, nullptr, 1, t));
+    OFFLOAD_RETURN_IF_ERROR(runner_->Logits(t - 1, logits.data()));
     const float max_logit = *std::max_element(logits.begin(), logits.end());
     double total = 0;
     for (int v = 0; v < V; ++v) {
@@ -653,8 +637,8 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
     return absl::FailedPreconditionError("no checkpoint directory was given");
   }
   // The shards' state must be quiet, and whole: every rank's commit finishes first.
-  if (absl::Status s = FinishPendingCommit(); !s.ok()) return s;
-  if (absl::Status s = collectives_->Barrier(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(FinishPendingCommit());
+  OFFLOAD_RETURN_IF_ERROR(collectives_->Barrier());
   absl::StatusOr<std::string> dir = absl::UnknownError("rank 0 writes the checkpoint");
   if (rank() == 0) {
     v1::CheckpointManifest m = Manifest();

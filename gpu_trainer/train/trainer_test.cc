@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
@@ -130,9 +131,8 @@ TEST(Trainer, ResumeRefusesADifferentModel) {
   }
   auto start = [](const TrainerOptions& options) -> absl::StatusOr<std::string> {
     InProcessOptimizer backend(MapFor(options, 1), 2, BestSimdPath());
-    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(options, &backend);
-    if (!trainer.ok()) return trainer.status();
-    return (*trainer)->Start();
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(options, &backend));
+    return trainer->Start();
   };
   TrainerOptions other_model = o;
   other_model.model.num_heads = 4;  // same parameter count, different model

@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "base/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/util/json_util.h"
@@ -177,26 +178,20 @@ absl::Status ParseUnsigned(absl::string_view where, absl::string_view text, uint
 // file, "--lr" for a flag.
 absl::Status StoreScalar(Message* message, const FieldDescriptor* field, absl::string_view text,
                          absl::string_view where) {
-  if (absl::Status s = UnsupportedField(field, where); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(UnsupportedField(field, where));
   const Reflection* r = message->GetReflection();
   switch (field->cpp_type()) {
     case FieldDescriptor::CPPTYPE_INT32: {
       int64_t v = 0;
-      if (absl::Status s = ParseSigned(where, text, std::numeric_limits<int32_t>::min(),
-                                       std::numeric_limits<int32_t>::max(), "int32", &v);
-          !s.ok()) {
-        return s;
-      }
+      OFFLOAD_RETURN_IF_ERROR(ParseSigned(where, text, std::numeric_limits<int32_t>::min(),
+                                          std::numeric_limits<int32_t>::max(), "int32", &v));
       r->SetInt32(message, field, static_cast<int32_t>(v));
       return absl::OkStatus();
     }
     case FieldDescriptor::CPPTYPE_INT64: {
       int64_t v = 0;
-      if (absl::Status s = ParseSigned(where, text, std::numeric_limits<int64_t>::min(),
-                                       std::numeric_limits<int64_t>::max(), "int64", &v);
-          !s.ok()) {
-        return s;
-      }
+      OFFLOAD_RETURN_IF_ERROR(ParseSigned(where, text, std::numeric_limits<int64_t>::min(),
+                                          std::numeric_limits<int64_t>::max(), "int64", &v));
       r->SetInt64(message, field, v);
       return absl::OkStatus();
     }
@@ -326,7 +321,7 @@ class SpecWalker {
       if (!seen.insert(field->number()).second) {
         return Invalid(JoinPath(path, field->name()), "given more than once");
       }
-      if (absl::Status s = Field(entry.second, message, field, field_path); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(Field(entry.second, message, field, field_path));
     }
     return absl::OkStatus();
   }
@@ -334,7 +329,7 @@ class SpecWalker {
  private:
   absl::Status Field(const YAML::Node& node, google::protobuf::Message* message,
                      const FieldDescriptor* field, const std::string& path) {
-    if (absl::Status s = UnsupportedField(field, path); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(UnsupportedField(field, path));
     if (field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
       google::protobuf::Message* child = message->GetReflection()->MutableMessage(message, field);
       // "training:" with nothing under it is an empty section, not a mistake.
@@ -367,9 +362,7 @@ absl::Status CheckFinite(const google::protobuf::Message& message, const std::st
     double v = 0;
     switch (f->cpp_type()) {
       case FieldDescriptor::CPPTYPE_MESSAGE:
-        if (absl::Status s = CheckFinite(r->GetMessage(message, f), field_path); !s.ok()) {
-          return s;
-        }
+        OFFLOAD_RETURN_IF_ERROR(CheckFinite(r->GetMessage(message, f), field_path));
         continue;
       case FieldDescriptor::CPPTYPE_FLOAT:
         v = r->GetFloat(message, f);
@@ -723,7 +716,7 @@ absl::StatusOr<v1::JobSpec> ParseDocument(absl::string_view text) {
   }
   v1::JobSpec spec;
   SpecWalker walker(v1::JobSpec::descriptor()->name());
-  if (absl::Status s = walker.Walk(documents[0], &spec, ""); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(walker.Walk(documents[0], &spec, ""));
   return spec;
 }
 
@@ -752,14 +745,14 @@ absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path) {
 }
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
-  if (absl::Status s = ValidateName(spec.name()); !s.ok()) return s;
-  if (absl::Status s = CheckFinite(spec, ""); !s.ok()) return s;
-  if (absl::Status s = ValidateModel(spec.model()); !s.ok()) return s;
-  if (absl::Status s = ValidateData(spec.data()); !s.ok()) return s;
-  if (absl::Status s = ValidateOptimizer(spec.optimizer()); !s.ok()) return s;
-  if (absl::Status s = ValidateParallel(spec.parallel()); !s.ok()) return s;
-  if (absl::Status s = ValidateTraining(spec.training(), spec.parallel()); !s.ok()) return s;
-  if (absl::Status s = ValidateCheckpoint(spec.checkpoint()); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateName(spec.name()));
+  OFFLOAD_RETURN_IF_ERROR(CheckFinite(spec, ""));
+  OFFLOAD_RETURN_IF_ERROR(ValidateModel(spec.model()));
+  OFFLOAD_RETURN_IF_ERROR(ValidateData(spec.data()));
+  OFFLOAD_RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
+  OFFLOAD_RETURN_IF_ERROR(ValidateParallel(spec.parallel()));
+  OFFLOAD_RETURN_IF_ERROR(ValidateTraining(spec.training(), spec.parallel()));
+  OFFLOAD_RETURN_IF_ERROR(ValidateCheckpoint(spec.checkpoint()));
   return ValidateEval(spec.eval());
 }
 
@@ -772,27 +765,26 @@ std::vector<std::string> JobSpecToFlags(const v1::JobSpec& spec) {
 absl::StatusOr<v1::JobSpec> JobSpecFromFlags(const std::vector<std::string>& args) {
   v1::JobSpec spec;
   for (const std::string& arg : args) {
-    absl::StatusOr<FlagArg> flag = ReadFlagArg(arg);
-    if (!flag.ok()) return flag.status();
-    if (flag->entry == nullptr) {
+    OFFLOAD_ASSIGN_OR_RETURN(FlagArg flag, ReadFlagArg(arg));
+    if (flag.entry == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown trainer flag --", flag->name, ": not a job spec field"));
+          absl::StrCat("unknown trainer flag --", flag.name, ": not a job spec field"));
     }
     google::protobuf::Message* message = &spec;
-    const std::vector<const FieldDescriptor*>& path = flag->entry->second;
+    const std::vector<const FieldDescriptor*>& path = flag.entry->second;
     for (size_t i = 0; i + 1 < path.size(); ++i) {
       message = message->GetReflection()->MutableMessage(message, path[i]);
     }
     const FieldDescriptor* leaf = path.back();
-    const std::string where = absl::StrCat("--", flag->entry->first);
-    if (!flag->has_value) {
+    const std::string where = absl::StrCat("--", flag.entry->first);
+    if (!flag.has_value) {
       if (leaf->cpp_type() != FieldDescriptor::CPPTYPE_BOOL) {
         return Invalid(where, absl::StrCat("needs a value (", where, "=VALUE)"));
       }
-      message->GetReflection()->SetBool(message, leaf, !flag->negated);
+      message->GetReflection()->SetBool(message, leaf, !flag.negated);
       continue;
     }
-    if (absl::Status s = StoreScalar(message, leaf, flag->value, where); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(StoreScalar(message, leaf, flag.value, where));
   }
   return spec;
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/model_preset.h"
 #include "model_spec/param_layout.h"
@@ -123,15 +124,14 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(JobControll
         "the heartbeat timeout must be longer than the heartbeat interval, and both > 0");
   }
   std::unique_ptr<JobController> controller(new JobController(std::move(options)));
-  if (absl::Status s = controller->Load(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(controller->Load());
   return controller;
 }
 
 absl::Status JobController::Load() {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<std::vector<v1::Job>> jobs = options_.store->LoadJobs();
-  if (!jobs.ok()) return jobs.status();
-  for (v1::Job& job : *jobs) {
+  OFFLOAD_ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, options_.store->LoadJobs());
+  for (v1::Job& job : jobs) {
     const std::string id = job.id();
     absl::StatusOr<uint64_t> last_sequence = options_.store->LastSequence(id);
     if (!last_sequence.ok()) return last_sequence.status();
@@ -186,7 +186,7 @@ absl::Status JobController::SetState(JobEntry& entry, v1::JobState to, std::stri
 
 absl::Status JobController::Persist(JobEntry& entry) {
   if (!entry.dirty) return absl::OkStatus();
-  if (absl::Status s = options_.store->Commit(entry.job, entry.unsaved_events); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(options_.store->Commit(entry.job, entry.unsaved_events));
   entry.unsaved_events.clear();
   entry.dirty = false;
   entry.progress_dirty = false;
@@ -225,8 +225,7 @@ absl::StatusOr<v1::Job> JobController::SubmitJob(const v1::SubmitJobRequest& req
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
     return absl::InvalidArgumentError(s.message());
   }
-  absl::StatusOr<v1::PartitionMap> partition = PartitionForSpec(spec);
-  if (!partition.ok()) return partition.status();
+  OFFLOAD_ASSIGN_OR_RETURN(v1::PartitionMap partition, PartitionForSpec(spec));
 
   absl::MutexLock lock(&mu_);
   absl::StatusOr<uint64_t> number = options_.store->NextJobNumber();
@@ -238,14 +237,14 @@ absl::StatusOr<v1::Job> JobController::SubmitJob(const v1::SubmitJobRequest& req
   job.set_state(v1::JOB_STATE_PENDING);
   job.set_reason(absl::StrCat("waiting for ", Ranks(spec), " free trainer(s) and ",
                               OptimizerServers(spec), " free optimizer server(s)"));
-  *job.mutable_partition() = *std::move(partition);
+  *job.mutable_partition() = std::move(partition);
   if (spec.training().has_steps()) {
     job.mutable_progress()->set_total_steps(static_cast<uint64_t>(spec.training().steps()));
   }
   AddEvent(entry, spec.name().empty() ? "submitted" : absl::StrCat("submitted: ", spec.name()));
   *job.mutable_create_time() = job.update_time();
   // Stored before it exists here: a failed write leaves no job behind for a retry to duplicate.
-  if (absl::Status s = Persist(entry); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Persist(entry));
   const std::string id = job.id();
   jobs_[id] = std::move(entry);
   submit_order_.push_back(id);
@@ -256,9 +255,8 @@ absl::StatusOr<v1::Job> JobController::SubmitJob(const v1::SubmitJobRequest& req
 
 absl::StatusOr<v1::Job> JobController::GetJob(const v1::GetJobRequest& request) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<JobEntry*> entry = FindJob(request.id());
-  if (!entry.ok()) return entry.status();
-  return (*entry)->job;
+  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.id()));
+  return entry->job;
 }
 
 absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const v1::ListJobsRequest& request) {
@@ -289,9 +287,8 @@ absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const v1::ListJobsR
 absl::StatusOr<v1::Job> JobController::Act(const v1::JobActionRequest& request,
                                            const std::function<absl::Status(JobEntry&)>& action) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<JobEntry*> found = FindJob(request.id());
-  if (!found.ok()) return found.status();
-  JobEntry& entry = **found;
+  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * found, FindJob(request.id()));
+  JobEntry& entry = *found;
   // An action touches the job and at most the workers of its attempt: both are put back as they
   // were when it fails or cannot be stored, so a refused request leaves no trace.
   const JobEntry saved = entry;
@@ -326,7 +323,7 @@ absl::StatusOr<v1::Job> JobController::CancelJob(const v1::JobActionRequest& req
     const v1::JobState state = entry.job.state();
     if (state == v1::JOB_STATE_PENDING || state == v1::JOB_STATE_PAUSED) {
       const std::string why = WithReason("cancelled", request.reason());
-      if (absl::Status s = SetState(entry, v1::JOB_STATE_CANCELLED, why); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_CANCELLED, why));
       AddEvent(entry, why);
       return absl::OkStatus();
     }
@@ -352,7 +349,7 @@ absl::StatusOr<v1::Job> JobController::PauseJob(const v1::JobActionRequest& requ
     const v1::JobState state = entry.job.state();
     if (state == v1::JOB_STATE_PENDING) {
       const std::string why = WithReason("paused", request.reason());
-      if (absl::Status s = SetState(entry, v1::JOB_STATE_PAUSED, why); !s.ok()) return s;
+      OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_PAUSED, why));
       AddEvent(entry, why);
       return absl::OkStatus();
     }
@@ -394,7 +391,7 @@ absl::StatusOr<v1::Job> JobController::ResumeJob(const v1::JobActionRequest& req
                                                         ": only a paused job can be resumed"));
     }
     const std::string why = WithReason("resumed", request.reason());
-    if (absl::Status s = SetState(entry, v1::JOB_STATE_PENDING, why); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_PENDING, why));
     AddEvent(entry, why);
     return absl::OkStatus();
   });
@@ -417,7 +414,7 @@ absl::StatusOr<v1::Job> JobController::CheckpointJob(const v1::JobActionRequest&
                        job.request() == v1::JOB_REQUEST_PAUSE ? "pause" : "cancel", " requested)"));
     }
     const std::string why = WithReason("checkpoint requested", request.reason());
-    if (absl::Status s = SetState(entry, v1::JOB_STATE_CHECKPOINTING, why); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_CHECKPOINTING, why));
     ++entry.checkpoint_request;
     AddEvent(entry, why);
     return absl::OkStatus();
@@ -766,7 +763,7 @@ absl::StatusOr<v1::HeartbeatResponse> JobController::Heartbeat(
   Schedule();
   // Nothing goes out before the changes behind it are stored: the pending starts and stops wait
   // for the next heartbeat.
-  if (absl::Status s = PersistDirty(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(PersistDirty());
   v1::HeartbeatResponse response;
   if (worker.pending_start.has_value()) {
     *response.add_start() = *std::move(worker.pending_start);
@@ -785,9 +782,8 @@ absl::StatusOr<v1::HeartbeatResponse> JobController::Heartbeat(
 
 absl::StatusOr<v1::ProgressReply> JobController::ReportProgress(const v1::ProgressReport& report) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<JobEntry*> found = FindJob(report.attempt().job_id());
-  if (!found.ok()) return found.status();
-  JobEntry& entry = **found;
+  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * found, FindJob(report.attempt().job_id()));
+  JobEntry& entry = *found;
   if (!IsCurrent(entry, report.attempt().attempt())) {
     return absl::FailedPreconditionError(absl::StrCat("attempt ", report.attempt().attempt(),
                                                       " of job ", entry.job.id(),
@@ -838,7 +834,7 @@ absl::StatusOr<v1::ProgressReply> JobController::ReportProgress(const v1::Progre
         AddEvent(entry, what);
       }
     }
-    if (absl::Status s = Persist(entry); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(Persist(entry));
   }
   v1::ProgressReply reply;
   reply.set_request(entry.job.request());
@@ -850,9 +846,8 @@ absl::StatusOr<v1::RendezvousSetResponse> JobController::RendezvousSet(
     const v1::RendezvousSetRequest& request) {
   if (request.key().empty()) return absl::InvalidArgumentError("key: a key is required");
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<JobEntry*> found = FindJob(request.attempt().job_id());
-  if (!found.ok()) return found.status();
-  if (!IsCurrent(**found, request.attempt().attempt())) {
+  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * found, FindJob(request.attempt().job_id()));
+  if (!IsCurrent(*found, request.attempt().attempt())) {
     return absl::FailedPreconditionError(absl::StrCat("attempt ", request.attempt().attempt(),
                                                       " of job ", request.attempt().job_id(),
                                                       " is no longer current"));
@@ -876,9 +871,8 @@ absl::StatusOr<v1::RendezvousGetResponse> JobController::RendezvousGet(
   absl::MutexLock lock(&mu_);
   while (true) {
     if (shutting_down_) return absl::UnavailableError("the job controller is shutting down");
-    absl::StatusOr<JobEntry*> found = FindJob(job_id);
-    if (!found.ok()) return found.status();
-    if (!IsCurrent(**found, attempt)) {
+    OFFLOAD_ASSIGN_OR_RETURN(JobEntry * found, FindJob(job_id));
+    if (!IsCurrent(*found, attempt)) {
       return absl::FailedPreconditionError(
           absl::StrCat("attempt ", attempt, " of job ", job_id, " is no longer current"));
     }

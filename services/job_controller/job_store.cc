@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace offload {
@@ -45,7 +46,7 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   sqlite3_busy_timeout(db, kBusyTimeoutMs);
   std::unique_ptr<JobStore> store(new JobStore(path, db));
   absl::MutexLock lock(&store->mu_);
-  if (absl::Status s = store->Init(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(store->Init());
   return store;
 }
 
@@ -73,9 +74,9 @@ absl::Status JobStore::Init() {
   // WAL lets readers (a second controller process, offline tools) work beside the writer, and
   // synchronous=FULL syncs the log at every commit, which is what "acknowledged means durable"
   // needs.
-  if (absl::Status s = Exec("PRAGMA journal_mode=WAL", "set WAL mode"); !s.ok()) return s;
-  if (absl::Status s = Exec("PRAGMA synchronous=FULL", "set synchronous=FULL"); !s.ok()) return s;
-  if (absl::Status s = Exec("BEGIN IMMEDIATE", "begin the schema transaction"); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Exec("PRAGMA journal_mode=WAL", "set WAL mode"));
+  OFFLOAD_RETURN_IF_ERROR(Exec("PRAGMA synchronous=FULL", "set synchronous=FULL"));
+  OFFLOAD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin the schema transaction"));
   absl::Status s = Exec(
       "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);"
       "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, job BLOB NOT NULL,"
@@ -120,7 +121,7 @@ absl::Status JobStore::Commit(const v1::Job& job, const std::vector<v1::JobEvent
     return absl::InternalError(absl::StrCat("job store: cannot serialize job ", job.id()));
   }
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = Exec("BEGIN IMMEDIATE", "begin a transaction"); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin a transaction"));
   absl::Status s = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     Statement upsert;
     if (sqlite3_prepare_v2(db_,

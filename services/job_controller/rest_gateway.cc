@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "base/metrics/metrics.h"
+#include "base/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
 #include "services/common/job_state_names.h"
@@ -158,9 +159,7 @@ absl::Status CheckQueryNames(const httplib::Request& req,
 }
 
 absl::StatusOr<v1::ListJobsRequest> ListRequestFromQuery(const httplib::Request& req) {
-  if (absl::Status s = CheckQueryNames(req, {"state", "page_size", "page_token"}); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(CheckQueryNames(req, {"state", "page_size", "page_token"}));
   v1::ListJobsRequest request;
   const auto states = req.params.equal_range("state");
   for (auto it = states.first; it != states.second; ++it) {
@@ -480,7 +479,7 @@ absl::StatusOr<std::unique_ptr<RestGateway>> RestGateway::Start(JobApi* api,
     server = std::make_unique<httplib::Server>();
   }
   auto gateway = std::make_unique<RestGatewayImpl>(api, tokens, std::move(server));
-  if (absl::Status s = gateway->Listen(options); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(gateway->Listen(options));
   return std::unique_ptr<RestGateway>(std::move(gateway));
 }
 

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -60,13 +61,12 @@ class FakeJobApi : public JobApi {
       const v1::ListJobEventsRequest& request) override {
     std::lock_guard<std::mutex> lock(mu_);
     last_events = request;
-    absl::StatusOr<v1::Job> job = Find(request.id());
-    if (!job.ok()) return job.status();
+    OFFLOAD_ASSIGN_OR_RETURN(v1::Job job, Find(request.id()));
     v1::ListJobEventsResponse response;
     v1::JobEvent* event = response.add_events();
     event->set_sequence(request.after_sequence() + 1);
     event->set_job_id(request.id());
-    event->set_state(job->state());
+    event->set_state(job.state());
     event->set_message("submitted");
     return response;
   }

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/security/security.h"
+#include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "services/common/job_spec.h"
 #include "services/launcher/child_output.h"
@@ -109,9 +110,8 @@ absl::Status ControlledJob::Prepare() {
   char dir[] = "/tmp/offload-local-XXXXXX";
   if (mkdtemp(dir) == nullptr) return absl::InternalError("cannot create a temporary directory");
   temp_dir_ = dir;
-  absl::StatusOr<std::string> token = RandomToken();
-  if (!token.ok()) return token.status();
-  token_ = *token;
+  OFFLOAD_ASSIGN_OR_RETURN(std::string token, RandomToken());
+  token_ = token;
   token_file_ = temp_dir_ + "/token";
   int fd = open(token_file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return absl::InternalError(absl::StrCat("cannot create ", token_file_));
@@ -126,9 +126,8 @@ absl::Status ControlledJob::Prepare() {
 absl::StatusOr<std::string> ControlledJob::MetricsFlag(const std::string& job,
                                                        const std::string& flag) {
   if (options_.metrics_targets_dir.empty()) return std::string();
-  absl::StatusOr<int> port = FreeLoopbackPort();
-  if (!port.ok()) return port.status();
-  const std::string address = absl::StrCat("127.0.0.1:", *port);
+  OFFLOAD_ASSIGN_OR_RETURN(int port, FreeLoopbackPort());
+  const std::string address = absl::StrCat("127.0.0.1:", port);
   metrics_targets_[job].push_back(address);
   return absl::StrCat("--", flag, "=", address);
 }
@@ -160,9 +159,8 @@ absl::Status ControlledJob::StartController() {
   spawn.argv = {options_.controller_binary, "--grpc_address=127.0.0.1:0",
                 "--http_address=127.0.0.1:0", absl::StrCat("--store=", options_.store),
                 absl::StrCat("--token_file=", token_file_)};
-  absl::StatusOr<std::string> metrics = MetricsFlag("offload-controller");
-  if (!metrics.ok()) return metrics.status();
-  if (!metrics->empty()) spawn.argv.push_back(*metrics);
+  OFFLOAD_ASSIGN_OR_RETURN(std::string metrics, MetricsFlag("offload-controller"));
+  if (!metrics.empty()) spawn.argv.push_back(metrics);
   spawn.capture_output = true;
   spawn.null_stdin = true;
   absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
@@ -196,9 +194,8 @@ absl::Status ControlledJob::StartPool() {
   for (int k = 0; k < options_.num_shards; ++k) {
     SpawnOptions spawn;
     spawn.argv = {options_.server_binary, "--listen=127.0.0.1:0", controller, token};
-    absl::StatusOr<std::string> metrics = MetricsFlag("offload-optimizer-server");
-    if (!metrics.ok()) return metrics.status();
-    if (!metrics->empty()) spawn.argv.push_back(*metrics);
+    OFFLOAD_ASSIGN_OR_RETURN(std::string metrics, MetricsFlag("offload-optimizer-server"));
+    if (!metrics.empty()) spawn.argv.push_back(metrics);
     spawn.argv.insert(spawn.argv.end(), options_.server_args.begin(), options_.server_args.end());
     spawn.capture_output = true;
     spawn.null_stdin = true;
@@ -218,16 +215,14 @@ absl::Status ControlledJob::StartPool() {
     const std::pair<const char*, const char*> kTrainerMetrics[] = {
         {"offload-trainer-worker", "metrics_address"}, {"offload-trainer", "rank_metrics_address"}};
     for (const auto& [job, flag] : kTrainerMetrics) {
-      absl::StatusOr<std::string> metrics = MetricsFlag(job, flag);
-      if (!metrics.ok()) return metrics.status();
-      if (!metrics->empty()) spawn.argv.push_back(*metrics);
+      OFFLOAD_ASSIGN_OR_RETURN(std::string metrics, MetricsFlag(job, flag));
+      if (!metrics.empty()) spawn.argv.push_back(metrics);
     }
     spawn.argv.push_back("--");
     spawn.argv.insert(spawn.argv.end(), rank_args_.begin(), rank_args_.end());
     spawn.null_stdin = true;
-    absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
-    if (!child.ok()) return child.status();
-    processes_.push_back(Process{absl::StrCat("trainer ", r), std::move(*child), {}});
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ChildProcess> child, ChildProcess::Spawn(spawn));
+    processes_.push_back(Process{absl::StrCat("trainer ", r), std::move(child), {}});
   }
   return absl::OkStatus();
 }
@@ -239,21 +234,20 @@ absl::StatusOr<v1::JobSpec> ControlledJob::MakeSpec() {
   for (const std::string& arg : options_.trainer_args) {
     (IsJobSpecFlag(arg) ? job_args : rank_args_).push_back(arg);
   }
-  absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags(job_args);
-  if (!spec.ok()) return spec.status();
-  spec->set_name("local");
-  spec->mutable_parallel()->set_ranks(options_.num_ranks);
-  spec->mutable_parallel()->set_optimizer_servers(options_.num_shards);
+  OFFLOAD_ASSIGN_OR_RETURN(v1::JobSpec spec, JobSpecFromFlags(job_args));
+  spec.set_name("local");
+  spec.mutable_parallel()->set_ranks(options_.num_ranks);
+  spec.mutable_parallel()->set_optimizer_servers(options_.num_shards);
   // The workers resolve paths from their own directories; this launcher's is the user's.
-  if (!spec->data().has_path()) {
+  if (!spec.data().has_path()) {
     return absl::InvalidArgumentError("give the training data with --data=FILE after --");
   }
-  spec->mutable_data()->set_path(Absolute(spec->data().path()));
-  if (spec->checkpoint().has_dir()) {
-    spec->mutable_checkpoint()->set_dir(Absolute(spec->checkpoint().dir()));
+  spec.mutable_data()->set_path(Absolute(spec.data().path()));
+  if (spec.checkpoint().has_dir()) {
+    spec.mutable_checkpoint()->set_dir(Absolute(spec.checkpoint().dir()));
   }
-  if (spec->model().has_init_from()) {
-    spec->mutable_model()->set_init_from(Absolute(spec->model().init_from()));
+  if (spec.model().has_init_from()) {
+    spec.mutable_model()->set_init_from(Absolute(spec.model().init_from()));
   }
   return spec;
 }

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 
 namespace offload {
 namespace {
@@ -122,7 +123,7 @@ absl::Status LocalJob::StartServers() {
   }
   const absl::Time deadline = absl::Now() + options_.startup_timeout;
   for (int k = 0; k < options_.num_shards; ++k) {
-    if (absl::Status s = AwaitPort(k, deadline); !s.ok()) return s;
+    OFFLOAD_RETURN_IF_ERROR(AwaitPort(k, deadline));
   }
   for (int k = 0; k < options_.num_shards; ++k) {
     Shard& shard = shards_[k];

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace offload {
@@ -70,9 +71,8 @@ std::string FormatCompactDuration(double seconds) {
 absl::StatusOr<std::vector<v1::JobState>> ParseStateList(absl::string_view text) {
   std::vector<v1::JobState> states;
   for (absl::string_view one : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    absl::StatusOr<v1::JobState> state = ParseStateName(one);
-    if (!state.ok()) return state.status();
-    states.push_back(*state);
+    OFFLOAD_ASSIGN_OR_RETURN(v1::JobState state, ParseStateName(one));
+    states.push_back(state);
   }
   return states;
 }

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/blas/attention.h"
 #include "gpu_trainer/cuda/blas/gemm.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
@@ -166,7 +167,7 @@ int64_t AttentionScratchElems(int B, int Tn, int C, int NH) {
 template <typename T>
 absl::Status AttentionForward(CublasLt& lt, T* out, T* att, T* scratch, const T* qkv, int B, int Tn,
                               int C, int NH, cudaStream_t stream) {
-  if (absl::Status s = CheckShape(B, Tn, C, NH); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CheckShape(B, Tn, C, NH));
   const int hs = C / NH;
   const int batch = B * NH;
   const int64_t btc = PaddedElems(static_cast<int64_t>(B) * Tn * C);
@@ -178,42 +179,34 @@ absl::Status AttentionForward(CublasLt& lt, T* out, T* att, T* scratch, const T*
   T* y = scratch + 3 * btc;  // (B, NH, T, hs)
 
   const int64_t ld_qkv = 3 * static_cast<int64_t>(C);
-  if (absl::Status s = SplitHeads(q, qkv, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) return s;
-  if (absl::Status s = SplitHeads(k, qkv + C, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) return s;
-  if (absl::Status s = SplitHeads(v, qkv + 2 * C, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(q, qkv, ld_qkv, B, Tn, NH, hs, stream));
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(k, qkv + C, ld_qkv, B, Tn, NH, hs, stream));
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(v, qkv + 2 * C, ld_qkv, B, Tn, NH, hs, stream));
 
   // att (T, T) = q @ k^T * scale, as att^T = k @ q^T column-major: k stored (hs, T) is
   // transposed, q stored (hs, T) is q^T already. The scale rides on alpha, so the scores are
   // rounded to T once, already scaled; the whole square is computed and the softmax masks it.
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  if (absl::Status s = Gemm<T>(lt,
-                               HeadBatchSpec(true, false, Tn, Tn, hs, k, hs, head, q, hs, head, att,
-                                             Tn, square, scale, batch),
-                               stream);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt,
+                                  HeadBatchSpec(true, false, Tn, Tn, hs, k, hs, head, q, hs, head,
+                                                att, Tn, square, scale, batch),
+                                  stream));
   const int64_t rows = static_cast<int64_t>(batch) * Tn;
   CausalSoftmaxKernel<T><<<CeilDiv(rows, kWarpsPerBlock), kBlock, 0, stream>>>(att, rows, Tn);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   // y (T, hs) = att @ v, as y^T (hs, T) = v^T (hs, T) @ att^T (T, T): both stored that way.
-  if (absl::Status s = Gemm<T>(lt,
-                               HeadBatchSpec(false, false, hs, Tn, Tn, v, hs, head, att, Tn, square,
-                                             y, hs, head, 1.0f, batch),
-                               stream);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt,
+                                  HeadBatchSpec(false, false, hs, Tn, Tn, v, hs, head, att, Tn,
+                                                square, y, hs, head, 1.0f, batch),
+                                  stream));
   return MergeHeads(out, y, C, B, Tn, NH, hs, stream);
 }
 
 template <typename T>
 absl::Status AttentionBackward(CublasLt& lt, T* dqkv, T* scratch, const T* dout, const T* qkv,
                                const T* att, int B, int Tn, int C, int NH, cudaStream_t stream) {
-  if (absl::Status s = CheckShape(B, Tn, C, NH); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CheckShape(B, Tn, C, NH));
   const int hs = C / NH;
   const int batch = B * NH;
   const int64_t btc = PaddedElems(static_cast<int64_t>(B) * Tn * C);
@@ -229,30 +222,22 @@ absl::Status AttentionBackward(CublasLt& lt, T* dqkv, T* scratch, const T* dout,
   T* dv = v;
 
   const int64_t ld_qkv = 3 * static_cast<int64_t>(C);
-  if (absl::Status s = SplitHeads(q, qkv, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) return s;
-  if (absl::Status s = SplitHeads(k, qkv + C, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) return s;
-  if (absl::Status s = SplitHeads(v, qkv + 2 * C, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = SplitHeads(dout_p, dout, C, B, Tn, NH, hs, stream); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(q, qkv, ld_qkv, B, Tn, NH, hs, stream));
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(k, qkv + C, ld_qkv, B, Tn, NH, hs, stream));
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(v, qkv + 2 * C, ld_qkv, B, Tn, NH, hs, stream));
+  OFFLOAD_RETURN_IF_ERROR(SplitHeads(dout_p, dout, C, B, Tn, NH, hs, stream));
 
   // datt (T, T) = dout_p @ v^T, as datt^T = v @ dout_p^T column-major.
-  if (absl::Status s = Gemm<T>(lt,
-                               HeadBatchSpec(true, false, Tn, Tn, hs, v, hs, head, dout_p, hs, head,
-                                             datt, Tn, square, 1.0f, batch),
-                               stream);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt,
+                                  HeadBatchSpec(true, false, Tn, Tn, hs, v, hs, head, dout_p, hs,
+                                                head, datt, Tn, square, 1.0f, batch),
+                                  stream));
   // dv (T, hs) = att^T @ dout_p, as dv^T (hs, T) = dout_p^T (hs, T) @ att (T, T): att stored
   // column-major is att^T, hence the transpose. Writes over v, whose last reader was datt.
-  if (absl::Status s = Gemm<T>(lt,
-                               HeadBatchSpec(false, true, hs, Tn, Tn, dout_p, hs, head, att, Tn,
-                                             square, dv, hs, head, 1.0f, batch),
-                               stream);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt,
+                                  HeadBatchSpec(false, true, hs, Tn, Tn, dout_p, hs, head, att, Tn,
+                                                square, dv, hs, head, 1.0f, batch),
+                                  stream));
   const int64_t rows = static_cast<int64_t>(batch) * Tn;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   CausalSoftmaxBackwardKernel<T>
@@ -262,27 +247,19 @@ absl::Status AttentionBackward(CublasLt& lt, T* dqkv, T* scratch, const T* dout,
 
   // dq (T, hs) = dpreatt @ k, as dq^T (hs, T) = k^T (hs, T) @ dpreatt^T (T, T). Writes over
   // dout_p, whose last reader was dv.
-  if (absl::Status s = Gemm<T>(lt,
-                               HeadBatchSpec(false, false, hs, Tn, Tn, k, hs, head, dpreatt, Tn,
-                                             square, dq, hs, head, 1.0f, batch),
-                               stream);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt,
+                                  HeadBatchSpec(false, false, hs, Tn, Tn, k, hs, head, dpreatt, Tn,
+                                                square, dq, hs, head, 1.0f, batch),
+                                  stream));
   // dk (T, hs) = dpreatt^T @ q, as dk^T (hs, T) = q^T (hs, T) @ dpreatt (T, T). Writes over k,
   // whose last reader was dq.
-  if (absl::Status s = Gemm<T>(lt,
-                               HeadBatchSpec(false, true, hs, Tn, Tn, q, hs, head, dpreatt, Tn,
-                                             square, dk, hs, head, 1.0f, batch),
-                               stream);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt,
+                                  HeadBatchSpec(false, true, hs, Tn, Tn, q, hs, head, dpreatt, Tn,
+                                                square, dk, hs, head, 1.0f, batch),
+                                  stream));
 
-  if (absl::Status s = MergeHeads(dqkv, dq, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) return s;
-  if (absl::Status s = MergeHeads(dqkv + C, dk, ld_qkv, B, Tn, NH, hs, stream); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(MergeHeads(dqkv, dq, ld_qkv, B, Tn, NH, hs, stream));
+  OFFLOAD_RETURN_IF_ERROR(MergeHeads(dqkv + C, dk, ld_qkv, B, Tn, NH, hs, stream));
   return MergeHeads(dqkv + 2 * C, dv, ld_qkv, B, Tn, NH, hs, stream);
 }
 

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 
 namespace offload {
@@ -185,10 +186,8 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
     return s;
   }
   // C and D are the same matrix.
-  if (absl::Status s = MakeLayout(&d.c, kType, spec.m, spec.n, spec.ldc, spec.batch, spec.stride_c);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(
+      MakeLayout(&d.c, kType, spec.m, spec.n, spec.ldc, spec.batch, spec.stride_c));
 
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&d.pref));
   const uint64_t workspace_bytes = lt.workspace_bytes();

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/blas/gemm.h"
 #include "gpu_trainer/cuda/kernels/bias_grad.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
@@ -54,7 +55,7 @@ absl::Status MatmulBackward(CublasLt& lt, T* dinp, T* dweight, T* dbias, float* 
   dinp_spec.ldb = OC;
   dinp_spec.c = dinp;
   dinp_spec.ldc = C;
-  if (absl::Status s = Gemm<T>(lt, dinp_spec, stream); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt, dinp_spec, stream));
 
   // dweight = inp^T @ dout, as dweight^T (OC, C) = dout^T (OC, N) @ inp (N, C): the stored
   // column-major inp^T transposed. beta = 0: overwritten, as matmul.h promises.
@@ -69,7 +70,7 @@ absl::Status MatmulBackward(CublasLt& lt, T* dinp, T* dweight, T* dbias, float* 
   dweight_spec.ldb = C;
   dweight_spec.c = dweight;
   dweight_spec.ldc = OC;
-  if (absl::Status s = Gemm<T>(lt, dweight_spec, stream); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt, dweight_spec, stream));
 
   if (dbias != nullptr) {
     OFFLOAD_CUDA_RETURN_IF_ERROR(BiasGrad<T>(dbias, scratch, dout, N, OC, stream));
@@ -112,7 +113,7 @@ absl::Status TiedHeadBackward(CublasLt& lt, T* dinp, T* dwte, const T* dlogits, 
   dinp_spec.ldb = ld_logits;
   dinp_spec.c = dinp;
   dinp_spec.ldc = C;
-  if (absl::Status s = Gemm<T>(lt, dinp_spec, stream); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(Gemm<T>(lt, dinp_spec, stream));
 
   // dwte = dlogits^T @ inp, as dwte^T (C, V) = inp^T (C, N) @ dlogits (N, V): the stored
   // column-major dlogits^T transposed. Overwritten; the encoder backward adds its share later.

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/optim/adamw.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 #include "gpu_trainer/cuda/runtime/cuda_device.h"
@@ -33,14 +34,12 @@ absl::StatusOr<std::unique_ptr<GpuAdamW>> GpuAdamW::Create(int64_t n, DType stor
   }
   // Before any allocation: without a device, the caller gets the driver's reason as
   // Unavailable rather than an allocation failure.
-  if (absl::Status s = CudaDeviceAvailable(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CudaDeviceAvailable());
   auto adamw = std::unique_ptr<GpuAdamW>(new GpuAdamW(n, storage, hp, stream));
   float* unused[3];
   BufferCarver measure(nullptr);
   Carve(measure, n, &unused[0], &unused[1], &unused[2]);
-  if (absl::Status s = adamw->buffer_.Allocate(measure.bytes(), "GPU AdamW state"); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(adamw->buffer_.Allocate(measure.bytes(), "GPU AdamW state"));
   BufferCarver carver(adamw->buffer_.data());
   Carve(carver, n, &adamw->master_, &adamw->exp_avg_, &adamw->exp_avg_sq_);
   return adamw;

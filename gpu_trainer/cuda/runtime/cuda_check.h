@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -32,13 +33,6 @@ absl::Status CublasErrorStatus(cublasStatus_t status, const char* expr, const ch
     if (offload_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                    \
       return ::offload::CublasErrorStatus(offload_cublas_status_, #expr, __FILE__, __LINE__); \
     }                                                                                         \
-  } while (0)
-
-// For calls that already return absl::Status.
-#define OFFLOAD_RETURN_IF_ERROR(expr)                  \
-  do {                                                 \
-    absl::Status offload_status_ = (expr);             \
-    if (!offload_status_.ok()) return offload_status_; \
   } while (0)
 
 #endif  // OFFLOAD_GPU_TRAINER_CUDA_RUNTIME_CUDA_CHECK_H_

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 
 namespace offload {
@@ -28,7 +29,7 @@ absl::Status CudaDeviceAvailable() {
 }
 
 absl::StatusOr<CudaDeviceInfo> UseCudaDevice(int ordinal) {
-  if (absl::Status s = CudaDeviceAvailable(); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(CudaDeviceAvailable());
   int count = 0;
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
   if (ordinal < 0 || ordinal >= count) {

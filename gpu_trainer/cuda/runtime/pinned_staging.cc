@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 
 namespace offload {
@@ -37,16 +38,14 @@ absl::Status AllocatePinned(int64_t bytes, char** pinned) {
 
 absl::StatusOr<std::unique_ptr<DeviceToHostStaging>> DeviceToHostStaging::Create(
     const StagingOptions& options) {
-  if (absl::Status s = ValidateStaging(options); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateStaging(options));
   std::unique_ptr<DeviceToHostStaging> staging(new DeviceToHostStaging());
   DeviceToHostStaging& d = *staging;
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&d.device_));
   d.chunk_bytes_ = options.chunk_bytes;
   d.num_slots_ = static_cast<int>(options.budget_bytes / options.chunk_bytes);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&d.stream_, cudaStreamNonBlocking));
-  if (absl::Status s = AllocatePinned(d.chunk_bytes_ * d.num_slots_, &d.pinned_); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(AllocatePinned(d.chunk_bytes_ * d.num_slots_, &d.pinned_));
   d.slots_.resize(d.num_slots_);
   for (int i = 0; i < d.num_slots_; ++i) {
     d.slots_[i].buffer = d.pinned_ + i * d.chunk_bytes_;
@@ -182,15 +181,13 @@ void DeviceToHostStaging::Loop() {
 
 absl::StatusOr<std::unique_ptr<HostToDeviceStaging>> HostToDeviceStaging::Create(
     const StagingOptions& options) {
-  if (absl::Status s = ValidateStaging(options); !s.ok()) return s;
+  OFFLOAD_RETURN_IF_ERROR(ValidateStaging(options));
   std::unique_ptr<HostToDeviceStaging> staging(new HostToDeviceStaging());
   HostToDeviceStaging& h = *staging;
   h.chunk_bytes_ = options.chunk_bytes;
   h.num_slots_ = static_cast<int>(options.budget_bytes / options.chunk_bytes);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&h.stream_, cudaStreamNonBlocking));
-  if (absl::Status s = AllocatePinned(h.chunk_bytes_ * h.num_slots_, &h.pinned_); !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(AllocatePinned(h.chunk_bytes_ * h.num_slots_, &h.pinned_));
   h.slot_free_.resize(h.num_slots_, nullptr);
   for (cudaEvent_t& event : h.slot_free_) {
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
