@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "absl/strings/str_format.h"
+#include "base/logging.h"
+
 namespace offload {
 
 struct ThreadPool::Ticket::Region {
@@ -50,8 +53,8 @@ ThreadPool::ThreadPool(const Options& options) {
       CPU_SET(cpus[i % cpus.size()], &set);
       // Pinning is a locality hint: if the kernel refuses it the pool still works.
       if (pthread_setaffinity_np(workers_.back().native_handle(), sizeof(set), &set) != 0) {
-        std::fprintf(stderr, "%s:%d: could not pin worker %d to cpu %d\n", __FILE__, __LINE__, i,
-                     cpus[i % cpus.size()]);
+        LOG(WARNING) << absl::StrFormat("%s:%d: could not pin worker %d to cpu %d", __FILE__,
+                                        __LINE__, i, cpus[i % cpus.size()]);
       }
     }
   }

@@ -17,8 +17,10 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "base/host_buffer.h"
+#include "base/logging.h"
 #include "base/metrics/metrics.h"
 #include "base/metrics/metrics_flags.h"
 #include "base/security/security.h"
@@ -93,10 +95,10 @@ class Admissions {
   void Start(const offload::v1::Assignment& assignment) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     by_attempt_[{assignment.job_id(), assignment.attempt()}] = assignment.shard_job_id();
-    std::printf("cpu_optimizer_server: assigned job %s attempt %u as shard %u (shard job %s)\n",
-                assignment.job_id().c_str(), assignment.attempt(), assignment.shard_index(),
-                assignment.shard_job_id().c_str());
-    std::fflush(stdout);
+    LOG(INFO) << absl::StrFormat(
+        "cpu_optimizer_server: assigned job %s attempt %u as shard %u (shard job %s)",
+        assignment.job_id().c_str(), assignment.attempt(), assignment.shard_index(),
+        assignment.shard_job_id().c_str());
   }
 
   void Stop(const offload::v1::AttemptRef& ref) ABSL_LOCKS_EXCLUDED(mu_) {
@@ -112,13 +114,12 @@ class Admissions {
     // The DropJob RPC's path; NOT_FOUND only means the trainers never created it here.
     absl::Status dropped = store_->DropJob(shard_job_id);
     if (!dropped.ok() && !absl::IsNotFound(dropped)) {
-      std::fprintf(stderr, "cpu_optimizer_server: dropping shard job %s: %s\n",
-                   shard_job_id.c_str(), dropped.ToString().c_str());
+      LOG(WARNING) << absl::StrFormat("cpu_optimizer_server: dropping shard job %s: %s",
+                                      shard_job_id.c_str(), dropped.ToString().c_str());
     }
-    std::printf("cpu_optimizer_server: withdrawn job %s attempt %u (shard job %s%s)\n",
-                ref.job_id().c_str(), ref.attempt(), shard_job_id.c_str(),
-                dropped.ok() ? ", state dropped" : "");
-    std::fflush(stdout);
+    LOG(INFO) << absl::StrFormat(
+        "cpu_optimizer_server: withdrawn job %s attempt %u (shard job %s%s)", ref.job_id().c_str(),
+        ref.attempt(), shard_job_id.c_str(), dropped.ok() ? ", state dropped" : "");
   }
 
  private:
@@ -130,13 +131,15 @@ class Admissions {
 }  // namespace
 
 int main(int argc, char** argv) {
+  offload::InitLogging(argv[0]);
   absl::SetProgramUsageMessage("Serves the fp32 optimizer state of training jobs over gRPC.");
   absl::ParseCommandLine(argc, argv);
   offload::KeepFreedMemoryForReuse();
 
   absl::StatusOr<offload::SimdPath> path = offload::ParseSimdPath(absl::GetFlag(FLAGS_simd));
   if (!path.ok()) {
-    std::fprintf(stderr, "cpu_optimizer_server: --simd: %s\n", path.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: --simd: %s",
+                                  path.status().ToString().c_str());
     return 2;
   }
   offload::ThreadPool::Options pool_options;
@@ -151,7 +154,7 @@ int main(int argc, char** argv) {
       offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address),
                                          "cpu_optimizer_server");
   if (!metrics.ok()) {
-    std::fprintf(stderr, "cpu_optimizer_server: %s\n", metrics.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s", metrics.status().ToString().c_str());
     return 2;
   }
   if (*metrics != nullptr) {
@@ -167,14 +170,14 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
   if (!security.ok()) {
-    std::fprintf(stderr, "cpu_optimizer_server: %s\n", security.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s", security.status().ToString().c_str());
     return 2;
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
       offload::MakeServerCredentials(security->tls);
   if (!server_credentials.ok()) {
-    std::fprintf(stderr, "cpu_optimizer_server: %s\n",
-                 server_credentials.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s",
+                                  server_credentials.status().ToString().c_str());
     return 2;
   }
   Admissions admissions(&store);
@@ -195,7 +198,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<offload::OptimizerServer>> server =
       offload::OptimizerServer::Start(server_options, &store);
   if (!server.ok()) {
-    std::fprintf(stderr, "cpu_optimizer_server: %s\n", server.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s", server.status().ToString().c_str());
     return 1;
   }
   std::printf("cpu_optimizer_server listening port=%d simd=%s threads=%d memory_limit_mib=%lld\n",
@@ -208,8 +211,8 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_credentials =
         offload::MakeChannelCredentials(security->tls);
     if (!channel_credentials.ok()) {
-      std::fprintf(stderr, "cpu_optimizer_server: %s\n",
-                   channel_credentials.status().ToString().c_str());
+      LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s",
+                                    channel_credentials.status().ToString().c_str());
       return 2;
     }
     offload::WorkerAgentOptions agent_options;
@@ -229,15 +232,15 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::unique_ptr<offload::WorkerAgent>> started =
         offload::WorkerAgent::Start(std::move(agent_options), std::move(hooks));
     if (!started.ok()) {
-      std::fprintf(stderr, "cpu_optimizer_server: joining the pool of controller %s: %s\n",
-                   controller.c_str(), started.status().ToString().c_str());
+      LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: joining the pool of controller %s: %s",
+                                    controller.c_str(), started.status().ToString().c_str());
       (*server)->Shutdown();
       return 1;
     }
     agent = *std::move(started);
-    std::printf("cpu_optimizer_server joined controller %s as worker %s (address %s)\n",
-                controller.c_str(), agent->worker_id().c_str(), address.c_str());
-    std::fflush(stdout);
+    LOG(INFO) << absl::StrFormat(
+        "cpu_optimizer_server joined controller %s as worker %s (address %s)", controller.c_str(),
+        agent->worker_id().c_str(), address.c_str());
   }
 
   std::signal(SIGINT, OnSignal);

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/host_buffer.h"
+#include "base/logging.h"
 #include "base/metrics/metrics.h"
 #include "base/metrics/metrics_flags.h"
 #include "base/security/security.h"
@@ -106,7 +107,8 @@ void OnSignal(int sig) {
 }
 
 int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "\n%s: %s\n", g_who.c_str(), s.ToString().c_str());
+  if (isatty(STDERR_FILENO)) std::fputc('\n', stderr);  // off the progress bar's line
+  LOG(ERROR) << absl::StrFormat("%s: %s", g_who.c_str(), s.ToString().c_str());
   if (const std::string path = absl::GetFlag(FLAGS_error_file); !path.empty()) {
     if (std::FILE* f = std::fopen(path.c_str(), "w")) {
       std::fputs(s.ToString().c_str(), f);
@@ -150,8 +152,8 @@ std::unique_ptr<offload::ProgressClient> ConnectProgress(int rank) {
   std::string token;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
   if (!channel.ok()) {
-    std::fprintf(stderr, "%s: no progress reports: %s\n", g_who.c_str(),
-                 channel.status().ToString().c_str());
+    LOG(WARNING) << absl::StrFormat("%s: no progress reports: %s", g_who.c_str(),
+                                    channel.status().ToString().c_str());
     return nullptr;
   }
   offload::v1::ProgressReport report;
@@ -163,6 +165,7 @@ std::unique_ptr<offload::ProgressClient> ConnectProgress(int rank) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  offload::InitLogging(argv[0]);
   absl::SetProgramUsageMessage(
       "Trains a GPT-2 family model on text or GPT-2 token shards, offloading the optimizer.");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
@@ -182,8 +185,8 @@ int main(int argc, char** argv) {
     // A rank of a controller's job trains without its metrics rather than fail the attempt
     // (its port may have been taken since its worker was started); anything else refuses.
     if (absl::GetFlag(FLAGS_report_to).empty()) return Fail(metrics.status());
-    std::fprintf(stderr, "%s: no metrics: %s\n", g_who.c_str(),
-                 metrics.status().ToString().c_str());
+    LOG(WARNING) << absl::StrFormat("%s: no metrics: %s", g_who.c_str(),
+                                    metrics.status().ToString().c_str());
   }
 
   if (!absl::GetFlag(FLAGS_controller).empty()) {
@@ -279,7 +282,7 @@ int main(int argc, char** argv) {
     ~TraceOnExit() {
       if (trace == nullptr) return;
       if (absl::Status s = trace->WriteChromeTrace(path); !s.ok()) {
-        std::fprintf(stderr, "gpu_trainer: trace: %s\n", s.ToString().c_str());
+        LOG(WARNING) << absl::StrFormat("gpu_trainer: trace: %s", s.ToString().c_str());
       } else {
         std::printf("gpu_trainer: trace %s\n", path.c_str());
       }
@@ -478,7 +481,8 @@ int main(int argc, char** argv) {
   if (controller != nullptr) {
     report_progress(t.step(), progress_report.loss(), t.loss_scaler().scale());
     if (absl::Status s = controller->Flush(absl::Seconds(10)); !s.ok()) {
-      std::fprintf(stderr, "gpu_trainer: last progress report: %s\n", s.ToString().c_str());
+      LOG(WARNING) << absl::StrFormat("gpu_trainer: last progress report: %s",
+                                      s.ToString().c_str());
     }
   }
   if (interrupted) {

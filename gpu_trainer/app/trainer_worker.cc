@@ -10,9 +10,11 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "base/logging.h"
 #include "base/security/security.h"
 #include "services/common/job_spec.h"
 #include "services/launcher/child_process.h"
@@ -106,13 +108,13 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
 
   absl::StatusOr<SecurityOptions> security = SecurityFromFlags();
   if (!security.ok()) {
-    std::fprintf(stderr, "gpu_trainer: %s\n", security.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("gpu_trainer: %s", security.status().ToString().c_str());
     return 1;
   }
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(security->tls);
   if (!credentials.ok()) {
-    std::fprintf(stderr, "gpu_trainer: %s\n", credentials.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("gpu_trainer: %s", credentials.status().ToString().c_str());
     return 1;
   }
   const std::string name = absl::StrCat(ThisHostName(), ":", getpid());
@@ -131,12 +133,12 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
   hooks.stop = [&mailbox](const v1::AttemptRef& ref) { mailbox.Stop(ref); };
   absl::StatusOr<std::unique_ptr<WorkerAgent>> agent = WorkerAgent::Start(options, hooks);
   if (!agent.ok()) {
-    std::fprintf(stderr, "gpu_trainer: %s\n", agent.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("gpu_trainer: %s", agent.status().ToString().c_str());
     return 1;
   }
-  std::printf("gpu_trainer: pool worker %s (%s) registered with the job controller at %s\n",
-              (*agent)->worker_id().c_str(), name.c_str(), controller.c_str());
-  std::fflush(stdout);
+  LOG(INFO) << absl::StrFormat(
+      "gpu_trainer: pool worker %s (%s) registered with the job controller at %s",
+      (*agent)->worker_id().c_str(), name.c_str(), controller.c_str());
 
   while (!*stop) {
     v1::Assignment a;
@@ -151,9 +153,9 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
     SpawnOptions spawn;
     spawn.argv = RankCommandLine(self, controller, rank_address, error_file, rank_args, a);
     spawn.null_stdin = true;
-    std::fprintf(stderr, "gpu_trainer: worker %s runs rank %u of %u of %s (attempt %u)\n",
-                 (*agent)->worker_id().c_str(), a.rank(), a.world_size(), a.job_id().c_str(),
-                 a.attempt());
+    LOG(INFO) << absl::StrFormat("gpu_trainer: worker %s runs rank %u of %u of %s (attempt %u)",
+                                 (*agent)->worker_id().c_str(), a.rank(), a.world_size(),
+                                 a.job_id().c_str(), a.attempt());
     absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
     if (!child.ok()) {
       result.set_exit_code(127);

@@ -1,10 +1,9 @@
 #include "gpu_trainer/data/batch_sampler.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "base/logging.h"
 #include "base/splitmix64.h"
 
 namespace offload {
@@ -12,13 +11,9 @@ namespace offload {
 namespace {
 
 void CheckShape(TokenSpan span, int batch, int seq_len, const char* who) {
-  if (batch < 1 || seq_len < 1 || span.tokens == nullptr || span.size < int64_t{seq_len} + 1) {
-    std::fprintf(stderr,
-                 "%s: needs batch >= 1, seq_len >= 1 and a span of at least seq_len + 1 tokens; "
-                 "got batch %d, seq_len %d, span of %lld tokens\n",
-                 who, batch, seq_len, static_cast<long long>(span.size));
-    std::abort();
-  }
+  CHECK(batch >= 1 && seq_len >= 1 && span.tokens != nullptr && span.size >= int64_t{seq_len} + 1)
+      << who << ": needs batch >= 1, seq_len >= 1 and a span of at least seq_len + 1 tokens; got "
+      << "batch " << batch << ", seq_len " << seq_len << ", span of " << span.size << " tokens";
 }
 
 // Row b of (B, T) inputs/targets from the window starting at o.

@@ -6,7 +6,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/model_preset.h"
@@ -65,7 +67,7 @@ std::string WithReason(absl::string_view what, const std::string& reason) {
 }
 
 void LogError(const absl::Status& status) {
-  if (!status.ok()) std::fprintf(stderr, "job_controller: %s\n", status.ToString().c_str());
+  if (!status.ok()) LOG(ERROR) << absl::StrFormat("job_controller: %s", status.ToString().c_str());
 }
 
 }  // namespace

@@ -13,8 +13,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/logging.h"
 #include "base/metrics/metrics.h"
 #include "base/metrics/metrics_flags.h"
 #include "base/security/security.h"
@@ -61,13 +63,14 @@ bool SplitHostPort(const std::string& address, std::string* host, int* port) {
 }
 
 int Fail(const std::string& what) {
-  std::fprintf(stderr, "job_controller: %s\n", what.c_str());
+  LOG(ERROR) << absl::StrFormat("job_controller: %s", what.c_str());
   return 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  offload::InitLogging(argv[0]);
   absl::SetProgramUsageMessage(
       "Serves the job API (gRPC and REST), the worker pool and the durable job store.");
   absl::ParseCommandLine(argc, argv);
@@ -141,7 +144,7 @@ int main(int argc, char** argv) {
   while (!g_stop) {
     if (absl::Now() >= next_tick) {
       if (absl::Status s = (*controller)->Tick(); !s.ok()) {
-        std::fprintf(stderr, "job_controller: %s\n", s.ToString().c_str());
+        LOG(ERROR) << absl::StrFormat("job_controller: %s", s.ToString().c_str());
       }
       next_tick = absl::Now() + options.heartbeat_interval;
     }

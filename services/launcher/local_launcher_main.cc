@@ -11,8 +11,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "base/logging.h"
 #include "services/launcher/child_process.h"
 #include "services/launcher/controlled_job.h"
 #include "services/launcher/local_job.h"
@@ -51,6 +53,7 @@ ABSL_FLAG(absl::Duration, kill_timeout, absl::Seconds(5),
           "or another rank failed) before SIGKILL");
 
 int main(int argc, char** argv) {
+  offload::InitLogging(argv[0]);
   absl::SetProgramUsageMessage(
       "Runs a training job on this machine: S optimizer servers and W trainer ranks on loopback.\n"
       "usage: offload_local [--shards=S] [--ranks=W] [flags] -- [trainer flags]\n"
@@ -66,24 +69,24 @@ int main(int argc, char** argv) {
   std::vector<std::string> trainer_args(argv + std::min(ours + 1, argc), argv + argc);
   std::vector<char*> positional = absl::ParseCommandLine(ours, argv);
   if (positional.size() > 1) {
-    std::fprintf(stderr, "offload_local: unexpected argument '%s'; trainer flags go after --\n",
-                 positional[1]);
+    LOG(ERROR) << absl::StrFormat(
+        "offload_local: unexpected argument '%s'; trainer flags go after --", positional[1]);
     return 2;
   }
   if (absl::GetFlag(FLAGS_shards) < 1) {
-    std::fprintf(stderr, "offload_local: --shards must be at least 1\n");
+    LOG(ERROR) << "offload_local: --shards must be at least 1";
     return 2;
   }
   if (absl::GetFlag(FLAGS_ranks) < 1) {
-    std::fprintf(stderr, "offload_local: --ranks must be at least 1 (got %d)\n",
-                 absl::GetFlag(FLAGS_ranks));
+    LOG(ERROR) << absl::StrFormat("offload_local: --ranks must be at least 1 (got %d)",
+                                  absl::GetFlag(FLAGS_ranks));
     return 2;
   }
 
   // Blocked before any thread exists, so every thread inherits the mask (see SignalFd).
   absl::StatusOr<offload::SignalFd> signals = offload::SignalFd::Create({SIGINT, SIGTERM, SIGCHLD});
   if (!signals.ok()) {
-    std::fprintf(stderr, "offload_local: %s\n", signals.status().ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("offload_local: %s", signals.status().ToString().c_str());
     return 1;
   }
   // A closed stderr must show up as a failed write, not kill the launcher and orphan the job.
@@ -109,12 +112,12 @@ int main(int argc, char** argv) {
 
   const std::string mode = absl::GetFlag(FLAGS_controller);
   if (mode != "local" && mode != "none") {
-    std::fprintf(stderr, "offload_local: --controller must be local or none (got '%s')\n",
-                 mode.c_str());
+    LOG(ERROR) << absl::StrFormat("offload_local: --controller must be local or none (got '%s')",
+                                  mode.c_str());
     return 2;
   }
   if (mode == "none" && !absl::GetFlag(FLAGS_metrics_targets_dir).empty()) {
-    std::fprintf(stderr, "offload_local: --metrics_targets_dir needs --controller=local\n");
+    LOG(ERROR) << "offload_local: --metrics_targets_dir needs --controller=local";
     return 2;
   }
   offload::JobOutcome outcome;
@@ -133,6 +136,10 @@ int main(int argc, char** argv) {
     offload::LocalJob job(std::move(options), &*signals);
     outcome = job.Run();
   }
-  std::fprintf(stderr, "offload_local: %s\n", outcome.summary.c_str());
+  if (outcome.exit_code == 0) {
+    LOG(INFO) << "offload_local: " << outcome.summary;
+  } else {
+    LOG(ERROR) << "offload_local: " << outcome.summary;
+  }
   return outcome.exit_code;
 }

@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/grpc_status.h"
+#include "base/logging.h"
 #include "base/metrics/metrics.h"
 #include "base/security/security.h"
 
@@ -190,17 +192,18 @@ void WorkerAgent::HeartbeatOnce() {
   if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
     // The controller restarted (or declared this worker dead): join again with what still runs.
     absl::Status r = Register();
-    std::fprintf(stderr, "worker %s: the job controller lost this worker; registering again: %s\n",
-                 options_.info.name().c_str(), r.ok() ? "ok" : r.ToString().c_str());
+    LOG(WARNING) << absl::StrFormat(
+        "worker %s: the job controller lost this worker; registering again: %s",
+        options_.info.name().c_str(), r.ok() ? "ok" : r.ToString().c_str());
     return;
   }
   if (!s.ok()) {
     WorkerMetrics::Get().heartbeat_failures.Increment();
     absl::MutexLock lock(&mu_);
     if (!unreachable_) {
-      std::fprintf(stderr, "worker %s: heartbeat to %s failed (%s); retrying\n",
-                   options_.info.name().c_str(), options_.controller.c_str(),
-                   s.error_message().c_str());
+      LOG(WARNING) << absl::StrFormat("worker %s: heartbeat to %s failed (%s); retrying",
+                                      options_.info.name().c_str(), options_.controller.c_str(),
+                                      s.error_message().c_str());
       unreachable_ = true;
     }
     return;
@@ -208,8 +211,8 @@ void WorkerAgent::HeartbeatOnce() {
   {
     absl::MutexLock lock(&mu_);
     if (unreachable_) {
-      std::fprintf(stderr, "worker %s: the job controller answers again\n",
-                   options_.info.name().c_str());
+      LOG(INFO) << absl::StrFormat("worker %s: the job controller answers again",
+                                   options_.info.name().c_str());
       unreachable_ = false;
     }
     // Results queued while this beat was in flight stay for the next one.
