@@ -208,17 +208,15 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<offload::WorkerAgent> agent;
   if (!controller.empty()) {
-    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_credentials =
-        offload::MakeChannelCredentials(security->tls);
-    if (!channel_credentials.ok()) {
-      LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s",
-                                    channel_credentials.status().ToString().c_str());
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        offload::MakeChannel(controller, security->tls);
+    if (!channel.ok()) {
+      LOG(ERROR) << "cpu_optimizer_server: " << channel.status();
       return 2;
     }
     offload::WorkerAgentOptions agent_options;
     agent_options.controller = controller;
-    agent_options.credentials = *channel_credentials;
-    agent_options.channel_args = offload::ChannelArgumentsFor(security->tls);
+    agent_options.channel = *channel;
     agent_options.token = security->client_token;
     const std::string hostname = offload::ThisHostName();
     const std::string address = AdvertiseAddress(server_options.listen_address, (*server)->port());

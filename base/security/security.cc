@@ -260,4 +260,11 @@ grpc::ChannelArguments ChannelArgumentsFor(const TlsConfig& tls) {
   return args;
 }
 
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& target,
+                                                           const TlsConfig& tls) {
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                           MakeChannelCredentials(tls));
+  return grpc::CreateCustomChannel(target, credentials, ChannelArgumentsFor(tls));
+}
+
 }  // namespace offload

@@ -63,6 +63,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     const TlsConfig& tls);
 // Channel arguments that go with MakeChannelCredentials: the server name override, when set.
 grpc::ChannelArguments ChannelArgumentsFor(const TlsConfig& tls);
+// A channel to `target` (host:port) with both: what every client of a controller or shard uses.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& target,
+                                                           const TlsConfig& tls);
 
 // What the security flags (security_flags.cc: --token_file, --tls_cert, --tls_key, --tls_ca,
 // --tls_client_auth=none|require, --tls_server_name, --allow_unauthenticated) and $OFFLOAD_TOKEN

@@ -200,6 +200,18 @@ absl::StatusOr<std::shared_ptr<Job>> ShardStore::FindJob(const std::string& job_
   return it->second;
 }
 
+absl::StatusOr<ShardStore::JobRange> ShardStore::FindJobRange(const std::string& job_id,
+                                                              uint32_t range_index) const {
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_id));
+  if (range_index >= job->ranges.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("range_index ", range_index, " but job ", job_id,
+                                                   " has ", job->ranges.size(),
+                                                   " ranges on this shard"));
+  }
+  RangeState* range = job->ranges[range_index].get();
+  return JobRange{std::move(job), range};
+}
+
 std::vector<std::shared_ptr<Job>> ShardStore::Jobs() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::shared_ptr<Job>> out;

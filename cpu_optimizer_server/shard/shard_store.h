@@ -100,6 +100,14 @@ class ShardStore {
   absl::StatusOr<int64_t> CreateJob(const JobConfig& config);
   absl::Status DropJob(const std::string& job_id);
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
+  // Range `range_index` of job `job_id`, as a step stream or a data plane's attachment names it:
+  // NOT_FOUND for an unknown job, INVALID_ARGUMENT naming the job's range count for a bad index.
+  // The job stays alive for as long as the returned pointer is held.
+  struct JobRange {
+    std::shared_ptr<Job> job;
+    RangeState* range;
+  };
+  absl::StatusOr<JobRange> FindJobRange(const std::string& job_id, uint32_t range_index) const;
   std::vector<std::shared_ptr<Job>> Jobs() const;
 
   // Copies `length` elements of a tensor starting at flat `offset` (inside the job's ranges,

@@ -16,13 +16,9 @@ absl::StatusOr<std::unique_ptr<StepSession>> StepSession::Open(ShardStore* store
                                                                const std::string& job_id,
                                                                uint32_t range_index,
                                                                uint64_t step) {
-  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, store->FindJob(job_id));
-  if (range_index >= job->ranges.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("range_index ", range_index, " but job ", job_id,
-                                                   " has ", job->ranges.size(),
-                                                   " ranges on this shard"));
-  }
-  RangeState* range = job->ranges[range_index].get();
+  OFFLOAD_ASSIGN_OR_RETURN(ShardStore::JobRange found, store->FindJobRange(job_id, range_index));
+  std::shared_ptr<Job> job = std::move(found.job);
+  RangeState* range = found.range;
   std::lock_guard<std::mutex> lock(range->mu);
   if (range->step_in_progress) {
     return absl::AbortedError(

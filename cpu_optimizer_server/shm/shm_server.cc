@@ -114,18 +114,14 @@ grpc::Status ShmServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   }
 
   // The same checks, and messages, as StepSession::Open.
-  absl::StatusOr<std::shared_ptr<Job>> job = store_->FindJob(open.job_id());
-  if (!job.ok()) return ToGrpcStatus(job.status());
-  if (open.range_index() >= (*job)->ranges.size()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("range_index ", open.range_index(), " but job ", open.job_id(),
-                                     " has ", (*job)->ranges.size(), " ranges on this shard"));
-  }
-  const RangeSpec spec = (*job)->ranges[open.range_index()]->spec;
+  absl::StatusOr<ShardStore::JobRange> found =
+      store_->FindJobRange(open.job_id(), open.range_index());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  const RangeSpec spec = found->range->spec;
   ShmLayout layout;
   layout.range_offset = spec.offset;
   layout.range_length = spec.length;
-  layout.param_dtype = static_cast<uint32_t>((*job)->config.param_dtype);
+  layout.param_dtype = static_cast<uint32_t>(found->job->config.param_dtype);
   layout.chunk_slots = options_.chunk_slots;
   layout.chunk_slot_bytes = options_.chunk_slot_bytes;
   // The segment is memory the shard holds for the trainer: count it like gradients in flight.
@@ -135,7 +131,7 @@ grpc::Status ShmServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
       bytes,
       absl::StrCat("the shm segment of range ", open.range_index(), " of job ", open.job_id()));
   if (!reservation.ok()) return ToGrpcStatus(reservation.status());
-  job->reset();  // a dropped job must not be kept alive by an idle attachment
+  found->job.reset();  // a dropped job must not be kept alive by an idle attachment
   absl::StatusOr<ShmSegment> segment = ShmSegment::Create(layout);
   if (!segment.ok()) return ToGrpcStatus(segment.status());
   if (grpc::Status s = Handshake(&*segment, stream); !s.ok()) return s;

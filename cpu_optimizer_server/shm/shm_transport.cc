@@ -20,6 +20,7 @@
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/attach_client.h"
 #include "cpu_optimizer_server/shm/shm_segment.h"
+#include "cpu_optimizer_server/transport/attachment_cache.h"
 
 namespace offload {
 namespace {
@@ -320,32 +321,23 @@ class ShmTransport final : public StepTransport {
 
   OptimizerClient* const control_;
   const ShmOptions options_;
-  std::mutex mu_;
-  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<Attachment>> attachments_;
+  AttachmentCache<Attachment> attachments_;
 };
 
 absl::StatusOr<std::shared_ptr<Attachment>> ShmTransport::Attach(const std::string& job_id,
                                                                  uint32_t range_index) {
-  const auto key = std::make_pair(job_id, range_index);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = attachments_.find(key);
-    if (it != attachments_.end()) {
-      if (it->second->usable()) return it->second;
-      attachments_.erase(it);  // its shard went away: attach afresh
-    }
-  }
-  // Outside the lock: other ranges' steps go on while this one attaches.
-  auto attachment = std::make_shared<Attachment>(control_->options().address, options_,
-                                                 control_->options().call_timeout);
-  v1::AttachOpen open;
-  open.set_job_id(job_id);
-  open.set_range_index(range_index);
-  open.set_plane(v1::DATA_PLANE_SHM);
-  OFFLOAD_RETURN_IF_ERROR(attachment->Start(control_, open));
-  std::lock_guard<std::mutex> lock(mu_);
-  attachments_[key] = attachment;
-  return attachment;
+  return attachments_.Get(
+      job_id, range_index, [](const Attachment& a) { return a.usable(); },
+      [&]() -> absl::StatusOr<std::shared_ptr<Attachment>> {
+        auto attachment = std::make_shared<Attachment>(control_->options().address, options_,
+                                                       control_->options().call_timeout);
+        v1::AttachOpen open;
+        open.set_job_id(job_id);
+        open.set_range_index(range_index);
+        open.set_plane(v1::DATA_PLANE_SHM);
+        OFFLOAD_RETURN_IF_ERROR(attachment->Start(control_, open));
+        return attachment;
+      });
 }
 
 absl::StatusOr<std::unique_ptr<StepStream>> ShmTransport::OpenStep(const std::string& job_id,

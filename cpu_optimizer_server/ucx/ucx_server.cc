@@ -388,15 +388,10 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   auto session = std::make_shared<Session>();
   if (!probe) {
     // The same checks (and messages) as StepSession::Open, before anything is set up.
-    absl::StatusOr<std::shared_ptr<Job>> job = store_->FindJob(open.job_id());
-    if (!job.ok()) return ToGrpcStatus(job.status());
-    if (open.range_index() >= (*job)->ranges.size()) {
-      return grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("range_index ", open.range_index(), " but job ", open.job_id(), " has ",
-                       (*job)->ranges.size(), " ranges on this shard"));
-    }
-    session->max_payload = (*job)->ranges[open.range_index()]->spec.length * 4;
+    absl::StatusOr<ShardStore::JobRange> found =
+        store_->FindJobRange(open.job_id(), open.range_index());
+    if (!found.ok()) return ToGrpcStatus(found.status());
+    session->max_payload = found->range->spec.length * 4;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

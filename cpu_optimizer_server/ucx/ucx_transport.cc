@@ -22,6 +22,7 @@
 #include "base/dtype_proto.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/attach_client.h"
+#include "cpu_optimizer_server/transport/attachment_cache.h"
 #include "cpu_optimizer_server/ucx/ucx_common.h"
 
 namespace offload {
@@ -91,14 +92,7 @@ class UcxTransport final : public StepTransport {
   UcxTransport(OptimizerClient* control, const UcxOptions& options,
                std::unique_ptr<ucx::Worker> worker)
       : control_(control), options_(options), worker_(std::move(worker)) {}
-  ~UcxTransport() override {
-    std::map<std::pair<std::string, uint32_t>, std::shared_ptr<Attachment>> attachments;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      attachments.swap(attachments_);
-    }
-    attachments.clear();  // before the worker goes
-  }
+  ~UcxTransport() override { attachments_.Clear(); }  // before the worker goes
 
   absl::Status Init() {
     if (auto s = worker_->SetAmHandler(ucx::kToTrainerAm, &UcxTransport::OnAm, this); !s.ok()) {
@@ -160,7 +154,7 @@ class UcxTransport final : public StepTransport {
   // (Forget() takes it before the attachment is torn down).
   std::mutex mu_;
   std::map<uint64_t, Attachment*> by_session_;
-  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<Attachment>> attachments_;
+  AttachmentCache<Attachment> attachments_;
 };
 
 Attachment::~Attachment() {
@@ -523,31 +517,11 @@ absl::StatusOr<std::unique_ptr<StepStream>> UcxTransport::OpenStep(const std::st
                                                                    int64_t range_length,
                                                                    uint64_t step) {
   if (job_id.empty()) return absl::InvalidArgumentError("OpenStep needs a job_id");
-  const auto key = std::make_pair(job_id, range_index);
-  std::shared_ptr<Attachment> att;
-  std::shared_ptr<Attachment> stale;  // destroyed outside the lock
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = attachments_.find(key);
-    if (it != attachments_.end()) {
-      if (it->second->dead) {
-        stale = std::move(it->second);
-        attachments_.erase(it);
-      } else {
-        att = it->second;
-      }
-    }
-  }
-  stale.reset();
-  if (att == nullptr) {
-    // Two threads may race to attach the same range; the loser's attachment is simply dropped.
-    OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> made, Attach(job_id, range_index));
-    std::lock_guard<std::mutex> lock(mu_);
-    auto [it, inserted] = attachments_.emplace(key, made);
-    att = it->second;
-    if (!inserted) stale = std::move(made);
-  }
-  stale.reset();
+  OFFLOAD_ASSIGN_OR_RETURN(
+      std::shared_ptr<Attachment> att,
+      attachments_.Get(
+          job_id, range_index, [](const Attachment& a) { return !a.dead.load(); },
+          [&] { return Attach(job_id, range_index); }));
   auto [id, state] = AddStream(att.get());
   state->range_offset = range_offset;
   state->range_length = range_length;

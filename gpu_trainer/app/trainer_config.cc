@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "model_spec/model_preset.h"
+#include "services/common/job_spec.h"
 
 ABSL_FLAG(std::string, model, "demo", "model preset: demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
 ABSL_FLAG(int, layers, 0, "override the preset's number of layers");
@@ -65,60 +66,38 @@ ABSL_FLAG(int64_t, dpu_warmup_steps, 20, "synchronous steps before the delayed u
 namespace offload {
 
 absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
+  // The settings' rules live in one place, the job spec's: a job file and these flags are checked
+  // by the same code, and the conversions below may take every value as valid.
+  OFFLOAD_ASSIGN_OR_RETURN(v1::JobSpec spec, JobSpecFromTrainerFlags());
+  if (absl::Status s = ValidateSettings(spec, PathRule::kAsGiven); !s.ok()) return NameTheFlag(s);
+
   TrainerOptions o;
   o.data = absl::GetFlag(FLAGS_data);
-  absl::StatusOr<Gpt2Config> model =
-      ModelPreset(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_vocab), o.data);
-  if (!model.ok()) return model.status();
-  o.model = *model;
-  if (absl::GetFlag(FLAGS_layers) > 0) o.model.num_layers = absl::GetFlag(FLAGS_layers);
-  if (absl::GetFlag(FLAGS_heads) > 0) o.model.num_heads = absl::GetFlag(FLAGS_heads);
-  if (absl::GetFlag(FLAGS_channels) > 0) o.model.channels = absl::GetFlag(FLAGS_channels);
-  if (absl::GetFlag(FLAGS_context) > 0) o.model.context_length = absl::GetFlag(FLAGS_context);
-  OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(o.model));
+  ModelShape shape;
+  shape.preset = absl::GetFlag(FLAGS_model);
+  shape.vocab = absl::GetFlag(FLAGS_vocab);
+  shape.layers = absl::GetFlag(FLAGS_layers);
+  shape.heads = absl::GetFlag(FLAGS_heads);
+  shape.channels = absl::GetFlag(FLAGS_channels);
+  shape.context = absl::GetFlag(FLAGS_context);
+  OFFLOAD_ASSIGN_OR_RETURN(o.model, ResolveModel(shape, o.data, "--model", ""));
 
-  const std::string kernels = absl::GetFlag(FLAGS_kernels);
-  if (kernels != "fast" && kernels != "naive") {
-    return absl::InvalidArgumentError("--kernels must be fast or naive");
-  }
-  o.kernels = kernels == "fast" ? CpuKernelSet::kFast : CpuKernelSet::kNaive;
-  const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "cpu" && device != "cuda") {
-    return absl::InvalidArgumentError("--device must be cpu or cuda");
-  }
-  o.device = device == "cuda" ? ComputeDevice::kCuda : ComputeDevice::kCpu;
+  o.kernels = absl::GetFlag(FLAGS_kernels) == "fast" ? CpuKernelSet::kFast : CpuKernelSet::kNaive;
+  o.device = absl::GetFlag(FLAGS_device) == "cuda" ? ComputeDevice::kCuda : ComputeDevice::kCpu;
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
-  if (absl::GetFlag(FLAGS_pinned_staging_mb) < 2) {
-    return absl::InvalidArgumentError("--pinned_staging_mb must be >= 2 (two chunks)");
-  }
   o.pinned_staging_bytes = absl::GetFlag(FLAGS_pinned_staging_mb) << 20;
   o.val_fraction = absl::GetFlag(FLAGS_val_fraction);
-  if (!(o.val_fraction > 0 && o.val_fraction < 1)) {
-    return absl::InvalidArgumentError("--val_fraction must be in (0, 1)");
-  }
   o.batch = absl::GetFlag(FLAGS_batch);
   o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
-  if (o.micro_batches < 1) return absl::InvalidArgumentError("--micro_batches must be >= 1");
-  const double bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
-  if (!(bucket_mb > 0 && bucket_mb <= 4096)) {
-    return absl::InvalidArgumentError("--bucket_mb must be in (0, 4096]");
-  }
-  o.bucket_elements = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20) / 4));
+  o.bucket_elements =
+      std::max<int64_t>(1, static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20) / 4));
   o.seq_len = absl::GetFlag(FLAGS_seq_len);
-  if (absl::GetFlag(FLAGS_steps) < 1) return absl::InvalidArgumentError("--steps must be >= 1");
   o.steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_steps));
   o.seed = absl::GetFlag(FLAGS_seed);
-  const std::string dtype = absl::GetFlag(FLAGS_dtype);
-  if (dtype != "fp16" && dtype != "bf16") {
-    return absl::InvalidArgumentError("--dtype must be fp16 or bf16");
-  }
-  o.param_dtype = dtype == "fp16" ? DType::kFp16 : DType::kBf16;
+  o.param_dtype = absl::GetFlag(FLAGS_dtype) == "fp16" ? DType::kFp16 : DType::kBf16;
 
-  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
-  if (optimizer != "adamw" && optimizer != "adam") {
-    return absl::InvalidArgumentError("--optimizer must be adamw or adam");
-  }
-  o.adam.set_kind(optimizer == "adamw" ? v1::OPTIMIZER_KIND_ADAMW : v1::OPTIMIZER_KIND_ADAM);
+  o.adam.set_kind(absl::GetFlag(FLAGS_optimizer) == "adamw" ? v1::OPTIMIZER_KIND_ADAMW
+                                                            : v1::OPTIMIZER_KIND_ADAM);
   o.adam.set_lr(absl::GetFlag(FLAGS_lr));
   o.adam.set_beta1(absl::GetFlag(FLAGS_beta1));
   o.adam.set_beta2(absl::GetFlag(FLAGS_beta2));
@@ -126,21 +105,11 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   o.adam.set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
   o.schedule.set_max_lr(absl::GetFlag(FLAGS_lr));
   o.schedule.set_min_lr(absl::GetFlag(FLAGS_min_lr));
-  if (absl::GetFlag(FLAGS_warmup_steps) < 0) {
-    return absl::InvalidArgumentError("--warmup_steps must be >= 0");
-  }
   o.schedule.set_warmup_steps(absl::GetFlag(FLAGS_warmup_steps));
   o.schedule.set_total_steps(static_cast<uint32_t>(o.steps));
   o.grad_clip = absl::GetFlag(FLAGS_grad_clip);
-  if (!std::isfinite(o.grad_clip) || o.grad_clip < 0) {
-    return absl::InvalidArgumentError("--grad_clip must be >= 0");
-  }
   o.loss_scaler.init_scale = absl::GetFlag(FLAGS_loss_scale);
   o.loss_scaler.growth_interval = absl::GetFlag(FLAGS_loss_scale_window);
-  if (!(o.loss_scaler.init_scale >= 1) || !std::isfinite(o.loss_scaler.init_scale) ||
-      o.loss_scaler.growth_interval < 1) {
-    return absl::InvalidArgumentError("--loss_scale must be >= 1 and --loss_scale_window >= 1");
-  }
   o.job_id = absl::GetFlag(FLAGS_job_id);
   if (o.job_id.empty()) {
     char host[64] = {};
@@ -152,13 +121,7 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   o.resume = absl::GetFlag(FLAGS_resume);
   o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   o.dpu = absl::GetFlag(FLAGS_dpu);
-  if (absl::GetFlag(FLAGS_dpu_warmup_steps) < 0) {
-    return absl::InvalidArgumentError("--dpu_warmup_steps must be >= 0");
-  }
   o.dpu_warmup_steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_dpu_warmup_steps));
-  if (o.resume && o.checkpoint_dir.empty()) {
-    return absl::InvalidArgumentError("--resume needs --checkpoint_dir");
-  }
   return o;
 }
 

@@ -111,17 +111,15 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
     LOG(ERROR) << absl::StrFormat("gpu_trainer: %s", security.status().ToString().c_str());
     return 1;
   }
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      MakeChannelCredentials(security->tls);
-  if (!credentials.ok()) {
-    LOG(ERROR) << absl::StrFormat("gpu_trainer: %s", credentials.status().ToString().c_str());
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(controller, security->tls);
+  if (!channel.ok()) {
+    LOG(ERROR) << "gpu_trainer: " << channel.status();
     return 1;
   }
   const std::string name = absl::StrCat(ThisHostName(), ":", getpid());
   WorkerAgentOptions options;
   options.controller = controller;
-  options.credentials = *credentials;
-  options.channel_args = ChannelArgumentsFor(security->tls);
+  options.channel = *channel;
   options.token = security->client_token;
   options.info.set_kind(v1::WORKER_KIND_TRAINER);
   options.info.set_name(name);

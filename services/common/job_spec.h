@@ -24,8 +24,17 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text);
 // starts with the file's path.
 absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path);
 
-// Checks every set field (unset ones take gpu_trainer's defaults); the first problem comes back as
-// INVALID_ARGUMENT "path: problem", e.g. "training.steps: must be >= 1, got 0".
+// How a spec's paths (data, checkpoint dir, init_from) must look: a job the controller runs needs
+// absolute ones (its workers run elsewhere); a trainer started by hand takes them as given.
+enum class PathRule { kAsGiven, kAbsolute };
+
+// The rules of the trainer's settings, the one place they live: every set field's range or choices
+// and how fields combine (unset ones take gpu_trainer's defaults). The first problem comes back as
+// INVALID_ARGUMENT "path: problem", e.g. "training.steps: must be >= 1, got 0". gpu_trainer applies
+// them to its flags (JobSpecFromTrainerFlags).
+absl::Status ValidateSettings(const v1::JobSpec& spec, PathRule paths);
+
+// A job file's checks: a valid name, and the settings with absolute paths.
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
 // The gpu_trainer flags of a spec: "--<flag>=<value>" for every set leaf that carries the
@@ -41,6 +50,15 @@ absl::StatusOr<v1::JobSpec> JobSpecFromFlags(const std::vector<std::string>& arg
 // the value ("--lr=abc", "--lr" without one), and for anything that is no flag at all ("lr=0.1"):
 // those it refuses, naming the argument, where the trainer would only fail later.
 bool IsJobSpecFlag(absl::string_view arg);
+
+// The spec of the flags this process was started with (absl's registry): every JobSpec flag the
+// process defines and that differs from its default, so a check of the spec is a check of what
+// the command line asked for.
+absl::StatusOr<v1::JobSpec> JobSpecFromTrainerFlags();
+
+// `status` with a leading field path that has a flag ("training.steps: ...") said as the flag
+// ("--steps: ..."), for errors about a command line; other statuses unchanged.
+absl::Status NameTheFlag(const absl::Status& status);
 
 // The spec as indented protobuf JSON with the proto field names, for people and `-o json`.
 std::string JobSpecToJson(const v1::JobSpec& spec);

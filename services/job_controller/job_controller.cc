@@ -74,22 +74,15 @@ void LogError(const absl::Status& status) {
 
 absl::StatusOr<v1::PartitionMap> PartitionForSpec(const v1::JobSpec& spec) {
   const v1::ModelSpec& m = spec.model();
-  const std::string preset = m.has_preset() ? m.preset() : "demo";
-  absl::StatusOr<Gpt2Config> config =
-      ModelPreset(preset, m.has_vocab() ? m.vocab() : 0, spec.data().path());
-  if (!config.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.preset: unknown preset '", preset,
-                     "' (demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl)"));
-  }
-  // The same overrides gpu_trainer applies to its preset (trainer_config.cc).
-  if (m.layers() > 0) config->num_layers = m.layers();
-  if (m.heads() > 0) config->num_heads = m.heads();
-  if (m.channels() > 0) config->channels = m.channels();
-  if (m.context() > 0) config->context_length = m.context();
-  if (absl::Status s = ValidateGpt2Config(*config); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("model: ", s.message()));
-  }
+  ModelShape shape;  // the shape gpu_trainer makes of the flags this spec becomes
+  if (m.has_preset()) shape.preset = m.preset();
+  shape.vocab = m.has_vocab() ? m.vocab() : 0;
+  shape.layers = m.layers();
+  shape.heads = m.heads();
+  shape.channels = m.channels();
+  shape.context = m.context();
+  OFFLOAD_ASSIGN_OR_RETURN(Gpt2Config config,
+                           ResolveModel(shape, spec.data().path(), "model.preset", "model"));
   const uint32_t ranks = Ranks(spec);
   const uint32_t servers = OptimizerServers(spec);
   if (ranks < 1 || ranks > kMaxRanks) {
@@ -101,7 +94,7 @@ absl::StatusOr<v1::PartitionMap> PartitionForSpec(const v1::JobSpec& spec) {
                                                    kMaxOptimizerServers, "], got ", servers));
   }
   absl::StatusOr<v1::PartitionMap> map =
-      MakePartitionMap(Gpt2NumParams(*config), static_cast<int>(ranks), static_cast<int>(servers));
+      MakePartitionMap(Gpt2NumParams(config), static_cast<int>(ranks), static_cast<int>(servers));
   if (!map.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("parallel.optimizer_servers: ", map.status().message()));

@@ -414,16 +414,14 @@ int Run(int argc, char** argv) {
 
   absl::StatusOr<SecurityOptions> security = SecurityFromFlags();
   if (!security.ok()) return UsageError(security.status().message());
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      MakeChannelCredentials(security->tls);
-  if (!credentials.ok()) return Fail(credentials.status());
   std::string target = absl::GetFlag(FLAGS_controller);
   if (target.empty()) {
     const char* env = std::getenv("OFFLOAD_CONTROLLER");
     target = env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
   }
-  Ctl ctl(grpc::CreateCustomChannel(target, *credentials, ChannelArgumentsFor(security->tls)),
-          security->client_token, output == "json");
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(target, security->tls);
+  if (!channel.ok()) return Fail(channel.status());
+  Ctl ctl(*channel, security->client_token, output == "json");
 
   if (command == "submit") return ctl.Submit(args[0]);
   if (command == "list") return ctl.List(*states);

@@ -78,16 +78,13 @@ void ForgetAttempt(std::vector<v1::Assignment>* running, const v1::AttemptRef& r
 }  // namespace
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options, WorkerHooks hooks)
-    : options_(std::move(options)), hooks_(std::move(hooks)) {
-  std::shared_ptr<grpc::ChannelCredentials> credentials =
-      options_.credentials != nullptr ? options_.credentials : grpc::InsecureChannelCredentials();
-  grpc::ChannelArguments args = options_.channel_args;
-  channel_ = grpc::CreateCustomChannel(options_.controller, credentials, args);
-  stub_ = v1::WorkerService::NewStub(channel_);
-}
+    : options_(std::move(options)),
+      hooks_(std::move(hooks)),
+      stub_(v1::WorkerService::NewStub(options_.channel)) {}
 
 absl::StatusOr<std::unique_ptr<WorkerAgent>> WorkerAgent::Start(WorkerAgentOptions options,
                                                                 WorkerHooks hooks) {
+  if (options.channel == nullptr) return absl::InvalidArgumentError("the worker needs a channel");
   std::unique_ptr<WorkerAgent> agent(new WorkerAgent(std::move(options), std::move(hooks)));
   const absl::Time deadline = absl::Now() + agent->options_.connect_timeout;
   for (;;) {

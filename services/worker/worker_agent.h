@@ -32,10 +32,9 @@ inline std::string ThisHostName() {
 }
 
 struct WorkerAgentOptions {
-  std::string controller;                                 // host:port
-  std::shared_ptr<grpc::ChannelCredentials> credentials;  // insecure when null
-  grpc::ChannelArguments channel_args;
-  std::string token;  // bearer token; empty sends none
+  std::string controller;                  // host:port, for messages
+  std::shared_ptr<grpc::Channel> channel;  // to the controller (MakeChannel)
+  std::string token;                       // bearer token; empty sends none
   v1::WorkerInfo info;
   // How long Start waits for the first registration (the controller may still be starting).
   absl::Duration connect_timeout = absl::Seconds(60);
@@ -75,7 +74,6 @@ class WorkerAgent {
 
   const WorkerAgentOptions options_;
   const WorkerHooks hooks_;
-  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::WorkerService::Stub> stub_;
 
   mutable absl::Mutex mu_;
