@@ -1,18 +1,15 @@
 // What the trainer tests share: a tiny model on the bundled text, optimizer shards served over
-// gRPC in this process, a training run that returns weights, master weights and losses, and a
-// temporary directory.
+// gRPC in this process, and a training run that returns weights, master weights and losses.
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_TEST_UTIL_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_TEST_UTIL_H_
 
-#include <unistd.h>
-
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/test_util.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
@@ -123,21 +120,6 @@ class LocalShards {
   std::vector<std::unique_ptr<ShardStore>> stores_;
   std::vector<std::unique_ptr<OptimizerServer>> servers_;
   std::vector<std::string> addresses_;
-};
-
-class TempDir {
- public:
-  TempDir() {
-    path_ = std::filesystem::temp_directory_path() /
-            absl::StrCat("trainer_test_", getpid(), "_", counter_++);
-    std::filesystem::remove_all(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string path() const { return path_.string(); }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
 };
 
 }  // namespace offload

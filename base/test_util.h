@@ -1,0 +1,41 @@
+// What tests anywhere in the tree share: a scratch directory per test.
+#ifndef OFFLOAD_BASE_TEST_UTIL_H_
+#define OFFLOAD_BASE_TEST_UTIL_H_
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace offload {
+
+// A fresh directory under the system's temp directory, removed with everything in it when the
+// object goes.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "offload_test.XXXXXX").string();
+    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~TempDir() {
+    if (!path_.empty()) std::filesystem::remove_all(path_);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  // Writes `contents` to the file `name` in the directory; returns its path.
+  std::string Write(const std::string& name, const std::string& contents) const {
+    const std::string file = path_ + "/" + name;
+    std::ofstream(file, std::ios::binary) << contents;
+    return file;
+  }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOAD_BASE_TEST_UTIL_H_
