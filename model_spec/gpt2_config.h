@@ -1,4 +1,5 @@
-// The GPT-2 hyper-parameters (DESIGN section 6) and the FLOP count benchmarks report against.
+// The GPT-2 hyper-parameters (ARCHITECTURE.md section 6) and the FLOP count benchmarks report
+// against.
 #ifndef OFFLOAD_MODEL_SPEC_GPT2_CONFIG_H_
 #define OFFLOAD_MODEL_SPEC_GPT2_CONFIG_H_
 

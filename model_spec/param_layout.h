@@ -1,5 +1,5 @@
-// The flat parameter buffer of GPT-2 (DESIGN section 3): names, shapes and offsets, and the
-// seeded initialisation.
+// The flat parameter buffer of GPT-2 (ARCHITECTURE.md section 3): names, shapes and offsets, and
+// the seeded initialisation.
 //
 // Names and shapes are Hugging Face GPT-2's (transformer.* prefix dropped), in its order, so its
 // weights map one to one. Linear weights are Conv1D-style (in, out): y = x @ W + b. The LM head

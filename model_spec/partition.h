@@ -1,6 +1,6 @@
-// The partition map of DESIGN section 3: the flat parameter space padded so each of the W rank
-// partitions is a whole number of 64-element blocks, split into S balanced shard ranges, and cut
-// into slices where a rank partition meets a shard range. Computed in one place and handed to
+// The partition map of ARCHITECTURE.md section 3: the flat parameter space padded so each of the W
+// rank partitions is a whole number of 64-element blocks, split into S balanced shard ranges, and
+// cut into slices where a rank partition meets a shard range. Computed in one place and handed to
 // every rank and shard; it is part of every checkpoint.
 #ifndef OFFLOAD_MODEL_SPEC_PARTITION_H_
 #define OFFLOAD_MODEL_SPEC_PARTITION_H_

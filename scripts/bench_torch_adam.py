@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Times torch.optim.AdamW (foreach=True) on CPU, the baseline of DESIGN section 9.
+"""Times torch.optim.AdamW (foreach=True) on CPU, the baseline of ARCHITECTURE.md section 9.
 
 Same sizes as bench_adam (fp32 params and fp32 grads, n default 64M), at 1 thread and at all
 cores (torch.set_num_threads). Reports the best of --iters steps after one warm-up step, one line

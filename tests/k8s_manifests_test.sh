@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Validates the Kubernetes manifests in k8s/ (DESIGN section 2: "manifest validation").
+# Validates the Kubernetes manifests in k8s/ (ARCHITECTURE.md section 2: "manifest validation").
 #
 #   tests/k8s_manifests_test.sh [REPO_ROOT [BUILD_DIR]]
 #

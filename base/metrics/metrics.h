@@ -1,6 +1,6 @@
-// Prometheus metrics of a process (DESIGN section 8, names in docs/METRICS.md): one registry per
-// process that every library adds its families to, the standard process_* gauges, and the
-// /metrics endpoint on the address `--metrics_address` names. The page is prometheus-cpp's text
+// Prometheus metrics of a process (ARCHITECTURE.md section 8, names in docs/METRICS.md): one
+// registry per process that every library adds its families to, the standard process_* gauges, and
+// the /metrics endpoint on the address `--metrics_address` names. The page is prometheus-cpp's text
 // format served by cpp-httplib (the REST gateway's server): prometheus-cpp's own civetweb exposer
 // fails to start inside gpu_trainer, and one HTTP library is enough. Counters and gauges are
 // lock-free atomics, so the hot paths update them per chunk or per step; values that are cheaper to

@@ -1,5 +1,5 @@
-// Bearer-token auth and TLS for every gRPC channel and the REST gateway (DESIGN section 7).
-// Servers accept a set of tokens and check each call's "authorization: Bearer <token>"; clients
+// Bearer-token auth and TLS for every gRPC channel and the REST gateway (ARCHITECTURE.md section
+// 7). Servers accept a set of tokens and check each call's "authorization: Bearer <token>"; clients
 // send one. TLS is optional everywhere; with a CA and require_client_cert it is mutual TLS.
 #ifndef OFFLOAD_BASE_SECURITY_SECURITY_H_
 #define OFFLOAD_BASE_SECURITY_SECURITY_H_

@@ -1,4 +1,4 @@
-// Fused Adam / AdamW over fp32 master weights and moments, per DESIGN section 5.
+// Fused Adam / AdamW over fp32 master weights and moments, per ARCHITECTURE.md section 5.
 //
 // One call updates one contiguous span: it reads the gradient (fp32, fp16 or bf16), scales it by
 // grad_multiplier, updates (param, exp_avg, exp_avg_sq) in place and writes the 16-bit copy of the

@@ -1,4 +1,4 @@
-// Tests of the fused Adam kernels: every SIMD path against a float64 evaluation of DESIGN
+// Tests of the fused Adam kernels: every SIMD path against a float64 evaluation of ARCHITECTURE.md
 // section 5's formula, SIMD against the scalar reference bit for bit, the 16-bit copy against
 // dtype.h, edge values, and the scalar reference against torch.optim.Adam/AdamW fixtures.
 #include "cpu_optimizer_server/adam/adam_kernel.h"
@@ -195,8 +195,8 @@ void InjectEdgeValues(Problem& pr, std::mt19937_64& rng) {
   }
 }
 
-// float64 evaluation of DESIGN section 5 for one element, from the fp32 inputs and the fp32
-// step scalars, with a bound on how far a correct fp32 evaluation may land from it.
+// float64 evaluation of ARCHITECTURE.md section 5 for one element, from the fp32 inputs and the
+// fp32 step scalars, with a bound on how far a correct fp32 evaluation may land from it.
 //
 // The bound is forward error analysis with unit roundoff u = 2^-24 per operation and generous
 // constants: each quantity may be off by a few u times the sum of the magnitudes of its terms

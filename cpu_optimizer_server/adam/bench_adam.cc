@@ -1,4 +1,4 @@
-// Adam kernel throughput vs its memory roofline, in one process (DESIGN section 9).
+// Adam kernel throughput vs its memory roofline, in one process (ARCHITECTURE.md section 9).
 //
 // For every requested SIMD path x gradient dtype {fp16, bf16} x thread count, the fused pass
 // (16-bit grad in -> fp32 p, m, v updated -> 16-bit param copy out, same family as the grad) runs

@@ -1,6 +1,6 @@
 // The gRPC service with a real client over loopback: full step round trips, repeated and
-// out-of-order commits, every bad input of DESIGN section 4 (each must leave the shard's state
-// bit-identical), a client that disconnects mid-stream, and health checking.
+// out-of-order commits, every bad input of ARCHITECTURE.md section 4 (each must leave the shard's
+// state bit-identical), a client that disconnects mid-stream, and health checking.
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
-// What the metrics cost on the hot path, beside the work they account for (DESIGN section 8:
-// metrics must be cheap). A range step of the optimizer server adds a few counter increments and
+// What the metrics cost on the hot path, beside the work they account for (ARCHITECTURE.md section
+// 8: metrics must be cheap). A range step of the optimizer server adds a few counter increments and
 // one histogram observation (BM_RangeStepAccounting); the smallest unit of work they account
 // for is one Adam wave of 2M elements on one thread (BM_AdamWave). The ratio of the two, from
 // one run, is in docs/PERFORMANCE.md.

@@ -1,4 +1,4 @@
-// One training step of one range, as one step stream carries it (DESIGN section 4): open,
+// One training step of one range, as one step stream carries it (ARCHITECTURE.md section 4): open,
 // gradient chunks, commit. Nothing touches the range's state before the commit, and a commit
 // either applies the whole update or none of it, so a stream that breaks off or sends a bad
 // chunk leaves the shard exactly as it was.

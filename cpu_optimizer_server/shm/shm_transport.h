@@ -1,5 +1,5 @@
 // The shared-memory data plane: a trainer and a shard on the same host exchange one range's step
-// through a segment the shard creates, at memcpy speed (DESIGN sections 4 and 9).
+// through a segment the shard creates, at memcpy speed (ARCHITECTURE.md sections 4 and 9).
 //
 // Set-up, over the gRPC Attach stream of one (job, range): the shard creates a POSIX segment
 // (shm_open) sized for the range, writes a random secret into it and offers its name; the trainer

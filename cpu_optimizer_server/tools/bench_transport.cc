@@ -1,7 +1,7 @@
 // bench_transport: bytes per second of one partition's exchange through each data plane
-// (DESIGN section 9, "data plane"), against the bound of the plane's medium measured in the same
-// run: memcpy of the same bytes for shared memory, a plain TCP socket pair on loopback for gRPC
-// and UCX over TCP.
+// (ARCHITECTURE.md section 9, "data plane"), against the bound of the plane's medium measured in
+// the same run: memcpy of the same bytes for shared memory, a plain TCP socket pair on loopback for
+// gRPC and UCX over TCP.
 //
 // A partition is --mib MiB of 16-bit gradients (n = mib * 2^20 / 2 elements, one range); its
 // exchange moves those bytes in and as many bytes of 16-bit parameters out. What is timed, per

@@ -1,5 +1,5 @@
-// The bound a TCP-based data plane is measured against (DESIGN section 9): the same bytes over a
-// plain loopback TCP socket pair, timed in the same run as the plane itself.
+// The bound a TCP-based data plane is measured against (ARCHITECTURE.md section 9): the same bytes
+// over a plain loopback TCP socket pair, timed in the same run as the plane itself.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_TOOLS_TCP_BOUND_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_TOOLS_TCP_BOUND_H_
 

@@ -1,7 +1,7 @@
-// The shard side of a data plane beside gRPC (DESIGN section 4). OptimizerService::Attach hands
-// each Attach stream to the DataPlaneServer of the plane it asks for; the server sets the plane up
-// over that stream, then serves the range's steps (StepSession, the same rules as the gRPC Step
-// method) until the stream ends, which is how either side learns of the other's death.
+// The shard side of a data plane beside gRPC (ARCHITECTURE.md section 4). OptimizerService::Attach
+// hands each Attach stream to the DataPlaneServer of the plane it asks for; the server sets the
+// plane up over that stream, then serves the range's steps (StepSession, the same rules as the gRPC
+// Step method) until the stream ends, which is how either side learns of the other's death.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_DATA_PLANE_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_DATA_PLANE_H_
 

@@ -1,4 +1,4 @@
-// The step exchange behind one interface (DESIGN section 4): gradient chunks in, a commit,
+// The step exchange behind one interface (ARCHITECTURE.md section 4): gradient chunks in, a commit,
 // updated 16-bit parameter chunks out, for one range of one shard. Three data planes implement
 // it: gRPC (optimizer_client.h, anywhere, the default), shared memory (shm_transport.h, a trainer
 // and a shard on one host) and UCX (ucx_transport.h, RDMA-capable, across hosts). Session set-up,

@@ -1,6 +1,7 @@
-// Which data plane a trainer uses to a shard (DESIGN section 4). `auto` takes shared memory when
-// the shard proves to share this host's shared memory, else UCX when both sides have it, else
-// gRPC, which works anywhere. An explicit choice is used as given, or fails with the reason.
+// Which data plane a trainer uses to a shard (ARCHITECTURE.md section 4). `auto` takes shared
+// memory when the shard proves to share this host's shared memory, else UCX when both sides have
+// it, else gRPC, which works anywhere. An explicit choice is used as given, or fails with the
+// reason.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_TRANSPORT_SELECT_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_TRANSPORT_SELECT_H_
 

@@ -1,7 +1,7 @@
-// Collectives between the W trainer ranks of one job (DESIGN section 1): the reduce-scatter of
-// gradients into each rank's partition, the all-gather of updated weights, all-reduces of a few
-// values (overflow flag, gradient norm, loss), broadcast and barrier. Gloo over TCP serves the
-// CPU backend (gloo_collectives.h).
+// Collectives between the W trainer ranks of one job (ARCHITECTURE.md section 1): the
+// reduce-scatter of gradients into each rank's partition, the all-gather of updated weights,
+// all-reduces of a few values (overflow flag, gradient norm, loss), broadcast and barrier. Gloo
+// over TCP serves the CPU backend (gloo_collectives.h).
 //
 // Every call is collective: all ranks make the same calls in the same order with the same sizes.
 // A rank that dies or stops answering makes the others' calls fail with UNAVAILABLE or

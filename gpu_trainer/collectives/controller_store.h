@@ -1,6 +1,6 @@
-// A Gloo rendezvous store kept by the job controller (WorkerService.RendezvousSet/Get, DESIGN
-// section 7): trainer ranks of one job attempt meet through the controller they already talk to,
-// so a pool needs no shared directory between machines. Pass it to ConnectGloo.
+// A Gloo rendezvous store kept by the job controller (WorkerService.RendezvousSet/Get,
+// ARCHITECTURE.md section 7): trainer ranks of one job attempt meet through the controller they
+// already talk to, so a pool needs no shared directory between machines. Pass it to ConnectGloo.
 //
 // Gloo's Store interface reports failures by throwing; so does this one, with gloo::IoException
 // (ConnectGloo turns Gloo's exceptions into a Status). A timeout's message says "timed out", so

@@ -1,4 +1,4 @@
-// bench_gpu: the GPU rows of DESIGN section 9, measured in one process on one GPU.
+// bench_gpu: the GPU rows of ARCHITECTURE.md section 9, measured in one process on one GPU.
 //
 //   1. GPU-resident training, no offload: Gpt2Cuda forward + backward and the fused GpuAdamW on
 //      the device; tokens/s and MFU (model FLOPs, Gpt2FlopsPerToken, over the 16-bit peak).

@@ -1,4 +1,4 @@
-// GPT-2 on the GPU (DESIGN sections 1, 5 and 6): 16-bit weights and activations with fp32
+// GPT-2 on the GPU (ARCHITECTURE.md sections 1, 5 and 6): 16-bit weights and activations with fp32
 // accumulation (or fp32 throughout, the parity-test mode), the same flat parameter layout and
 // the same forward and backward as the CPU backend (model/gpt2.h), which is its reference.
 //

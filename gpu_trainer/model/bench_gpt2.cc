@@ -1,7 +1,7 @@
 // Training-step throughput of the CPU backend: fast kernels vs the naive reference, in one
-// process (DESIGN section 9: fast >= 2x naive). A step is Forward + Backward on the same batch
-// (no optimizer). The two sets alternate step by step so drift of the shared machine hits both
-// alike; each reports its best and median step after warm-up steps.
+// process (ARCHITECTURE.md section 9: fast >= 2x naive). A step is Forward + Backward on the same
+// batch (no optimizer). The two sets alternate step by step so drift of the shared machine hits
+// both alike; each reports its best and median step after warm-up steps.
 //
 //   OMP_NUM_THREADS=2 bench_gpt2 [--layers=4] [--channels=128] [--heads=4] [--vocab=256]
 //                                [--seq=64] [--batch=8] [--iters=10] [--warmup=2] [--fast_only]

@@ -1,5 +1,5 @@
-// GPT-2 on the CPU (DESIGN section 6): fp32 forward and backward over a flat parameter buffer in
-// the layout of param_layout.h, on either kernel set of layer_kernels.h.
+// GPT-2 on the CPU (ARCHITECTURE.md section 6): fp32 forward and backward over a flat parameter
+// buffer in the layout of param_layout.h, on either kernel set of layer_kernels.h.
 //
 // The model owns only activations: parameters and gradients are the caller's flat buffers, so
 // the trainer can stream gradient ranges out and parameter ranges in without copies.

@@ -1,4 +1,4 @@
-// Both kernel sets against PyTorch (DESIGN section 5): the fixture written by
+// Both kernel sets against PyTorch (ARCHITECTURE.md section 5): the fixture written by
 // testdata/make_gpt2_fixture.py holds a torch GPT-2's weights, batch, loss and gradients.
 // Loading the weights by name through Gpt2ParamLayout also proves the layout maps one to one
 // onto GPT-2's names and shapes. Error measure: MaxRelError per tensor (max |ours - torch| /

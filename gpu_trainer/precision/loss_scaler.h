@@ -1,6 +1,6 @@
-// Dynamic loss scaling for fp16 training (DESIGN section 1), with PyTorch GradScaler's defaults:
-// start at 2^16, halve and skip the step on overflow, double after 2000 clean steps. bf16 runs
-// keep the scale at 1, but a non-finite gradient still skips the step: applying it would turn
+// Dynamic loss scaling for fp16 training (ARCHITECTURE.md section 1), with PyTorch GradScaler's
+// defaults: start at 2^16, halve and skip the step on overflow, double after 2000 clean steps. bf16
+// runs keep the scale at 1, but a non-finite gradient still skips the step: applying it would turn
 // the master weights into NaN, and nothing the user trained may be lost.
 #ifndef OFFLOAD_GPU_TRAINER_PRECISION_LOSS_SCALER_H_
 #define OFFLOAD_GPU_TRAINER_PRECISION_LOSS_SCALER_H_

@@ -1,5 +1,5 @@
-// A training checkpoint on disk (DESIGN section 6): the trainer's 16-bit model weights in GPT-2
-// naming (model.safetensors), each shard's fp32 master weights and Adam moments
+// A training checkpoint on disk (ARCHITECTURE.md section 6): the trainer's 16-bit model weights in
+// GPT-2 naming (model.safetensors), each shard's fp32 master weights and Adam moments
 // (shard-<k>.safetensors, pulled from the shard chunk by chunk), and the manifest that ties them
 // together. Staged and committed by CheckpointStaging, so a crash leaves the previous one intact.
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_CHECKPOINTING_H_

@@ -1,7 +1,7 @@
-// ZeRO-2's gradient path on the CPU backend (DESIGN sections 1 and 3): backward's fp32 gradient
-// ranges are grouped into buckets in backward order; each bucket, once its last range is final,
-// is reduce-scattered across the W ranks on a thread of its own while backward goes on, and this
-// rank's share of it is averaged, rounded to 16 bits and handed on (to the gradient sender).
+// ZeRO-2's gradient path on the CPU backend (ARCHITECTURE.md sections 1 and 3): backward's fp32
+// gradient ranges are grouped into buckets in backward order; each bucket, once its last range is
+// final, is reduce-scattered across the W ranks on a thread of its own while backward goes on, and
+// this rank's share of it is averaged, rounded to 16 bits and handed on (to the gradient sender).
 // Rounding after the reduction makes W ranks send what one rank with the whole batch would, up to
 // the order of the fp32 sums.
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_REDUCER_H_

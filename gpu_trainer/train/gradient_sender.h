@@ -1,5 +1,5 @@
 // Sends gradient ranges to the optimizer on a thread of its own, so backward goes on computing
-// the next layer while the previous layer's gradients are on the wire (DESIGN section 1).
+// the next layer while the previous layer's gradients are on the wire (ARCHITECTURE.md section 1).
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_SENDER_H_
 

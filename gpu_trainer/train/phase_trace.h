@@ -1,7 +1,7 @@
 // Per-phase timestamps of the training loop, written as a Chrome trace (the JSON array format
 // chrome://tracing and Perfetto open): forward, backward, each gradient range on its way to the
 // optimizer, the commit, and waits, one row per thread. It shows what overlaps what, e.g. that
-// gradient offload starts before backward ends (DESIGN section 1).
+// gradient offload starts before backward ends (ARCHITECTURE.md section 1).
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_PHASE_TRACE_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_PHASE_TRACE_H_
 

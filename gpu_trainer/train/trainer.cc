@@ -411,8 +411,8 @@ StepReport Trainer::Report(uint64_t step, float loss, float loss_scale,
   return report;
 }
 
-// DESIGN section 1: 1 / (loss_scale * micro_batches) * clip_coef (no clipping on a step the
-// shards skip). The mean over ranks is taken before the gradients are rounded.
+// ARCHITECTURE.md section 1: 1 / (loss_scale * micro_batches) * clip_coef (no clipping on a step
+// the shards skip). The mean over ranks is taken before the gradients are rounded.
 float Trainer::GradMultiplier(const StepReport& report) const {
   const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, options_.grad_clip);
   return clip / (report.loss_scale * static_cast<float>(options_.micro_batches));

@@ -1,9 +1,9 @@
 // One trainer rank: forward and backward on the 16-bit weights the optimizer sends, gradients
 // streamed to the optimizer bucket by bucket while backward goes on, loss scaling, clipping, the
 // lr schedule, gradient accumulation, the delayed parameter update, evaluation, text sampling,
-// and checkpoints that resume bit for bit (DESIGN sections 1 and 6). With W ranks (ZeRO-2) each
-// rank computes on 1/W of the batch, gradients are reduce-scattered so each rank offloads only its
-// partition, and the updated partitions are all-gathered back (DESIGN section 3).
+// and checkpoints that resume bit for bit (ARCHITECTURE.md sections 1 and 6). With W ranks (ZeRO-2)
+// each rank computes on 1/W of the batch, gradients are reduce-scattered so each rank offloads only
+// its partition, and the updated partitions are all-gathered back (ARCHITECTURE.md section 3).
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 
@@ -60,9 +60,10 @@ struct TrainerOptions {
   std::string checkpoint_dir;
   bool resume = false;  // continue from checkpoint_dir's latest checkpoint if there is one
   int keep_checkpoints = 2;
-  // Delayed parameter update (DESIGN section 1, the paper's section 5): after dpu_warmup_steps
-  // synchronous steps, step s's optimizer update runs on the shards while this trainer already
-  // computes step s+1 on the weights of step s-1: exactly one step stale, never anything between.
+  // Delayed parameter update (ARCHITECTURE.md section 1, the paper's section 5): after
+  // dpu_warmup_steps synchronous steps, step s's optimizer update runs on the shards while this
+  // trainer already computes step s+1 on the weights of step s-1: exactly one step stale, never
+  // anything between.
   bool dpu = false;
   uint64_t dpu_warmup_steps = 20;
   PhaseTrace* trace = nullptr;  // per-phase timestamps of every step, if given (not owned)

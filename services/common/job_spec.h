@@ -1,6 +1,6 @@
-// Job files and the JobSpec <-> gpu_trainer flags table (DESIGN section 7, proto/offload/v1/
-// job.proto). A job file is YAML or JSON; both parse into the same v1::JobSpec, and every mistake
-// is reported with the path of the field it is about ("training.batch: ...").
+// Job files and the JobSpec <-> gpu_trainer flags table (ARCHITECTURE.md section 7,
+// proto/offload/v1/ job.proto). A job file is YAML or JSON; both parse into the same v1::JobSpec,
+// and every mistake is reported with the path of the field it is about ("training.batch: ...").
 #ifndef OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_
 #define OFFLOAD_SERVICES_COMMON_JOB_SPEC_H_
 

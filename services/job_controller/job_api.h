@@ -1,6 +1,6 @@
-// The job control API as C++ calls (DESIGN section 7): what the gRPC JobService and the REST
-// gateway both serve, so the two can never disagree. Errors are absl::Status codes the adapters
-// map to gRPC and HTTP statuses; messages name the field or the job they are about.
+// The job control API as C++ calls (ARCHITECTURE.md section 7): what the gRPC JobService and the
+// REST gateway both serve, so the two can never disagree. Errors are absl::Status codes the
+// adapters map to gRPC and HTTP statuses; messages name the field or the job they are about.
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_API_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_API_H_
 

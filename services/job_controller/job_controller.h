@@ -1,4 +1,4 @@
-// The job controller (DESIGN section 7): the jobs and their state machine, the worker pool
+// The job controller (ARCHITECTURE.md section 7): the jobs and their state machine, the worker pool
 // (registration, heartbeats, assignment of attempts), progress from the trainers, the rendezvous
 // store of each attempt, and the durable store every change goes through before a call returns.
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_CONTROLLER_H_
@@ -188,8 +188,9 @@ class JobController : public JobApi {
   std::map<RendezvousKey, std::map<std::string, std::string>> rendezvous_ ABSL_GUARDED_BY(mu_);
 };
 
-// The model's flat parameter space split for the spec's ranks and optimizer servers (DESIGN
-// section 3), with gpu_trainer's defaults for unset fields. INVALID_ARGUMENT naming the field.
+// The model's flat parameter space split for the spec's ranks and optimizer servers
+// (ARCHITECTURE.md section 3), with gpu_trainer's defaults for unset fields. INVALID_ARGUMENT
+// naming the field.
 absl::StatusOr<v1::PartitionMap> PartitionForSpec(const v1::JobSpec& spec);
 
 }  // namespace offload

@@ -1,5 +1,5 @@
 // job_controller: the job API (gRPC JobService and its REST mapping), the worker pool
-// (WorkerService) and the durable job store, in one process (DESIGN section 7).
+// (WorkerService) and the durable job store, in one process (ARCHITECTURE.md section 7).
 #include <algorithm>
 #include <chrono>
 #include <csignal>

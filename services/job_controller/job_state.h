@@ -1,5 +1,5 @@
-// The job state machine of DESIGN section 7: which state changes are legal, so the controller can
-// never write a history that skips from a finished job back into a running one.
+// The job state machine of ARCHITECTURE.md section 7: which state changes are legal, so the
+// controller can never write a history that skips from a finished job back into a running one.
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STATE_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STATE_H_
 

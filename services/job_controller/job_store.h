@@ -1,6 +1,6 @@
-// The durable job store (DESIGN section 7): every job and its event history in one SQLite file in
-// WAL mode with synchronous=FULL, so a state change the controller acknowledged survives kill -9
-// and a power cut, and a restarted controller reloads every job.
+// The durable job store (ARCHITECTURE.md section 7): every job and its event history in one SQLite
+// file in WAL mode with synchronous=FULL, so a state change the controller acknowledged survives
+// kill -9 and a power cut, and a restarted controller reloads every job.
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STORE_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STORE_H_
 

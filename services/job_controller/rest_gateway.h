@@ -1,6 +1,6 @@
-// The REST mapping of the job API (DESIGN section 7) on cpp-httplib: the same messages as JSON
-// through the protobuf JSON mapping, errors as {"code", "status", "message"} bodies with the HTTP
-// status of the gRPC code (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, NOT_FOUND 404, ...).
+// The REST mapping of the job API (ARCHITECTURE.md section 7) on cpp-httplib: the same messages as
+// JSON through the protobuf JSON mapping, errors as {"code", "status", "message"} bodies with the
+// HTTP status of the gRPC code (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, NOT_FOUND 404, ...).
 //   POST /v1/jobs                 body: a JobSpec          -> Job
 //   GET  /v1/jobs[?state=RUNNING] -> ListJobsResponse
 //   GET  /v1/jobs/{id}            -> Job

@@ -1,8 +1,8 @@
-// ControlledJob: one training job on this machine run the way a cluster runs it (DESIGN section
-// 7): a local job_controller with its own store and token, S optimizer servers and W trainers
-// that join its pool, and the job submitted to it as a JobSpec made from the trainer flags. The
-// launcher then only watches the job through the controller's API, asks it to pause on Ctrl-C,
-// and shuts the pool down when the job has ended.
+// ControlledJob: one training job on this machine run the way a cluster runs it (ARCHITECTURE.md
+// section 7): a local job_controller with its own store and token, S optimizer servers and W
+// trainers that join its pool, and the job submitted to it as a JobSpec made from the trainer
+// flags. The launcher then only watches the job through the controller's API, asks it to pause on
+// Ctrl-C, and shuts the pool down when the job has ended.
 #ifndef OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_
 #define OFFLOAD_SERVICES_LAUNCHER_CONTROLLED_JOB_H_
 

@@ -1,5 +1,5 @@
-// offloadctl: the command line of the job controller (DESIGN section 7). A plain gRPC client of
-// offload.v1.JobService, so it works against any server of that service.
+// offloadctl: the command line of the job controller (ARCHITECTURE.md section 7). A plain gRPC
+// client of offload.v1.JobService, so it works against any server of that service.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

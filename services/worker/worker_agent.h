@@ -1,5 +1,5 @@
-// WorkerAgent: a pool worker's side of the controller's WorkerService (DESIGN section 7). It
-// registers, heartbeats on a thread of its own, hands the owner the attempts the controller
+// WorkerAgent: a pool worker's side of the controller's WorkerService (ARCHITECTURE.md section 7).
+// It registers, heartbeats on a thread of its own, hands the owner the attempts the controller
 // assigns or withdraws, and reports how they ended. It outlives the controller: while the
 // controller is unreachable it keeps trying, and when a restarted controller no longer knows it,
 // it registers again with what it still runs, so a controller restart costs no running job.

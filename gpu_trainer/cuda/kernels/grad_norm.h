@@ -1,5 +1,5 @@
-// The gradient statistics of DESIGN section 1 over a partition on the GPU: the sum of squares
-// (for the global norm) and whether any value is inf or NaN (an fp16 overflow under loss
+// The gradient statistics of ARCHITECTURE.md section 1 over a partition on the GPU: the sum of
+// squares (for the global norm) and whether any value is inf or NaN (an fp16 overflow under loss
 // scaling). Deterministic: a fixed grid writes per-block partial sums, one block adds them in
 // order, so the same gradients give the same norm bit for bit on the same GPU.
 #ifndef OFFLOAD_GPU_TRAINER_CUDA_KERNELS_GRAD_NORM_H_

@@ -1,8 +1,8 @@
 // The GPU-resident optimizer: fp32 master weights and both Adam moments in device memory, updated
 // in place by the fused AdamW kernel (adamw.h), which also writes the storage-type weights the
-// model computes with. This is the no-offload baseline of DESIGN section 9: what the same model
-// costs per step, and how large it can be, when the 12 bytes of optimizer state per parameter
-// stay on the GPU. Its arithmetic is the CPU shards' (DESIGN section 5), bit for bit.
+// model computes with. This is the no-offload baseline of ARCHITECTURE.md section 9: what the same
+// model costs per step, and how large it can be, when the 12 bytes of optimizer state per parameter
+// stay on the GPU. Its arithmetic is the CPU shards' (ARCHITECTURE.md section 5), bit for bit.
 #ifndef OFFLOAD_GPU_TRAINER_CUDA_OPTIM_GPU_ADAMW_H_
 #define OFFLOAD_GPU_TRAINER_CUDA_OPTIM_GPU_ADAMW_H_
 

@@ -1,6 +1,6 @@
-// GpuAdamW against the CPU shards' scalar reference (DESIGN section 5): the same initial master
-// weights and the same 16-bit gradients over three steps, the middle one skipped, must give the
-// same fp32 master weights and the same 16-bit weights, bit for bit, in fp16 and bf16, for
+// GpuAdamW against the CPU shards' scalar reference (ARCHITECTURE.md section 5): the same initial
+// master weights and the same 16-bit gradients over three steps, the middle one skipped, must give
+// the same fp32 master weights and the same 16-bit weights, bit for bit, in fp16 and bf16, for
 // AdamW and for Adam with L2 decay.
 #include "gpu_trainer/cuda/optim/gpu_adamw.h"
 

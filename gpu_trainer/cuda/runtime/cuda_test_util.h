@@ -1,6 +1,6 @@
 // What the CUDA tests share: the skip when there is no GPU, host <-> device copies that convert
 // between fp32 test data and each storage type on the host (with the project's reference
-// conversions), and the tolerance each storage type is held to (DESIGN section 5).
+// conversions), and the tolerance each storage type is held to (ARCHITECTURE.md section 5).
 #ifndef OFFLOAD_GPU_TRAINER_CUDA_RUNTIME_CUDA_TEST_UTIL_H_
 #define OFFLOAD_GPU_TRAINER_CUDA_RUNTIME_CUDA_TEST_UTIL_H_
 

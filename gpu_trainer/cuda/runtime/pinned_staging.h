@@ -1,4 +1,4 @@
-// Host <-> device traffic through a bounded ring of pinned buffers (DESIGN section 1).
+// Host <-> device traffic through a bounded ring of pinned buffers (ARCHITECTURE.md section 1).
 //
 // Pinning a whole partition is how users run out of host memory (pinned pages cannot be swapped
 // or reclaimed), so a fixed budget of pinned memory, cut into chunk-sized slots, carries every

@@ -9,8 +9,8 @@ Run with Debian's python3-torch (torch 1.13), from the repository root:
 The model is written here from torch primitives, independently of the C++ one: token + position
 embeddings, pre-LayerNorm blocks (causal self-attention, GELU-tanh MLP of width 4C), final
 LayerNorm, LM head tied to wte, Conv1D-style (in, out) weights, GPT-2 (Hugging Face) names. It
-runs in fp32, as DESIGN section 5 asks (the C++ model is fp32; float64 here would measure torch's
-rounding against ours rather than hide it).
+runs in fp32, as docs/ARCHITECTURE.md section 5 asks (the C++ model is fp32; float64 here would
+measure torch's rounding against ours rather than hide it).
 
 Weights are seeded random, not GPT-2's initialisation: every LayerNorm weight and bias and every
 linear bias is perturbed too, so no gradient is trivially zero or one, and the weights are large
