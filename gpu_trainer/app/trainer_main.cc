@@ -2,11 +2,11 @@
 // (--shards), or with the same optimizer code in process when no shards are given.
 #include <unistd.h>
 
-#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/declare.h"
@@ -16,7 +16,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/host_buffer.h"
 #include "base/logging.h"
@@ -24,7 +23,7 @@
 #include "base/metrics/metrics_flags.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
-#include "gpu_trainer/app/progress.h"
+#include "gpu_trainer/app/run_training.h"
 #include "gpu_trainer/app/trainer_config.h"
 #include "gpu_trainer/app/trainer_worker.h"
 #include "gpu_trainer/collectives/controller_store.h"
@@ -147,7 +146,22 @@ absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ControllerRendezvous() 
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_collective_timeout)));
 }
 
-std::unique_ptr<offload::ProgressClient> ConnectProgress(int rank) {
+// The controller link of a rank over its progress reports.
+class ProgressClientLink : public offload::ControllerLink {
+ public:
+  explicit ProgressClientLink(std::unique_ptr<offload::ProgressClient> client)
+      : client_(std::move(client)) {}
+
+  offload::v1::ProgressReply reply() const override { return client_->reply(); }
+  void Update(const offload::v1::ProgressReport& progress) override { client_->Update(progress); }
+  absl::Status Flush(absl::Duration timeout) override { return client_->Flush(timeout); }
+
+ private:
+  std::unique_ptr<offload::ProgressClient> client_;
+};
+
+// Under a job controller rank 0 reports every step and carries out the controller's requests.
+std::unique_ptr<offload::ControllerLink> ConnectProgress(int rank) {
   if (absl::GetFlag(FLAGS_report_to).empty() || rank != 0) return nullptr;
   std::string token;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ControllerChannel(&token);
@@ -159,7 +173,8 @@ std::unique_ptr<offload::ProgressClient> ConnectProgress(int rank) {
   offload::v1::ProgressReport report;
   *report.mutable_attempt() = ReportedAttempt();
   report.set_rank(rank);
-  return std::make_unique<offload::ProgressClient>(*channel, token, report);
+  return std::make_unique<ProgressClientLink>(
+      std::make_unique<offload::ProgressClient>(*channel, token, report));
 }
 
 }  // namespace
@@ -309,10 +324,6 @@ int main(int argc, char** argv) {
     offload::SetTrainerInfo(info);
     offload::RecordDeviceMemory(t.DeviceMemory());
   }
-  // This rank's share of a step's tokens, and the model FLOPs they take.
-  const double rank_tokens_per_step = static_cast<double>(t.tokens_per_step()) / world_size;
-  const double rank_flops_per_step =
-      offload::Gpt2FlopsPerToken(c, options->seq_len) * rank_tokens_per_step;
   // Rank 0 speaks for the job; the others say only what concerns them (errors, the end).
   if (lead) {
     std::printf(
@@ -359,139 +370,21 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   const std::string progress = absl::GetFlag(FLAGS_progress);
-  const bool bar = progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO));
-  offload::ProgressReporter reporter(stdout, bar, t.total_steps(), absl::GetFlag(FLAGS_log_every));
-  const int eval_every = absl::GetFlag(FLAGS_eval_every);
-  const int eval_batches = absl::GetFlag(FLAGS_eval_batches);
-  const int checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
-  const bool checkpoints = !options->checkpoint_dir.empty();
-  float val_loss = 0;      // the latest evaluation's; 0 in a checkpoint taken before any
-  bool evaluated = false;  // an interrupted run may stop before its first evaluation
-  const absl::Time start = absl::Now();
-  const uint64_t first_step = t.step();
-  bool interrupted = false;
-
-  // Under a job controller rank 0 reports every step and carries out the controller's requests:
-  // pause and cancel stop the run like a signal, a checkpoint request is agreed through the step.
-  std::unique_ptr<offload::ProgressClient> controller = ConnectProgress(rank);
-  offload::v1::ProgressReport progress_report;
-  uint64_t checkpoint_request_done = 0;
-  auto report_progress = [&](uint64_t step, float loss, float loss_scale) {
-    if (controller == nullptr) return;
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    progress_report.set_step(step);
-    progress_report.set_total_steps(t.total_steps());
-    progress_report.set_loss(loss);
-    progress_report.set_val_loss(val_loss);
-    progress_report.set_loss_scale(loss_scale);
-    progress_report.set_tokens_per_s(
-        seconds > 0 ? (step - first_step) * t.tokens_per_step() / seconds : 0);
-    progress_report.set_checkpoint_request_done(checkpoint_request_done);
-    controller->Update(progress_report);
-  };
-  auto note_checkpoint = [&](const std::string& dir) {
-    progress_report.set_checkpoint_dir(dir);
-    progress_report.set_checkpoint_step(t.step());
-  };
-
-  // A signal stops the run at a step boundary every rank agrees on (the step's report says so),
-  // so their collectives stay in step.
-  while (t.step() < t.total_steps()) {
-    if (g_stop) t.RequestStop();
-    if (controller != nullptr) {
-      const offload::v1::ProgressReply reply = controller->reply();
-      if (reply.request() == offload::v1::JOB_REQUEST_PAUSE ||
-          reply.request() == offload::v1::JOB_REQUEST_CANCEL) {
-        t.RequestStop();
-      }
-      if (reply.checkpoint_request() > checkpoint_request_done) {
-        t.RequestCheckpoint(reply.checkpoint_request());
-      }
-    }
-    const auto step_begin = std::chrono::steady_clock::now();
-    absl::StatusOr<offload::StepReport> r = t.Step();
-    if (!r.ok()) return Fail(r.status());
-    offload::RecordTrainerStep(
-        *r, std::chrono::duration<double>(std::chrono::steady_clock::now() - step_begin).count(),
-        rank_tokens_per_step, rank_flops_per_step);
-    if (lead) {
-      reporter.Step(r->step, r->loss, r->lr, r->loss_scale, r->skipped, t.tokens_per_step());
-    }
-    if (r->checkpoint_request > checkpoint_request_done && checkpoints && !r->stop) {
-      absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
-      if (!dir.ok()) return Fail(dir.status());
-      if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir, " (requested)"));
-      note_checkpoint(*dir);
-    }
-    // Every rank records it, so a later request is told apart from this one whoever asks.
-    checkpoint_request_done = std::max(checkpoint_request_done, r->checkpoint_request);
-    report_progress(r->step, r->loss, r->loss_scale);
-    if (r->stop) {
-      interrupted = true;
-      break;
-    }
-    if (eval_every > 0 && r->step % eval_every == 0 && r->step < t.total_steps()) {
-      absl::StatusOr<float> v = t.Evaluate(eval_batches);
-      if (!v.ok()) return Fail(v.status());
-      val_loss = *v;
-      evaluated = true;
-      if (lead) reporter.Message(absl::StrFormat("step %d: val_loss %.4f", r->step, val_loss));
-    }
-    if (checkpoints && checkpoint_every > 0 && r->step % checkpoint_every == 0 &&
-        r->step < t.total_steps()) {
-      absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
-      if (!dir.ok()) return Fail(dir.status());
-      if (lead) reporter.Message(absl::StrCat("checkpoint ", *dir));
-      note_checkpoint(*dir);
-    }
-  }
-  if (lead) reporter.Finish();
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-
-  // An interrupted run keeps the last validation loss: the user asked it to stop now.
-  if (!interrupted) {
-    absl::StatusOr<float> v = t.Evaluate(eval_batches);
-    if (!v.ok()) return Fail(v.status());
-    val_loss = *v;
-    evaluated = true;
-  }
-  if (lead) {
-    std::printf(
-        "gpu_trainer: step %llu val_loss %s (%llu steps in %s, %.0f tokens/s, %llu "
-        "skipped)\n",
-        static_cast<unsigned long long>(t.step()),
-        evaluated ? absl::StrFormat("%.4f", val_loss).c_str() : "not evaluated yet",
-        static_cast<unsigned long long>(t.step() - first_step),
-        offload::FormatDuration(seconds).c_str(),
-        (t.step() - first_step) * t.tokens_per_step() / std::max(seconds, 1e-9),
-        static_cast<unsigned long long>(t.loss_scaler().skipped_steps()));
-  }
-  if (checkpoints) {
-    absl::StatusOr<std::string> dir = t.SaveCheckpoint(val_loss);
-    if (!dir.ok()) return Fail(dir.status());
-    if (lead) {
-      std::printf("gpu_trainer: checkpoint %s (continue with --resume --checkpoint_dir=%s)\n",
-                  dir->c_str(), options->checkpoint_dir.c_str());
-    }
-    note_checkpoint(*dir);
-  }
-  // Every rank's last commit is done before rank 0 drops the job.
-  if (absl::Status s = t.Flush(); !s.ok()) return Fail(s);
-  // The controller hears the last step and checkpoint before the worker reports the exit.
-  if (controller != nullptr) {
-    report_progress(t.step(), progress_report.loss(), t.loss_scaler().scale());
-    if (absl::Status s = controller->Flush(absl::Seconds(10)); !s.ok()) {
-      LOG(WARNING) << absl::StrFormat("gpu_trainer: last progress report: %s",
-                                      s.ToString().c_str());
-    }
-  }
-  if (interrupted) {
-    std::printf("gpu_trainer: %sinterrupted at step %llu%s\n",
-                lead ? "" : absl::StrCat("rank ", rank, " ").c_str(),
-                static_cast<unsigned long long>(t.step()),
-                checkpoints && lead ? "; rerun with --resume to continue" : "");
-    return 130;
-  }
+  offload::TrainingLoopOptions loop;
+  loop.out = stdout;
+  loop.progress_bar = progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO));
+  loop.log_every = absl::GetFlag(FLAGS_log_every);
+  loop.eval_every = absl::GetFlag(FLAGS_eval_every);
+  loop.eval_batches = absl::GetFlag(FLAGS_eval_batches);
+  loop.checkpoint_dir = options->checkpoint_dir;
+  loop.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  loop.flops_per_token = offload::Gpt2FlopsPerToken(c, options->seq_len);
+  loop.stop_requested = [] { return g_stop != 0; };
+  std::unique_ptr<offload::ControllerLink> controller = ConnectProgress(rank);
+  absl::StatusOr<offload::TrainingOutcome> outcome =
+      offload::RunTraining(t, loop, controller.get());
+  if (!outcome.ok()) return Fail(outcome.status());
+  if (outcome->interrupted) return 130;
   const int sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
   if (sample_tokens > 0 && lead) {
     absl::StatusOr<std::string> text =
