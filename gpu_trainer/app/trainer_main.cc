@@ -120,12 +120,8 @@ int Fail(const absl::Status& s) {
 // Rank 0 of a job the controller runs reports its progress and hears the controller's requests.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ControllerChannel(std::string* token) {
   OFFLOAD_ASSIGN_OR_RETURN(offload::SecurityOptions security, offload::SecurityFromFlags());
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      offload::MakeChannelCredentials(security.tls);
-  if (!credentials.ok()) return credentials.status();
   *token = security.client_token;
-  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_report_to), *credentials,
-                                   offload::ChannelArgumentsFor(security.tls));
+  return offload::MakeChannel(absl::GetFlag(FLAGS_report_to), security.tls);
 }
 
 offload::v1::AttemptRef ReportedAttempt() {
