@@ -6,14 +6,17 @@
    tool (a *_test.cc or *test_util.h, a bench_*.cc, anything under a tools/ folder).
 3. No folder holds more than 20 source files directly.
 
-Usage: check_layout.py SOURCE_DIR BUILD_DIR. Rule 2 reads the build's CMake file-API reply
-(the root CMakeLists.txt asks for it). Exits 1 naming every violation.
+Usage: check_layout.py SOURCE_DIR. Rule 2 reads the targets and their sources through CMake's
+file API, from a configure of SOURCE_DIR into a temporary directory (a few seconds; the query must
+exist before CMake runs, so a build directory's own configure cannot answer it). Exits 1 naming
+every violation.
 """
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 SOURCE_EXTENSIONS = ('.cc', '.h', '.cu', '.cuh')
 MAX_SOURCES_PER_FOLDER = 20
@@ -75,10 +78,19 @@ def folder_cycles(root, sources):
     return edges, None
 
 
+def configure(source_root, build):
+    """Configures the project into `build` with a codemodel query in place."""
+    query = os.path.join(build, '.cmake', 'api', 'v1', 'query')
+    os.makedirs(query)
+    open(os.path.join(query, 'codemodel-v2'), 'w').close()
+    run = subprocess.run(['cmake', '-S', source_root, '-B', build, '-G', 'Ninja',
+                          '-DCMAKE_BUILD_TYPE=Release'], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit('check_layout: cmake failed:\n' + run.stdout + run.stderr)
+
+
 def codemodel_targets(build):
     reply = os.path.join(build, '.cmake', 'api', 'v1', 'reply')
-    if not os.path.isdir(reply):
-        raise SystemExit(f'check_layout: no CMake file-API reply in {reply}: re-run cmake on {build}')
     index = sorted(f for f in os.listdir(reply) if f.startswith('index-'))[-1]
     with open(os.path.join(reply, index)) as fh:
         index_json = json.load(fh)
@@ -141,9 +153,9 @@ def crowded_folders(sources):
 
 
 def main():
-    if len(sys.argv) != 3:
+    if len(sys.argv) != 2:
         raise SystemExit(__doc__)
-    source_root, build = sys.argv[1], sys.argv[2]
+    source_root = sys.argv[1]
     sources = tracked_sources(source_root)
     failures = []
     edges, cycle = folder_cycles(source_root, sources)
@@ -151,7 +163,9 @@ def main():
         steps = [f'  {a} -> {b}: {edges[(a, b)]}' for a, b in zip(cycle, cycle[1:])]
         failures.append('the top-level folders depend on each other in a cycle:\n' +
                         '\n'.join(steps))
-    failures += tool_linking_programs(source_root, build)
+    with tempfile.TemporaryDirectory(prefix='check_layout.') as build:
+        configure(source_root, build)
+        failures += tool_linking_programs(source_root, build)
     failures += [f'{d} holds {n} source files directly (at most {MAX_SOURCES_PER_FOLDER})'
                  for d, n in crowded_folders(sources)]
     order = sorted({b for _, b in edges} | {a for a, _ in edges})

@@ -214,7 +214,7 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
     if (at >= 0 && at < h->range_length && n <= h->range_length - at) {
       std::memcpy(a_->segment().grad_area() + at * 2, bytes, n * 2);
     }
-    OFFLOAD_ASSIGN_OR_RETURN(uint32_t seq, PushGrad(offset, dtype, n, false, kShmInPlace));
+    OFFLOAD_RETURN_IF_ERROR(PushGrad(offset, dtype, n, false, kShmInPlace).status());
     return PendingError();
   }
   // Through the chunk slots, in pieces of at most one slot.
@@ -231,7 +231,7 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
     const uint32_t slot = a_->slot_uses % slots;
     std::memcpy(a_->segment().slot(slot), bytes + done * size, m * size);
     ++a_->slot_uses;
-    OFFLOAD_ASSIGN_OR_RETURN(uint32_t seq, PushGrad(offset + done, dtype, m, accumulate, slot));
+    OFFLOAD_RETURN_IF_ERROR(PushGrad(offset + done, dtype, m, accumulate, slot).status());
     OFFLOAD_RETURN_IF_ERROR(PendingError());
   }
   return absl::OkStatus();

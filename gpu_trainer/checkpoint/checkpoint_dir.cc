@@ -201,8 +201,9 @@ absl::StatusOr<std::string> CheckpointStaging::Commit(const v1::CheckpointManife
       }
       OFFLOAD_RETURN_IF_ERROR(FsyncPath(root_));
       OFFLOAD_RETURN_IF_ERROR(RemoveTree(staging_dir_));  // now the old contents
-    } else
+    } else {
       OFFLOAD_RETURN_IF_ERROR(RemoveTree(final_dir));
+    }
   }
   if (IsDirectory(staging_dir_) && rename(staging_dir_.c_str(), final_dir.c_str()) != 0) {
     return absl::ErrnoToStatus(errno,

@@ -501,7 +501,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Cuda>> Gpt2Cuda::Create(const Gpt2Config& con
         "Gpt2Cuda::Create: channels = ", config.channels,
         " must be a multiple of 8 (cuBLASLt's bias epilogue needs 16-byte aligned tensors)"));
   }
-  OFFLOAD_ASSIGN_OR_RETURN(CudaDeviceInfo device, UseCudaDevice(options.device));
+  OFFLOAD_RETURN_IF_ERROR(UseCudaDevice(options.device).status());
   std::unique_ptr<Gpt2Cuda> model(new Gpt2Cuda(config, options));
   model->num_params_ = Gpt2NumParams(config);
   model->impl_ = DispatchStorageType(options.dtype, [&](auto zero) -> std::unique_ptr<Impl> {

@@ -585,7 +585,7 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int n, fl
   for (int i = 0; i < n; ++i) {
     const int t = std::min<int>(static_cast<int>(tokens.size()), max_t);
     const int32_t* context = tokens.data() + tokens.size() - t;  // (1, t)
-    OFFLOAD_ASSIGN_OR_RETURN(float unused, runner_->Forward(context, nullptr, 1, t));
+    OFFLOAD_RETURN_IF_ERROR(runner_->Forward(context, nullptr, 1, t).status());
     OFFLOAD_RETURN_IF_ERROR(runner_->Logits(t - 1, logits.data()));
     const float max_logit = *std::max_element(logits.begin(), logits.end());
     double total = 0;

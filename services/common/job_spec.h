@@ -56,8 +56,9 @@ bool IsJobSpecFlag(absl::string_view arg);
 // the command line asked for.
 absl::StatusOr<v1::JobSpec> JobSpecFromTrainerFlags();
 
-// `status` with a leading field path that has a flag ("training.steps: ...") said as the flag
-// ("--steps: ..."), for errors about a command line; other statuses unchanged.
+// `status` with every field path that has a flag said as the flag ("training.steps: must be >= 1"
+// -> "--steps: must be >= 1"; "needs checkpoint.dir" -> "needs --checkpoint_dir"), for errors about
+// a command line.
 absl::Status NameTheFlag(const absl::Status& status);
 
 // The spec as indented protobuf JSON with the proto field names, for people and `-o json`.

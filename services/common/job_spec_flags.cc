@@ -1,14 +1,17 @@
 // The JobSpec <-> gpu_trainer flags table: every leaf that carries the (offload.v1.flag) option is
 // the flag of that name, so a job file and a command line say the same things.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/reflection.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -158,6 +161,9 @@ absl::StatusOr<FlagArg> ReadFlagArg(absl::string_view arg) {
   return flag;
 }
 
+// A character that can continue a field path ("training.steps" inside "training.steps_x").
+bool IsPathChar(char c) { return absl::ascii_isalnum(c) || c == '_' || c == '.'; }
+
 }  // namespace
 
 std::vector<std::string> JobSpecToFlags(const v1::JobSpec& spec) {
@@ -207,16 +213,33 @@ absl::StatusOr<v1::JobSpec> JobSpecFromTrainerFlags() {
 }
 
 absl::Status NameTheFlag(const absl::Status& status) {
+  if (status.ok()) return status;
+  // Field paths, longest first, so that no path is replaced inside a longer one.
+  std::vector<std::pair<std::string, std::string>> paths;  // (field path, flag)
   for (const auto& [name, path] : Flags()) {
     std::string field;
-    for (const FieldDescriptor* f : path)
+    for (const FieldDescriptor* f : path) {
       field = field.empty() ? f->name() : absl::StrCat(field, ".", f->name());
-    if (absl::StartsWith(status.message(), absl::StrCat(field, ": "))) {
-      return absl::Status(status.code(),
-                          absl::StrCat("--", name, status.message().substr(field.size())));
+    }
+    paths.emplace_back(std::move(field), absl::StrCat("--", name));
+  }
+  std::sort(paths.begin(), paths.end(),
+            [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  std::string message(status.message());
+  for (const auto& [field, flag] : paths) {
+    size_t at = 0;
+    while ((at = message.find(field, at)) != std::string::npos) {
+      const size_t end = at + field.size();
+      if ((at > 0 && IsPathChar(message[at - 1])) ||
+          (end < message.size() && IsPathChar(message[end]))) {
+        at = end;  // part of another word
+        continue;
+      }
+      message.replace(at, field.size(), flag);
+      at += flag.size();
     }
   }
-  return status;
+  return absl::Status(status.code(), message);
 }
 
 bool IsJobSpecFlag(absl::string_view arg) {

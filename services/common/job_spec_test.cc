@@ -374,5 +374,29 @@ TEST(JobSpecFlagsTest, IsJobSpecFlagAgreesWithJobSpecFromFlags) {
   }
 }
 
+// Errors about gpu_trainer's command line name its flags, wherever a field path with a flag stands
+// in the message, and nothing else.
+TEST(JobSpecFlagsTest, NameTheFlagSaysFieldsAsFlags) {
+  struct Case {
+    std::string message, want;
+  };
+  const std::vector<Case> cases = {
+      {"training.steps: must be >= 1, got 0", "--steps: must be >= 1, got 0"},
+      {"checkpoint.resume: needs checkpoint.dir (where to resume from)",
+       "--resume: needs --checkpoint_dir (where to resume from)"},
+      {"optimizer.min_lr: must be <= optimizer.lr 0.01, got 0.1",
+       "--min_lr: must be <= --lr 0.01, got 0.1"},
+      // No flag: the field stays; a path inside a longer word is no path.
+      {"parallel.ranks: must be in [1, 1024]", "parallel.ranks: must be in [1, 1024]"},
+      {"xtraining.steps and training.steps_y", "xtraining.steps and training.steps_y"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status named = NameTheFlag(absl::InvalidArgumentError(c.message));
+    EXPECT_EQ(named.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(named.message(), c.want);
+  }
+  EXPECT_TRUE(NameTheFlag(absl::OkStatus()).ok());
+}
+
 }  // namespace
 }  // namespace offload
