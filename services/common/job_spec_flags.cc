@@ -1,12 +1,10 @@
 // The JobSpec <-> gpu_trainer flags table: every leaf that carries the (offload.v1.flag) option is
 // the flag of that name, so a job file and a command line say the same things.
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "absl/flags/reflection.h"
@@ -32,7 +30,6 @@ using google::protobuf::Reflection;
 using job_spec_internal::Invalid;
 using job_spec_internal::Quote;
 using job_spec_internal::StoreScalar;
-using job_spec_internal::UnsupportedField;
 
 // Shortest text that parses back to exactly `v`.
 std::string FormatFloat(float v) {
@@ -214,19 +211,14 @@ absl::StatusOr<v1::JobSpec> JobSpecFromTrainerFlags() {
 
 absl::Status NameTheFlag(const absl::Status& status) {
   if (status.ok()) return status;
-  // Field paths, longest first, so that no path is replaced inside a longer one.
-  std::vector<std::pair<std::string, std::string>> paths;  // (field path, flag)
+  std::string message(status.message());
   for (const auto& [name, path] : Flags()) {
     std::string field;
     for (const FieldDescriptor* f : path) {
       field = field.empty() ? f->name() : absl::StrCat(field, ".", f->name());
     }
-    paths.emplace_back(std::move(field), absl::StrCat("--", name));
-  }
-  std::sort(paths.begin(), paths.end(),
-            [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
-  std::string message(status.message());
-  for (const auto& [field, flag] : paths) {
+    const std::string flag = absl::StrCat("--", name);
+    // Whole paths only: "training.steps" is no path inside "training.steps_x".
     size_t at = 0;
     while ((at = message.find(field, at)) != std::string::npos) {
       const size_t end = at + field.size();

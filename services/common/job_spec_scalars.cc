@@ -17,7 +17,6 @@
 namespace offload {
 namespace job_spec_internal {
 
-using google::protobuf::Descriptor;
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
 using google::protobuf::Reflection;

@@ -27,7 +27,7 @@ using job_spec_internal::JoinPath;
 using job_spec_internal::Quote;
 
 // Every set float or double anywhere in the message must be finite.
-absl::Status CheckFinite(const google::protobuf::Message& message, const std::string& path) {
+absl::Status CheckFinite(const Message& message, const std::string& path) {
   const Descriptor* d = message.GetDescriptor();
   const Reflection* r = message.GetReflection();
   for (int i = 0; i < d->field_count(); ++i) {

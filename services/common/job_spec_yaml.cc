@@ -22,7 +22,6 @@ namespace {
 using google::protobuf::Descriptor;
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
-using google::protobuf::Reflection;
 using job_spec_internal::ExpectedKind;
 using job_spec_internal::Invalid;
 using job_spec_internal::JoinPath;
