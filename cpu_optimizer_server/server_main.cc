@@ -1,6 +1,7 @@
 // cpu_optimizer_server: serves offload.v1.OptimizerShard for the jobs assigned to this shard.
-// Standalone it takes any job; with --controller it joins the controller's pool and takes only
-// the attempts assigned to it.
+// Standalone it takes any job from a caller with one of its tokens; with --controller it joins the
+// controller's pool and takes only the attempts assigned to it, each from the callers that
+// present that attempt's secret.
 #include <unistd.h>
 
 #include <csignal>
@@ -11,7 +12,6 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -34,9 +34,6 @@
 #include "services/worker/worker_agent.h"
 
 // base/security/security_flags.cc
-ABSL_DECLARE_FLAG(bool, allow_unauthenticated);
-ABSL_DECLARE_FLAG(std::string, token_file);
-
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address to serve on (host:port; port 0 picks a free one, printed at start)");
 ABSL_FLAG(bool, shm, true,
@@ -76,25 +73,19 @@ std::string AdvertiseAddress(const std::string& listen, int port) {
   return absl::StrCat(host, ":", port);
 }
 
-// The shard job ids of the attempts the controller assigned to this server: CreateJob and step
-// traffic are accepted for these only. A withdrawn attempt loses its admission first and its
-// state second, so a CreateJob racing the withdrawal cannot leave state behind (CreateJob asks
-// again after allocating).
+// The attempts the controller assigned to this server: each one's shard job id is granted to the
+// callers that present its secret (shard_access.h), and to nobody else. A withdrawn attempt loses
+// its grant first and its state second, so a CreateJob racing the withdrawal cannot leave state
+// behind (CreateJob asks again after allocating).
 class Admissions {
  public:
-  explicit Admissions(offload::ShardStore* store) : store_(store) {}
-
-  bool Admits(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [attempt, shard_job_id] : by_attempt_) {
-      if (shard_job_id == job_id) return true;
-    }
-    return false;
-  }
+  Admissions(offload::ShardStore* store, offload::ShardAccess* access)
+      : store_(store), access_(access) {}
 
   void Start(const offload::v1::Assignment& assignment) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     by_attempt_[{assignment.job_id(), assignment.attempt()}] = assignment.shard_job_id();
+    access_->Grant(assignment.shard_job_id(), assignment.shard_secret());
     LOG(INFO) << absl::StrFormat(
         "cpu_optimizer_server: assigned job %s attempt %u as shard %u (shard job %s)",
         assignment.job_id().c_str(), assignment.attempt(), assignment.shard_index(),
@@ -111,6 +102,7 @@ class Admissions {
           it != by_attempt_.end() ? it->second : offload::ShardJobId(ref.job_id(), ref.attempt());
       if (it != by_attempt_.end()) by_attempt_.erase(it);
     }
+    access_->Revoke(shard_job_id);
     // The DropJob RPC's path; NOT_FOUND only means the trainers never created it here.
     absl::Status dropped = store_->DropJob(shard_job_id);
     if (!dropped.ok() && !absl::IsNotFound(dropped)) {
@@ -124,6 +116,7 @@ class Admissions {
 
  private:
   offload::ShardStore* const store_;
+  offload::ShardAccess* const access_;
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, uint32_t>, std::string> by_attempt_ ABSL_GUARDED_BY(mu_);
 };
@@ -163,12 +156,12 @@ int main(int argc, char** argv) {
   }
 
   const std::string controller = absl::GetFlag(FLAGS_controller);
-  // Standalone, this process calls no controller and the shard service checks no tokens (its
-  // traffic is guarded by the network and TLS), so only the TLS flags matter: no token is needed.
-  if (controller.empty() && absl::GetFlag(FLAGS_token_file).empty()) {
-    absl::SetFlag(&FLAGS_allow_unauthenticated, true);
-  }
+  // Secure by default, standalone too: anyone who reaches the port could otherwise read a job's
+  // weights or drop its state.
   absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
+  if (security.ok()) {
+    if (absl::Status s = offload::RequireTokens(*security); !s.ok()) security = s;
+  }
   if (!security.ok()) {
     LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s", security.status().ToString().c_str());
     return 2;
@@ -180,7 +173,12 @@ int main(int argc, char** argv) {
                                   server_credentials.status().ToString().c_str());
     return 2;
   }
-  Admissions admissions(&store);
+  // The --token_file tokens: on a standalone server they admit any job; on a pool server they
+  // only describe the shard, and each job takes its attempt's secret.
+  offload::ShardAccess access(controller.empty() ? offload::ShardAccess::Mode::kStandalone
+                                                 : offload::ShardAccess::Mode::kPool,
+                              security->accepted);
+  Admissions admissions(&store, &access);
 
   offload::ServerOptions server_options;
   server_options.listen_address = absl::GetFlag(FLAGS_listen);
@@ -188,11 +186,7 @@ int main(int argc, char** argv) {
   server_options.enable_shm = absl::GetFlag(FLAGS_shm);
   server_options.enable_ucx = absl::GetFlag(FLAGS_ucx);
   server_options.credentials = *server_credentials;
-  if (!controller.empty()) {
-    server_options.job_admission = [&admissions](const std::string& job_id) {
-      return admissions.Admits(job_id);
-    };
-  }
+  server_options.access = &access;
   // grpc.health.v1 on the shard port, for Kubernetes' gRPC probes and load balancers.
   grpc::EnableDefaultHealthCheckService(true);
   absl::StatusOr<std::unique_ptr<offload::OptimizerServer>> server =

@@ -8,6 +8,7 @@ set -euo pipefail
 controller_bin=$1 server_bin=$2 trainer_bin=$3 ctl=$4 launcher=$5 data=$6 proto_dir=$7
 work=$(mktemp -d /tmp/offload-jobctl-XXXXXX)
 pids=()
+source "$(dirname "$0")/process_lib.sh"  # make_tls_files; cleanup and fail are this script's own
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   pkill -9 -f "$work" 2>/dev/null || true
@@ -205,16 +206,7 @@ get "/v1/jobs/$dead_job" | grep -q "heartbeat\|exited\|killed" || fail "failure 
 kill "$controller_pid"
 
 step "TLS: offloadctl needs the CA; mutual TLS refuses a client without a certificate"
-cd "$work"
-openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=offload-test-ca" \
-  -keyout ca.key -out ca.pem 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr 2>/dev/null
-printf "subjectAltName=DNS:localhost,IP:127.0.0.1\n" > san.ext
-openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
-  -extfile san.ext -out server.pem 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -subj "/CN=client" -keyout client.key -out client.csr 2>/dev/null
-openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -out client.pem 2>/dev/null
-cd - >/dev/null
+make_tls_files "$work"
 start_controller "$work/controller_tls.log" --tls_cert="$work/server.pem" --tls_key="$work/server.key" \
   --tls_ca="$work/ca.pem" --tls_client_auth=require
 "$ctl" --controller="$grpc" --tls_ca="$work/ca.pem" --tls_cert="$work/client.pem" \

@@ -19,12 +19,18 @@ fail() {
   exit 1
 }
 
+# The servers start_server starts accept this token (as $OFFLOAD_TOKEN), and every client of them
+# presents it ($OFFLOAD_SHARD_TOKEN, what gpu_trainer and the shard tools read): a fresh one per
+# script, in the environment, as offload_local does it.
+OFFLOAD_SHARD_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+export OFFLOAD_SHARD_TOKEN
+
 # start_server BINARY LOG [FLAGS...]: a cpu_optimizer_server on an ephemeral loopback port, in the
 # background. Sets $server_pid and $port, adds the pid to $pids; fails if no port within 10 s (with
 # LOG as $log, so that fail shows it).
 start_server() {
   local log=$2
-  "$1" --listen=127.0.0.1:0 "${@:3}" >"$log" 2>&1 &
+  OFFLOAD_TOKEN=$OFFLOAD_SHARD_TOKEN "$1" --listen=127.0.0.1:0 "${@:3}" >"$log" 2>&1 &
   server_pid=$!
   pids+=("$server_pid")
   for _ in $(seq 500); do
@@ -80,4 +86,24 @@ wait_for_checkpoint() {
     sleep 0.02
   done
   fail "no checkpoint in $1 after 12 s"
+}
+
+# make_tls_files DIR: a CA (ca.pem), a server certificate for localhost and 127.0.0.1
+# (server.pem, server.key) and a client certificate (client.pem, client.key), all signed by the
+# CA, with the openssl command line.
+make_tls_files() {
+  (
+    cd "$1"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=offload-test-ca" \
+      -keyout ca.key -out ca.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key \
+      -out server.csr 2>/dev/null
+    printf "subjectAltName=DNS:localhost,IP:127.0.0.1\n" >san.ext
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
+      -extfile san.ext -out server.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=client" -keyout client.key \
+      -out client.csr 2>/dev/null
+    openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
+      -out client.pem 2>/dev/null
+  )
 }

@@ -3,8 +3,10 @@
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <sys/random.h>
 
 #include <cerrno>
 #include <cstring>
@@ -15,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -40,21 +43,6 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_
   contents << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat(what, " ", path, ": read failed"));
   return contents.str();
-}
-
-// The same time whatever byte differs: every byte position up to the longer length is visited
-// and the differences are OR-ed together. Only the lengths can leak through timing.
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  const size_t n = a.size() > b.size() ? a.size() : b.size();
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= x ^ y;
-  }
-  // volatile keeps the compiler from turning the loop into an early-exit memcmp.
-  volatile unsigned char result = diff;
-  return result == 0;
 }
 
 struct BioDeleter {
@@ -159,6 +147,28 @@ absl::StatusOr<ServerTlsFiles> ReadServerTls(const TlsConfig& tls) {
   return files;
 }
 
+// The token of an "authorization" value "Bearer <token>"; empty for any other value.
+// RFC 6750: credentials = "Bearer" 1*SP b64token; the scheme is case-insensitive (RFC 7235).
+absl::string_view BearerOf(absl::string_view authorization) {
+  if (authorization.size() <= kBearerScheme.size() ||
+      !absl::EqualsIgnoreCase(authorization.substr(0, kBearerScheme.size()), kBearerScheme) ||
+      authorization[kBearerScheme.size()] != ' ') {
+    return {};
+  }
+  return absl::StripAsciiWhitespace(authorization.substr(kBearerScheme.size()));
+}
+
+absl::Status ReadRandom(char* out, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = getrandom(out + done, n - done, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return absl::ErrnoToStatus(errno, "getrandom");
+    done += static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status CheckMetadata(const BearerTokens& tokens,
                            const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
   if (tokens.empty()) return grpc::Status::OK;
@@ -201,14 +211,10 @@ const std::string& BearerTokens::first_token() const {
 }
 
 bool BearerTokens::Accepts(absl::string_view authorization) const {
-  // RFC 6750: credentials = "Bearer" 1*SP b64token; the scheme is case-insensitive (RFC 7235).
-  if (authorization.size() <= kBearerScheme.size() ||
-      !absl::EqualsIgnoreCase(authorization.substr(0, kBearerScheme.size()), kBearerScheme) ||
-      authorization[kBearerScheme.size()] != ' ') {
-    return false;
-  }
-  absl::string_view presented =
-      absl::StripAsciiWhitespace(authorization.substr(kBearerScheme.size()));
+  return AcceptsToken(BearerOf(authorization));
+}
+
+bool BearerTokens::AcceptsToken(absl::string_view presented) const {
   if (presented.empty()) return false;
   // Compare against every token, without stopping at a match, so the time does not say which.
   bool accepted = false;
@@ -223,6 +229,51 @@ grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContextBa
 void AttachBearer(grpc::ClientContext* context, const std::string& token) {
   if (token.empty()) return;
   context->AddMetadata(std::string(kAuthorizationKey), absl::StrCat("Bearer ", token));
+}
+
+std::string PresentedBearer(const grpc::ServerContextBase& context) {
+  const auto& metadata = context.client_metadata();
+  auto [begin, end] =
+      metadata.equal_range(grpc::string_ref(kAuthorizationKey.data(), kAuthorizationKey.size()));
+  for (auto it = begin; it != end; ++it) {
+    absl::string_view token = BearerOf(absl::string_view(it->second.data(), it->second.size()));
+    if (!token.empty()) return std::string(token);
+  }
+  return std::string();
+}
+
+// Every byte position up to the longer length is visited and the differences are OR-ed together.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  const size_t n = a.size() > b.size() ? a.size() : b.size();
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= x ^ y;
+  }
+  // volatile keeps the compiler from turning the loop into an early-exit memcmp.
+  volatile unsigned char result = diff;
+  return result == 0;
+}
+
+absl::StatusOr<std::string> RandomToken() {
+  char bytes[16];
+  OFFLOAD_RETURN_IF_ERROR(ReadRandom(bytes, sizeof(bytes)));
+  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
+
+absl::StatusOr<std::string> RandomKey() {
+  std::string key(32, '\0');
+  OFFLOAD_RETURN_IF_ERROR(ReadRandom(key.data(), key.size()));
+  return key;
+}
+
+std::string DeriveSecret(absl::string_view key, absl::string_view label) {
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int mac_size = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac, &mac_size);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(mac), mac_size));
 }
 
 absl::Status CheckServerTls(const TlsConfig& tls) { return ReadServerTls(tls).status(); }

@@ -26,6 +26,8 @@ class BearerTokens {
   // `authorization` is the whole header or metadata value, "Bearer <token>". The comparison takes
   // the same time whichever byte differs, so timing tells an attacker nothing.
   bool Accepts(absl::string_view authorization) const;
+  // The same for the token alone (what PresentedBearer returns).
+  bool AcceptsToken(absl::string_view token) const;
   // The first token added (a client's default credential); empty when there is none.
   const std::string& first_token() const;
 
@@ -40,6 +42,26 @@ grpc::Status CheckBearer(const BearerTokens& tokens, const grpc::ServerContextBa
 
 // Adds "authorization: Bearer <token>" to a client call; nothing when token is empty.
 void AttachBearer(grpc::ClientContext* context, const std::string& token);
+
+// The token of a call's "authorization: Bearer <token>" metadata (the first such value); empty
+// when the call carries none. For servers that decide per call which token grants what.
+std::string PresentedBearer(const grpc::ServerContextBase& context);
+
+// Equality whose time does not depend on where a and b differ (only on their lengths), for
+// comparing a presented secret with a known one.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
+
+// 128 random bits from the kernel's generator as 32 hex digits: a fresh bearer token.
+absl::StatusOr<std::string> RandomToken();
+// 256 random bits as raw bytes: a key for DeriveSecret.
+absl::StatusOr<std::string> RandomKey();
+// HMAC-SHA256(key, label) as 64 hex digits: a secret for one purpose (an attempt's shard job id)
+// that whoever holds the key can compute again, and no one else can.
+std::string DeriveSecret(absl::string_view key, absl::string_view label);
+
+// The variable in which a trainer rank gets the credential it presents to its optimizer shards
+// (its attempt's secret): the environment, never argv, which every user of the host can read.
+inline constexpr char kShardTokenEnv[] = "OFFLOAD_SHARD_TOKEN";
 
 struct TlsConfig {
   std::string cert_file;  // PEM chain: a server's certificate, or a client's for mutual TLS
@@ -73,6 +95,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ta
 struct SecurityOptions {
   BearerTokens accepted;     // every token of --token_file, plus $OFFLOAD_TOKEN
   std::string client_token;  // what this process sends: $OFFLOAD_TOKEN, else the file's first
+  // What a trainer presents to its optimizer shards: $OFFLOAD_SHARD_TOKEN (its attempt's secret,
+  // from a pool worker, or the launcher's token), else client_token.
+  std::string shard_token;
   TlsConfig tls;
   bool allow_unauthenticated = false;
 };

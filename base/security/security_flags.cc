@@ -43,6 +43,10 @@ absl::StatusOr<SecurityOptions> SecurityFromFlags() {
     options.accepted.Add(env);
     options.client_token = env;
   }
+  options.shard_token = options.client_token;
+  if (const char* env = std::getenv(kShardTokenEnv); env != nullptr && *env != '\0') {
+    options.shard_token = env;
+  }
   options.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
 
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);

@@ -93,6 +93,36 @@ TEST(BearerTokensTest, AcceptsOnlyTheBearerSchemeWithAKnownToken) {
   EXPECT_FALSE(tokens.Accepts(""));
 }
 
+TEST(SecretsTest, RandomTokensAreFreshHex) {
+  absl::StatusOr<std::string> a = RandomToken();
+  absl::StatusOr<std::string> b = RandomToken();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->size(), 32u);
+  EXPECT_EQ(a->find_first_not_of("0123456789abcdef"), std::string::npos) << *a;
+  EXPECT_NE(*a, *b);
+  absl::StatusOr<std::string> key = RandomKey();
+  ASSERT_TRUE(key.ok());
+  EXPECT_EQ(key->size(), 32u);
+}
+
+// HMAC-SHA256 as RFC 4231 defines it (its test case 2), so a secret is what any HMAC computes.
+TEST(SecretsTest, DeriveSecretIsHmacSha256) {
+  EXPECT_EQ(DeriveSecret("Jefe", "what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  EXPECT_EQ(DeriveSecret("key", "job-1.1"), DeriveSecret("key", "job-1.1"));
+  EXPECT_NE(DeriveSecret("key", "job-1.1"), DeriveSecret("key", "job-1.2"));
+  EXPECT_NE(DeriveSecret("key", "job-1.1"), DeriveSecret("other key", "job-1.1"));
+}
+
+TEST(SecretsTest, ConstantTimeEqualsIsEquality) {
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abd"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "ab"));
+  EXPECT_FALSE(ConstantTimeEquals("ab", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals(std::string("a\0", 2), "a"));
+}
+
 TEST(BearerTokensTest, EmptySetIsEmpty) {
   BearerTokens tokens;
   tokens.Add("");
@@ -295,8 +325,14 @@ TEST(CredentialsTest, InconsistentServerSettingsAreRefused) {
 
 class SecurityFlagsTest : public ::testing::Test {
  protected:
-  void SetUp() override { unsetenv("OFFLOAD_TOKEN"); }
-  void TearDown() override { unsetenv("OFFLOAD_TOKEN"); }
+  void SetUp() override {
+    unsetenv("OFFLOAD_TOKEN");
+    unsetenv(kShardTokenEnv);
+  }
+  void TearDown() override {
+    unsetenv("OFFLOAD_TOKEN");
+    unsetenv(kShardTokenEnv);
+  }
   absl::FlagSaver saver_;
 };
 
@@ -334,6 +370,22 @@ TEST_F(SecurityFlagsTest, TokensFromFileAndEnvironment) {
   for (const std::string& arg : SecurityFlagsForChild()) {
     EXPECT_THAT(arg, Not(HasSubstr("from-env")));
   }
+}
+
+// A trainer presents its attempt's secret to its shards when its worker gave it one, and its
+// controller token otherwise (a standalone run with one token for everything).
+TEST_F(SecurityFlagsTest, ShardTokenIsTheAttemptSecretElseTheClientToken) {
+  TempDir dir;
+  absl::SetFlag(&FLAGS_token_file, dir.Write("tokens", "pool\n"));
+  absl::StatusOr<SecurityOptions> options = SecurityFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->shard_token, "pool");
+  setenv(kShardTokenEnv, "attempt-secret", 1);
+  options = SecurityFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->shard_token, "attempt-secret");
+  EXPECT_EQ(options->client_token, "pool");
+  EXPECT_FALSE(options->accepted.Accepts("Bearer attempt-secret"));  // never a server's token
 }
 
 TEST_F(SecurityFlagsTest, BadFlagsAreNamed) {

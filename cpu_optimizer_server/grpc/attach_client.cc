@@ -4,11 +4,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/grpc_status.h"
+#include "base/watchdog.h"
 
 namespace offload {
 
 AttachClient::AttachClient(OptimizerClient* control, std::string what)
-    : what_(std::move(what)), stream_(control->Attach(&context_)) {}
+    : what_(std::move(what)),
+      setup_timeout_(control->options().attach_setup_timeout),
+      stream_(control->Attach(&context_)) {}
 
 AttachClient::~AttachClient() {
   if (finished_) return;
@@ -36,7 +39,16 @@ absl::Status AttachClient::Send(const v1::AttachRequest& request, absl::string_v
 absl::StatusOr<v1::AttachResponse> AttachClient::Receive(absl::string_view before) {
   if (finished_) return absl::FailedPreconditionError(absl::StrCat(what_, " has ended"));
   v1::AttachResponse response;
-  if (!stream_->Read(&response)) return Ended(before);
+  Watchdog watchdog(setup_timeout_, [this] { context_.TryCancel(); });
+  const bool received = stream_->Read(&response);
+  if (!watchdog.Disarm()) {
+    finished_ = true;
+    stream_->Finish();
+    return absl::DeadlineExceededError(absl::StrCat("the shard did not answer ", what_, " before ",
+                                                    before, " within ",
+                                                    absl::FormatDuration(setup_timeout_)));
+  }
+  if (!received) return Ended(before);
   return response;
 }
 

@@ -31,7 +31,8 @@ class AttachClient {
   AttachClient& operator=(const AttachClient&) = delete;
 
   // One message of the set-up exchange each way. When the stream has ended, the status it ended
-  // with, or UNAVAILABLE saying it ended `before` what was due.
+  // with, or UNAVAILABLE saying it ended `before` what was due. Receive waits at most the
+  // client's attach_setup_timeout, then cancels the stream (DEADLINE_EXCEEDED).
   absl::Status Send(const v1::AttachRequest& request, absl::string_view before);
   absl::StatusOr<v1::AttachResponse> Receive(absl::string_view before);
   // Gives up during set-up: cancels and finishes the stream.
@@ -46,6 +47,7 @@ class AttachClient {
   absl::Status Ended(absl::string_view before);
 
   const std::string what_;
+  const absl::Duration setup_timeout_;
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream_;
   std::thread watcher_;

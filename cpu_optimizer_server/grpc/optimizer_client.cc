@@ -22,8 +22,10 @@ absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
   const gpr_timespec deadline = gpr_time_add(
       gpr_now(GPR_CLOCK_MONOTONIC),
       gpr_time_from_millis(absl::ToInt64Milliseconds(options.connect_timeout), GPR_TIMESPAN));
+  OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                           MakeChannelCredentials(options.tls));
   for (int i = 0; i < options.num_channels; ++i) {
-    grpc::ChannelArguments args;
+    grpc::ChannelArguments args = ChannelArgumentsFor(options.tls);
     args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
     args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
     // Without a channel-local subchannel pool, channels to one address share one connection.
@@ -34,7 +36,7 @@ absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     ApplyBulkTransferArgs([&](const char* name, int value) { args.SetInt(name, value); });
     std::shared_ptr<grpc::Channel> channel =
-        grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+        grpc::CreateCustomChannel(options.address, credentials, args);
     if (!channel->WaitForConnected(deadline)) {
       return absl::UnavailableError(absl::StrCat("optimizer shard at ", options.address,
                                                  " did not answer within ",
@@ -45,9 +47,10 @@ absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
   return client;
 }
 
-void OptimizerClient::SetDeadline(grpc::ClientContext* context) const {
+void OptimizerClient::Prepare(grpc::ClientContext* context) const {
   context->set_deadline(std::chrono::system_clock::now() +
                         absl::ToChronoMilliseconds(options_.call_timeout));
+  AttachBearer(context, options_.token);
 }
 
 v1::OptimizerShard::Stub* OptimizerClient::NextStub() {
@@ -57,7 +60,7 @@ v1::OptimizerShard::Stub* OptimizerClient::NextStub() {
 absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
     const v1::CreateJobRequest& request) {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::CreateJobResponse response;
   grpc::Status s = NextStub()->CreateJob(&context, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);
@@ -73,7 +76,7 @@ absl::Status OptimizerClient::LoadState(const std::string& job_id,
                                         const std::vector<StateSliceRef>& slices,
                                         const StepCounters* steps) {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::LoadStateResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::LoadStateRequest>> writer =
       NextStub()->LoadState(&context, &response);
@@ -108,7 +111,7 @@ absl::Status OptimizerClient::LoadState(const std::string& job_id,
 absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTensor tensor,
                                         DType dtype, int64_t offset, int64_t n, void* out) {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::ReadStateRequest request;
   request.set_job_id(job_id);
   request.set_tensor(tensor);
@@ -140,7 +143,7 @@ absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTens
 
 absl::Status OptimizerClient::DropJob(const std::string& job_id) {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::DropJobRequest request;
   request.set_job_id(job_id);
   v1::DropJobResponse response;
@@ -149,7 +152,7 @@ absl::Status OptimizerClient::DropJob(const std::string& job_id) {
 
 absl::StatusOr<v1::DescribeShardResponse> OptimizerClient::DescribeShard() {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::DescribeShardResponse response;
   grpc::Status s = NextStub()->DescribeShard(&context, v1::DescribeShardRequest(), &response);
   if (!s.ok()) return FromGrpcStatus(s);
@@ -163,7 +166,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
                                                                       uint64_t step) {
   std::unique_ptr<GrpcStepStream> s(new GrpcStepStream());
   s->context_ = std::make_unique<grpc::ClientContext>();
-  SetDeadline(s->context_.get());
+  Prepare(s->context_.get());
   s->stream_ = NextStub()->Step(s->context_.get());
   s->step_ = step;
   s->range_offset_ = range_offset;
@@ -182,6 +185,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
 
 std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>
 OptimizerClient::Attach(grpc::ClientContext* context) {
+  AttachBearer(context, options_.token);
   return NextStub()->Attach(context);
 }
 

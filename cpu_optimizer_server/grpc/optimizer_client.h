@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/dtype.h"
+#include "base/security/security.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/optimizer.grpc.pb.h"
@@ -29,6 +30,14 @@ struct ClientOptions {
   // Deadline of every call, a whole step stream included. Keepalive notices a vanished host;
   // this bounds a live shard that stops answering, so a trainer never waits forever.
   absl::Duration call_timeout = absl::Minutes(10);
+  // Each answer of a data plane's Attach set-up (the stream itself has no deadline: it lives as
+  // long as the attachment).
+  absl::Duration attach_setup_timeout = absl::Seconds(30);
+  // Presented on every call as "authorization: Bearer <token>": the attempt's secret for a pool
+  // server, an operator token for a standalone one (shard_access.h). None when empty.
+  std::string token;
+  // TLS (or mTLS, with a client certificate) to the shard when tls.ca_file is set.
+  TlsConfig tls;
 };
 
 class OptimizerClient;
@@ -107,7 +116,8 @@ class OptimizerClient final : public StepTransport {
  private:
   explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
   v1::OptimizerShard::Stub* NextStub();
-  void SetDeadline(grpc::ClientContext* context) const;
+  // The call's deadline and credential.
+  void Prepare(grpc::ClientContext* context) const;
 
   ClientOptions options_;
   std::vector<std::unique_ptr<v1::OptimizerShard::Stub>> stubs_;

@@ -13,6 +13,7 @@
 #endif
 #include "base/grpc_status.h"
 #include "base/status_macros.h"
+#include "base/watchdog.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -57,16 +58,24 @@ class GrpcParamSink final : public ParamSink {
 
 }  // namespace
 
-grpc::Status OptimizerService::Admit(const std::string& job_id) const {
-  if (!admit_ || admit_(job_id)) return grpc::Status::OK;
-  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      absl::StrCat("job ", job_id, " is not assigned to this server"));
+grpc::Status OptimizerService::CheckJob(const grpc::ServerContextBase& context,
+                                        const std::string& job_id) const {
+  return access_ == nullptr ? grpc::Status::OK : access_->CheckJob(context, job_id);
+}
+
+grpc::Status OptimizerService::CheckCaller(const grpc::ServerContextBase& context,
+                                           ShardAccess::Caller* caller) const {
+  if (access_ == nullptr) {
+    caller->all_jobs = true;
+    return grpc::Status::OK;
+  }
+  return access_->CheckCaller(context, caller);
 }
 
 grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context,
                                          const v1::CreateJobRequest* request,
                                          v1::CreateJobResponse* response) {
-  if (grpc::Status s = Admit(request->job_id()); !s.ok()) return s;
+  if (grpc::Status s = CheckJob(*context, request->job_id()); !s.ok()) return s;
   absl::StatusOr<JobConfig> config = JobConfigFromProto(*request);
   if (!config.ok()) return ToGrpcStatus(config.status());
   absl::StatusOr<int64_t> bytes = store_->CreateJob(*config);
@@ -74,7 +83,7 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context,
   // The attempt may have been withdrawn while the state was allocated, after its withdrawal
   // dropped what was there: asking again and dropping ours leaves no orphan either way (the
   // withdrawal revokes before it drops).
-  if (grpc::Status s = Admit(request->job_id()); !s.ok()) {
+  if (grpc::Status s = CheckJob(*context, request->job_id()); !s.ok()) {
     store_->DropJob(request->job_id()).IgnoreError();
     return s;
   }
@@ -85,11 +94,13 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context,
 grpc::Status OptimizerService::LoadState(grpc::ServerContext* context,
                                          grpc::ServerReader<v1::LoadStateRequest>* reader,
                                          v1::LoadStateResponse* response) {
+  ShardAccess::Caller caller;  // a caller this server knows, before anything is read
+  if (grpc::Status s = CheckCaller(*context, &caller); !s.ok()) return s;
   v1::LoadStateRequest request;
   if (!reader->Read(&request)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty LoadState stream");
   }
-  if (grpc::Status s = Admit(request.job_id()); !s.ok()) return s;
+  if (grpc::Status s = CheckJob(*context, request.job_id()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<StateLoader>> loader =
       StateLoader::Start(store_, request.job_id());
   if (!loader.ok()) return ToGrpcStatus(loader.status());
@@ -132,6 +143,8 @@ grpc::Status OptimizerService::LoadState(grpc::ServerContext* context,
 grpc::Status OptimizerService::Step(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  ShardAccess::Caller caller;  // a caller this server knows, before anything is read
+  if (grpc::Status s = CheckCaller(*context, &caller); !s.ok()) return s;
   v1::StepRequest request;
   if (!stream->Read(&request)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty step stream");
@@ -140,7 +153,7 @@ grpc::Status OptimizerService::Step(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of a step stream must be `open`");
   }
-  if (grpc::Status s = Admit(request.open().job_id()); !s.ok()) return s;
+  if (grpc::Status s = CheckJob(*context, request.open().job_id()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<StepSession>> session = StepSession::Open(
       store_, request.open().job_id(), request.open().range_index(), request.open().step());
   if (!session.ok()) return ToGrpcStatus(session.status());
@@ -200,6 +213,7 @@ grpc::Status OptimizerService::Step(
 grpc::Status OptimizerService::ReadState(grpc::ServerContext* context,
                                          const v1::ReadStateRequest* request,
                                          grpc::ServerWriter<v1::StateChunk>* writer) {
+  if (grpc::Status s = CheckJob(*context, request->job_id()); !s.ok()) return s;
   absl::StatusOr<StateTensor> tensor = StateTensorFromProto(request->tensor(), "tensor");
   if (!tensor.ok()) return ToGrpcStatus(tensor.status());
   absl::StatusOr<DType> dtype = DTypeFromProto(request->dtype(), "dtype");
@@ -226,12 +240,15 @@ grpc::Status OptimizerService::ReadState(grpc::ServerContext* context,
 grpc::Status OptimizerService::DropJob(grpc::ServerContext* context,
                                        const v1::DropJobRequest* request,
                                        v1::DropJobResponse* response) {
+  if (grpc::Status s = CheckJob(*context, request->job_id()); !s.ok()) return s;
   return ToGrpcStatus(store_->DropJob(request->job_id()));
 }
 
 grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
                                              const v1::DescribeShardRequest* request,
                                              v1::DescribeShardResponse* response) {
+  ShardAccess::Caller caller;
+  if (grpc::Status s = CheckCaller(*context, &caller); !s.ok()) return s;
   response->set_simd_path(std::string(SimdPathName(store_->simd_path())));
   response->set_threads(store_->pool()->num_threads());
   response->set_memory_limit_bytes(store_->budget()->limit());
@@ -239,6 +256,7 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
   response->set_max_message_bytes(max_message_bytes_);
   for (DataPlaneServer* plane : data_planes_) response->add_data_planes(plane->plane());
   for (const std::shared_ptr<Job>& job : store_->Jobs()) {
+    if (!caller.Sees(job->config.job_id)) continue;
     v1::JobStatus* status = response->add_jobs();
     status->set_job_id(job->config.job_id);
     *status->mutable_adam() = AdamConfigToProto(job->config.adam);
@@ -259,15 +277,24 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
 }
 
 grpc::Status OptimizerService::Attach(grpc::ServerContext* context, AttachStream* stream) {
+  ShardAccess::Caller caller;  // a caller this server knows, before anything is read
+  if (grpc::Status s = CheckCaller(*context, &caller); !s.ok()) return s;
   v1::AttachRequest request;
-  if (!stream->Read(&request)) return grpc::Status(grpc::StatusCode::CANCELLED, "no AttachOpen");
+  Watchdog watchdog(setup_timeout_, [context] { context->TryCancel(); });
+  const bool opened = stream->Read(&request);
+  if (!watchdog.Disarm()) {
+    return grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("no AttachOpen within ", absl::FormatDuration(setup_timeout_)));
+  }
+  if (!opened) return grpc::Status(grpc::StatusCode::CANCELLED, "no AttachOpen");
   if (!request.has_open()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of an Attach stream must be an AttachOpen");
   }
   const v1::AttachOpen& open = request.open();
   if (!open.job_id().empty()) {
-    if (grpc::Status s = Admit(open.job_id()); !s.ok()) return s;
+    if (grpc::Status s = CheckJob(*context, open.job_id()); !s.ok()) return s;
   }
   for (DataPlaneServer* plane : data_planes_) {
     if (plane->plane() == open.plane()) return plane->Serve(open, context, stream);
@@ -289,7 +316,11 @@ absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<OptimizerServer> server(new OptimizerServer());
-  if (options.enable_shm) server->data_planes_.push_back(CreateShmServer(store));
+  if (options.enable_shm) {
+    ShmOptions shm_options;
+    shm_options.setup_timeout = options.attach_setup_timeout;
+    server->data_planes_.push_back(CreateShmServer(store, shm_options));
+  }
 #ifdef OFFLOAD_HAVE_UCX
   if (options.enable_ucx) {
     OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneServer> ucx, CreateUcxServer(store));
@@ -298,9 +329,9 @@ absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
 #endif
   std::vector<DataPlaneServer*> planes;
   for (const auto& plane : server->data_planes_) planes.push_back(plane.get());
-  server->service_ =
-      std::make_unique<OptimizerService>(store, options.max_message_bytes, std::move(planes));
-  if (options.job_admission) server->service_->SetJobAdmission(options.job_admission);
+  server->service_ = std::make_unique<OptimizerService>(
+      store, options.max_message_bytes, std::move(planes), options.attach_setup_timeout);
+  server->service_->SetAccess(options.access);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(
       options.listen_address,

@@ -4,12 +4,13 @@
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_SERVICE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cpu_optimizer_server/grpc/shard_access.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/transport/data_plane.h"
 #include "grpcpp/grpcpp.h"
@@ -17,23 +18,22 @@
 
 namespace offload {
 
-// Which job ids a server takes. A pool server admits only the shard job ids of the attempts the
-// controller assigned to it, so a trainer of another job (or of a withdrawn attempt) cannot
-// create state or stream steps on it.
-using JobAdmission = std::function<bool(const std::string& job_id)>;
-
 class OptimizerService final : public v1::OptimizerShard::Service {
  public:
   // data_planes: the planes offered beside gRPC (not owned; may be empty).
+  // setup_timeout bounds the wait for an Attach stream's first message.
   OptimizerService(ShardStore* store, int64_t max_message_bytes,
-                   std::vector<DataPlaneServer*> data_planes = {})
+                   std::vector<DataPlaneServer*> data_planes = {},
+                   absl::Duration setup_timeout = absl::Seconds(30))
       : store_(store),
         max_message_bytes_(max_message_bytes),
-        data_planes_(std::move(data_planes)) {}
+        data_planes_(std::move(data_planes)),
+        setup_timeout_(setup_timeout) {}
 
-  // Without one (a standalone server) every job is admitted. Set it before the service serves:
-  // it is read without a lock. A refused job gets PERMISSION_DENIED and changes nothing.
-  void SetJobAdmission(JobAdmission admit) { admit_ = std::move(admit); }
+  // Who may call, for which jobs (shard_access.h); not owned. Without one every call is let in
+  // (in-process tests and benchmarks). Set it before the service serves: it is read without a
+  // lock. A refused call changes nothing.
+  void SetAccess(const ShardAccess* access) { access_ = access; }
 
   grpc::Status CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
                          v1::CreateJobResponse* response) override;
@@ -51,13 +51,16 @@ class OptimizerService final : public v1::OptimizerShard::Service {
   grpc::Status Attach(grpc::ServerContext* context, AttachStream* stream) override;
 
  private:
-  // OK, or PERMISSION_DENIED when the admission predicate refuses job_id.
-  grpc::Status Admit(const std::string& job_id) const;
+  // ShardAccess::CheckJob / CheckCaller, or OK without an access policy.
+  grpc::Status CheckJob(const grpc::ServerContextBase& context, const std::string& job_id) const;
+  grpc::Status CheckCaller(const grpc::ServerContextBase& context,
+                           ShardAccess::Caller* caller) const;
 
   ShardStore* const store_;
   const int64_t max_message_bytes_;
   const std::vector<DataPlaneServer*> data_planes_;
-  JobAdmission admit_;
+  const absl::Duration setup_timeout_;
+  const ShardAccess* access_ = nullptr;
 };
 
 // Options of a running server, shared by the binary, the tests and the benchmarks.
@@ -68,8 +71,12 @@ struct ServerOptions {
   bool enable_ucx = true;  // offer the UCX data plane (where the build has UCX)
   // The listening port's credentials (TLS); insecure when null.
   std::shared_ptr<grpc::ServerCredentials> credentials;
-  // The jobs this server takes (OptimizerService::SetJobAdmission); all when empty.
-  JobAdmission job_admission;
+  // Who may call (OptimizerService::SetAccess); not owned, outlives the server. Everyone when
+  // null.
+  const ShardAccess* access = nullptr;
+  // How long an Attach stream's set-up may take on the shard's side (its first message, the shm
+  // proof): a caller that opens one and never answers gives up its handler thread.
+  absl::Duration attach_setup_timeout = absl::Seconds(30);
 };
 
 // A shard store served over gRPC with health checking and reflection.

@@ -439,60 +439,6 @@ TEST_F(OptimizerServiceTest, DropJobFreesItsMemory) {
   EXPECT_EQ(describe->jobs_size(), 0);
 }
 
-// A pool server takes only the jobs the controller assigned it: anything else is refused before
-// it touches the store, and an admitted job works as on a standalone server.
-TEST_F(OptimizerServiceTest, AdmitsOnlyTheJobsThePredicateAccepts) {
-  ShardOptions options;
-  options.memory_limit_bytes = int64_t{64} << 20;
-  options.wave_elements = 2 * kTileElements;
-  ShardStore store(options, &pool_, BestSimdPath());
-  ServerOptions server_options;
-  server_options.listen_address = "127.0.0.1:0";
-  server_options.max_message_bytes = int64_t{8} << 20;
-  server_options.job_admission = [](const std::string& job_id) { return job_id == "assigned.0"; };
-  auto server = OptimizerServer::Start(server_options, &store);
-  ASSERT_TRUE(server.ok()) << server.status();
-  ClientOptions client_options;
-  client_options.address = "127.0.0.1:" + std::to_string((*server)->port());
-  client_options.max_message_bytes = int64_t{8} << 20;
-  auto client = OptimizerClient::Connect(client_options);
-  ASSERT_TRUE(client.ok()) << client.status();
-
-  v1::CreateJobRequest refused = CreateRequest();
-  refused.set_job_id("other.0");
-  auto created = (*client)->CreateJob(refused);
-  EXPECT_EQ(created.status().code(), absl::StatusCode::kPermissionDenied) << created.status();
-  EXPECT_NE(created.status().message().find("job other.0 is not assigned to this server"),
-            absl::string_view::npos)
-      << created.status();
-  auto describe = (*client)->DescribeShard();
-  ASSERT_TRUE(describe.ok()) << describe.status();
-  EXPECT_EQ(describe->jobs_size(), 0);
-  EXPECT_EQ(describe->memory_used_bytes(), 0u);
-  // Step traffic for it is refused the same way, not with "unknown job".
-  auto stream = (*client)->OpenStep("other.0", 0, 0, kLen0, 1);
-  absl::Status step_status = stream.status();
-  if (stream.ok()) {
-    std::vector<uint16_t> params(kLen0);
-    step_status = (*stream)->Commit(1e-3f, 1.0f, false, params.data()).status();
-  }
-  EXPECT_EQ(step_status.code(), absl::StatusCode::kPermissionDenied) << step_status;
-
-  v1::CreateJobRequest admitted = CreateRequest();
-  admitted.set_job_id("assigned.0");
-  created = (*client)->CreateJob(admitted);
-  ASSERT_TRUE(created.ok()) << created.status();
-  std::vector<float> weights = Random(kLen0 + kLen1, 1.0f);
-  ASSERT_TRUE((*client)
-                  ->LoadState("assigned.0", v1::STATE_TENSOR_MASTER_WEIGHTS, 0, weights.data(),
-                              kLen0 + kLen1)
-                  .ok());
-  describe = (*client)->DescribeShard();
-  ASSERT_TRUE(describe.ok()) << describe.status();
-  ASSERT_EQ(describe->jobs_size(), 1);
-  EXPECT_EQ(describe->jobs(0).job_id(), "assigned.0");
-}
-
 TEST_F(OptimizerServiceTest, RefusesAWaveLargerThanTheMessageLimit) {
   ShardOptions options;
   options.wave_elements = int64_t{8} << 20;  // 16 MiB of 16-bit parameters

@@ -154,6 +154,9 @@ struct ShmOptions {
   int chunk_slots = 4;
   // How often a waiting side checks that its peer is still there.
   absl::Duration poll_interval = absl::Milliseconds(100);
+  // How long the shard waits for a trainer to prove an offer before it ends the Attach stream: a
+  // caller that never answers must not hold a handler thread and a segment.
+  absl::Duration setup_timeout = absl::Seconds(30);
 };
 
 // Waits until *word != expected, `timeout` passes or a spurious wake-up: spins briefly, then

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/grpc_status.h"
+#include "base/watchdog.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/step_session.h"
 #include "cpu_optimizer_server/shm/shm_segment.h"
@@ -59,7 +60,7 @@ class ShmServer final : public DataPlaneServer {
 
  private:
   // Offers the segment, checks the proof and unlinks the name, whatever the outcome.
-  grpc::Status Handshake(ShmSegment* segment, AttachStream* stream);
+  grpc::Status Handshake(ShmSegment* segment, grpc::ServerContext* context, AttachStream* stream);
   // Serves commands until the stream ends.
   void ServeCommands(ShmSegment* segment, const std::string& job_id, uint32_t range_index,
                      grpc::ServerContext* context, AttachStream* stream);
@@ -68,16 +69,24 @@ class ShmServer final : public DataPlaneServer {
   const ShmOptions options_;
 };
 
-grpc::Status ShmServer::Handshake(ShmSegment* segment, AttachStream* stream) {
+grpc::Status ShmServer::Handshake(ShmSegment* segment, grpc::ServerContext* context,
+                                  AttachStream* stream) {
   v1::AttachResponse offer;
   offer.mutable_shm()->set_segment_name(segment->name());
   offer.mutable_shm()->set_segment_bytes(segment->size());
   v1::AttachRequest request;
+  Watchdog watchdog(options_.setup_timeout, [context] { context->TryCancel(); });
   const bool offered = stream->Write(offer);
   const bool answered = offered && stream->Read(&request);
+  const bool in_time = watchdog.Disarm();
   // Proof or not, the name goes now: only the two mappings keep the memory alive, so no crash
   // of either side can leave a segment behind in /dev/shm.
   segment->Unlink();
+  if (!in_time) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        absl::StrCat("the trainer did not prove the shm offer within ",
+                                     absl::FormatDuration(options_.setup_timeout)));
+  }
   if (!answered) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "trainer left before proving the shm offer");
   }
@@ -106,7 +115,7 @@ grpc::Status ShmServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
     // A probe: a header-only segment, proved and dropped.
     absl::StatusOr<ShmSegment> segment = ShmSegment::Create(ShmLayout{});
     if (!segment.ok()) return ToGrpcStatus(segment.status());
-    if (grpc::Status s = Handshake(&*segment, stream); !s.ok()) return s;
+    if (grpc::Status s = Handshake(&*segment, context, stream); !s.ok()) return s;
     v1::AttachRequest request;
     while (stream->Read(&request)) {
     }
@@ -134,7 +143,7 @@ grpc::Status ShmServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   found->job.reset();  // a dropped job must not be kept alive by an idle attachment
   absl::StatusOr<ShmSegment> segment = ShmSegment::Create(layout);
   if (!segment.ok()) return ToGrpcStatus(segment.status());
-  if (grpc::Status s = Handshake(&*segment, stream); !s.ok()) return s;
+  if (grpc::Status s = Handshake(&*segment, context, stream); !s.ok()) return s;
   ServeCommands(&*segment, open.job_id(), open.range_index(), context, stream);
   return grpc::Status::OK;
 }

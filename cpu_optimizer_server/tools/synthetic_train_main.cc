@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "base/host_buffer.h"
+#include "base/security/security.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
 
@@ -47,6 +49,8 @@ int Run() {
   ClientOptions options;
   options.address = absl::GetFlag(FLAGS_server);
   options.num_channels = absl::GetFlag(FLAGS_channels);
+  // A standalone server's token, as the process tests hand it to their clients (shard_access.h).
+  if (const char* token = std::getenv(kShardTokenEnv); token != nullptr) options.token = token;
   auto client = OptimizerClient::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
 

@@ -14,6 +14,7 @@
 // exit status 77 means the plane is not in this build.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "absl/flags/parse.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/security/security.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
@@ -99,6 +101,8 @@ int Run() {
 #endif
   ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);
+  // A standalone server's token, as the process tests hand it to their clients (shard_access.h).
+  if (const char* token = std::getenv(kShardTokenEnv); token != nullptr) options.token = token;
   // A dead shard must end the run within the test's bound, whatever the plane.
   options.connect_timeout = absl::Seconds(5);
   options.call_timeout = absl::Seconds(60);

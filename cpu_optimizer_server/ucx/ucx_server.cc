@@ -8,11 +8,18 @@
 // thread), so a commit's Adam pass never stalls the progress of other attachments. The worker is
 // UCS_THREAD_MODE_MULTI since the Serve threads post their replies directly.
 //
+// Sessions exist only for Attach streams the service let in (shard_access.h), and their ids are
+// 64 random bits: a message whose id no authenticated Attach set up is dropped, and one cannot be
+// guessed into another's session.
+//
 // Errors follow OptimizerService::Step: the same StepSession calls, the same statuses. A refused
 // chunk ends that step (its session is dropped, as when the gRPC handler returns) and the error is
 // sent at once and again to the commit.
 #include "cpu_optimizer_server/ucx/ucx_server.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -115,8 +122,18 @@ class UcxServer final : public DataPlaneServer {
 
   std::mutex mu_;  // held by the AM handler for its whole run
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;
-  uint64_t next_session_ = 1;
 };
+
+// A fresh session id: random, non-zero, and not one in use (callers hold mu_).
+absl::StatusOr<uint64_t> NewSessionId(const std::map<uint64_t, std::shared_ptr<Session>>& in_use) {
+  for (;;) {
+    uint64_t id = 0;
+    if (getrandom(&id, sizeof(id), 0) != static_cast<ssize_t>(sizeof(id))) {
+      return absl::ErrnoToStatus(errno, "getrandom for a UCX session id");
+    }
+    if (id != 0 && in_use.count(id) == 0) return id;
+  }
+}
 
 struct UcxServer::Steps {
   std::map<uint64_t, std::unique_ptr<StepSession>> open;
@@ -395,7 +412,9 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    session->id = next_session_++;
+    absl::StatusOr<uint64_t> id = NewSessionId(sessions_);
+    if (!id.ok()) return ToGrpcStatus(id.status());
+    session->id = *id;
     sessions_[session->id] = session;
   }
   Session* s = session.get();

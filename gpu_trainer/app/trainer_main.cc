@@ -275,6 +275,11 @@ int main(int argc, char** argv) {
   } else {
     offload::ClientOptions client_options;
     client_options.call_timeout = absl::GetFlag(FLAGS_shard_timeout);
+    // The shards see the same TLS flags as the controller, and the credential shard_token says.
+    absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
+    if (!security.ok()) return Fail(security.status());
+    client_options.token = security->shard_token;
+    client_options.tls = security->tls;
     absl::StatusOr<offload::TransportChoice> transport =
         offload::ParseTransportChoice(absl::GetFlag(FLAGS_transport));
     if (!transport.ok()) return Fail(transport.status());

@@ -151,6 +151,7 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
     SpawnOptions spawn;
     spawn.argv = RankCommandLine(self, controller, rank_address, error_file, rank_args, a);
     spawn.null_stdin = true;
+    spawn.env = {absl::StrCat(kShardTokenEnv, "=", a.shard_secret())};
     LOG(INFO) << absl::StrFormat("gpu_trainer: worker %s runs rank %u of %u of %s (attempt %u)",
                                  (*agent)->worker_id().c_str(), a.rank(), a.world_size(),
                                  a.job_id().c_str(), a.attempt());

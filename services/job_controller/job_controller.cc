@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
+#include "base/security/security.h"
 #include "base/status_macros.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/model_preset.h"
@@ -119,6 +120,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(JobControll
         "the heartbeat timeout must be longer than the heartbeat interval, and both > 0");
   }
   std::unique_ptr<JobController> controller(new JobController(std::move(options)));
+  OFFLOAD_ASSIGN_OR_RETURN(controller->attempt_key_, controller->options_.store->AttemptKey());
   OFFLOAD_RETURN_IF_ERROR(controller->Load());
   return controller;
 }
@@ -509,11 +511,14 @@ void JobController::StartAttempt(JobEntry& entry, const std::vector<Worker*>& tr
 }
 
 v1::Assignment JobController::MakeAssignment(const v1::Job& job, v1::WorkerKind kind,
-                                             uint32_t slot) {
+                                             uint32_t slot) const {
   v1::Assignment a;
   a.set_job_id(job.id());
   a.set_attempt(job.attempt());
   a.set_shard_job_id(ShardJobId(job.id(), job.attempt()));
+  // The shard job id is unique per attempt, so the secret is too; a restarted controller derives
+  // the same one for the attempt its workers still run.
+  a.set_shard_secret(DeriveSecret(attempt_key_, a.shard_job_id()));
   *a.mutable_spec() = job.spec();
   *a.mutable_partition() = job.partition();
   a.set_resume(ResumesFromCheckpoint(job));
@@ -764,6 +769,7 @@ absl::StatusOr<v1::HeartbeatResponse> JobController::Heartbeat(
     *response.add_start() = *std::move(worker.pending_start);
     worker.pending_start.reset();
     worker.delivered = true;
+    worker.delivered_at = options_.clock();
   }
   std::set<std::pair<std::string, uint32_t>> stopped;
   auto stop = [&](const v1::AttemptRef& ref) {
@@ -928,6 +934,26 @@ absl::Status JobController::Tick() {
     auto job = jobs_.find(worker.job_id);
     if (job == jobs_.end() || !IsCurrent(job->second, worker.attempt)) continue;
     FailAttempt(job->second, absl::StrCat("worker ", Describe(worker), " lost its heartbeat"));
+  }
+  // A worker that heartbeats but never lists the attempt it was given (stuck before starting it)
+  // would hold the attempt forever: its trainers wait for a server that never acknowledges.
+  std::vector<std::pair<std::string, std::string>> unacknowledged;  // (job id, why)
+  for (const auto& [id, worker] : workers_) {
+    if (worker.job_id.empty() || !worker.delivered || worker.acknowledged || worker.finished ||
+        now - worker.delivered_at < options_.heartbeat_timeout) {
+      continue;
+    }
+    auto job = jobs_.find(worker.job_id);
+    if (job == jobs_.end() || !IsCurrent(job->second, worker.attempt)) continue;
+    unacknowledged.emplace_back(
+        worker.job_id,
+        absl::StrCat("worker ", Describe(worker), " heartbeats but did not acknowledge attempt ",
+                     worker.attempt, " within ", absl::FormatDuration(options_.heartbeat_timeout),
+                     " of receiving it"));
+  }
+  for (const auto& [job_id, why] : unacknowledged) {
+    JobEntry& entry = jobs_.at(job_id);
+    if (IsActive(entry.job.state())) FailAttempt(entry, why);
   }
   for (auto& [id, entry] : jobs_) {
     if (IsActive(entry.job.state()) && now >= entry.vacancy_deadline) {

@@ -98,6 +98,7 @@ class JobController : public JobApi {
     uint32_t attempt = 0;
     uint32_t slot = 0;          // rank, or shard index
     bool delivered = false;     // its Assignment went out in a heartbeat
+    absl::Time delivered_at;    // when, for the acknowledgement deadline
     bool acknowledged = false;  // it listed the attempt in `running`
     bool finished = false;      // a trainer that reported its rank's end
     std::optional<v1::Assignment> pending_start;
@@ -147,7 +148,8 @@ class JobController : public JobApi {
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartAttempt(JobEntry& entry, const std::vector<Worker*>& trainers,
                     const std::vector<Worker*>& servers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static v1::Assignment MakeAssignment(const v1::Job& job, v1::WorkerKind kind, uint32_t slot);
+  // Carries the attempt's shard secret (worker.proto), derived from attempt_key_.
+  v1::Assignment MakeAssignment(const v1::Job& job, v1::WorkerKind kind, uint32_t slot) const;
   // Hands the trainers their Assignments once every server of the attempt acknowledged its own.
   void MaybeReleaseTrainers(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Clears what belongs to one attempt, so a new attempt never inherits the last one's state.
@@ -173,6 +175,8 @@ class JobController : public JobApi {
   const JobControllerOptions options_;
   const absl::Time started_;
   const std::string worker_id_tag_;
+  // The store's key for attempt secrets (JobStore::AttemptKey), read once at Create.
+  std::string attempt_key_;
 
   mutable absl::Mutex mu_;
   absl::CondVar rendezvous_changed_;

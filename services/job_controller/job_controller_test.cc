@@ -291,6 +291,39 @@ TEST_F(JobControllerTest, ServersGetTheirAssignmentBeforeTrainers) {
   EXPECT_THAT(Events(job_id)[1], HasSubstr("attempt 1 started"));
 }
 
+// The attempt's shard secret: the same for its ranks and its shards, another for every attempt,
+// and nowhere in the job or its events.
+TEST_F(JobControllerTest, EachAttemptHasItsOwnShardSecret) {
+  const std::string job_id = Submit(Spec()).id();
+  const std::string server = Server("s0"), trainer = Trainer("t0");
+  v1::HeartbeatResponse s = Beat(server);
+  ASSERT_EQ(s.start_size(), 1);
+  const std::string secret = s.start(0).shard_secret();
+  EXPECT_EQ(secret.size(), 64u);  // HMAC-SHA256 in hex
+  Beat(server, {Ref(job_id, 1)});
+  v1::HeartbeatResponse t = Beat(trainer);
+  ASSERT_EQ(t.start_size(), 1);
+  EXPECT_EQ(t.start(0).shard_secret(), secret);
+  EXPECT_EQ(Get(job_id).DebugString().find(secret), std::string::npos);
+  for (const std::string& event : Events(job_id)) EXPECT_EQ(event.find(secret), std::string::npos);
+
+  // Another attempt of the same job: another secret.
+  ASSERT_TRUE(controller_->PauseJob(Action(job_id)).ok());
+  Beat(trainer, {}, {Result(job_id, 1, 130)});
+  ASSERT_EQ(Get(job_id).state(), v1::JOB_STATE_PAUSED);
+  EXPECT_EQ(Beat(server, {Ref(job_id, 1)}).stop_size(), 1);
+  Beat(server);
+  ASSERT_TRUE(controller_->ResumeJob(Action(job_id)).ok());
+  v1::HeartbeatResponse s2 = Beat(server);
+  ASSERT_EQ(s2.start_size(), 1);
+  EXPECT_EQ(s2.start(0).attempt(), 2u);
+  EXPECT_NE(s2.start(0).shard_secret(), secret);
+  Beat(server, {Ref(job_id, 2)});
+  v1::HeartbeatResponse t2 = Beat(trainer);
+  ASSERT_EQ(t2.start_size(), 1);
+  EXPECT_EQ(t2.start(0).shard_secret(), s2.start(0).shard_secret());
+}
+
 TEST_F(JobControllerTest, TwoRanksTwoShards) {
   const std::string job_id = Submit(Spec(2, 2)).id();
   const std::string s0 = Server("s0"), s1 = Server("s1");
@@ -571,6 +604,31 @@ TEST_F(JobControllerTest, AWorkerIsNeverInTwoJobs) {
   EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
   EXPECT_THAT(job.trainer_workers(), ElementsAre(trainer));
   EXPECT_THAT(job.server_workers(), ElementsAre(s1));
+}
+
+// A server that keeps heartbeating but never lists the attempt it was handed (stuck before it
+// started it) fails the attempt a heartbeat timeout after the hand-out, instead of holding its
+// trainers back forever.
+TEST_F(JobControllerTest, AnUnacknowledgedAssignmentFailsTheAttempt) {
+  const std::string job_id = Submit(Spec()).id();
+  const std::string server = Server("s0"), trainer = Trainer("t0");
+  ASSERT_EQ(Beat(server).start_size(), 1);
+  for (int i = 0; i < 9; ++i) {
+    now_ += absl::Seconds(1);
+    Beat(server);  // alive, but not running it
+    EXPECT_EQ(Beat(trainer).start_size(), 0);
+    ASSERT_TRUE(controller_->Tick().ok());
+  }
+  EXPECT_EQ(Get(job_id).state(), v1::JOB_STATE_RUNNING);  // within the timeout: still waiting
+  now_ += absl::Seconds(2);
+  Beat(server);
+  Beat(trainer);
+  ASSERT_TRUE(controller_->Tick().ok());
+  v1::Job job = Get(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.reason(), HasSubstr("worker " + server +
+                                      " (s0) heartbeats but did not acknowledge attempt 1 within "
+                                      "10s of receiving it"));
 }
 
 TEST_F(JobControllerTest, ALostWorkerRestartsTheJobThenFailsIt) {

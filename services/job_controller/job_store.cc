@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/security/security.h"
 #include "base/status_macros.h"
 #include "google/protobuf/util/time_util.h"
 
@@ -83,6 +84,8 @@ absl::Status JobStore::Init() {
       " state INTEGER NOT NULL, create_time INTEGER NOT NULL);"
       "CREATE TABLE IF NOT EXISTS events (job_id TEXT NOT NULL, sequence INTEGER NOT NULL,"
       " event BLOB NOT NULL, PRIMARY KEY (job_id, sequence));"
+      // Added to version 1 without a new version: older controllers never read it.
+      "CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);"
       "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_job_number', 1);",
       "create the schema");
   if (s.ok()) {
@@ -251,6 +254,34 @@ absl::StatusOr<uint64_t> JobStore::NextJobNumber() {
   const int64_t number = sqlite3_column_int64(stmt.get(), 0);
   if (sqlite3_step(stmt.get()) != SQLITE_DONE) return Error("draw a job number");
   return static_cast<uint64_t>(number);
+}
+
+absl::StatusOr<std::string> JobStore::AttemptKey() {
+  OFFLOAD_ASSIGN_OR_RETURN(std::string fresh, RandomKey());
+  absl::MutexLock lock(&mu_);
+  // Insert-if-absent, then read: two controllers opening one file at once agree on the key.
+  Statement insert;
+  if (sqlite3_prepare_v2(db_,
+                         "INSERT OR IGNORE INTO secrets (name, value) VALUES ('attempt_key', ?1)",
+                         -1, insert.out(), nullptr) != SQLITE_OK) {
+    return Error("prepare the attempt key write");
+  }
+  sqlite3_bind_blob(insert.get(), 1, fresh.data(), static_cast<int>(fresh.size()),
+                    SQLITE_TRANSIENT);
+  if (sqlite3_step(insert.get()) != SQLITE_DONE) return Error("write the attempt key");
+  Statement select;
+  if (sqlite3_prepare_v2(db_, "SELECT value FROM secrets WHERE name = 'attempt_key'", -1,
+                         select.out(), nullptr) != SQLITE_OK ||
+      sqlite3_step(select.get()) != SQLITE_ROW) {
+    return Error("read the attempt key");
+  }
+  const int size = sqlite3_column_bytes(select.get(), 0);
+  const void* bytes = sqlite3_column_blob(select.get(), 0);
+  if (size < 16 || bytes == nullptr) {
+    return absl::DataLossError(
+        absl::StrCat("job store ", path_, ": the attempt key is ", size, " bytes, fewer than 16"));
+  }
+  return std::string(static_cast<const char*>(bytes), static_cast<size_t>(size));
 }
 
 }  // namespace offload

@@ -45,6 +45,9 @@ class JobStore {
   absl::StatusOr<uint64_t> LastSequence(const std::string& job_id);
   // 1, 2, 3, ...: never the same number twice, across restarts and concurrent openers.
   absl::StatusOr<uint64_t> NextJobNumber();
+  // The key the controller derives attempt secrets from (DeriveSecret): 32 random bytes made the
+  // first time and kept, so a restarted controller hands a running attempt the same secret.
+  absl::StatusOr<std::string> AttemptKey();
 
   const std::string& path() const { return path_; }
 

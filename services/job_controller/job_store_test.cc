@@ -41,6 +41,27 @@ v1::JobEvent MakeEvent(const std::string& id, uint64_t sequence, const std::stri
   return event;
 }
 
+TEST(JobStoreTest, AttemptKeyIsMadeOnceAndKept) {
+  const std::string path = TempPath("key.db");
+  std::string key;
+  {
+    absl::StatusOr<std::unique_ptr<JobStore>> store = JobStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    absl::StatusOr<std::string> first = (*store)->AttemptKey();
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(first->size(), 32u);
+    EXPECT_EQ(*(*store)->AttemptKey(), *first);
+    key = *first;
+  }
+  absl::StatusOr<std::unique_ptr<JobStore>> store = JobStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(*(*store)->AttemptKey(), key);
+  // Another store has another key.
+  absl::StatusOr<std::unique_ptr<JobStore>> other = JobStore::Open(TempPath("key2.db"));
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_NE(*(*other)->AttemptKey(), key);
+}
+
 TEST(JobStoreTest, ReopenReturnsWhatWasCommitted) {
   const std::string path = TempPath("reopen.db");
   v1::Job a = MakeJob("job-1", v1::JOB_STATE_PENDING, 100);

@@ -16,6 +16,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -28,8 +29,8 @@ void CloseFd(int fd) {
 
 // Only async-signal-safe calls from here to exec: the launcher has other threads whose locks
 // (malloc, stdio) may have been held at the fork and never get released in the child.
-[[noreturn]] void ExecChild(char* const* argv, pid_t parent, int stdin_fd, int output_fd,
-                            int error_fd) {
+[[noreturn]] void ExecChild(char* const* argv, char* const* envp, pid_t parent, int stdin_fd,
+                            int output_fd, int error_fd) {
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The parent may have died before prctl took effect; then nobody would ever kill us.
@@ -50,7 +51,7 @@ void CloseFd(int fd) {
       (dup2(output_fd, STDOUT_FILENO) < 0 || dup2(output_fd, STDERR_FILENO) < 0)) {
     _exit(127);
   }
-  execv(argv[0], argv);
+  execve(argv[0], argv, envp);
   int error = errno;
   ssize_t ignored = write(error_fd, &error, sizeof(error));
   (void)ignored;
@@ -65,6 +66,22 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const SpawnOpt
   std::vector<char*> argv;
   for (const std::string& arg : options.argv) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
+  // The environment is put together before the fork: the child may only make async-signal-safe
+  // calls, and setenv is not one.
+  std::vector<std::string> env_entries;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const absl::string_view entry(*e);
+    const absl::string_view name = entry.substr(0, entry.find('='));
+    const bool replaced =
+        std::any_of(options.env.begin(), options.env.end(), [name](const std::string& added) {
+          return absl::StartsWith(added, absl::StrCat(name, "="));
+        });
+    if (!replaced) env_entries.emplace_back(entry);
+  }
+  env_entries.insert(env_entries.end(), options.env.begin(), options.env.end());
+  std::vector<char*> envp;
+  for (std::string& entry : env_entries) envp.push_back(entry.data());
+  envp.push_back(nullptr);
 
   // Every descriptor is close-on-exec, so no child holds another child's pipe open (which would
   // keep its reader from ever seeing EOF).
@@ -91,7 +108,9 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const SpawnOpt
 
   pid_t parent = getpid();
   pid_t pid = fork();
-  if (pid == 0) ExecChild(argv.data(), parent, stdin_fd, output_pipe[1], error_pipe[1]);
+  if (pid == 0) {
+    ExecChild(argv.data(), envp.data(), parent, stdin_fd, output_pipe[1], error_pipe[1]);
+  }
   int fork_error = errno;
   CloseFd(stdin_fd);
   CloseFd(output_pipe[1]);

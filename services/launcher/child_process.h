@@ -23,6 +23,9 @@ struct SpawnOptions {
   // Gives the child /dev/null as stdin: a child in a background process group that read the
   // terminal would be stopped by SIGTTIN.
   bool null_stdin = false;
+  // "NAME=value" entries added to the child's environment (replacing a variable of the same
+  // name): how a secret reaches a child without appearing in its argv, which any user can read.
+  std::vector<std::string> env;
 };
 
 class ChildProcess {

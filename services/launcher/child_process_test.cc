@@ -60,6 +60,31 @@ TEST(ChildProcessTest, CapturesStdoutAndStderrLineByLine) {
   EXPECT_TRUE(child->WaitFor(absl::Seconds(10)));
 }
 
+// Added variables reach the child (replacing an inherited one of the same name) without being in
+// its argv; the rest of the environment is inherited.
+TEST(ChildProcessTest, AddsToTheEnvironment) {
+  setenv("OFFLOAD_CHILD_TEST_KEPT", "kept", 1);
+  setenv("OFFLOAD_CHILD_TEST_REPLACED", "old", 1);
+  SpawnOptions options;
+  options.argv = {"/bin/sh", "-c",
+                  "echo $OFFLOAD_CHILD_TEST_KEPT $OFFLOAD_CHILD_TEST_REPLACED "
+                  "$OFFLOAD_CHILD_TEST_ADDED; env | grep -c '^OFFLOAD_CHILD_TEST_REPLACED='"};
+  options.capture_output = true;
+  options.env = {"OFFLOAD_CHILD_TEST_REPLACED=new", "OFFLOAD_CHILD_TEST_ADDED=added"};
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(options);
+  ASSERT_TRUE(child.ok()) << child.status();
+  LineReader reader((*child)->TakeOutputFd());
+  std::string line;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  ASSERT_EQ(reader.ReadLine(deadline, -1, &line), LineReader::Result::kLine);
+  EXPECT_EQ(line, "kept new added");
+  ASSERT_EQ(reader.ReadLine(deadline, -1, &line), LineReader::Result::kLine);
+  EXPECT_EQ(line, "1");  // replaced, not added twice
+  EXPECT_TRUE((*child)->WaitFor(absl::Seconds(10)));
+  unsetenv("OFFLOAD_CHILD_TEST_KEPT");
+  unsetenv("OFFLOAD_CHILD_TEST_REPLACED");
+}
+
 TEST(ChildProcessTest, LineReaderTimesOut) {
   std::unique_ptr<ChildProcess> child = SpawnOrDie({"/bin/sleep", "30"}, /*capture=*/true);
   LineReader reader(child->TakeOutputFd());

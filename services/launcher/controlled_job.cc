@@ -29,17 +29,6 @@ namespace {
 
 void Say(const std::string& line) { WriteStderrLine(absl::StrCat("offload_local: ", line)); }
 
-// 128 random bits as hex: the local pool's bearer token, fresh for every run.
-absl::StatusOr<std::string> RandomToken() {
-  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::InternalError("cannot open /dev/urandom");
-  char bytes[16];
-  const ssize_t n = read(fd, bytes, sizeof(bytes));
-  close(fd);
-  if (n != sizeof(bytes)) return absl::InternalError("short read from /dev/urandom");
-  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
-}
-
 // A free loopback port for a child's /metrics. Another process could take it before the child
 // binds it; the child then fails naming the address, which is rare enough on one machine.
 absl::StatusOr<int> FreeLoopbackPort() {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/security/security.h"
 #include "base/status_macros.h"
 
 namespace offload {
@@ -104,6 +105,9 @@ JobOutcome LocalJob::Run() {
 }
 
 absl::Status LocalJob::StartServers() {
+  // The servers refuse callers without a token; this run's own one reaches them and the ranks in
+  // the environment, never in argv.
+  OFFLOAD_ASSIGN_OR_RETURN(shard_token_, RandomToken());
   shards_.resize(options_.num_shards);
   std::vector<std::string> argv = {options_.server_binary, "--listen=127.0.0.1:0"};
   argv.insert(argv.end(), options_.server_args.begin(), options_.server_args.end());
@@ -113,6 +117,7 @@ absl::Status LocalJob::StartServers() {
     spawn.argv = argv;
     spawn.capture_output = true;
     spawn.null_stdin = true;
+    spawn.env = {absl::StrCat("OFFLOAD_TOKEN=", shard_token_)};
     absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(spawn);
     if (!child.ok()) {
       return absl::Status(child.status().code(),
@@ -220,6 +225,7 @@ absl::Status LocalJob::StartRanks() {
   for (int r = 0; r < options_.num_ranks; ++r) {
     SpawnOptions spawn;
     spawn.argv = {options_.trainer_binary, shards_flag};
+    spawn.env = {absl::StrCat(kShardTokenEnv, "=", shard_token_)};
     if (options_.num_ranks > 1) {
       spawn.argv.push_back(absl::StrCat("--rank=", r));
       spawn.argv.push_back(absl::StrCat("--world_size=", options_.num_ranks));

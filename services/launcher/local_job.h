@@ -101,6 +101,7 @@ class LocalJob {
   std::vector<Rank> ranks_;
   // Empty until created (only for more than one rank).
   std::string rendezvous_dir_;
+  std::string shard_token_;  // what the servers accept and the ranks present
   // The first SIGINT/SIGTERM; it starts the orderly shutdown.
   int stop_signal_ = 0;
   // Set once the job is ending: any signal from then on kills everything at once.
