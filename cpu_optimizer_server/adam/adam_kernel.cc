@@ -1,5 +1,7 @@
 #include "cpu_optimizer_server/adam/adam_kernel.h"
 
+#include <cpuid.h>
+
 #include <cmath>
 
 #include "absl/status/status.h"
@@ -80,6 +82,18 @@ absl::StatusOr<SimdPath> ParseSimdPath(absl::string_view name) {
   return path;
 }
 
+namespace {
+
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c" (GCC's
+// does). It is only asked together with AVX2 or AVX-512, whose checks cover the OS saving the
+// wide registers.
+bool CpuHasF16c() {
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
+}  // namespace
+
 bool SimdPathSupported(SimdPath path) {
   // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0), not only
   // the CPUID bits. The init call makes it safe before static constructors have run.
@@ -88,13 +102,12 @@ bool SimdPathSupported(SimdPath path) {
     case SimdPath::kScalar:
       return true;
     case SimdPath::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
     case SimdPath::kAvx512:
       // adam_avx512.cc is compiled with F, BW, VL, DQ, FMA and F16C.
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("fma") && CpuHasF16c();
   }
   return false;
 }

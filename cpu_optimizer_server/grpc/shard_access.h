@@ -26,8 +26,9 @@ class ShardAccess {
     kStandalone,  // any job id, with an operator token (or none, when tokens are empty)
     kPool,        // only the jobs granted, each with its own secret
   };
-  // Empty operator_tokens on a standalone server: every call is let in (the binary allows that
-  // only with --allow_unauthenticated).
+  // Empty operator_tokens (the binary allows that only with --allow_unauthenticated): on a
+  // standalone server every call is let in; on a pool server anyone may describe the shard, and
+  // job calls still need their attempt's secret.
   ShardAccess(Mode mode, BearerTokens operator_tokens)
       : mode_(mode), operator_tokens_(std::move(operator_tokens)) {}
 

@@ -171,7 +171,9 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
     ShmReply& r = h->reply;
     r.code = static_cast<int32_t>(status.code());
     const size_t len = std::min<size_t>(status.message().size(), kShmMessageBytes);
-    std::memcpy(r.message, status.message().data(), len);
+    // An OK status's message is an empty view with a null data(), and memcpy from null is
+    // undefined even for 0 bytes (UBSan, issue 18).
+    if (len > 0) std::memcpy(r.message, status.message().data(), len);
     r.message_bytes = static_cast<uint32_t>(len);
     StepOutcome none;
     if (outcome == nullptr) outcome = &none;

@@ -332,7 +332,8 @@ absl::Status SafetensorsReader::ReadAsFloat(absl::string_view name, absl::Span<c
   const int64_t n = (e->end - e->begin) / TensorDTypeSize(e->dtype);
   switch (e->dtype) {
     case TensorDType::kF32:
-      std::memcpy(out, src, static_cast<size_t>(n) * sizeof(float));
+      // An empty tensor's buffer may be null (an empty vector's data()), which memcpy may not get.
+      if (n > 0) std::memcpy(out, src, static_cast<size_t>(n) * sizeof(float));
       return absl::OkStatus();
     case TensorDType::kF16:
     case TensorDType::kBF16: {

@@ -199,6 +199,18 @@ TEST_F(SafetensorsTest, ReadAsFloatConvertsAndChecksShape) {
   EXPECT_TRUE(absl::IsNotFound((*r)->ReadAsFloat("nope", {1}, out)));
 }
 
+// Found by safetensors_fuzz: an empty F32 tensor read into an empty vector's data() (null)
+// passed null to memcpy.
+TEST_F(SafetensorsTest, ReadAsFloatOfAnEmptyTensorTakesANullBuffer) {
+  WriteBytes(Path("e.safetensors"),
+             Raw(R"({"z":{"dtype":"F32","shape":[0,5],"data_offsets":[0,0]}})", ""));
+  absl::StatusOr<std::unique_ptr<SafetensorsReader>> r =
+      SafetensorsReader::Open(Path("e.safetensors"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<float> out;
+  EXPECT_TRUE((*r)->ReadAsFloat("z", {0, 5}, out.data()).ok());
+}
+
 TEST_F(SafetensorsTest, RejectsMalformedFiles) {
   const std::string ok_entry = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
   const std::string eight(8, '\0');

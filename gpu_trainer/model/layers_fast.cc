@@ -249,8 +249,10 @@ void AttentionBackward(float* dqkv, float* dpreatt, float* datt, const float* do
 // GELU is the one loop outside BLAS where vector width shows (~30 flops per element of every
 // layer's (B, T, 4C) hidden activations, forward and backward), so its chunks are also compiled
 // for AVX2 and AVX-512 and the loader picks the widest the CPU has (GCC/Clang function
-// multiversioning, glibc ifunc). The baseline build alone would use 4-wide SSE.
-#if defined(__x86_64__) && defined(__ELF__)
+// multiversioning, glibc ifunc). The baseline build alone would use 4-wide SSE. Not under
+// ThreadSanitizer: the ifunc resolver runs while the loader relocates, before TSan's runtime is
+// up, and TSan's instrumentation of the resolver crashes the program there.
+#if defined(__x86_64__) && defined(__ELF__) && !defined(__SANITIZE_THREAD__)
 #define OFFLOAD_VECTOR_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else

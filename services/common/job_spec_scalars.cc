@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "services/common/job_spec_internal.h"
 
 namespace offload {
@@ -238,6 +239,12 @@ absl::Status StoreScalar(Message* message, const FieldDescriptor* field, absl::s
       return absl::OkStatus();
     }
     case FieldDescriptor::CPPTYPE_STRING:
+      if (field->type() == FieldDescriptor::TYPE_STRING) {
+        if (const size_t at = InvalidUtf8At(text); at != absl::string_view::npos) {
+          return Invalid(where,
+                         absl::StrCat("is not valid UTF-8 (byte ", at, " of ", Quote(text), ")"));
+        }
+      }
       r->SetString(message, field, std::string(text));
       return absl::OkStatus();
     case FieldDescriptor::CPPTYPE_ENUM:

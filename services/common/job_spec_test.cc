@@ -152,6 +152,33 @@ TEST(JobSpecParseTest, DocumentsThatAreNoMapAreRefused) {
   }
   EXPECT_THAT(ParseJobSpec("- a\n").status().message(), HasSubstr("expected a map"));
   EXPECT_THAT(ParseJobSpec("name: [unclosed").status().message(), HasSubstr("line 1"));
+  EXPECT_THAT(ParseJobSpec("a: 1\n---\nb: 2\n").status().message(),
+              HasSubstr("more than one YAML document"));
+}
+
+// Found by job_spec_fuzz: YAML takes any bytes in a scalar, and a name that is not UTF-8 made a
+// spec that protobuf cannot parse back (its JSON dropped the bytes).
+TEST(JobSpecParseTest, StringsMustBeUtf8) {
+  EXPECT_TRUE(ParseJobSpec("name: caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\n").ok());
+  for (const char* text : {"name: caf\xe9\n", "name: a\xc3\n", "data: {path: /d\xed\xa0\x80}\n",
+                           "name: \xc0\xaf\n", "name: \xf4\x90\x80\x80\n"}) {
+    absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(text);
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(spec.status().message(), HasSubstr("is not valid UTF-8")) << text;
+  }
+  EXPECT_THAT(ParseJobSpec("name: caf\xe9\n").status().message(),
+              HasSubstr("name: is not valid UTF-8 (byte 3 of \"caf\\351\")"));
+}
+
+// Found by job_spec_fuzz: yaml-cpp's LoadAll never returned on a ',' outside any flow collection
+// (empty documents forever, until memory ran out).
+TEST(JobSpecParseTest, StrayCommaIsRefusedNotLoopedOn) {
+  for (const char* text : {"\n,", ",", "name: x\n---\n,\n", " , ,"}) {
+    absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(text);
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << text;
+  }
+  EXPECT_THAT(ParseJobSpec("\n,").status().message(),
+              HasSubstr("line 2, column 1: unexpected \",\""));
 }
 
 TEST(JobSpecParseTest, NonFiniteFloatsParseAndFailValidation) {

@@ -1,5 +1,6 @@
 // Job files: YAML (or JSON, which YAML reads too) walked together with JobSpec's descriptor, so an
 // unknown field or a wrong type is refused by its path.
+#include <algorithm>
 #include <exception>
 #include <fstream>
 #include <sstream>
@@ -14,6 +15,7 @@
 #include "google/protobuf/message.h"
 #include "services/common/job_spec.h"
 #include "services/common/job_spec_internal.h"
+#include "yaml-cpp/eventhandler.h"
 #include "yaml-cpp/yaml.h"
 
 namespace offload {
@@ -115,6 +117,28 @@ class SpecWalker {
   std::string root_;
 };
 
+// Where each document of a YAML stream starts; nothing else is kept. Counting documents this way,
+// a few at most, replaces YAML::LoadAll: on a ',' outside any flow collection ("\n,") yaml-cpp
+// 0.7's parser hands out empty documents forever without consuming it, and LoadAll collects them
+// until memory runs out. A document that starts where the one before it did is that stuck parser.
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark& mark) override { marks.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+
+  std::vector<YAML::Mark> marks;
+};
+
 absl::StatusOr<v1::JobSpec> ParseDocument(absl::string_view text) {
   if (text.size() > kMaxSpecBytes) {
     return absl::InvalidArgumentError(
@@ -122,7 +146,23 @@ absl::StatusOr<v1::JobSpec> ParseDocument(absl::string_view text) {
   }
   std::vector<YAML::Node> documents;
   try {
-    documents = YAML::LoadAll(std::string(text));
+    std::istringstream stream{std::string(text)};
+    YAML::Parser parser(stream);
+    DocumentStarts starts;
+    while (starts.marks.size() < 2 && parser.HandleNextDocument(starts)) {
+    }
+    if (starts.marks.size() == 2 && starts.marks[0].pos == starts.marks[1].pos) {
+      const YAML::Mark& at = starts.marks[0];
+      const size_t pos = std::min(static_cast<size_t>(at.pos), text.size());
+      return absl::InvalidArgumentError(
+          absl::StrCat("job spec is not valid YAML or JSON: line ", at.line + 1, ", column ",
+                       at.column + 1, ": unexpected ", Quote(std::string(text.substr(pos, 1)))));
+    }
+    if (starts.marks.size() > 1) {
+      return absl::InvalidArgumentError(
+          "job spec holds more than one YAML document; a job file describes one job");
+    }
+    if (!starts.marks.empty()) documents.push_back(YAML::Load(std::string(text)));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) {
       return absl::InvalidArgumentError(
@@ -134,10 +174,6 @@ absl::StatusOr<v1::JobSpec> ParseDocument(absl::string_view text) {
   }
   if (documents.empty() || (documents.size() == 1 && documents[0].IsNull())) {
     return absl::InvalidArgumentError("job spec is empty");
-  }
-  if (documents.size() > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec holds ", documents.size(), " YAML documents; a job file describes one job"));
   }
   v1::JobSpec spec;
   SpecWalker walker(v1::JobSpec::descriptor()->name());

@@ -556,6 +556,7 @@ void JobController::ResetAttempt(JobEntry& entry) {
   entry.trainers_released = false;
   entry.reissue_checkpoint = false;
   entry.vacancy_deadline = absl::InfiniteFuture();
+  entry.vacancy_reasons.clear();
   entry.first_report.reset();
 }
 
@@ -699,6 +700,30 @@ absl::StatusOr<v1::RegisterWorkerResponse> JobController::RegisterWorker(
   return response;
 }
 
+void JobController::VacateSlot(JobEntry& entry, const Worker& worker, absl::Time now) {
+  const bool trainer = worker.info.kind() == v1::WORKER_KIND_TRAINER;
+  google::protobuf::RepeatedPtrField<std::string>* slots =
+      trainer ? entry.job.mutable_trainer_workers() : entry.job.mutable_server_workers();
+  if (worker.slot >= static_cast<uint32_t>(slots->size()) || (*slots)[worker.slot] != worker.id) {
+    return;
+  }
+  (*slots)[worker.slot].clear();
+  const std::string slot = absl::StrCat(trainer ? "rank " : "optimizer shard ", worker.slot);
+  // Twice the heartbeat timeout: a worker cut off for about one timeout can be silent for longer
+  // (its beats wait behind TCP's backed-off retransmissions once the link is back) before its
+  // next beat is answered NOT_FOUND and it registers again. A worker that died for real is
+  // usually noticed sooner: its peers' collectives or shard calls fail and their workers say so.
+  const absl::Duration grace = 2 * options_.heartbeat_timeout;
+  const std::string timeout = absl::FormatDuration(grace);
+  entry.vacancy_reasons[slot] = absl::StrCat(
+      "worker ", Describe(worker), " lost its heartbeat and did not come back within ", timeout);
+  entry.vacancy_deadline = std::min(entry.vacancy_deadline, now + grace);
+  AddEvent(entry, absl::StrCat("worker ", Describe(worker), " of ", slot,
+                               " lost its heartbeat; the attempt goes on if it registers again "
+                               "within ",
+                               timeout));
+}
+
 void JobController::TakeBack(Worker& worker, const v1::Assignment& running) {
   const v1::AttemptRef ref = Ref(running.job_id(), running.attempt());
   const bool trainer = worker.info.kind() == v1::WORKER_KIND_TRAINER;
@@ -732,7 +757,10 @@ void JobController::TakeBack(Worker& worker, const v1::Assignment& running) {
       std::none_of(entry->job.server_workers().begin(), entry->job.server_workers().end(),
                    vacant)) {
     entry->vacancy_deadline = absl::InfiniteFuture();
+    entry->vacancy_reasons.clear();
   }
+  // A server back before the trainers had their assignments lets them go now.
+  if (!trainer) MaybeReleaseTrainers(*entry);
 }
 
 absl::StatusOr<v1::HeartbeatResponse> JobController::Heartbeat(
@@ -933,7 +961,7 @@ absl::Status JobController::Tick() {
     if (worker.job_id.empty() || worker.finished) continue;
     auto job = jobs_.find(worker.job_id);
     if (job == jobs_.end() || !IsCurrent(job->second, worker.attempt)) continue;
-    FailAttempt(job->second, absl::StrCat("worker ", Describe(worker), " lost its heartbeat"));
+    VacateSlot(job->second, worker, now);
   }
   // A worker that heartbeats but never lists the attempt it was given (stuck before starting it)
   // would hold the attempt forever: its trainers wait for a server that never acknowledges.
@@ -958,19 +986,27 @@ absl::Status JobController::Tick() {
   for (auto& [id, entry] : jobs_) {
     if (IsActive(entry.job.state()) && now >= entry.vacancy_deadline) {
       std::string why;
+      // Slots vacant since a controller restart have no reason recorded.
+      auto reason = [&entry](const std::string& slot, const std::string& after_restart) {
+        auto it = entry.vacancy_reasons.find(slot);
+        return it != entry.vacancy_reasons.end() ? it->second : after_restart;
+      };
       for (int rank = 0; rank < entry.job.trainer_workers_size() && why.empty(); ++rank) {
         if (entry.job.trainer_workers(rank).empty()) {
-          why = absl::StrCat("worker for rank ", rank,
-                             " did not come back after the controller restarted");
+          why = reason(absl::StrCat("rank ", rank),
+                       absl::StrCat("worker for rank ", rank,
+                                    " did not come back after the controller restarted"));
         }
       }
       for (int shard = 0; shard < entry.job.server_workers_size() && why.empty(); ++shard) {
         if (entry.job.server_workers(shard).empty()) {
-          why = absl::StrCat("optimizer server for shard ", shard,
-                             " did not come back after the controller restarted");
+          why = reason(absl::StrCat("optimizer shard ", shard),
+                       absl::StrCat("optimizer server for shard ", shard,
+                                    " did not come back after the controller restarted"));
         }
       }
       entry.vacancy_deadline = absl::InfiniteFuture();
+      entry.vacancy_reasons.clear();
       if (!why.empty()) FailAttempt(entry, why);
     }
     if (entry.progress_dirty && now - entry.last_persist >= options_.progress_persist_interval) {

@@ -121,8 +121,10 @@ class JobController : public JobApi {
     // After a controller restart a CHECKPOINTING job asks its trainers for one more checkpoint,
     // since the counter they carried out is not known.
     bool reissue_checkpoint = false;
-    // When the slots left vacant by a controller restart must be filled again.
+    // When the vacant slots of the attempt (left by a controller restart, or by a worker whose
+    // heartbeat was lost) must be filled again, and why each is vacant ("rank 0" -> the reason).
     absl::Time vacancy_deadline = absl::InfiniteFuture();
+    std::map<std::string, std::string> vacancy_reasons;
     // The first progress report of the attempt, for the ETA.
     std::optional<std::pair<absl::Time, uint64_t>> first_report;
   };
@@ -146,6 +148,10 @@ class JobController : public JobApi {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker of the current attempt lost its heartbeat: its slot waits twice the heartbeat timeout
+  // for it to register again (a cut link, not a death) before the attempt fails.
+  void VacateSlot(JobEntry& entry, const Worker& worker, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartAttempt(JobEntry& entry, const std::vector<Worker*>& trainers,
                     const std::vector<Worker*>& servers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Carries the attempt's shard secret (worker.proto), derived from attempt_key_.

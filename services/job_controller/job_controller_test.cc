@@ -631,6 +631,91 @@ TEST_F(JobControllerTest, AnUnacknowledgedAssignmentFailsTheAttempt) {
                                       "10s of receiving it"));
 }
 
+// A worker cut off from the controller longer than the heartbeat timeout, whose rank still reaches
+// its shards, registers again when the link is back and keeps its attempt: no restart.
+TEST_F(JobControllerTest, AWorkerBackWithinTheGraceKeepsItsAttempt) {
+  const std::string job_id = Submit(Spec(1, 1, "/ckpt", 1)).id();
+  const std::string server = Server("s0"), trainer = Trainer("t0");
+  v1::Assignment a = Handout(server, trainer, job_id, 1);
+  now_ += absl::Seconds(11);
+  Beat(server, {Ref(job_id, 1)});
+  ASSERT_TRUE(controller_->Tick().ok());
+  EXPECT_THAT(Get(job_id).trainer_workers(), ElementsAre(""));
+  EXPECT_THAT(Events(job_id).back(), HasSubstr("lost its heartbeat; the attempt goes on"));
+  // The link is back: its heartbeat is unknown, so it registers again with what it runs.
+  v1::HeartbeatRequest request;
+  request.set_worker_id(trainer);
+  EXPECT_EQ(controller_->Heartbeat(request).status().code(), absl::StatusCode::kNotFound);
+  now_ += absl::Seconds(4);
+  const std::string again = Register(v1::WORKER_KIND_TRAINER, "t0", {a});
+  v1::HeartbeatResponse r = Beat(again, {Ref(job_id, 1)});
+  EXPECT_EQ(r.stop_size(), 0);
+  now_ += absl::Seconds(20);  // past the slot's deadline, which no longer applies
+  Beat(server, {Ref(job_id, 1)});
+  Beat(again, {Ref(job_id, 1)});
+  ASSERT_TRUE(controller_->Tick().ok());
+  now_ += absl::Seconds(5);
+  Beat(server, {Ref(job_id, 1)});
+  Beat(again, {Ref(job_id, 1)});
+  ASSERT_TRUE(controller_->Tick().ok());
+  v1::Job job = Get(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.attempt(), 1u);
+  EXPECT_EQ(job.restarts(), 0u);
+  EXPECT_THAT(job.trainer_workers(), ElementsAre(again));
+}
+
+// The whole pool cut off at once: every slot waits, the server comes back first, then the trainer.
+TEST_F(JobControllerTest, EveryWorkerBackWithinTheGraceKeepsTheAttempt) {
+  const std::string job_id = Submit(Spec(1, 1, "/ckpt", 1)).id();
+  const std::string server = Server("s0"), trainer = Trainer("t0");
+  v1::Assignment t = Handout(server, trainer, job_id, 1);
+  v1::Assignment s;
+  s.set_job_id(job_id);
+  s.set_attempt(1);
+  s.set_shard_index(0);
+  now_ += absl::Seconds(11);
+  ASSERT_TRUE(controller_->Tick().ok());
+  EXPECT_THAT(Get(job_id).trainer_workers(), ElementsAre(""));
+  EXPECT_THAT(Get(job_id).server_workers(), ElementsAre(""));
+  now_ += absl::Seconds(3);
+  const std::string server2 = Register(v1::WORKER_KIND_OPTIMIZER_SERVER, "s0", {s});
+  EXPECT_EQ(Beat(server2, {Ref(job_id, 1)}).stop_size(), 0);
+  now_ += absl::Seconds(1);
+  const std::string trainer2 = Register(v1::WORKER_KIND_TRAINER, "t0", {t});
+  EXPECT_EQ(Beat(trainer2, {Ref(job_id, 1)}).stop_size(), 0);
+  now_ += absl::Seconds(30);
+  for (int i = 0; i < 3; ++i) {
+    Beat(server2, {Ref(job_id, 1)});
+    Beat(trainer2, {Ref(job_id, 1)});
+    ASSERT_TRUE(controller_->Tick().ok());
+    now_ += absl::Seconds(1);
+  }
+  v1::Job job = Get(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.restarts(), 0u);
+  EXPECT_THAT(job.trainer_workers(), ElementsAre(trainer2));
+  EXPECT_THAT(job.server_workers(), ElementsAre(server2));
+}
+
+// The rank finished while its worker was cut off: the worker registers again still claiming the
+// attempt (its result is not delivered yet), and the result its next heartbeat carries ends the
+// job as it would have without the cut.
+TEST_F(JobControllerTest, AResultFromAWorkerBackAfterTheCutEndsTheJob) {
+  const std::string job_id = Submit(Spec(1, 1, "/ckpt", 1)).id();
+  const std::string server = Server("s0"), trainer = Trainer("t0");
+  v1::Assignment t = Handout(server, trainer, job_id, 1);
+  ASSERT_TRUE(Report(job_id, 1, 0, 100).ok());
+  now_ += absl::Seconds(11);
+  Beat(server, {Ref(job_id, 1)});
+  ASSERT_TRUE(controller_->Tick().ok());
+  const std::string again = Register(v1::WORKER_KIND_TRAINER, "t0", {t});
+  EXPECT_EQ(Beat(again, {}, {Result(job_id, 1, 0)}).stop_size(), 0);
+  v1::Job job = Get(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.restarts(), 0u);
+}
+
 TEST_F(JobControllerTest, ALostWorkerRestartsTheJobThenFailsIt) {
   const std::string job_id = Submit(Spec(1, 1, "/ckpt", 1)).id();
   const std::string server = Server("s0");
@@ -641,11 +726,26 @@ TEST_F(JobControllerTest, ALostWorkerRestartsTheJobThenFailsIt) {
   Beat(server, {Ref(job_id, 1)});
   now_ += absl::Seconds(6);
   ASSERT_TRUE(controller_->Tick().ok());
+  // Its slot waits twice the heartbeat timeout for it (a cut link is not a death)...
   v1::Job job = Get(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_THAT(job.trainer_workers(), ElementsAre(""));
+  for (int i = 0; i < 3; ++i) {
+    now_ += absl::Seconds(5);
+    Beat(server, {Ref(job_id, 1)});
+    ASSERT_TRUE(controller_->Tick().ok());
+    EXPECT_EQ(Get(job_id).state(), v1::JOB_STATE_RUNNING);
+  }
+  // ...and the attempt restarts when it has not come back by then.
+  now_ += absl::Seconds(5);
+  Beat(server, {Ref(job_id, 1)});
+  ASSERT_TRUE(controller_->Tick().ok());
+  job = Get(job_id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(job.restarts(), 1u);
-  EXPECT_THAT(job.reason(), HasSubstr("restarting from the last checkpoint after: worker " +
-                                      trainer + " (t0) lost its heartbeat"));
+  EXPECT_THAT(job.reason(),
+              HasSubstr("restarting from the last checkpoint after: worker " + trainer +
+                        " (t0) lost its heartbeat and did not come back within 20s"));
   // The dead worker is gone; the server stops its shard job.
   v1::HeartbeatRequest request;
   request.set_worker_id(trainer);
@@ -667,9 +767,15 @@ TEST_F(JobControllerTest, ALostWorkerRestartsTheJobThenFailsIt) {
   Beat(server, {Ref(job_id, 2)});
   now_ += absl::Seconds(6);
   ASSERT_TRUE(controller_->Tick().ok());
+  for (int i = 0; i < 4; ++i) {
+    now_ += absl::Seconds(5);
+    Beat(server, {Ref(job_id, 2)});
+    ASSERT_TRUE(controller_->Tick().ok());
+  }
   job = Get(job_id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
-  EXPECT_EQ(job.reason(), "worker " + trainer + " (t1) lost its heartbeat");
+  EXPECT_EQ(job.reason(),
+            "worker " + trainer + " (t1) lost its heartbeat and did not come back within 20s");
 
   // What the metrics read: both losses, one restart, the job failed, the server still there.
   const JobController::Stats stats = controller_->GetStats();

@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "base/metrics/metrics.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
 #include "services/common/job_state_names.h"
@@ -57,19 +58,10 @@ std::string JsonQuote(absl::string_view text) {
       out += static_cast<char>(c);
       ++i;
     } else {
-      // Length of the sequence from its lead byte, then check the continuation bytes.
-      size_t length = 0;
-      if (c >= 0xc2 && c <= 0xdf) {
-        length = 2;
-      } else if (c >= 0xe0 && c <= 0xef) {
-        length = 3;
-      } else if (c >= 0xf0 && c <= 0xf4) {
-        length = 4;
-      }
-      bool valid = length > 0 && i + length <= text.size();
-      for (size_t k = 1; valid && k < length; ++k) {
-        valid = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
-      }
+      // Well-formed sequences pass as they are; any other byte becomes U+FFFD, so the body is
+      // valid JSON whatever the client sent.
+      const size_t length = Utf8SequenceLength(text, i);
+      const bool valid = length > 0;
       if (valid) {
         out.append(text.data() + i, length);
         i += length;
@@ -183,102 +175,11 @@ absl::StatusOr<v1::ListJobsRequest> ListRequestFromQuery(const httplib::Request&
   return request;
 }
 
-class RestGatewayImpl final : public RestGateway {
+// What the gateway answers to one request: authorization, routing, the JSON body, the JobApi
+// call and its JSON reply or error. Two pointers; made per request.
+class RestRoutes {
  public:
-  RestGatewayImpl(JobApi* api, const BearerTokens* tokens, std::unique_ptr<httplib::Server> server)
-      : api_(api), tokens_(tokens), server_(std::move(server)) {}
-
-  ~RestGatewayImpl() override {
-    if (thread_.joinable()) {
-      // stop() only acts once the accept loop has started; Listen waited for that.
-      server_->stop();
-      thread_.join();
-    }
-  }
-
-  int port() const override { return port_; }
-
-  absl::Status Listen(const RestOptions& options) {
-    Configure(options);
-    if (options.port == 0) {
-      port_ = server_->bind_to_any_port(options.host);
-      if (port_ < 0) {
-        return absl::UnavailableError(
-            absl::StrCat("REST gateway: cannot bind ", options.host, " to a free port"));
-      }
-    } else {
-      if (!server_->bind_to_port(options.host, options.port)) {
-        return absl::UnavailableError(absl::StrCat("REST gateway: cannot bind ", options.host, ":",
-                                                   options.port, " (in use?)"));
-      }
-      port_ = options.port;
-    }
-    thread_ = std::thread([this] {
-      server_->listen_after_bind();
-      loop_ended_ = true;
-    });
-    // Until the accept loop runs, stop() is a no-op and the destructor would wait forever.
-    while (!server_->is_running() && !loop_ended_) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    if (loop_ended_) {
-      return absl::UnavailableError(
-          absl::StrCat("REST gateway: listening on ", options.host, ":", port_, " failed"));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  void Configure(const RestOptions& options) {
-    server_->set_payload_max_length(options.max_body_bytes);
-    server_->set_socket_options(ExclusiveListenSocketOptions);
-    // One catch-all handler per method: the routes are matched in Route so that a known path
-    // with the wrong method can answer 405 instead of httplib's 404.
-    const auto handler = [this](const httplib::Request& req, httplib::Response& res) {
-      Route(req, res);
-    };
-    server_->Get(".*", handler);
-    server_->Post(".*", handler);
-    server_->Put(".*", handler);
-    server_->Patch(".*", handler);
-    server_->Delete(".*", handler);
-    server_->Options(".*", handler);
-    const size_t max_body = options.max_body_bytes;
-    // httplib answers some requests itself (413 for a large body, 400 for a bad request line);
-    // they get the same JSON error bodies as ours. Responses that already have a body are ours.
-    server_->set_error_handler(httplib::Server::HandlerWithResponse(
-        [max_body](const httplib::Request&, httplib::Response& res) {
-          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-          switch (res.status) {
-            case 413:
-              res.set_content(
-                  ErrorBody(absl::StatusCode::kResourceExhausted,
-                            absl::StrCat("request body is larger than ", max_body, " bytes")),
-                  kJsonType);
-              break;
-            case 404:
-              res.set_content(ErrorBody(absl::StatusCode::kNotFound, "no such route"), kJsonType);
-              break;
-            case 400:
-            case 414:
-            case 416:
-              res.set_content(ErrorBody(absl::StatusCode::kInvalidArgument,
-                                        absl::StrCat("malformed HTTP request (", res.status, ")")),
-                              kJsonType);
-              break;
-            default:
-              res.set_content(ErrorBody(absl::StatusCode::kInternal,
-                                        absl::StrCat("request failed (HTTP ", res.status, ")")),
-                              kJsonType);
-          }
-          return httplib::Server::HandlerResponse::Handled;
-        }));
-    server_->set_exception_handler(
-        [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
-          // The exception's text may carry internals; the log of the controller is the place.
-          SetError(res, 500, absl::StatusCode::kInternal, "internal error");
-        });
-  }
+  RestRoutes(JobApi* api, const BearerTokens* tokens) : api_(api), tokens_(tokens) {}
 
   bool Authorized(const httplib::Request& req) const {
     if (tokens_ == nullptr || tokens_->empty()) return true;
@@ -302,7 +203,7 @@ class RestGatewayImpl final : public RestGateway {
     return req.method == "GET" || req.method == "HEAD";
   }
 
-  void Route(const httplib::Request& req, httplib::Response& res) {
+  void Route(const httplib::Request& req, httplib::Response& res) const {
     absl::string_view path = req.path;
     if (path == "/healthz") {
       if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
@@ -359,7 +260,7 @@ class RestGatewayImpl final : public RestGateway {
     Reply(res, api_->GetJob(request));
   }
 
-  void Submit(const httplib::Request& req, httplib::Response& res) {
+  void Submit(const httplib::Request& req, httplib::Response& res) const {
     v1::SubmitJobRequest request;
     if (absl::Status s = ParseBody(req.body, request.mutable_spec()); !s.ok()) {
       return SetStatus(res, s);
@@ -367,13 +268,13 @@ class RestGatewayImpl final : public RestGateway {
     Reply(res, api_->SubmitJob(request));
   }
 
-  void List(const httplib::Request& req, httplib::Response& res) {
+  void List(const httplib::Request& req, httplib::Response& res) const {
     absl::StatusOr<v1::ListJobsRequest> request = ListRequestFromQuery(req);
     if (!request.ok()) return SetStatus(res, request.status());
     Reply(res, api_->ListJobs(*request));
   }
 
-  void Events(std::string id, const httplib::Request& req, httplib::Response& res) {
+  void Events(std::string id, const httplib::Request& req, httplib::Response& res) const {
     if (absl::Status s = CheckQueryNames(req, {"after_sequence"}); !s.ok()) {
       return SetStatus(res, s);
     }
@@ -389,7 +290,7 @@ class RestGatewayImpl final : public RestGateway {
   }
 
   void Act(std::string id, absl::StatusOr<v1::Job> (JobApi::*action)(const v1::JobActionRequest&),
-           const httplib::Request& req, httplib::Response& res) {
+           const httplib::Request& req, httplib::Response& res) const {
     v1::JobActionRequest request;
     // An empty body is the same as {}: `curl -X POST .../jobs/ID:cancel` should just work.
     if (!absl::StripAsciiWhitespace(req.body).empty()) {
@@ -404,6 +305,58 @@ class RestGatewayImpl final : public RestGateway {
     Reply(res, (api_->*action)(request));
   }
 
+ private:
+  JobApi* const api_;
+  const BearerTokens* const tokens_;
+};
+
+class RestGatewayImpl final : public RestGateway {
+ public:
+  RestGatewayImpl(JobApi* api, const BearerTokens* tokens, std::unique_ptr<httplib::Server> server)
+      : api_(api), tokens_(tokens), server_(std::move(server)) {}
+
+  ~RestGatewayImpl() override {
+    if (thread_.joinable()) {
+      // stop() only acts once the accept loop has started; Listen waited for that.
+      server_->stop();
+      thread_.join();
+    }
+  }
+
+  int port() const override { return port_; }
+
+  absl::Status Listen(const RestOptions& options) {
+    ConfigureRestServer(*server_, api_, tokens_, options.max_body_bytes);
+    server_->set_socket_options(ExclusiveListenSocketOptions);
+    if (options.port == 0) {
+      port_ = server_->bind_to_any_port(options.host);
+      if (port_ < 0) {
+        return absl::UnavailableError(
+            absl::StrCat("REST gateway: cannot bind ", options.host, " to a free port"));
+      }
+    } else {
+      if (!server_->bind_to_port(options.host, options.port)) {
+        return absl::UnavailableError(absl::StrCat("REST gateway: cannot bind ", options.host, ":",
+                                                   options.port, " (in use?)"));
+      }
+      port_ = options.port;
+    }
+    thread_ = std::thread([this] {
+      server_->listen_after_bind();
+      loop_ended_ = true;
+    });
+    // Until the accept loop runs, stop() is a no-op and the destructor would wait forever.
+    while (!server_->is_running() && !loop_ended_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (loop_ended_) {
+      return absl::UnavailableError(
+          absl::StrCat("REST gateway: listening on ", options.host, ":", port_, " failed"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
   JobApi* const api_;
   const BearerTokens* const tokens_;
   std::unique_ptr<httplib::Server> server_;
@@ -453,6 +406,59 @@ int HttpStatusFor(absl::StatusCode code) {
     default:
       return 500;
   }
+}
+
+void ConfigureRestServer(httplib::Server& server, JobApi* api, const BearerTokens* tokens,
+                         size_t max_body_bytes) {
+  server.set_payload_max_length(max_body_bytes);
+  // One catch-all handler per method: the routes are matched in Route so that a known path
+  // with the wrong method can answer 405 instead of httplib's 404.
+  const auto handler = [api, tokens](const httplib::Request& req, httplib::Response& res) {
+    RestRoutes(api, tokens).Route(req, res);
+  };
+  server.Get(".*", handler);
+  server.Post(".*", handler);
+  server.Put(".*", handler);
+  server.Patch(".*", handler);
+  server.Delete(".*", handler);
+  server.Options(".*", handler);
+  // httplib answers some requests itself (413 for a large body, 400 for a bad request line);
+  // they get the same JSON error bodies as ours. Responses that already have a body are ours.
+  server.set_error_handler(httplib::Server::HandlerWithResponse(
+      [max_body_bytes](const httplib::Request&, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        switch (res.status) {
+          case 413:
+            res.set_content(
+                ErrorBody(absl::StatusCode::kResourceExhausted,
+                          absl::StrCat("request body is larger than ", max_body_bytes, " bytes")),
+                kJsonType);
+            break;
+          case 404:
+            res.set_content(ErrorBody(absl::StatusCode::kNotFound, "no such route"), kJsonType);
+            break;
+          case 400:
+          case 414:
+          case 416:
+            res.set_content(ErrorBody(absl::StatusCode::kInvalidArgument,
+                                      absl::StrCat("malformed HTTP request (", res.status, ")")),
+                            kJsonType);
+            break;
+          default:
+            res.set_content(ErrorBody(absl::StatusCode::kInternal,
+                                      absl::StrCat("request failed (HTTP ", res.status, ")")),
+                            kJsonType);
+        }
+        // Unhandled, though the body is set: httplib (0.11) applies the request's Range header to
+        // a Handled error response, even to the 416 of a Range it could not parse, and that cut
+        // the JSON body short. An error body is always sent whole.
+        return httplib::Server::HandlerResponse::Unhandled;
+      }));
+  server.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+        // The exception's text may carry internals; the log of the controller is the place.
+        SetError(res, 500, absl::StatusCode::kInternal, "internal error");
+      });
 }
 
 absl::StatusOr<std::unique_ptr<RestGateway>> RestGateway::Start(JobApi* api,

@@ -19,6 +19,10 @@
 #include "base/security/security.h"
 #include "services/job_controller/job_api.h"
 
+namespace httplib {
+class Server;
+}  // namespace httplib
+
 namespace offload {
 
 struct RestOptions {
@@ -37,6 +41,13 @@ class RestGateway {
   virtual ~RestGateway() = default;
   virtual int port() const = 0;
 };
+
+// Installs the gateway on `server`: its routes, the body size limit and the JSON error bodies of
+// what httplib answers itself. Start does this before it listens; the fuzzer
+// (rest_gateway_fuzz.cc) does it to feed requests to the server without a socket. `api` and
+// `tokens` (nullptr or empty: no auth) must outlive the server.
+void ConfigureRestServer(httplib::Server& server, JobApi* api, const BearerTokens* tokens,
+                         size_t max_body_bytes);
 
 // The HTTP status a gRPC/absl code maps to (the mapping of google.rpc.Code).
 int HttpStatusFor(absl::StatusCode code);

@@ -370,6 +370,31 @@ TEST_F(RestGatewayTest, TooLargeBodyIs413) {
   EXPECT_NE(error.message.find("4096"), std::string::npos) << error.message;
 }
 
+// Found by rest_gateway_fuzz: a UTF-16 surrogate's bytes (ED BF BF), an overlong form (E0 80 AF)
+// or a code point above U+10FFFF (F4 90 80 80) in a path went into the error body as they were,
+// and no strict JSON parser accepts that body.
+TEST_F(RestGatewayTest, ErrorBodiesAreUtf8WhateverThePathHolds) {
+  auto res = Client()->Get(
+      "/v1/jobs/a\xed\xbf\xbf"
+      "b\xe0\x80\xaf"
+      "c\xf4\x90\x80\x80"
+      "d\xc3\xa9");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+  const std::string r = "\xef\xbf\xbd";  // U+FFFD for each byte that is not UTF-8
+  EXPECT_EQ(ParseError(res->body).message,
+            absl::StrCat("job 'a", r, r, r, "b", r, r, r, "c", r, r, r, r, "d\xc3\xa9' not found"));
+}
+
+// Found by rest_gateway_fuzz: httplib applied a Range header it could not parse to the JSON body
+// of its own 416, so the client got the body cut short.
+TEST_F(RestGatewayTest, BadRangeGetsAWholeErrorBody) {
+  auto res = Client()->Get("/v1/jobs/job-1", {{"Range", "bytes=5-,57-9"}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 416);
+  EXPECT_EQ(ParseError(res->body).status, "INVALID_ARGUMENT");
+}
+
 TEST_F(RestGatewayTest, UnknownRouteAndWrongMethod) {
   for (const char* path : {"/", "/v2/jobs", "/v1/jobs/", "/v1/jobs/job-1/logs", "/v1/other"}) {
     auto res = Client()->Get(path);

@@ -122,6 +122,9 @@ std::string WorkerAgent::worker_id() const {
 
 void WorkerAgent::Finished(v1::AttemptResult result) {
   absl::MutexLock lock(&mu_);
+  for (const v1::Assignment& a : running_) {
+    if (SameAttempt(RefOf(a), result.attempt())) unreported_.push_back(a);
+  }
   ForgetAttempt(&running_, result.attempt());
   finished_.push_back(std::move(result));
 }
@@ -138,6 +141,7 @@ absl::Status WorkerAgent::Register() {
   {
     absl::MutexLock lock(&mu_);
     for (const v1::Assignment& a : running_) *request.add_running() = a;
+    for (const v1::Assignment& a : unreported_) *request.add_running() = a;
   }
   v1::RegisterWorkerResponse response;
   grpc::ClientContext context;
@@ -153,6 +157,11 @@ absl::Status WorkerAgent::Register() {
   worker_id_ = response.worker_id();
   if (response.heartbeat_interval_ms() > 0) {
     interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
+  }
+  beat_timeout_ = options_.call_timeout;
+  if (response.heartbeat_timeout_ms() > 0) {
+    beat_timeout_ =
+        std::min(beat_timeout_, absl::Milliseconds(response.heartbeat_timeout_ms()) / 2);
   }
   return absl::OkStatus();
 }
@@ -174,8 +183,10 @@ void WorkerAgent::Loop() {
 void WorkerAgent::HeartbeatOnce() {
   v1::HeartbeatRequest request;
   size_t num_finished;
+  absl::Duration timeout;
   {
     absl::MutexLock lock(&mu_);
+    timeout = beat_timeout_;
     request.set_worker_id(worker_id_);
     for (const v1::Assignment& a : running_) *request.add_running() = RefOf(a);
     for (const v1::AttemptResult& r : finished_) *request.add_finished() = r;
@@ -183,7 +194,7 @@ void WorkerAgent::HeartbeatOnce() {
   }
   v1::HeartbeatResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  SetDeadline(&context, timeout);
   AttachBearer(&context, options_.token);
   grpc::Status s = stub_->Heartbeat(&context, request, &response);
   if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
@@ -213,6 +224,13 @@ void WorkerAgent::HeartbeatOnce() {
       unreachable_ = false;
     }
     // Results queued while this beat was in flight stay for the next one.
+    for (size_t i = 0; i < num_finished; ++i) {
+      const v1::AttemptRef& done = finished_[i].attempt();
+      unreported_.erase(
+          std::remove_if(unreported_.begin(), unreported_.end(),
+                         [&](const v1::Assignment& a) { return SameAttempt(RefOf(a), done); }),
+          unreported_.end());
+    }
     finished_.erase(finished_.begin(), finished_.begin() + num_finished);
   }
   for (const v1::AttemptRef& ref : response.stop()) {

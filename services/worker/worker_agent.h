@@ -79,8 +79,16 @@ class WorkerAgent {
   mutable absl::Mutex mu_;
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   absl::Duration interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(1);
+  // A heartbeat's deadline: at most half the controller's heartbeat timeout, so that a beat stuck
+  // on a cut link (TCP retransmitting with backoff) gives way to the next one instead of making
+  // the outage look twice as long as it was.
+  absl::Duration beat_timeout_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);
   std::vector<v1::Assignment> running_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::AttemptResult> finished_ ABSL_GUARDED_BY(mu_);
+  // The assignments of finished_ (attempts that ended here, their results not yet delivered): a
+  // registration after losing the controller still claims their slots, so that the result the
+  // next heartbeat carries lands on the slot's holder instead of being lost.
+  std::vector<v1::Assignment> unreported_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool unreachable_ ABSL_GUARDED_BY(mu_) = false;  // said once per outage, not every heartbeat
   std::thread thread_;
