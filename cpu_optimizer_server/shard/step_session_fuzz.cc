@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "base/fuzz_util.h"
+#include "base/testing/fuzz_util.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/state_loader.h"

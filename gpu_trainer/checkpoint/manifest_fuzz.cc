@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "base/fuzz_util.h"
+#include "base/testing/fuzz_util.h"
 #include "gpu_trainer/checkpoint/manifest.h"
 
 namespace offload {

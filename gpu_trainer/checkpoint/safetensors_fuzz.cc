@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "base/fuzz_util.h"
+#include "base/testing/fuzz_util.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
 
 namespace offload {

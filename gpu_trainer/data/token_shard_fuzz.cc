@@ -12,7 +12,7 @@
 #include <cstring>
 #include <string>
 
-#include "base/fuzz_util.h"
+#include "base/testing/fuzz_util.h"
 #include "gpu_trainer/data/token_dataset.h"
 
 namespace offload {

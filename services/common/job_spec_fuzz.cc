@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_join.h"
-#include "base/fuzz_util.h"
+#include "base/testing/fuzz_util.h"
 #include "services/common/job_spec.h"
 
 namespace offload {

@@ -1,7 +1,7 @@
 // What the libFuzzer targets share (docs/RELIABILITY.md): failing loudly on a broken promise, and
 // handing an input to a reader that only opens files by path.
-#ifndef OFFLOAD_BASE_FUZZ_UTIL_H_
-#define OFFLOAD_BASE_FUZZ_UTIL_H_
+#ifndef OFFLOAD_BASE_TESTING_FUZZ_UTIL_H_
+#define OFFLOAD_BASE_TESTING_FUZZ_UTIL_H_
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -51,4 +51,4 @@ class FuzzInputFile {
 
 }  // namespace offload
 
-#endif  // OFFLOAD_BASE_FUZZ_UTIL_H_
+#endif  // OFFLOAD_BASE_TESTING_FUZZ_UTIL_H_

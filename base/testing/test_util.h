@@ -1,6 +1,6 @@
 // What tests anywhere in the tree share: a scratch directory per test.
-#ifndef OFFLOAD_BASE_TEST_UTIL_H_
-#define OFFLOAD_BASE_TEST_UTIL_H_
+#ifndef OFFLOAD_BASE_TESTING_TEST_UTIL_H_
+#define OFFLOAD_BASE_TESTING_TEST_UTIL_H_
 
 #include <stdlib.h>
 
@@ -38,4 +38,4 @@ class TempDir {
 
 }  // namespace offload
 
-#endif  // OFFLOAD_BASE_TEST_UTIL_H_
+#endif  // OFFLOAD_BASE_TESTING_TEST_UTIL_H_
