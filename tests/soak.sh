@@ -22,8 +22,15 @@ seed=${SOAK_SEED:-$RANDOM}
 RANDOM=$seed
 data=$root/data/tinyshakespeare.txt
 work=$(mktemp -d /tmp/offload-soak-XXXXXX)
-pids=()
 source tests/process_lib.sh
+declare -A proc  # "pool/kind/index" -> the pid running there now
+# Not process_lib's cleanup: over a soak the pids of killed processes are reused by others, so
+# only what runs now is killed, and whatever is left of the soak (every process of it names $work).
+cleanup() {
+  for pid in "${proc[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  pkill -9 -f -- "$work" 2>/dev/null || true
+  rm -rf "$work"
+}
 trap cleanup EXIT
 fail() {
   echo "FAIL: $*" >&2
@@ -45,13 +52,11 @@ free_port() {
 # servers and 2 trainer workers. Pool P's processes are in ${P}_server[k], ${P}_trainer[r],
 # ${P}_controller.
 declare -A grpc_of http_of controller_of
-declare -A proc  # "pool/kind/index" -> pid
 start_controller() {  # POOL
   "$bin/job_controller" --grpc_address="${grpc_of[$1]}" --http_address="${http_of[$1]}" \
     --store="$work/$1.db" --token_file="$work/token" --heartbeat_interval=200ms \
     --heartbeat_timeout=3s >>"$work/logs/$1-controller.log" 2>&1 &
   proc[$1/controller/0]=$!
-  pids+=($!)
   for _ in $(seq 100); do
     curl -sf "http://${http_of[$1]}/healthz" >/dev/null 2>&1 && return 0
     sleep 0.1
@@ -63,14 +68,12 @@ start_server() {  # POOL K
     --token_file="$work/token" --memory_limit_mib=512 --threads=1 \
     >>"$work/logs/$1-server$2.log" 2>&1 &
   proc[$1/server/$2]=$!
-  pids+=($!)
 }
 start_trainer() {  # POOL R
   "$bin/gpu_trainer" --controller="${grpc_of[$1]}" --token_file="$work/token" \
     --rank_address=127.0.0.1 -- --progress=log --log_every=50 \
     >>"$work/logs/$1-trainer$2.log" 2>&1 &
   proc[$1/trainer/$2]=$!
-  pids+=($!)
 }
 start_pool() {  # POOL
   grpc_of[$1]=127.0.0.1:$(free_port)
