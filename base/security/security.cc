@@ -158,17 +158,6 @@ absl::string_view BearerOf(absl::string_view authorization) {
   return absl::StripAsciiWhitespace(authorization.substr(kBearerScheme.size()));
 }
 
-absl::Status ReadRandom(char* out, size_t n) {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t got = getrandom(out + done, n - done, 0);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return absl::ErrnoToStatus(errno, "getrandom");
-    done += static_cast<size_t>(got);
-  }
-  return absl::OkStatus();
-}
-
 grpc::Status CheckMetadata(const BearerTokens& tokens,
                            const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
   if (tokens.empty()) return grpc::Status::OK;
@@ -254,6 +243,17 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   // volatile keeps the compiler from turning the loop into an early-exit memcmp.
   volatile unsigned char result = diff;
   return result == 0;
+}
+
+absl::Status ReadRandom(void* out, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = getrandom(static_cast<char*>(out) + done, n - done, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return absl::ErrnoToStatus(errno, "getrandom");
+    done += static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> RandomToken() {

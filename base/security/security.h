@@ -51,6 +51,8 @@ std::string PresentedBearer(const grpc::ServerContextBase& context);
 // comparing a presented secret with a known one.
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
 
+// n random bytes from the kernel's generator into out (retrying short reads and EINTR).
+absl::Status ReadRandom(void* out, size_t n);
 // 128 random bits from the kernel's generator as 32 hex digits: a fresh bearer token.
 absl::StatusOr<std::string> RandomToken();
 // 256 random bits as raw bytes: a key for DeriveSecret.

@@ -17,9 +17,6 @@
 // sent at once and again to the commit.
 #include "cpu_optimizer_server/ucx/ucx_server.h"
 
-#include <sys/random.h>
-
-#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -29,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/grpc_status.h"
+#include "base/security/security.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/step_session.h"
@@ -128,9 +126,7 @@ class UcxServer final : public DataPlaneServer {
 absl::StatusOr<uint64_t> NewSessionId(const std::map<uint64_t, std::shared_ptr<Session>>& in_use) {
   for (;;) {
     uint64_t id = 0;
-    if (getrandom(&id, sizeof(id), 0) != static_cast<ssize_t>(sizeof(id))) {
-      return absl::ErrnoToStatus(errno, "getrandom for a UCX session id");
-    }
+    OFFLOAD_RETURN_IF_ERROR(ReadRandom(&id, sizeof(id)));
     if (id != 0 && in_use.count(id) == 0) return id;
   }
 }
