@@ -1,7 +1,11 @@
 #include "gpu_trainer/checkpoint/manifest.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/reflection.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace offload {
@@ -17,6 +21,44 @@ absl::Status CheckFileName(absl::string_view field, const std::string& name) {
                      "'; it must be a file name in the checkpoint directory"));
   }
   return absl::OkStatus();
+}
+
+// Protobuf's JSON printer writes -0.0 as "-0", which its parser reads back as the integer 0, so a
+// manifest holding a negative zero would not read back as the message that was written. No field
+// of a manifest means anything different for -0.0, so a parsed manifest holds +0.0 instead.
+void ClearNegativeZeros(google::protobuf::Message& m) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Descriptor* d = m.GetDescriptor();
+  const google::protobuf::Reflection* r = m.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const FieldDescriptor* f = d->field(i);
+    const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+    for (int j = 0; j < n; ++j) {
+      switch (f->cpp_type()) {
+        case FieldDescriptor::CPPTYPE_FLOAT: {
+          const float v = f->is_repeated() ? r->GetRepeatedFloat(m, f, j) : r->GetFloat(m, f);
+          if (v != 0.0f || !std::signbit(v)) break;
+          f->is_repeated() ? r->SetRepeatedFloat(&m, f, j, 0.0f) : r->SetFloat(&m, f, 0.0f);
+          break;
+        }
+        case FieldDescriptor::CPPTYPE_DOUBLE: {
+          const double v = f->is_repeated() ? r->GetRepeatedDouble(m, f, j) : r->GetDouble(m, f);
+          if (v != 0.0 || !std::signbit(v)) break;
+          f->is_repeated() ? r->SetRepeatedDouble(&m, f, j, 0.0) : r->SetDouble(&m, f, 0.0);
+          break;
+        }
+        case FieldDescriptor::CPPTYPE_MESSAGE:
+          if (f->is_repeated()) {
+            ClearNegativeZeros(*r->MutableRepeatedMessage(&m, f, j));
+          } else if (r->HasField(m, f)) {
+            ClearNegativeZeros(*r->MutableMessage(&m, f));
+          }
+          break;
+        default:
+          break;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -54,6 +96,7 @@ absl::StatusOr<v1::CheckpointManifest> ParseManifestJson(absl::string_view json)
         absl::StrCat("manifest is not a valid CheckpointManifest: ", std::string(s.message())));
   }
   OFFLOAD_RETURN_IF_ERROR(ValidateManifest(m));
+  ClearNegativeZeros(m);
   return m;
 }
 

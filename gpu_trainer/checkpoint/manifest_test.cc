@@ -1,6 +1,8 @@
 // Strict manifest parsing: round trip, unknown fields, version, required parts.
 #include "gpu_trainer/checkpoint/manifest.h"
 
+#include <cmath>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -48,6 +50,20 @@ TEST(ManifestTest, RoundTrip) {
   absl::StatusOr<v1::CheckpointManifest> back = ParseManifestJson(json);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(m, *back)) << back->DebugString();
+}
+
+// Found by manifest_fuzz: "-0.0" parsed to a negative zero, which prints as "-0" and reads back
+// as +0, so what a resume read was not what the checkpoint wrote.
+TEST(ManifestTest, NegativeZeroReadsAsZeroAndRoundTrips) {
+  absl::StatusOr<v1::CheckpointManifest> m = ParseManifestJson(
+      R"({"format_version": 1, "model": {}, "partition": {}, "param_dtype": "DTYPE_FP16",
+          "model_file": "m", "grad_clip": -0.0, "schedule": {"min_lr": -0.0}})");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(std::signbit(m->grad_clip()));
+  EXPECT_FALSE(std::signbit(m->schedule().min_lr()));
+  absl::StatusOr<v1::CheckpointManifest> back = ParseManifestJson(ManifestToJson(*m));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->SerializeAsString(), m->SerializeAsString());
 }
 
 TEST(ManifestTest, AcceptsCamelCaseNames) {

@@ -414,6 +414,11 @@ void ConfigureRestServer(httplib::Server& server, JobApi* api, const BearerToken
   // One catch-all handler per method: the routes are matched in Route so that a known path
   // with the wrong method can answer 405 instead of httplib's 404.
   const auto handler = [api, tokens](const httplib::Request& req, httplib::Response& res) {
+    // Every answer is one JSON document, sent whole: a Range header is ignored (RFC 9110 14.2
+    // lets a server do so). httplib (0.11) would otherwise cut the body to the range yet keep our
+    // 200, and a client would get a truncated JSON body as if it were complete. The request is
+    // httplib's own non-const object, handed to handlers as const.
+    const_cast<httplib::Request&>(req).ranges.clear();
     RestRoutes(api, tokens).Route(req, res);
   };
   server.Get(".*", handler);

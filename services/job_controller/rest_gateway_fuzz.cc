@@ -147,8 +147,8 @@ void Fail(const char* what, const std::string& detail) {
 }
 
 // One response as written on the wire: its status line, and a body that is a JSON object (and an
-// error object for every status >= 400). Not checked: the bodies httplib rewrites on the client's
-// request, compressed (Accept-Encoding) or cut to byte ranges (Range: a 206, or a multipart body).
+// error object for every status >= 400), never cut to a byte range. Not checked: a body httplib
+// compressed on the client's request (Accept-Encoding).
 void CheckResponse(std::string response) {
   if (response.empty()) return;  // nothing parsed: the client sent no request line
   // "Expect: 100-continue" gets an interim response first.
@@ -162,10 +162,11 @@ void CheckResponse(std::string response) {
   const size_t end = response.find("\r\n\r\n");
   if (end == std::string::npos) Fail("no end of headers", response);
   const std::string headers = absl::AsciiStrToLower(response.substr(0, end));
-  if (status == 206 || absl::StrContains(headers, "\r\ncontent-encoding:") ||
-      absl::StrContains(headers, "\r\ncontent-type: multipart/byteranges")) {
-    return;
+  // A Range header is ignored: every answer is whole.
+  if (status == 206 || absl::StrContains(headers, "\r\ncontent-range:")) {
+    Fail("a byte range of a JSON answer", response);
   }
+  if (absl::StrContains(headers, "\r\ncontent-encoding:")) return;
   const std::string body = response.substr(end + 4);
   if (body.empty()) return;  // HEAD
   google::protobuf::Struct json;
