@@ -136,6 +136,12 @@ int64_t Gpt2NumParams(const Gpt2Config& c) {
   return Gpt2LayerOffset(c, c.num_layers) + 2 * int64_t{c.channels};
 }
 
+ParamRange Gpt2UnitRange(const Gpt2Config& c, int unit) {
+  if (unit == 0) return {0, Gpt2LayerOffset(c, 0)};
+  if (unit <= c.num_layers) return {Gpt2LayerOffset(c, unit - 1), Gpt2LayerOffset(c, unit)};
+  return {Gpt2LayerOffset(c, c.num_layers), Gpt2NumParams(c)};
+}
+
 void InitGpt2Params(const Gpt2Config& c, uint64_t seed, float* params) {
   NormalSampler normal(seed);
   const double std_default = 0.02;

@@ -42,6 +42,17 @@ int64_t Gpt2NumParams(const Gpt2Config& c);
 // [Gpt2LayerOffset(c, l), Gpt2LayerOffset(c, l + 1)).
 int64_t Gpt2LayerOffset(const Gpt2Config& c, int l);
 
+// ZeRO-3 (ARCHITECTURE.md section 3) gathers the weights one unit at a time: unit 0 is the
+// embeddings (wte, which is also the tied head, and wpe), units 1..L the blocks h.0..h.{L-1},
+// unit L+1 ln_f. Each unit is one contiguous range of the flat buffer, in buffer order.
+struct ParamRange {
+  int64_t begin = 0;
+  int64_t end = 0;  // one past the last element
+  int64_t size() const { return end - begin; }
+};
+inline int Gpt2NumUnits(const Gpt2Config& c) { return c.num_layers + 2; }
+ParamRange Gpt2UnitRange(const Gpt2Config& c, int unit);  // unit in [0, Gpt2NumUnits(c))
+
 // Where each tensor sits in Gpt2ParamLayout: wte, wpe, 12 per block, then ln_f.
 inline constexpr int kWte = 0;
 inline constexpr int kWpe = 1;

@@ -81,6 +81,23 @@ TEST(Gpt2ParamLayout, Gpt2SmallHasHuggingFacesParameterCount) {
   EXPECT_EQ(Gpt2NumParams(gpt2), 124439808);  // GPT2LMHeadModel, tied head counted once
 }
 
+TEST(Gpt2UnitRange, UnitsTileTheBufferAtTensorBoundaries) {
+  const Gpt2Config c{97, 16, 3, 2, 8};
+  const std::vector<ParamTensor> layout = Gpt2ParamLayout(c);
+  ASSERT_EQ(Gpt2NumUnits(c), 5);
+  int64_t at = 0;
+  for (int u = 0; u < Gpt2NumUnits(c); ++u) {
+    const ParamRange r = Gpt2UnitRange(c, u);
+    EXPECT_EQ(r.begin, at) << u;
+    EXPECT_GT(r.size(), 0) << u;
+    at = r.end;
+  }
+  EXPECT_EQ(at, Gpt2NumParams(c));
+  EXPECT_EQ(Gpt2UnitRange(c, 0).end, layout[BlockIndex(0, kLn1Weight)].offset);  // wte, wpe
+  EXPECT_EQ(Gpt2UnitRange(c, 2).begin, layout[BlockIndex(1, kLn1Weight)].offset);
+  EXPECT_EQ(Gpt2UnitRange(c, 4).begin, layout[LnfWeightIndex(3)].offset);
+}
+
 TEST(Gpt2Flops, SixPerMatmulWeightPlusAttention) {
   const Gpt2Config c{/*vocab_size=*/256, /*context_length=*/64, /*num_layers=*/4,
                      /*num_heads=*/4, /*channels=*/128};

@@ -60,6 +60,12 @@ ABSL_FLAG(bool, dpu, false,
           "delayed parameter update: after --dpu_warmup_steps, each step's optimizer update runs "
           "while the next step computes on weights one step older");
 ABSL_FLAG(int64_t, dpu_warmup_steps, 20, "synchronous steps before the delayed update starts");
+ABSL_FLAG(int32_t, zero_stage, 2,
+          "ZeRO stage: 2 holds the whole 16-bit model on every rank; 3 holds only this rank's "
+          "partition and gathers each layer's weights from their owners just before use");
+ABSL_FLAG(int32_t, param_window_layers, 2,
+          "with --zero_stage=3: blocks whose weights the compute device holds at once (1: no "
+          "overlap of gathers with compute)");
 
 namespace offload {
 
@@ -120,6 +126,8 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   o.dpu = absl::GetFlag(FLAGS_dpu);
   o.dpu_warmup_steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_dpu_warmup_steps));
+  o.zero_stage = absl::GetFlag(FLAGS_zero_stage);
+  o.param_window_layers = absl::GetFlag(FLAGS_param_window_layers);
   return o;
 }
 

@@ -338,6 +338,7 @@ int main(int argc, char** argv) {
         addresses.empty() ? "in process" : absl::StrCat("at ", absl::GetFlag(FLAGS_shards)).c_str(),
         num_shards, data_plane.c_str(), options->batch, options->seq_len,
         static_cast<unsigned long long>(options->steps));
+    std::printf("gpu_trainer: %s\n", t.DescribeZero().c_str());
     if (world_size > 1) {
       std::printf(
           "gpu_trainer: %d ranks (%s), %d sequence(s) per rank per micro-batch, %d "
@@ -387,13 +388,15 @@ int main(int argc, char** argv) {
   if (!outcome.ok()) return Fail(outcome.status());
   if (outcome->interrupted) return 130;
   const int sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
-  if (sample_tokens > 0 && lead) {
+  // Under ZeRO-3 sampling is collective (every forward gathers the layers): all ranks sample.
+  if (sample_tokens > 0 && (lead || t.zero_stage() == 3)) {
     absl::StatusOr<std::string> text =
         t.Sample(absl::GetFlag(FLAGS_sample_prompt), sample_tokens,
                  absl::GetFlag(FLAGS_sample_temperature), options->seed);
     if (!text.ok()) return Fail(text.status());
-    std::printf("gpu_trainer: sample:\n---\n%s%s\n---\n",
-                absl::GetFlag(FLAGS_sample_prompt).c_str(), text->c_str());
+    if (lead)
+      std::printf("gpu_trainer: sample:\n---\n%s%s\n---\n",
+                  absl::GetFlag(FLAGS_sample_prompt).c_str(), text->c_str());
   }
   std::fflush(stdout);
   return 0;

@@ -1,10 +1,10 @@
 // Strict manifest parsing: round trip, unknown fields, version, required parts.
 #include "gpu_trainer/checkpoint/manifest.h"
 
-#include <cmath>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "google/protobuf/util/message_differencer.h"
 

@@ -11,10 +11,13 @@
 #define OFFLOAD_GPU_TRAINER_COLLECTIVES_COLLECTIVES_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace offload {
@@ -40,6 +43,14 @@ class Collectives {
   // in (n,) 16-bit elements from every rank; out (world_size * n,) rank-major. in may alias
   // out + rank() * n.
   virtual absl::Status AllGather16(const uint16_t* in, uint16_t* out, int64_t n) = 0;
+  // The all-gather of uneven pieces: ZeRO stage 3 gathers one layer's range of the flat 16-bit
+  // parameter buffer, whose elements are owned by consecutive ranks in uneven amounts (some
+  // none). counts has W entries >= 0, the same on every rank. in (counts[rank()],) from every
+  // rank; out (sum(counts),) := rank-major concatenation, segment r (counts[r],) from rank r. in
+  // may alias exactly out + sum(counts[0 .. rank())) (in place) and overlaps out nowhere else.
+  // A zero sum communicates nothing.
+  virtual absl::Status AllGatherV16(const uint16_t* in, uint16_t* out,
+                                    const std::vector<int64_t>& counts) = 0;
   // values (n,) := the element-wise op over all ranks, in place.
   virtual absl::Status AllReduce(double* values, int n, ReduceOp op) = 0;
   // data (bytes,) of `root` copied to every other rank.
@@ -52,6 +63,17 @@ class Collectives {
   virtual absl::Status BroadcastWithin(void* data, int64_t bytes, int root,
                                        absl::Duration timeout) = 0;
   virtual absl::Status Barrier() = 0;
+
+  // A new communicator over the same ranks (same rank numbers) whose operations never meet this
+  // one's: the trainer gathers parameters on a prefetch thread while another thread
+  // reduce-scatters gradients, and two threads sharing one communicator could pair different
+  // operations across ranks (each rank orders its calls by whichever thread comes first).
+  // Collective like the rest: every rank calls it with the same name, at most once per name on
+  // this object (a repeat is refused with ALREADY_EXISTS); the names of a fork's own forks are
+  // apart from this object's. name is non-empty and has no '/' (INVALID_ARGUMENT otherwise).
+  // The fork lives on its own: it may outlive this object, and its failures do not break this
+  // one. A failed fork breaks this object as any failed call does.
+  virtual absl::StatusOr<std::unique_ptr<Collectives>> Fork(absl::string_view name) = 0;
 };
 
 }  // namespace offload

@@ -9,6 +9,7 @@
 #include <exception>
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -25,6 +26,7 @@
 #include "absl/time/time.h"
 #include "base/status_macros.h"
 #include "gloo/allgather.h"
+#include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
@@ -95,6 +97,9 @@ void SumDoubles(void* c, const void* a, const void* b, size_t n) { gloo::sum<dou
 
 void MaxDoubles(void* c, const void* a, const void* b, size_t n) { gloo::max<double>(c, a, b, n); }
 
+absl::StatusOr<std::unique_ptr<Collectives>> Rendezvous(
+    const GlooOptions& options, std::shared_ptr<gloo::rendezvous::Store> store, std::string fork);
+
 absl::Status CheckOptions(const GlooOptions& options) {
   if (options.world_size < 1) {
     return absl::InvalidArgumentError(
@@ -117,17 +122,25 @@ absl::Status CheckOptions(const GlooOptions& options) {
 
 class GlooCollectives final : public Collectives {
  public:
-  GlooCollectives(std::shared_ptr<gloo::Context> context, std::string hostname, Millis timeout)
+  // context: connected by Rendezvous with `options` over `store`, both kept so that Fork can
+  // meet the same ranks again. fork: the names of the forks that led here, '/'-separated, empty
+  // for the object ConnectGloo returned.
+  GlooCollectives(std::shared_ptr<gloo::Context> context,
+                  std::shared_ptr<gloo::rendezvous::Store> store, GlooOptions options,
+                  std::string fork, Millis timeout)
       : context_(std::move(context)),
+        store_(std::move(store)),
+        options_(std::move(options)),
+        fork_(std::move(fork)),
         rank_(context_->rank),
         world_size_(context_->size),
-        hostname_(std::move(hostname)),
         timeout_(timeout) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
   std::string Describe() const override {
-    return absl::StrCat("gloo tcp ", hostname_, ", rank ", rank_, " of ", world_size_);
+    return absl::StrCat("gloo tcp ", options_.hostname, ", rank ", rank_, " of ", world_size_,
+                        fork_.empty() ? "" : ", fork ", fork_);
   }
 
   absl::Status ReduceScatter(const float* data, float* out,
@@ -152,6 +165,36 @@ class GlooCollectives final : public Collectives {
       opts.setTag(tag);
       opts.setTimeout(timeout_);
       gloo::allgather(opts);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status AllGatherV16(const uint16_t* in, uint16_t* out,
+                            const std::vector<int64_t>& counts) override {
+    absl::MutexLock lock(&mu_);
+    OFFLOAD_RETURN_IF_ERROR(CheckUsable("all_gather_v16"));
+    OFFLOAD_RETURN_IF_ERROR(CheckAllGatherV16Args(rank_, world_size_, in, out, counts));
+    return Run("all_gather_v16", [&](uint32_t tag) {
+      int64_t total = 0;
+      int64_t offset = 0;  // of segment rank_ in out
+      for (int r = 0; r < world_size_; ++r) {
+        if (r == rank_) offset = total;
+        total += counts[r];
+      }
+      // Every rank has the same counts, so all of them skip together.
+      if (total == 0) return absl::OkStatus();
+      gloo::AllgathervOptions opts(context_);
+      // Gloo's ring sends and receives zero-length segments as empty messages, so a rank
+      // without a piece of this range still forwards the others'. Without an input it gathers
+      // in place: the caller's piece is already at its offset (or there is none).
+      const int64_t mine = counts[rank_];
+      if (mine > 0 && in != out + offset) {
+        opts.setInput(const_cast<uint16_t*>(in), static_cast<size_t>(mine));
+      }
+      opts.setOutput(out, std::vector<size_t>(counts.begin(), counts.end()));
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::allgatherv(opts);
       return absl::OkStatus();
     });
   }
@@ -205,9 +248,43 @@ class GlooCollectives final : public Collectives {
     });
   }
 
+  // A fresh rendezvous in the same store under prefix + "/fork/" + name, which gives the fork
+  // its own TCP connections and tags. The prefix must differ per fork: a FileStore refuses a
+  // key that already exists, and in any store a reused key could hand out an earlier fork's
+  // addresses. Hence one fork per name here, and no '/' in names (a fork's forks extend its
+  // prefix, and must not meet a sibling's keys). Does not hold mu_ while it waits for the peers,
+  // so this object's operations on other threads go on meanwhile.
+  absl::StatusOr<std::unique_ptr<Collectives>> Fork(absl::string_view name) override {
+    {
+      absl::MutexLock lock(&mu_);
+      OFFLOAD_RETURN_IF_ERROR(CheckUsable("fork"));
+      OFFLOAD_RETURN_IF_ERROR(CheckForkName(name));
+      if (!forked_.insert(std::string(name)).second) {
+        return absl::AlreadyExistsError(
+            absl::StrCat(Where("fork"), ": name \"", name, "\" already forked"));
+      }
+    }
+    GlooOptions options = options_;
+    options.prefix = absl::StrCat(options_.prefix, "/fork/", name);
+    absl::StatusOr<std::unique_ptr<Collectives>> fork = Rendezvous(
+        options, store_, fork_.empty() ? std::string(name) : absl::StrCat(fork_, "/", name));
+    if (!fork.ok()) {
+      // The ranks may now disagree on whether the fork exists; as after any failed call, this
+      // object gives up too, so that its peers fail at once rather than at their timeouts.
+      const absl::Status status(
+          fork.status().code(),
+          absl::StrCat(Where("fork"), " \"", name, "\": ", fork.status().message()));
+      absl::MutexLock lock(&mu_);
+      Break(status);
+      return status;
+    }
+    return fork;
+  }
+
  private:
   std::string Where(absl::string_view op) const {
-    return absl::StrCat("gloo ", op, " (rank ", rank_, " of ", world_size_, ")");
+    return absl::StrCat("gloo ", op, " (rank ", rank_, " of ", world_size_,
+                        fork_.empty() ? "" : ", fork ", fork_, ")");
   }
 
   absl::Status CheckUsable(absl::string_view op) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -232,15 +309,18 @@ class GlooCollectives final : public Collectives {
     } catch (...) {
       status = CurrentExceptionToStatus(Where(op));
     }
-    if (!status.ok()) {
-      broken_ = status;
-      try {
-        context_->closeConnections();
-      } catch (...) {
-        // The connections are being given up anyway; the status above says why.
-      }
-    }
+    if (!status.ok()) Break(status);
     return status;
+  }
+
+  // Makes the object unusable for good, with `status` as the reason, and closes its connections.
+  void Break(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (broken_.ok()) broken_ = status;
+    try {
+      context_->closeConnections();
+    } catch (...) {
+      // The connections are being given up anyway; the status says why.
+    }
   }
 
   // Ring reduce-scatter over uneven segments. Segment s starts at rank s + 1, which sends its
@@ -333,13 +413,18 @@ class GlooCollectives final : public Collectives {
 
   absl::Mutex mu_;
   const std::shared_ptr<gloo::Context> context_;
+  // What Fork needs to meet the same ranks again: the store and the options this object's
+  // rendezvous used.
+  const std::shared_ptr<gloo::rendezvous::Store> store_;
+  const GlooOptions options_;
+  const std::string fork_;
   const int rank_;
   const int world_size_;
-  const std::string hostname_;
   const Millis timeout_;
   uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 0;
   // The first failure; OK while usable.
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> forked_ ABSL_GUARDED_BY(mu_);  // names given to Fork
   // Reduce-scatter state kept between calls, so a warm call allocates no element buffers.
   std::unique_ptr<float[]> scratch_ ABSL_GUARDED_BY(mu_);  // (scratch_size_,) partial sums
   int64_t scratch_size_ ABSL_GUARDED_BY(mu_) = 0;
@@ -347,8 +432,8 @@ class GlooCollectives final : public Collectives {
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recv_buffers_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<std::unique_ptr<Collectives>> Rendezvous(const GlooOptions& options,
-                                                        gloo::rendezvous::Store& store) {
+absl::StatusOr<std::unique_ptr<Collectives>> Rendezvous(
+    const GlooOptions& options, std::shared_ptr<gloo::rendezvous::Store> store, std::string fork) {
   const Millis timeout = std::max(Millis(1), absl::ToChronoMilliseconds(options.timeout));
   try {
     gloo::transport::tcp::attr attr;
@@ -357,10 +442,10 @@ absl::StatusOr<std::unique_ptr<Collectives>> Rendezvous(const GlooOptions& optio
     auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
     // Bounds the wait for the peers' addresses in the store and for each connection.
     context->setTimeout(timeout);
-    gloo::rendezvous::PrefixStore prefixed(options.prefix, store);
+    gloo::rendezvous::PrefixStore prefixed(options.prefix, *store);
     context->connectFullMesh(prefixed, device);
-    return std::unique_ptr<Collectives>(
-        std::make_unique<GlooCollectives>(std::move(context), options.hostname, timeout));
+    return std::unique_ptr<Collectives>(std::make_unique<GlooCollectives>(
+        std::move(context), std::move(store), options, std::move(fork), timeout));
   } catch (...) {
     return CurrentExceptionToStatus(
         absl::StrCat("gloo rendezvous (rank ", options.rank, " of ", options.world_size, ")"));
@@ -400,7 +485,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(
   // UNAVAILABLE. Ignored once for the process, as gRPC's own sockets expect.
   static const bool sigpipe_ignored = [] { return std::signal(SIGPIPE, SIG_IGN) != SIG_ERR; }();
   (void)sigpipe_ignored;
-  return Rendezvous(options, *store);
+  return Rendezvous(options, std::move(store), /*fork=*/"");
 }
 
 }  // namespace offload

@@ -1,6 +1,6 @@
 // Gloo collectives with ranks as threads of this process, meeting in a shared in-memory store
 // (and once in a directory): results against exact sums, aliasing, refused arguments, dead and
-// silent peers, and a rendezvous nobody else comes to.
+// silent peers, a rendezvous nobody else comes to, and forks used beside their parents.
 #include "gpu_trainer/collectives/gloo_collectives.h"
 
 #include <gmock/gmock.h>
@@ -213,6 +213,151 @@ TEST_P(CollectivesTest, AllGather16) {
   }
 }
 
+// Uneven pieces of a gathered range for a world of w, each list with zeros (as when a layer's
+// range misses some ranks' partitions) and a piece above 256K elements where it fits.
+std::vector<std::vector<int64_t>> GatherPatterns(int w) {
+  switch (w) {
+    case 1:
+      return {{0}, {5}, {300'001}};
+    case 2:
+      return {{3, 0}, {0, 5}, {0, 0}, {1000, 300'001}};
+    default:
+      return {{3, 0, 5}, {0, 0, 7}, {0, 4, 0}, {0, 0, 0}, {300'001, 2, 0}};
+  }
+}
+
+// Element i of rank `rank`'s piece, distinct across ranks, pieces and calls.
+uint16_t PieceValue(int rank, int64_t i, int salt = 0) {
+  return static_cast<uint16_t>((rank * 7919 + i * 31 + salt * 101 + 1) & 0xffff);
+}
+
+// One rank's share of an uneven all-gather, into a separate buffer and then in place; true if
+// every element came out right.
+bool AllGatherV16OnRank(Collectives& c, const std::vector<int64_t>& counts, int salt = 0) {
+  const int r = c.rank();
+  const std::vector<int64_t> offsets = Offsets(counts);
+  const int64_t total = offsets.back() + counts.back();
+  std::vector<uint16_t> in(counts[r]);  // (counts[r],)
+  for (int64_t i = 0; i < counts[r]; ++i) in[i] = PieceValue(r, i, salt);
+  auto wrong_in = [&](const uint16_t* out) {
+    int64_t wrong = 0;
+    for (size_t q = 0; q < counts.size(); ++q) {
+      for (int64_t i = 0; i < counts[q]; ++i) {
+        wrong += out[offsets[q] + i] != PieceValue(static_cast<int>(q), i, salt);
+      }
+    }
+    return wrong;
+  };
+
+  constexpr uint16_t kGuard = 0xdead;
+  std::vector<uint16_t> out(total + 1, kGuard);  // (sum(counts) + 1,): a guard after the output
+  absl::Status s = c.AllGatherV16(in.data(), out.data(), counts);
+  EXPECT_TRUE(s.ok()) << s;
+  int64_t wrong = wrong_in(out.data());
+  EXPECT_EQ(wrong, 0) << "rank " << r;
+  EXPECT_EQ(out[total], kGuard);
+
+  // In place: this rank's piece already sits at its offset; the rest holds garbage.
+  std::vector<uint16_t> shared(total, 0xbeef);  // (sum(counts),)
+  std::copy(in.begin(), in.end(), shared.begin() + offsets[r]);
+  s = c.AllGatherV16(shared.data() + offsets[r], shared.data(), counts);
+  EXPECT_TRUE(s.ok()) << s;
+  const int64_t wrong_in_place = wrong_in(shared.data());
+  EXPECT_EQ(wrong_in_place, 0) << "in place, rank " << r;
+  return s.ok() && wrong == 0 && wrong_in_place == 0 && out[total] == kGuard;
+}
+
+TEST_P(CollectivesTest, AllGatherV16UnevenCounts) {
+  for (const std::vector<int64_t>& counts : GatherPatterns(w())) {
+    SCOPED_TRACE(::testing::PrintToString(counts));
+    RunRanks(w(), [&](int r) { AllGatherV16OnRank(*ranks_[r], counts); });
+  }
+  // Null buffers where nothing is held: a rank without a piece, and an empty range.
+  RunRanks(w(), [&](int r) {
+    std::vector<int64_t> counts(w(), 2);
+    counts[0] = 0;
+    std::vector<uint16_t> out(2 * (w() - 1), 0);
+    std::vector<uint16_t> in(2, static_cast<uint16_t>(r + 1));
+    absl::Status s = ranks_[r]->AllGatherV16(r == 0 ? nullptr : in.data(), out.data(), counts);
+    ASSERT_TRUE(s.ok()) << s;
+    for (int q = 1; q < w(); ++q) EXPECT_EQ(out[2 * (q - 1)], q + 1);
+    s = ranks_[r]->AllGatherV16(nullptr, nullptr, std::vector<int64_t>(w(), 0));
+    ASSERT_TRUE(s.ok()) << s;
+  });
+}
+
+// Each rank gathers on a fork from one thread while another thread reduce-scatters and
+// all-reduces on the parent: on one communicator the two threads' calls would pair up
+// differently on different ranks and mix or hang.
+TEST_P(CollectivesTest, ForkRunsBesideItsParent) {
+  std::vector<std::unique_ptr<Collectives>> forks(w());
+  RunRanks(w(), [&](int r) {
+    absl::StatusOr<std::unique_ptr<Collectives>> fork = ranks_[r]->Fork("gather");
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    forks[r] = std::move(*fork);
+  });
+  for (int r = 0; r < w(); ++r) {
+    ASSERT_NE(forks[r], nullptr);
+    EXPECT_EQ(forks[r]->rank(), r);
+    EXPECT_EQ(forks[r]->world_size(), w());
+  }
+  if (w() > 1) {
+    EXPECT_THAT(forks[0]->Describe(), HasSubstr("fork gather"));
+  }
+
+  constexpr int kIterations = 50;
+  RunRanks(w(), [&](int r) {
+    std::thread gathers([&] {
+      const std::vector<std::vector<int64_t>> patterns = GatherPatterns(w());
+      for (int iter = 0; iter < kIterations; ++iter) {
+        std::vector<int64_t> counts = patterns[iter % patterns.size()];
+        for (int64_t& c : counts) c = std::min<int64_t>(c, 999);  // small, to stay fast
+        if (!AllGatherV16OnRank(*forks[r], counts, iter)) {
+          ADD_FAILURE() << "fork gather " << iter << " on rank " << r;
+          return;
+        }
+      }
+    });
+    Collectives& c = *ranks_[r];
+    for (int iter = 0; iter < kIterations; ++iter) {
+      std::vector<int64_t> counts(w(), 3);
+      counts[iter % w()] = 1;
+      ReduceScatterExactOnRank(c, counts);
+      double v = r + iter;
+      const absl::Status s = c.AllReduce(&v, 1, ReduceOp::kSum);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(v, w() * (w() - 1) / 2.0 + w() * iter);
+    }
+    gathers.join();
+  });
+
+  // A second name forks again; a fork forks too, under names of its own; a repeated name or a
+  // bad one is refused by each rank on its own.
+  std::vector<std::unique_ptr<Collectives>> more(2 * w());  // (second, fork of the fork) per rank
+  RunRanks(w(), [&](int r) {
+    EXPECT_EQ(ranks_[r]->Fork("gather").status().code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_EQ(ranks_[r]->Fork("").status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ranks_[r]->Fork("a/b").status().code(), absl::StatusCode::kInvalidArgument);
+    absl::StatusOr<std::unique_ptr<Collectives>> second = ranks_[r]->Fork("second");
+    ASSERT_TRUE(second.ok()) << second.status();
+    absl::StatusOr<std::unique_ptr<Collectives>> inner = forks[r]->Fork("second");
+    ASSERT_TRUE(inner.ok()) << inner.status();
+    more[2 * r] = std::move(*second);
+    more[2 * r + 1] = std::move(*inner);
+  });
+  RunRanks(w(), [&](int r) {
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_NE(more[2 * r + k], nullptr);
+      std::vector<int64_t> counts(w(), 0);
+      counts[w() - 1] = 4;
+      EXPECT_TRUE(AllGatherV16OnRank(*more[2 * r + k], counts, k));
+    }
+    // The parent and the first fork still work.
+    EXPECT_TRUE(ranks_[r]->Barrier().ok());
+    EXPECT_TRUE(forks[r]->Barrier().ok());
+  });
+}
+
 TEST_P(CollectivesTest, AllReduceSumAndMax) {
   std::vector<std::vector<double>> sums(w());
   RunRanks(w(), [&](int r) {
@@ -309,6 +454,7 @@ TEST_P(CollectivesTest, BadArgumentsRefusedWithoutCommunicating) {
       negative[w() - 1] = -1;
       std::vector<int64_t> fine(w(), 2);
       std::vector<uint16_t> gathered(2 * w());
+      std::vector<uint16_t> pieces(2 * w());  // (sum(fine),)
       double v = 0;
       uint8_t byte = 0;
       const absl::Status refused[] = {
@@ -328,12 +474,24 @@ TEST_P(CollectivesTest, BadArgumentsRefusedWithoutCommunicating) {
           c.Broadcast(&byte, 1, -1),
           c.Broadcast(&byte, -1, 0),
           c.Broadcast(nullptr, 1, 0),
+          c.AllGatherV16(pieces.data(), pieces.data(), too_many),
+          c.AllGatherV16(pieces.data(), pieces.data(), negative),
+          c.AllGatherV16(nullptr, pieces.data(), fine),
+          c.AllGatherV16(pieces.data(), nullptr, fine),
+          // in overlaps out but is not out + offset of segment 0.
+          c.AllGatherV16(pieces.data() + 1, pieces.data(), fine),
+          c.Fork("").status(),
+          c.Fork("a/b").status(),
       };
       for (const absl::Status& s : refused) {
         EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
       }
       EXPECT_THAT(refused[0].message(), HasSubstr("counts"));
       EXPECT_THAT(refused[10].message(), HasSubstr("root"));
+      EXPECT_THAT(refused[14].message(), HasSubstr("all_gather_v16: counts"));
+      EXPECT_THAT(refused[16].message(), HasSubstr("in is null"));
+      EXPECT_THAT(refused[18].message(), HasSubstr("overlaps"));
+      EXPECT_THAT(refused[20].message(), HasSubstr("'/'"));
     }
     double v = r + 1;
     absl::Status s = c.AllReduce(&v, 1, ReduceOp::kSum);
@@ -363,6 +521,26 @@ TEST(SingleRankTest, CopiesAndRefuses) {
   EXPECT_EQ(v, 2.5);
   EXPECT_EQ(c->Broadcast(&v, sizeof(v), 1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(c->Barrier().ok());
+
+  uint16_t piece[3] = {1, 2, 3};
+  uint16_t range[3] = {0, 0, 0};
+  ASSERT_TRUE(c->AllGatherV16(piece, range, {3}).ok());
+  EXPECT_EQ(range[2], 3);
+  ASSERT_TRUE(c->AllGatherV16(range, range, {3}).ok());  // in place
+  EXPECT_EQ(range[0], 1);
+  EXPECT_TRUE(c->AllGatherV16(nullptr, nullptr, {0}).ok());
+  EXPECT_EQ(c->AllGatherV16(piece, range, {3, 0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->AllGatherV16(range + 1, range, {2}).code(), absl::StatusCode::kInvalidArgument);
+
+  absl::StatusOr<std::unique_ptr<Collectives>> fork = c->Fork("gather");
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ((*fork)->world_size(), 1);
+  ASSERT_TRUE((*fork)->AllGatherV16(piece, range, {3}).ok());
+  EXPECT_TRUE((*fork)->Fork("inner").ok());
+  EXPECT_EQ(c->Fork("gather").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(c->Fork("").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Fork("x/y").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(c->Fork("other").ok());
 }
 
 TEST(ConnectTest, RefusesBadOptions) {
@@ -412,6 +590,12 @@ TEST(ConnectTest, FileStoreTwoRanks) {
     EXPECT_EQ(v, 30.0);
     ReduceScatterExactOnRank(**ranks[r], {kLarge, 9});
   });
+  // A fork meets in the same directory under its own prefix (the FileStore refuses any key
+  // that already exists, so reusing the parent's would fail).
+  std::vector<absl::StatusOr<std::unique_ptr<Collectives>>> forks(2);  // UNKNOWN until run
+  RunRanks(2, [&](int r) { forks[r] = (*ranks[r])->Fork("gather"); });
+  for (auto& c : forks) ASSERT_TRUE(c.ok()) << c.status();
+  RunRanks(2, [&](int r) { EXPECT_TRUE(AllGatherV16OnRank(**forks[r], {0, 7})); });
   std::filesystem::remove_all(dir);
 }
 
@@ -525,6 +709,22 @@ TEST(SlowRootTest, BroadcastWithinOutlastsTheTimeout) {
   });
   // And the usual timeout still applies to the next call.
   RunRanks(2, [&](int r) { EXPECT_TRUE(ranks[r]->Barrier().ok()); });
+}
+
+// Only rank 0 forks: its fork times out, and like any failed call leaves rank 0 unusable.
+TEST(DeadPeerTest, ForkWithoutPeerTimesOutAndBreaks) {
+  std::vector<std::unique_ptr<Collectives>> ranks = ConnectRanks(2, absl::Seconds(1));
+  ASSERT_EQ(ranks.size(), 2u);
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<Collectives>> fork = ranks[0]->Fork("lonely");
+  const double seconds = SecondsSince(start);
+  ASSERT_FALSE(fork.ok());
+  EXPECT_EQ(fork.status().code(), absl::StatusCode::kDeadlineExceeded) << fork.status();
+  EXPECT_THAT(fork.status().message(), HasSubstr("gloo fork (rank 0 of 2) \"lonely\""));
+  EXPECT_LT(seconds, 5.0);
+  std::cerr << "fork without peer: " << fork.status() << " after " << seconds << " s\n";
+  EXPECT_EQ(ranks[0]->Barrier().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ranks[0]->Fork("again").status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ConnectTest, RendezvousTimesOutWithoutPeer) {

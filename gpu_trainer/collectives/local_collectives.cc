@@ -5,11 +5,18 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 
 namespace offload {
@@ -44,6 +51,14 @@ class LocalCollectives final : public Collectives {
     return absl::OkStatus();
   }
 
+  absl::Status AllGatherV16(const uint16_t* in, uint16_t* out,
+                            const std::vector<int64_t>& counts) override {
+    OFFLOAD_RETURN_IF_ERROR(CheckAllGatherV16Args(0, 1, in, out, counts));
+    // in aliases out exactly or not at all (checked), so memcpy is safe once they differ.
+    if (counts[0] > 0 && in != out) std::memcpy(out, in, counts[0] * sizeof(uint16_t));
+    return absl::OkStatus();
+  }
+
   absl::Status AllReduce(double* values, int n, ReduceOp op) override {
     return CheckAllReduceArgs(values, n, op);
   }
@@ -54,6 +69,21 @@ class LocalCollectives final : public Collectives {
   }
 
   absl::Status Barrier() override { return absl::OkStatus(); }
+
+  // Nothing to keep apart with no peers, but names are refused as with them, so that a program
+  // run on one rank fails where it would on many.
+  absl::StatusOr<std::unique_ptr<Collectives>> Fork(absl::string_view name) override {
+    OFFLOAD_RETURN_IF_ERROR(CheckForkName(name));
+    absl::MutexLock lock(&mu_);
+    if (!forked_.insert(std::string(name)).second) {
+      return absl::AlreadyExistsError(absl::StrCat("fork: name \"", name, "\" already forked"));
+    }
+    return std::unique_ptr<Collectives>(std::make_unique<LocalCollectives>());
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::set<std::string> forked_ ABSL_GUARDED_BY(mu_);  // names given to Fork
 };
 
 }  // namespace
@@ -121,6 +151,44 @@ absl::Status CheckAllGather16Args(int rank, int world_size, const uint16_t* in, 
   return absl::OkStatus();
 }
 
+absl::Status CheckAllGatherV16Args(int rank, int world_size, const uint16_t* in,
+                                   const uint16_t* out, const std::vector<int64_t>& counts) {
+  if (static_cast<int64_t>(counts.size()) != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("all_gather_v16: counts has ", counts.size(),
+                                                   " entries, the world ", world_size, " ranks"));
+  }
+  int64_t total = 0;
+  int64_t offset = 0;  // of segment `rank` in out
+  for (int r = 0; r < world_size; ++r) {
+    const int64_t c = counts[r];
+    if (c < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("all_gather_v16: counts[", r, "] = ", c, " is negative"));
+    }
+    if (c > kMaxBytes / static_cast<int64_t>(sizeof(uint16_t)) - total) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("all_gather_v16: counts sum past ", total, " + ", c, " elements"));
+    }
+    if (r == rank) offset = total;
+    total += c;
+  }
+  const int64_t mine = counts[rank];
+  if (mine > 0 && in == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("all_gather_v16: in is null for counts[", rank, "] = ", mine, " elements"));
+  }
+  if (total > 0 && out == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("all_gather_v16: out is null for ", total, " elements"));
+  }
+  if (mine > 0 && in != out + offset &&
+      Overlap(in, mine * sizeof(uint16_t), out, total * sizeof(uint16_t))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "all_gather_v16: in overlaps out other than at segment ", rank, " (out + ", offset, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckAllReduceArgs(const double* values, int n, ReduceOp op) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("all_reduce: n = ", n, " < 0"));
   if (n > 0 && values == nullptr) {
@@ -147,6 +215,14 @@ absl::Status CheckBroadcastArgs(int world_size, const void* data, int64_t bytes,
   if (bytes > 0 && data == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("broadcast: data is null for ", bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckForkName(absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError("fork: name is empty");
+  if (absl::StrContains(name, '/')) {
+    return absl::InvalidArgumentError(absl::StrCat("fork: name \"", name, "\" contains '/'"));
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "gpu_trainer/collectives/collectives.h"
 
 namespace offload {
@@ -27,8 +28,15 @@ absl::Status CheckReduceScatterArgs(int rank, int world_size, const float* data,
 // n >= 0; in may alias exactly out + rank * n, and overlaps out nowhere else.
 absl::Status CheckAllGather16Args(int rank, int world_size, const uint16_t* in, const uint16_t* out,
                                   int64_t n);
+// counts has world_size entries >= 0; in is non-null where counts[rank] > 0 and out where the
+// sum is; in may alias exactly out + sum(counts[0 .. rank)), and overlaps out nowhere else.
+absl::Status CheckAllGatherV16Args(int rank, int world_size, const uint16_t* in,
+                                   const uint16_t* out, const std::vector<int64_t>& counts);
 absl::Status CheckAllReduceArgs(const double* values, int n, ReduceOp op);
 absl::Status CheckBroadcastArgs(int world_size, const void* data, int64_t bytes, int root);
+// name is non-empty and has no '/': a fork's store keys are its parent's prefix + "/fork/" +
+// name, so names without '/' keep every fork, and every fork of a fork, apart.
+absl::Status CheckForkName(absl::string_view name);
 
 }  // namespace offload
 

@@ -38,12 +38,50 @@ class Carver {
   int64_t used_ = 0;
 };
 
+// A unit of weights from a Gpt2ParamSource, released when it goes out of scope, so that an error
+// part way through a pass leaves nothing held.
+class HeldUnit {
+ public:
+  HeldUnit(Gpt2ParamSource& source, int unit) : source_(source), unit_(unit) {}
+  HeldUnit(const HeldUnit&) = delete;
+  HeldUnit& operator=(const HeldUnit&) = delete;
+  ~HeldUnit() { Release(); }
+
+  absl::Status Acquire() {
+    OFFLOAD_ASSIGN_OR_RETURN(base_, source_.Acquire(unit_));
+    held_ = true;
+    return absl::OkStatus();
+  }
+  void Release() {
+    if (held_) source_.Release(unit_);
+    held_ = false;
+  }
+  const float* base() const { return base_; }
+  int unit() const { return unit_; }
+
+ private:
+  Gpt2ParamSource& source_;
+  const int unit_;
+  const float* base_ = nullptr;
+  bool held_ = false;
+};
+
 // With ValidateGpt2Config's bounds, kMaxTokens keeps B*T an int and every activation size in
 // Create below int64 (the largest, L*B*NH*T*T, stays under 2^60).
 constexpr int64_t kMaxTokens = int64_t{1} << 24;            // max_batch * max_seq
 constexpr int64_t kMaxActivationFloats = int64_t{1} << 40;  // 4 TiB: refuse rather than try
 
 }  // namespace
+
+FlatGpt2Params::FlatGpt2Params(const Gpt2Config& config, const float* params)
+    : config_(config), params_(params) {}
+
+absl::StatusOr<const float*> FlatGpt2Params::Acquire(int unit) {
+  if (unit < 0 || unit >= Gpt2NumUnits(config_)) {
+    return absl::InvalidArgumentError(absl::StrCat("FlatGpt2Params: no unit ", unit));
+  }
+  return params_ + Gpt2UnitRange(config_, unit).begin;
+}
 
 Gpt2Cpu::Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq,
                  const CpuLayerKernels* kernels)
@@ -64,6 +102,9 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
                   kernels == CpuKernelSet::kFast ? &FastKernels() : &NaiveKernels()));
   for (const ParamTensor& t : Gpt2ParamLayout(config)) model->tensor_offsets_.push_back(t.offset);
   model->num_params_ = Gpt2NumParams(config);
+  for (int u = 0; u < Gpt2NumUnits(config); ++u) {
+    model->unit_begins_.push_back(Gpt2UnitRange(config, u).begin);
+  }
 
   // Sizes are for (max_batch, max_seq); Forward packs smaller batches densely (see gpt2.h).
   auto carve = [&](float* base, Activations* a, ActivationGrads* g) {
@@ -127,9 +168,18 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
 
 absl::StatusOr<float> Gpt2Cpu::Forward(const float* params, const int32_t* inputs,
                                        const int32_t* targets, int B, int T) {
+  if (params == nullptr) {
+    return absl::InvalidArgumentError("Gpt2Cpu::Forward: params and inputs must not be null");
+  }
+  FlatGpt2Params flat(config_, params);
+  return Forward(flat, inputs, targets, B, T);
+}
+
+absl::StatusOr<float> Gpt2Cpu::Forward(Gpt2ParamSource& params, const int32_t* inputs,
+                                       const int32_t* targets, int B, int T) {
   // Everything is checked before anything is written, so a refused call leaves the previous
   // Forward's activations, logits and batch intact for a Backward.
-  if (params == nullptr || inputs == nullptr) {
+  if (inputs == nullptr) {
     return absl::InvalidArgumentError("Gpt2Cpu::Forward: params and inputs must not be null");
   }
   if (B <= 0 || B > max_batch_ || T <= 0 || T > max_seq_) {
@@ -152,17 +202,26 @@ absl::StatusOr<float> Gpt2Cpu::Forward(const float* params, const int32_t* input
   if (targets != nullptr) std::memcpy(targets_.data(), targets, sizeof(int32_t) * B * T);
   B_ = B;
   T_ = T;
-  have_targets_ = targets != nullptr;
+  have_targets_ = false;  // until the pass is through
 
   const CpuLayerKernels& k = *kernels_;
   const int L = config_.num_layers, NH = config_.num_heads, C = config_.channels;
   const int64_t BT = int64_t{B} * T, BTC = BT * C, BHTT = BT * NH * T;
-  auto w = [&](int index) { return params + tensor_offsets_[index]; };
+  // Tensor `index` of the flat layout, inside the held unit that contains it.
+  auto w = [&](const HeldUnit& unit, int index) {
+    return unit.base() + (tensor_offsets_[index] - unit_begins_[unit.unit()]);
+  };
   const Activations& a = acts_;
 
-  k.encoder_forward(a.encoded, inputs_.data(), w(kWte), w(kWpe), B, T, C);
+  HeldUnit embeddings(params, 0);  // also the tied head at the end
+  OFFLOAD_RETURN_IF_ERROR(embeddings.Acquire());
+  params.Prefetch(1);
+  k.encoder_forward(a.encoded, inputs_.data(), w(embeddings, kWte), w(embeddings, kWpe), B, T, C);
   for (int l = 0; l < L; l++) {
-    auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
+    HeldUnit block(params, 1 + l);
+    OFFLOAD_RETURN_IF_ERROR(block.Acquire());
+    params.Prefetch(2 + l);  // the next block, or ln_f after the last
+    auto bw = [&](BlockTensor t) { return w(block, BlockIndex(l, t)); };
     const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
     float* ln1 = a.ln1 + l * BTC;                                              // (B, T, C)
     float* ln1_mean = a.ln1_mean + l * BT;                                     // (B, T)
@@ -189,9 +248,12 @@ absl::StatusOr<float> Gpt2Cpu::Forward(const float* params, const int32_t* input
     k.matmul_forward(a.proj, fch_gelu, bw(kFcProjWeight), bw(kFcProjBias), B, T, 4 * C, C);
     k.residual_forward(residual3, residual2, a.proj, BTC);
   }
+  HeldUnit lnf(params, L + 1);
+  OFFLOAD_RETURN_IF_ERROR(lnf.Acquire());
   k.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3 + (L - 1) * BTC,
-                      w(LnfWeightIndex(L)), w(LnfBiasIndex(L)), B, T, C);
-  k.tied_head_forward(a.logits, a.lnf, w(kWte), B, T, C, config_.vocab_size);
+                      w(lnf, LnfWeightIndex(L)), w(lnf, LnfBiasIndex(L)), B, T, C);
+  k.tied_head_forward(a.logits, a.lnf, w(embeddings, kWte), B, T, C, config_.vocab_size);
+  have_targets_ = targets != nullptr;
   if (targets == nullptr) return 0.0f;
 
   k.crossentropy_forward(a.losses, a.probs, a.logits, targets_.data(), B, T, config_.vocab_size);
@@ -202,11 +264,20 @@ absl::StatusOr<float> Gpt2Cpu::Forward(const float* params, const int32_t* input
 
 absl::Status Gpt2Cpu::Backward(const float* params, float loss_scale, float* grads,
                                const std::function<void(int64_t offset, int64_t n)>& on_ready) {
+  if (params == nullptr) {
+    return absl::InvalidArgumentError("Gpt2Cpu::Backward: params and grads must not be null");
+  }
+  FlatGpt2Params flat(config_, params);
+  return Backward(flat, loss_scale, grads, on_ready);
+}
+
+absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float* grads,
+                               const std::function<void(int64_t offset, int64_t n)>& on_ready) {
   if (!have_targets_) {
     return absl::FailedPreconditionError(
         "Gpt2Cpu::Backward: needs a preceding Forward with targets");
   }
-  if (params == nullptr || grads == nullptr) {
+  if (grads == nullptr) {
     return absl::InvalidArgumentError("Gpt2Cpu::Backward: params and grads must not be null");
   }
   if (!std::isfinite(loss_scale)) {
@@ -218,7 +289,9 @@ absl::Status Gpt2Cpu::Backward(const float* params, float loss_scale, float* gra
   const int L = config_.num_layers, NH = config_.num_heads, C = config_.channels,
             V = config_.vocab_size;
   const int64_t BT = int64_t{B} * T, BTC = BT * C, BHTT = BT * NH * T;
-  auto w = [&](int index) { return params + tensor_offsets_[index]; };
+  auto w = [&](const HeldUnit& unit, int index) {
+    return unit.base() + (tensor_offsets_[index] - unit_begins_[unit.unit()]);
+  };
   auto dw = [&](int index) { return grads + tensor_offsets_[index]; };
   auto ready = [&](int64_t begin, int64_t end) {
     if (on_ready) on_ready(begin, end - begin);
@@ -231,15 +304,24 @@ absl::Status Gpt2Cpu::Backward(const float* params, float loss_scale, float* gra
   std::memset(grads, 0, sizeof(float) * num_params_);
   std::memset(g.dresidual, 0, sizeof(float) * BTC);
 
+  HeldUnit embeddings(params, 0);  // the tied head now, the embedding at the end
+  OFFLOAD_RETURN_IF_ERROR(embeddings.Acquire());
+  HeldUnit lnf(params, L + 1);
+  OFFLOAD_RETURN_IF_ERROR(lnf.Acquire());
+  params.Prefetch(L);  // the last block
   k.crossentropy_backward(g.dlogits, a.probs, targets_.data(), loss_scale / BT, B, T, V);
-  k.tied_head_backward(g.dlnf, dw(kWte), g.dlogits, a.lnf, w(kWte), B, T, C, V);
+  k.tied_head_backward(g.dlnf, dw(kWte), g.dlogits, a.lnf, w(embeddings, kWte), B, T, C, V);
   k.layernorm_backward(g.dresidual, dw(LnfWeightIndex(L)), dw(LnfBiasIndex(L)), g.dlnf,
-                       a.residual3 + (L - 1) * BTC, w(LnfWeightIndex(L)), a.lnf_mean, a.lnf_rstd, B,
-                       T, C);
+                       a.residual3 + (L - 1) * BTC, w(lnf, LnfWeightIndex(L)), a.lnf_mean,
+                       a.lnf_rstd, B, T, C);
+  lnf.Release();
   ready(tensor_offsets_[LnfWeightIndex(L)], num_params_);
 
   for (int l = L - 1; l >= 0; l--) {
-    auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
+    HeldUnit block(params, 1 + l);
+    OFFLOAD_RETURN_IF_ERROR(block.Acquire());
+    if (l > 0) params.Prefetch(l);  // the block below
+    auto bw = [&](BlockTensor t) { return w(block, BlockIndex(l, t)); };
     auto dbw = [&](BlockTensor t) { return dw(BlockIndex(l, t)); };
     const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
     const float* ln1 = a.ln1 + l * BTC;                                        // (B, T, C)

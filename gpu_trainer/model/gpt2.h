@@ -20,6 +20,36 @@ namespace offload {
 
 enum class CpuKernelSet { kFast, kNaive };
 
+// Where Forward and Backward find the fp32 weights, one unit at a time (Gpt2UnitRange): the whole
+// flat buffer at once (FlatGpt2Params), or, under ZeRO-3, each unit gathered from the ranks that
+// own it just before its use and freed after (gpu_trainer/train/param_gatherer.h).
+//
+// The model acquires and releases in a fixed order. Forward: 0 (held to the end), then each block
+// 1..L in turn (acquired, used, released), then L+1. Backward: 0 and L+1, then L+1 is released,
+// then the blocks L..1 in turn, then 0 is released. Each Acquire is followed by a Prefetch of the
+// unit that comes next, so a source can move it while this one computes.
+class Gpt2ParamSource {
+ public:
+  virtual ~Gpt2ParamSource() = default;
+  // The fp32 weights of `unit`, (Gpt2UnitRange(unit).size(),), valid until Release(unit).
+  virtual absl::StatusOr<const float*> Acquire(int unit) = 0;
+  virtual void Release(int unit) = 0;
+  // A hint that `unit` is acquired next.
+  virtual void Prefetch(int unit) {}
+};
+
+// Every unit is a view of one flat buffer params (num_params,) in layout order.
+class FlatGpt2Params final : public Gpt2ParamSource {
+ public:
+  FlatGpt2Params(const Gpt2Config& config, const float* params);
+  absl::StatusOr<const float*> Acquire(int unit) override;
+  void Release(int unit) override {}
+
+ private:
+  const Gpt2Config config_;
+  const float* const params_;
+};
+
 class Gpt2Cpu {
  public:
   // Activations for up to (max_batch, max_seq) in one allocation carved into views;
@@ -39,6 +69,11 @@ class Gpt2Cpu {
   // returned as 0). Returns the mean cross-entropy loss over the B*T positions.
   absl::StatusOr<float> Forward(const float* params, const int32_t* inputs, const int32_t* targets,
                                 int B, int T);
+  // The same with the weights from `params`. A failed Acquire ends the call with its status after
+  // the arguments were taken: the activations are then partly overwritten, and Backward is refused
+  // until the next successful Forward with targets.
+  absl::StatusOr<float> Forward(Gpt2ParamSource& params, const int32_t* inputs,
+                                const int32_t* targets, int B, int T);
 
   // Requires a preceding Forward with targets (FailedPrecondition otherwise), and the same params.
   // Writes d(loss * loss_scale)/d(params) into grads (num_params,), overwriting it.
@@ -48,6 +83,8 @@ class Gpt2Cpu {
   // together (offset 0 up to the start of h.0) at the end, because the tied head and the embedding
   // both add into wte. The ranges cover [0, num_params) exactly once. on_ready may be empty.
   absl::Status Backward(const float* params, float loss_scale, float* grads,
+                        const std::function<void(int64_t offset, int64_t n)>& on_ready);
+  absl::Status Backward(Gpt2ParamSource& params, float loss_scale, float* grads,
                         const std::function<void(int64_t offset, int64_t n)>& on_ready);
 
   const float* logits() const { return acts_.logits; }  // (B, T, V) of the last Forward
@@ -106,6 +143,7 @@ class Gpt2Cpu {
   const CpuLayerKernels* const kernels_;
   int64_t num_params_ = 0;
   std::vector<int64_t> tensor_offsets_;  // Gpt2ParamLayout(config_)[i].offset
+  std::vector<int64_t> unit_begins_;     // Gpt2UnitRange(config_, u).begin
   std::unique_ptr<float[]> memory_;      // every Activations and ActivationGrads view
   int64_t activation_floats_ = 0;        // memory_'s length
   Activations acts_{};

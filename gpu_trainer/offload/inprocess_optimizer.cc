@@ -14,12 +14,16 @@ namespace {
 // Parameters land straight in the trainer's 16-bit weights: the wave buffers are views of it.
 class DirectParamSink final : public ParamSink {
  public:
-  explicit DirectParamSink(uint16_t* params16) : params16_(params16) {}
-  void* Buffer(int slot, int64_t offset, int64_t n) override { return params16_ + offset; }
+  // params16 holds flat elements from `first` on.
+  DirectParamSink(uint16_t* params16, int64_t first) : params16_(params16), first_(first) {}
+  void* Buffer(int slot, int64_t offset, int64_t n) override {
+    return params16_ + (offset - first_);
+  }
   bool Send(int slot) override { return true; }
 
  private:
   uint16_t* const params16_;
+  const int64_t first_;
 };
 
 }  // namespace
@@ -107,8 +111,8 @@ absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint
 }
 
 absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(float lr, float grad_multiplier,
-                                                              bool skip, uint16_t* params16) {
-  DirectParamSink sink(params16);
+                                                              bool skip, uint16_t* partition16) {
+  DirectParamSink sink(partition16, partition_offset());
   StepCounters counters;
   absl::Status first;
   for (auto& session : sessions_) {

@@ -103,10 +103,10 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
 }
 
 absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,
-                                                      uint16_t* params16) {
+                                                      uint16_t* partition16) {
   if (!in_step_) return absl::FailedPreconditionError("Commit outside a step");
   in_step_ = false;
-  absl::StatusOr<StepCounters> counters = CommitSlices(lr, grad_multiplier, skip, params16);
+  absl::StatusOr<StepCounters> counters = CommitSlices(lr, grad_multiplier, skip, partition16);
   if (counters.ok() && counters->completed_step != step_) {
     return absl::DataLossError(
         absl::StrCat("the shards completed step ", counters->completed_step, " for step ", step_));

@@ -71,10 +71,10 @@ class OptimizerBackend {
   absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
                              bool accumulate = false);
   // Applies the step (or skips it) on this rank's slices; their updated 16-bit weights land in
-  // params16 (padded_length,) at their offsets unless skipped. Returns the step counters after
-  // the step.
+  // partition16 (partition_length,), this rank's partition, unless skipped (flat element i at
+  // partition16[i - partition_offset()]). Returns the step counters after the step.
   absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
-                                      uint16_t* params16);
+                                      uint16_t* partition16);
   void AbortStep();
 
  protected:
@@ -83,9 +83,10 @@ class OptimizerBackend {
   virtual absl::Status OpenSlice(int slice, uint64_t step) = 0;
   virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                                  bool accumulate) = 0;
-  // Commits every open slice, writing params16 (padded_length,) at each slice's offset.
+  // Commits every open slice, writing partition16 (partition_length,) at each slice's offset
+  // less partition_offset().
   virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
-                                                    uint16_t* params16) = 0;
+                                                    uint16_t* partition16) = 0;
   virtual void AbortSlices() = 0;
   DType grad_dtype() const { return param_dtype_; }
 

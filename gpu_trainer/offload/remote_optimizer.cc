@@ -111,7 +111,7 @@ absl::Status RemoteOptimizer::SendSlice(int slice, int64_t offset, const uint16_
 }
 
 absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_multiplier,
-                                                           bool skip, uint16_t* params16) {
+                                                           bool skip, uint16_t* partition16) {
   std::vector<int> open;  // the slices of this rank's step
   for (int i = 0; i < static_cast<int>(streams_.size()); ++i) {
     if (streams_[i] != nullptr) open.push_back(i);
@@ -121,7 +121,8 @@ absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_
   // Every shard streams its parameters back at once: each slice on its own thread.
   auto commit = [&](int i) {
     const v1::ShardSlice& s = map_.slices(i);
-    results[i] = streams_[i]->Commit(lr, grad_multiplier, skip, params16 + s.offset());
+    results[i] = streams_[i]->Commit(lr, grad_multiplier, skip,
+                                     partition16 + (s.offset() - partition_offset()));
   };
   std::vector<std::thread> threads;
   for (size_t k = 1; k < open.size(); ++k) threads.emplace_back(commit, open[k]);

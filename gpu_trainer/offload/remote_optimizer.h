@@ -39,7 +39,7 @@ class RemoteOptimizer final : public OptimizerBackend {
   absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                          bool accumulate) override;
   absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
-                                            uint16_t* params16) override;
+                                            uint16_t* partition16) override;
   void AbortSlices() override;
 
   std::vector<std::string> addresses_;

@@ -1,10 +1,12 @@
 #include "gpu_trainer/train/checkpointing.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
 #include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
@@ -29,6 +31,22 @@ TensorDType SafetensorsDType(v1::DType d) {
 }
 
 std::string ShardFileName(int shard) { return absl::StrCat("shard-", shard, ".safetensors"); }
+
+// master (n,) := the shards' fp32 master weights of flat elements [offset, offset + n), read
+// slice by slice (the slices tile the buffer in order).
+absl::Status ReadMasterRange(OptimizerBackend* backend, int64_t offset, int64_t n, float* master) {
+  const v1::PartitionMap& map = backend->partition();
+  const int64_t end = offset + n;
+  for (int i = 0; i < map.slices_size() && offset < end; ++i) {
+    const v1::ShardSlice& slice = map.slices(i);
+    const int64_t lo = std::max<int64_t>(offset, slice.offset());
+    const int64_t hi = std::min<int64_t>(end, slice.offset() + slice.length());
+    if (lo >= hi) continue;
+    OFFLOAD_RETURN_IF_ERROR(backend->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, lo, hi - lo,
+                                                    master + (lo - offset)));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -66,7 +84,19 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
     t.name = p.name;
     t.dtype = SafetensorsDType(manifest.param_dtype());
     t.shape = p.shape;
-    t.data = weights16 + p.offset;
+    if (weights16 != nullptr) {
+      t.data = weights16 + p.offset;
+    } else {
+      const DType dtype = manifest.param_dtype() == v1::DTYPE_BF16 ? DType::kBf16 : DType::kFp16;
+      t.fill = [backend, dtype, first = p.offset](int64_t byte_offset, int64_t nbytes, void* out) {
+        const int64_t n = nbytes / 2;
+        std::vector<float> master(n);  // (n,) one fill's worth, at most 8 Mi elements
+        OFFLOAD_RETURN_IF_ERROR(
+            ReadMasterRange(backend, first + byte_offset / 2, n, master.data()));
+        ConvertFromFloat(master.data(), n, dtype, out);
+        return absl::OkStatus();
+      };
+    }
     model_tensors.push_back(std::move(t));
   }
   manifest.set_model_file("model.safetensors");

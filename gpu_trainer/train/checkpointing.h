@@ -16,7 +16,9 @@
 namespace offload {
 
 // `manifest` carries everything but the file names, which this fills in. weights16 is
-// (padded_length,) in manifest.param_dtype; counters are the shards' after the last step.
+// (padded_length,) in manifest.param_dtype, or null to write the rounding of the shards' master
+// weights instead, read range by range (ZeRO-3, where no rank holds the whole model; the same
+// bits without the delayed update); counters are the shards' after the last step.
 // Returns the committed checkpoint directory.
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::CheckpointManifest manifest,
                                            const uint16_t* weights16, OptimizerBackend* backend,

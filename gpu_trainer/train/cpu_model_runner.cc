@@ -1,9 +1,11 @@
 // The CPU backend as a ModelRunner: the 16-bit weights are upcast once per update into an fp32
-// copy that Gpt2Cpu computes with, and each finished gradient range is rounded to 16 bits (with
-// its statistics) on the backward thread before it is reported.
+// copy that Gpt2Cpu computes with (or, under ZeRO-3, come unit by unit from a Gpt2ParamSource),
+// and each finished gradient range is rounded to 16 bits (with its statistics) on the backward
+// thread before it is reported.
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -16,10 +18,7 @@ namespace {
 class CpuModelRunner final : public ModelRunner {
  public:
   CpuModelRunner(std::unique_ptr<Gpt2Cpu> model, CpuKernelSet kernels, DType dtype)
-      : model_(std::move(model)),
-        kernels_(kernels),
-        dtype_(dtype),
-        params_(model_->num_params(), 0.0f) {}
+      : model_(std::move(model)), kernels_(kernels), dtype_(dtype) {}
 
   int64_t num_params() const override { return model_->num_params(); }
 
@@ -37,8 +36,18 @@ class CpuModelRunner final : public ModelRunner {
                         " kernels, blas=", BlasCoreName());
   }
 
+  absl::Status SetParamSource(Gpt2ParamSource* source) override {
+    source_ = source;
+    std::vector<float>().swap(params_);
+    return absl::OkStatus();
+  }
+
   absl::Status SetWeights(const uint16_t* w16) override {
+    if (source_ != nullptr) {
+      return absl::FailedPreconditionError("SetWeights: the weights come from a parameter source");
+    }
     const int64_t n = model_->num_params();
+    if (params_.empty()) params_.assign(n, 0.0f);
     float* p = params_.data();  // (n,)
     if (dtype_ == DType::kFp16) {
 #pragma omp parallel for schedule(static)
@@ -53,7 +62,7 @@ class CpuModelRunner final : public ModelRunner {
   absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                 int T) override {
     last_t_ = T;
-    return model_->Forward(params_.data(), inputs, targets, B, T);
+    return model_->Forward(Params(), inputs, targets, B, T);
   }
 
   absl::StatusOr<GradStats> Backward(
@@ -64,7 +73,7 @@ class CpuModelRunner final : public ModelRunner {
     if (grads_.empty()) grads_.assign(model_->num_params(), 0.0f);
     GradStats stats;
     absl::Status status =
-        model_->Backward(params_.data(), loss_scale, grads_.data(), [&](int64_t offset, int64_t n) {
+        model_->Backward(Params(), loss_scale, grads_.data(), [&](int64_t offset, int64_t n) {
           stats.Merge(RoundGradients(grads_.data() + offset, n, dtype_, grads16 + offset));
           if (on_ready) on_ready(offset, n);
         });
@@ -75,7 +84,7 @@ class CpuModelRunner final : public ModelRunner {
   absl::Status BackwardFp32(
       float loss_scale, float* grads32,
       const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
-    return model_->Backward(params_.data(), loss_scale, grads32, on_ready);
+    return model_->Backward(Params(), loss_scale, grads32, on_ready);
   }
   bool has_fp32_gradients() const override { return true; }
 
@@ -91,11 +100,20 @@ class CpuModelRunner final : public ModelRunner {
   }
 
  private:
+  Gpt2ParamSource& Params() {
+    if (source_ != nullptr) return *source_;
+    if (params_.empty()) params_.assign(model_->num_params(), 0.0f);  // zeros before SetWeights
+    flat_.emplace(model_->config(), params_.data());
+    return *flat_;
+  }
+
   std::unique_ptr<Gpt2Cpu> model_;
   const CpuKernelSet kernels_;
   const DType dtype_;
-  std::vector<float> params_;  // (num_params,) the 16-bit weights upcast for compute
-  std::vector<float> grads_;   // (num_params,) fp32 from the 16-bit Backward; empty until then
+  std::vector<float> params_;  // (num_params,) the 16-bit weights upcast; empty under ZeRO-3
+  std::optional<FlatGpt2Params> flat_;  // views params_
+  Gpt2ParamSource* source_ = nullptr;   // ZeRO-3: where the weights come from instead
+  std::vector<float> grads_;  // (num_params,) fp32 from the 16-bit Backward; empty until then
   int last_t_ = 0;
 };
 

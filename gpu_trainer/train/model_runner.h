@@ -30,6 +30,13 @@ class ModelRunner {
   // w16 (num_params,) the weights the optimizer sent, in the run's 16-bit dtype. The caller keeps
   // w16 unchanged until the next Forward.
   virtual absl::Status SetWeights(const uint16_t* w16) = 0;
+  // ZeRO-3: Forward and Backward take the weights unit by unit from `source` (not owned; it must
+  // outlive its use) instead of a whole copy made by SetWeights, which is then not called.
+  // Unimplemented where the backend cannot (CUDA, for now).
+  virtual absl::Status SetParamSource(Gpt2ParamSource* source) {
+    return absl::UnimplementedError(
+        "ZeRO stage 3 (weights gathered layer by layer) is built for the CPU backend only");
+  }
   // As Gpt2Cpu::Forward: inputs, targets (B, T) on the host; the mean loss (0 without targets).
   virtual absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                         int T) = 0;

@@ -123,6 +123,22 @@ absl::Status Trainer::Init() {
   if (o.dpu && o.dpu_warmup_steps > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError("dpu_warmup_steps is out of range");
   }
+  if (o.zero_stage != 2 && o.zero_stage != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("zero_stage must be 2 or 3, got ", o.zero_stage));
+  }
+  const bool stage3 = o.zero_stage == 3;
+  if (stage3 && o.dpu) {
+    return absl::InvalidArgumentError(
+        "--dpu does not work with --zero_stage=3 yet: the delayed update computes each step on "
+        "the weights of the commit before last while the last one lands, so every rank would "
+        "hold two versions of its partition and gather layers from the older; use "
+        "--zero_stage=2 with --dpu");
+  }
+  if (stage3 && o.param_window_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("param_window_layers must be >= 1, got ", o.param_window_layers));
+  }
   OFFLOAD_RETURN_IF_ERROR(ValidateLrSchedule(o.schedule));
   OFFLOAD_ASSIGN_OR_RETURN(TokenDataset dataset, TokenDataset::Open(o.data));
   dataset_ = std::make_unique<TokenDataset>(std::move(dataset));
@@ -161,9 +177,31 @@ absl::Status Trainer::Init() {
                                                    " parameters, the model has ",
                                                    runner_->num_params()));
   }
-  weights16_.assign(map.padded_length(), 0);
+  if (stage3) {
+    partition16_ = Weights16(backend_->partition_length(), &weight_meter_);
+    OFFLOAD_ASSIGN_OR_RETURN(param_collectives_, collectives_->Fork("params"));
+    ParamGathererOptions g;
+    g.model = o.model;
+    g.dtype = o.param_dtype;
+    g.padded_length = static_cast<int64_t>(map.padded_length());
+    g.rank = rank();
+    g.world_size = W;
+    g.window_layers = o.param_window_layers;
+    if (o.trace != nullptr) {
+      g.on_gathered = [this](int unit, PhaseTrace::Clock::time_point begin,
+                             PhaseTrace::Clock::time_point end) {
+        options_.trace->Record("gather", trace_step_.load(), begin, end);
+      };
+    }
+    OFFLOAD_ASSIGN_OR_RETURN(gatherer_, ParamGatherer::Create(g, param_collectives_.get(),
+                                                              partition16_.data(), &weight_meter_));
+    OFFLOAD_RETURN_IF_ERROR(runner_->SetParamSource(gatherer_.get()));
+  } else {
+    weights16_.assign(map.padded_length(), 0);
+    if (o.dpu) next_weights16_.assign(map.padded_length(), 0);
+    weight_meter_.Add(static_cast<int64_t>(weights16_.size() + next_weights16_.size()) * 2);
+  }
   grads16_.assign(map.padded_length(), 0);
-  if (o.dpu) next_weights16_.assign(map.padded_length(), 0);
   if (o.micro_batches > 1) acc32_.assign(backend_->partition_length(), 0.0f);
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
@@ -228,8 +266,15 @@ absl::StatusOr<std::string> Trainer::Start() {
 
   std::string how;
   absl::Status loaded;
+  // ZeRO-3: rank 0 holds the whole 16-bit model only until it has dealt out the partitions.
+  Weights16 full;
   if (rank() == 0) {
-    loaded = LoadJob(resuming ? &dir : nullptr, resuming ? &manifest : nullptr, &how);
+    uint16_t* weights16 = weights16_.data();
+    if (gatherer_ != nullptr) {
+      full = Weights16(backend_->partition().padded_length(), &weight_meter_);
+      weights16 = full.data();
+    }
+    loaded = LoadJob(resuming ? &dir : nullptr, resuming ? &manifest : nullptr, weights16, &how);
     // A user who asked to resume must not mistake a fresh start for a continued run.
     if (o.resume && !resuming) {
       how = absl::StrCat("nothing to resume: no checkpoint in ", o.checkpoint_dir, "; ", how);
@@ -249,7 +294,12 @@ absl::StatusOr<std::string> Trainer::Start() {
   if (!lead_ok) {
     return absl::FailedPreconditionError("rank 0 could not start the job (its log says why)");
   }
-  OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(weights16_.data(), weights16_.size() * 2, 0));
+  if (gatherer_ != nullptr) {
+    OFFLOAD_RETURN_IF_ERROR(DealPartitions(full.data()));
+    full.Reset();
+  } else {
+    OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(weights16_.data(), weights16_.size() * 2, 0));
+  }
   if (o.dpu) {
     int32_t next = next_ready_ ? 1 : 0;
     OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(&next, sizeof(next), 0));
@@ -274,14 +324,30 @@ absl::StatusOr<std::string> Trainer::Start() {
   return how;
 }
 
+absl::Status Trainer::DealPartitions(const uint16_t* full) {
+  const int64_t P = backend_->partition_length();
+  if (rank() == 0) std::memcpy(partition16_.data(), full, P * sizeof(uint16_t));
+  // One broadcast per rank's partition: a rank keeps its own and passes over the others, so no
+  // rank but 0 ever holds more than two partitions.
+  Weights16 scratch;
+  if (rank() != 0 && world_size() > 2) scratch = Weights16(P, &weight_meter_);
+  for (int r = 1; r < world_size(); ++r) {
+    uint16_t* chunk = rank() == 0   ? const_cast<uint16_t*>(full) + r * P
+                      : rank() == r ? partition16_.data()
+                                    : scratch.data();
+    OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(chunk, P * sizeof(uint16_t), 0));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::CheckpointManifest* manifest,
-                              std::string* how) {
+                              uint16_t* weights16, std::string* how) {
   const TrainerOptions& o = options_;
   OFFLOAD_RETURN_IF_ERROR(backend_->CreateJob(o.job_id, o.adam, o.param_dtype));
   const v1::PartitionMap& map = backend_->partition();
   if (checkpoint != nullptr) {
     const v1::CheckpointManifest& m = *manifest;
-    OFFLOAD_RETURN_IF_ERROR(RestoreCheckpoint(*checkpoint, m, weights16_.data(), backend_));
+    OFFLOAD_RETURN_IF_ERROR(RestoreCheckpoint(*checkpoint, m, weights16, backend_));
     if (o.dpu && m.step() > o.dpu_warmup_steps) {
       // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
       // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
@@ -306,14 +372,17 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
     *how = absl::StrCat("started from GPT-2 initialisation, seed ", o.seed);
   }
   OFFLOAD_RETURN_IF_ERROR(backend_->LoadMasterWeights(master.data()));
-  ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype,
-                   weights16_.data());
+  ConvertFromFloat(master.data(), static_cast<int64_t>(master.size()), o.param_dtype, weights16);
   return absl::OkStatus();
 }
 
 absl::Status Trainer::ApplyWeights() {
   if (!params_stale_) return absl::OkStatus();
-  OFFLOAD_RETURN_IF_ERROR(runner_->SetWeights(weights16_.data()));
+  if (gatherer_ != nullptr) {
+    gatherer_->Invalidate();  // the layers gathered so far are of the old weights
+  } else {
+    OFFLOAD_RETURN_IF_ERROR(runner_->SetWeights(weights16_.data()));
+  }
   params_stale_ = false;
   return absl::OkStatus();
 }
@@ -326,6 +395,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
   // step at a time), and its own commit then runs in the background.
   const bool delayed = o.dpu && step > o.dpu_warmup_steps;
   sender_->set_step(step);
+  trace_step_.store(step);
   OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   sampler_->Next(inputs_.data(), targets_.data());
   const float scale = scaler_.scale();
@@ -377,18 +447,22 @@ absl::StatusOr<StepReport> Trainer::Step() {
     pending_commit_ = std::async(
         std::launch::async, [this, step, lr = report.lr, grad_multiplier, skip = report.skipped] {
           TracePhase phase(options_.trace, "commit", step);
-          return backend_->Commit(lr, grad_multiplier, skip, next_weights16_.data());
+          return backend_->Commit(lr, grad_multiplier, skip,
+                                  next_weights16_.data() + backend_->partition_offset());
         });
   } else {
     absl::StatusOr<StepCounters> counters;
     {
       TracePhase phase(o.trace, "commit", step);
-      counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, weights16_.data());
+      uint16_t* partition = gatherer_ != nullptr ? partition16_.data()
+                                                 : weights16_.data() + backend_->partition_offset();
+      counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, partition);
     }
     if (!counters.ok()) return counters.status();
     counters_ = *counters;
     if (!report.skipped) {
-      OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(weights16_.data()));
+      // Stage 3 gathers each layer when it is next used instead.
+      if (gatherer_ == nullptr) OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(weights16_.data()));
       params_stale_ = true;
     }
   }
@@ -396,6 +470,20 @@ absl::StatusOr<StepReport> Trainer::Step() {
   step_ = step;
   last_loss_ = loss;
   return report;
+}
+
+std::string Trainer::DescribeZero() const {
+  const int64_t padded = static_cast<int64_t>(backend_->partition().padded_length());
+  if (gatherer_ == nullptr) {
+    return absl::StrCat("ZeRO stage 2: every rank holds all ", padded,
+                        " 16-bit weights; updated partitions are all-gathered after each step");
+  }
+  return absl::StrCat("ZeRO stage 3: this rank holds ", backend_->partition_length(), " of ",
+                      padded, " 16-bit weights; each layer is gathered before use into a window ",
+                      "of ", options_.param_window_layers,
+                      " block(s) plus the embeddings and ln_f (",
+                      gatherer_->window_bytes16() + backend_->partition_length() * 2,
+                      " bytes of 16-bit weights in all)");
 }
 
 StepReport Trainer::Report(uint64_t step, float loss, float loss_scale,
@@ -548,6 +636,7 @@ absl::Status Trainer::Flush() {
 }
 
 absl::StatusOr<float> Trainer::Evaluate(int batches) {
+  trace_step_.store(step_);
   OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   const TrainerOptions& o = options_;
   const int64_t available = NumValidationBatches(val_, o.batch, o.seq_len);
@@ -643,8 +732,11 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
   if (rank() == 0) {
     v1::CheckpointManifest m = Manifest();
     m.set_val_loss(val_loss);
-    dir = offload::SaveCheckpoint(options_.checkpoint_dir, std::move(m), weights16_.data(),
-                                  backend_, counters_, options_.keep_checkpoints);
+    // Stage 3: no rank holds the whole 16-bit model; the file is written from the shards'
+    // master weights, whose rounding the 16-bit weights are (no DPU under stage 3).
+    dir = offload::SaveCheckpoint(options_.checkpoint_dir, std::move(m),
+                                  gatherer_ != nullptr ? nullptr : weights16_.data(), backend_,
+                                  counters_, options_.keep_checkpoints);
   }
   // No rank steps on (and changes the shards) before rank 0 has read them, and every rank learns
   // whether the checkpoint is there.

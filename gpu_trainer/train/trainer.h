@@ -4,6 +4,8 @@
 // and checkpoints that resume bit for bit (ARCHITECTURE.md sections 1 and 6). With W ranks (ZeRO-2)
 // each rank computes on 1/W of the batch, gradients are reduce-scattered so each rank offloads only
 // its partition, and the updated partitions are all-gathered back (ARCHITECTURE.md section 3).
+// With ZeRO-3 a rank keeps only its partition of the 16-bit weights, and each layer's weights are
+// gathered just before they are used (gpu_trainer/zero3/param_gatherer.h).
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_H_
 
@@ -27,6 +29,8 @@
 #include "gpu_trainer/train/gradient_sender.h"
 #include "gpu_trainer/train/model_runner.h"
 #include "gpu_trainer/train/phase_trace.h"
+#include "gpu_trainer/zero3/param_gatherer.h"
+#include "gpu_trainer/zero3/weight_meter.h"
 #include "offload/v1/checkpoint.pb.h"
 
 namespace offload {
@@ -66,6 +70,14 @@ struct TrainerOptions {
   // anything between.
   bool dpu = false;
   uint64_t dpu_warmup_steps = 20;
+  // ZeRO stage (ARCHITECTURE.md section 3). 2: every rank holds the whole 16-bit model and
+  // all-gathers the updated partitions after each step. 3: a rank holds only its partition, and
+  // each layer's weights are all-gathered from their owners just before use and freed after, with
+  // the next layer's gather in flight (CPU backend; not with dpu). Both train the same bits.
+  int zero_stage = 2;
+  // Stage 3: how many blocks' weights the compute device holds at once (>= 1). With 1 nothing
+  // overlaps: the next block is gathered only once the current one is done.
+  int param_window_layers = 2;
   PhaseTrace* trace = nullptr;  // per-phase timestamps of every step, if given (not owned)
   // This rank's collectives (not owned); null: a single rank. The backend's rank must match.
   Collectives* collectives = nullptr;
@@ -116,7 +128,8 @@ class Trainer {
   absl::Status Flush();
   // Mean loss over `batches` fixed validation batches.
   absl::StatusOr<float> Evaluate(int batches);
-  // `n` tokens sampled after `prompt` (bytes for the byte-level vocab), seeded.
+  // `n` tokens sampled after `prompt` (bytes for the byte-level vocab), seeded. Collective under
+  // ZeRO-3, where every forward gathers the layers from all ranks; any rank's own call otherwise.
   absl::StatusOr<std::string> Sample(const std::string& prompt, int n, float temperature,
                                      uint64_t seed);
   // Rank 0 writes it; returns the checkpoint directory written.
@@ -130,19 +143,37 @@ class Trainer {
   const Gpt2Config& model_config() const { return options_.model; }
   int64_t num_params() const { return runner_->num_params(); }
   std::string DescribeBackend() const { return runner_->Describe(); }
-  ModelRunner::DeviceMemory DeviceMemory() const { return runner_->Memory(); }
+  // One line on what this rank holds of the 16-bit weights and how they move.
+  std::string DescribeZero() const;
+  ModelRunner::DeviceMemory DeviceMemory() const {
+    ModelRunner::DeviceMemory m = runner_->Memory();
+    if (gatherer_ != nullptr) m.used_bytes += gatherer_->window_bytes32();
+    return m;
+  }
   const DynamicLossScaler& loss_scaler() const { return scaler_; }
-  // The 16-bit weights the trainer computes with, (padded_length,).
+  // The 16-bit weights the trainer computes with, (padded_length,); empty under ZeRO-3.
   const std::vector<uint16_t>& weights16() const { return weights16_; }
+  // This rank's 16-bit weights that every stage holds, (partition_length,).
+  const uint16_t* partition16() const {
+    return gatherer_ != nullptr ? partition16_.data()
+                                : weights16_.data() + backend_->partition_offset();
+  }
+  // The 16-bit weight bytes this rank holds: every such buffer is counted.
+  WeightMeter& weight_meter() { return weight_meter_; }
+  int zero_stage() const { return options_.zero_stage; }
 
  private:
   Trainer(const TrainerOptions& options, OptimizerBackend* backend);
   absl::Status Init();
   // Hands weights16_ to the model if the optimizer changed them since.
   absl::Status ApplyWeights();
-  // Rank 0's part of Start: the job on the shards and its state. Sets `how`.
+  // Rank 0's part of Start: the job on the shards and its state, its 16-bit weights into
+  // weights16 (padded,). Sets `how`.
   absl::Status LoadJob(const std::string* checkpoint, const v1::CheckpointManifest* manifest,
-                       std::string* how);
+                       uint16_t* weights16, std::string* how);
+  // ZeRO-3: rank 0's whole weights full (padded,) (null on the other ranks) dealt out, each rank
+  // keeping its partition.
+  absl::Status DealPartitions(const uint16_t* full);
   // What a step reports, from its loss and the statistics of its (global) gradients.
   StepReport Report(uint64_t step, float loss, float loss_scale, const GradStats& stats) const;
   float GradMultiplier(const StepReport& report) const;
@@ -186,8 +217,13 @@ class Trainer {
   std::atomic<uint64_t> checkpoint_requested_{0};
 
   // One allocation each, sized once: the flat buffers of the step.
-  std::vector<uint16_t> weights16_;        // (padded,) what the optimizer sent
-  std::vector<uint16_t> grads16_;          // (padded,) what leaves; the padding stays 0
+  WeightMeter weight_meter_;         // counts weights16_, next_weights16_, partition16_...
+  std::vector<uint16_t> weights16_;  // (padded,) stage 2: what the optimizer sent
+  Weights16 partition16_;            // (P,) stage 3: this rank's part of it
+  std::unique_ptr<Collectives> param_collectives_;  // stage 3: the gathers' own communicator
+  std::unique_ptr<ParamGatherer> gatherer_;         // stage 3: the layers' weights on demand
+  std::atomic<uint64_t> trace_step_{0};             // the step a gather is recorded under
+  std::vector<uint16_t> grads16_;                   // (padded,) what leaves; the padding stays 0
   std::vector<float> grads32_;             // (padded,) fp32 backends: backward's, then reduced
   std::vector<float> acc32_;               // (P,) micro-batches > 1: this rank's gradient sum
   std::vector<int32_t> inputs_, targets_;  // (B, T) the global batch

@@ -62,8 +62,10 @@ inline v1::PartitionMap MapFor(const TrainerOptions& o, int shards, int ranks = 
 }
 
 struct RunResult {
-  std::vector<uint16_t> weights16;
-  std::vector<float> master;  // (padded,) fp32 master weights from the shards
+  std::vector<uint16_t> weights16;    // (padded,) stage 2; empty under ZeRO-3
+  std::vector<uint16_t> partition16;  // (P,) this rank's 16-bit weights, every stage
+  int64_t weight_peak_bytes = 0;      // most 16-bit weight bytes held at once after Start
+  std::vector<float> master;          // (padded,) fp32 master weights from the shards
   std::vector<float> losses;
 };
 
@@ -77,6 +79,7 @@ inline RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint6
   if (!trainer.ok()) return r;
   absl::StatusOr<std::string> started = (*trainer)->Start();
   EXPECT_TRUE(started.ok()) << started.status();
+  (*trainer)->weight_meter().ResetPeak();
   for (uint64_t i = 0; i < steps; ++i) {
     absl::StatusOr<StepReport> report = (*trainer)->Step();
     EXPECT_TRUE(report.ok()) << report.status();
@@ -89,6 +92,9 @@ inline RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint6
   }
   EXPECT_TRUE((*trainer)->Flush().ok());  // a DPU commit may still run
   r.weights16 = (*trainer)->weights16();
+  r.partition16.assign((*trainer)->partition16(),
+                       (*trainer)->partition16() + backend->partition_length());
+  r.weight_peak_bytes = (*trainer)->weight_meter().peak();
   const v1::PartitionMap& map = backend->partition();
   r.master.assign(map.padded_length(), 0.0f);
   EXPECT_TRUE(backend->ReadMasterWeights(r.master.data()).ok());

@@ -216,6 +216,18 @@ absl::Status ValidateParallel(const v1::ParallelSpec& p) {
   if (s.ok() && p.has_bucket_mb() && !(p.bucket_mb() > 0 && p.bucket_mb() <= 4096)) {
     return Invalid("parallel.bucket_mb", absl::StrCat("must be in (0, 4096], got ", p.bucket_mb()));
   }
+  if (s.ok() && p.has_zero_stage())
+    s.Update(InRange("parallel.zero_stage", p.zero_stage(), 2, 3, "{2, 3}"));
+  if (s.ok() && p.has_param_window_layers()) {
+    s.Update(AtLeast("parallel.param_window_layers", p.param_window_layers(), 1));
+  }
+  if (s.ok() && p.zero_stage() == 3 && p.dpu()) {
+    return Invalid("parallel.dpu",
+                   "does not work with parallel.zero_stage 3 yet (see the README); use stage 2");
+  }
+  if (s.ok() && p.has_param_window_layers() && p.zero_stage() != 3) {
+    return Invalid("parallel.param_window_layers", "needs parallel.zero_stage 3");
+  }
   return s;
 }
 
