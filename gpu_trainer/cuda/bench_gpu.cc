@@ -81,6 +81,10 @@ ABSL_FLAG(double, plan_memory_gib, 0,
 ABSL_FLAG(int, plan_batch, 1, "micro-batch of the planner row");
 ABSL_FLAG(int, plan_seq_len, 1024, "sequence length (and context) of the planner row");
 ABSL_FLAG(bool, allow_no_gpu, false, "exit 0, not 1, when there is no GPU");
+ABSL_FLAG(int, plan_window_layers, 2,
+          "blocks of the parameter window in the planner's ZeRO-3 rows (a plan: the CUDA backend "
+          "runs stage 2 only)");
+ABSL_FLAG(int, plan_ranks, 8, "GPUs of the planner's ZeRO-3 row, one rank each");
 
 namespace offload {
 namespace {
@@ -155,6 +159,9 @@ absl::StatusOr<BenchConfig> ConfigFromFlags() {
   }
   OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(b.model));
   if (absl::GetFlag(FLAGS_shards) < 1) return absl::InvalidArgumentError("--shards must be >= 1");
+  if (absl::GetFlag(FLAGS_plan_window_layers) < 1 || absl::GetFlag(FLAGS_plan_ranks) < 1) {
+    return absl::InvalidArgumentError("--plan_window_layers and --plan_ranks must be >= 1");
+  }
   if (absl::GetFlag(FLAGS_plan_memory_gib) < 0 || absl::GetFlag(FLAGS_plan_batch) < 1 ||
       absl::GetFlag(FLAGS_plan_seq_len) < 1 || absl::GetFlag(FLAGS_peak_tflops) < 0) {
     return absl::InvalidArgumentError(
@@ -340,6 +347,11 @@ struct PlanResult {
   int64_t offload_params = 0, gpu_only_params = 0;  // 0: nothing fits
   std::string offload_model = "none", gpu_only_model = "none";
   double ratio = 0;  // offload_params / gpu_only_params; 0 when either is 0
+  // ZeRO-3 plans, with offload: one rank with a parameter window (the 16-bit model in pinned host
+  // memory), and plan_ranks ranks each holding its partition and the window.
+  int window_layers = 0, ranks = 0;
+  int64_t window_params = 0, stage3_params = 0;
+  std::string window_model = "none", stage3_model = "none";
 };
 
 absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
@@ -359,6 +371,17 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   }
   if (p.offload_params > 0 && p.gpu_only_params > 0) {
     p.ratio = static_cast<double>(p.offload_params) / static_cast<double>(p.gpu_only_params);
+  }
+  p.window_layers = absl::GetFlag(FLAGS_plan_window_layers);
+  p.ranks = absl::GetFlag(FLAGS_plan_ranks);
+  for (const int ranks : {1, p.ranks}) {
+    const ParamPlacement placement{3, ranks, p.window_layers};
+    absl::StatusOr<LargestTrainable> best =
+        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, /*gpu_optimizer=*/false, placement);
+    if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
+    if (!best.ok()) continue;
+    (ranks == 1 ? p.window_params : p.stage3_params) = best->num_params;
+    (ranks == 1 ? p.window_model : p.stage3_model) = Token(DescribeConfig(best->config));
   }
   return p;
 }
@@ -423,6 +446,12 @@ void Report(const BenchConfig& b, const Results& r) {
     row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model, ")"));
     row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model, ")"));
     row("size ratio offload / GPU only", absl::StrFormat("%.2fx", p.ratio));
+    std::printf("  planned, not yet run by the CUDA backend (ZeRO-3, window of %d blocks):\n",
+                p.window_layers);
+    row("  offload + window, 1 GPU",
+        absl::StrCat(Billions(p.window_params), " (", p.window_model, ")"));
+    row(absl::StrCat("  offload + stage 3, ", p.ranks, " GPUs"),
+        absl::StrCat(Billions(p.stage3_params), " (", p.stage3_model, ")"));
   }
   std::printf("\n");
 
@@ -467,6 +496,12 @@ void Report(const BenchConfig& b, const Results& r) {
         p.memory_gib, static_cast<long long>(p.offload_params), p.offload_model.c_str(),
         static_cast<long long>(p.gpu_only_params), p.gpu_only_model.c_str(), p.ratio, p.batch,
         p.seq_len, std::string(DTypeName(p.dtype)).c_str());
+    std::printf(
+        "gpu plan_zero3 memory_gib=%.1f window_layers=%d window_params=%lld window_model=%s "
+        "ranks=%d stage3_params=%lld stage3_model=%s\n",
+        p.memory_gib, p.window_layers, static_cast<long long>(p.window_params),
+        p.window_model.c_str(), p.ranks, static_cast<long long>(p.stage3_params),
+        p.stage3_model.c_str());
   }
   std::fflush(stdout);
 }

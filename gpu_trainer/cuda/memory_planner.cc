@@ -1,5 +1,7 @@
 #include "gpu_trainer/cuda/memory_planner.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "gpu_trainer/cuda/gpt2_cuda_buffers.h"
 #include "gpu_trainer/cuda/runtime/storage_type.h"
@@ -7,12 +9,23 @@
 
 namespace offload {
 
+int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& placement) {
+  const int64_t n = Gpt2NumParams(config);
+  if (placement.zero_stage != 3) return n;
+  const int L = config.num_layers;
+  const int64_t window = Gpt2UnitRange(config, 0).size() + Gpt2UnitRange(config, L + 1).size() +
+                         std::min(placement.window_layers, L) * Gpt2UnitRange(config, 1).size();
+  const int W = std::max(1, placement.world_size);
+  const int64_t partition = W > 1 ? (n + W - 1) / W : 0;  // one rank: in pinned host memory
+  return partition + window;
+}
+
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
-                                  bool gpu_optimizer) {
+                                  bool gpu_optimizer, const ParamPlacement& placement) {
   const int64_t n = Gpt2NumParams(config);
   const int64_t size = DTypeSize(dtype);
   CudaMemoryPlan plan;
-  plan.params_bytes = n * size;
+  plan.params_bytes = DeviceParamElements(config, placement) * size;
   plan.grads_bytes = n * size;
   plan.activation_bytes = DispatchStorageType(dtype, [&](auto zero) {
     using Storage = decltype(zero);
@@ -28,7 +41,8 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
 }
 
 absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
-                                                      DType dtype, bool gpu_optimizer) {
+                                                      DType dtype, bool gpu_optimizer,
+                                                      const ParamPlacement& placement) {
   // GPT-2 small ... XL, then GPT-3 2.7B ... 175B widths.
   static constexpr int kWidths[] = {768,  1024, 1280, 1600, 2048, 2560,
                                     4096, 5120, 6144, 8192, 12288};
@@ -41,7 +55,8 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
     config.num_heads = C <= 1280 ? C / 64 : C / 128;
     auto fits = [&](int layers) {
       config.num_layers = layers;
-      return PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer).total_bytes() <= device_bytes;
+      return PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement).total_bytes() <=
+             device_bytes;
     };
     // Memory grows with depth, so the deepest model that fits is a binary search away.
     int lo = 0, hi = 1024;
@@ -59,7 +74,7 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
     if (n > best.num_params) {
       best.config = config;
       best.num_params = n;
-      best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer);
+      best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement);
     }
   }
   if (best.num_params == 0) {

@@ -33,10 +33,24 @@ struct CudaMemoryPlan {
   }
 };
 
+// Which 16-bit weights the device holds. Stage 2 (the default): all of them. ZeRO-3 over W ranks
+// (ARCHITECTURE.md section 10): this rank's partition, n / W, plus the window being gathered (the
+// embeddings, ln_f and window_layers blocks); with one rank the partition stays in pinned host
+// memory and the device holds only the window (parameter offload). A plan, not the CUDA backend's
+// behaviour today: it runs stage 2 only.
+struct ParamPlacement {
+  int zero_stage = 2;
+  int world_size = 1;
+  int window_layers = 2;
+};
+
+// Elements of the 16-bit weights the device holds under `placement`.
+int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& placement);
+
 // Micro-batch B, sequence T. gpu_optimizer: the fused GPU AdamW (the no-offload baseline) instead
 // of the CPU shards.
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
-                                  bool gpu_optimizer);
+                                  bool gpu_optimizer, const ParamPlacement& placement = {});
 
 struct LargestTrainable {
   Gpt2Config config;
@@ -48,7 +62,8 @@ struct LargestTrainable {
 // widths of the GPT-2 and GPT-3 families, as many layers as fit) with the most parameters whose
 // plan fits in device_bytes. NotFound when not even one layer of the narrowest width fits.
 absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
-                                                      DType dtype, bool gpu_optimizer);
+                                                      DType dtype, bool gpu_optimizer,
+                                                      const ParamPlacement& placement = {});
 
 std::string DescribeConfig(const Gpt2Config& config);
 

@@ -143,6 +143,38 @@ TEST(MemoryPlanner, LargestTrainableGrowsWithTheDevice) {
   EXPECT_GT(large.num_params, small.num_params);
 }
 
+TEST(MemoryPlanner, Stage3HoldsThePartitionAndTheWindow) {
+  const Gpt2Config c = Gpt2Small();
+  const int64_t n = Gpt2NumParams(c);
+  const int64_t window =
+      Gpt2UnitRange(c, 0).size() + Gpt2UnitRange(c, 13).size() + 2 * Gpt2UnitRange(c, 1).size();
+  EXPECT_EQ(DeviceParamElements(c, {}), n);
+  EXPECT_EQ(DeviceParamElements(c, {3, 1, 2}), window);  // one rank: the model stays on the host
+  EXPECT_EQ(DeviceParamElements(c, {3, 4, 2}), (n + 3) / 4 + window);
+  EXPECT_EQ(DeviceParamElements(c, {3, 1, 100}), n);  // a window as deep as the model
+  const CudaMemoryPlan stage2 = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false);
+  const CudaMemoryPlan offloaded = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false, {3, 1, 2});
+  EXPECT_EQ(offloaded.params_bytes, 2 * window);
+  EXPECT_EQ(stage2.total_bytes() - offloaded.total_bytes(), 2 * (n - window));
+
+  // The window frees the weights' 2 bytes per parameter, so a larger model fits, and still the
+  // deepest that does.
+  for (const int ranks : {1, 8}) {
+    const ParamPlacement placement{3, ranks, 2};
+    absl::StatusOr<LargestTrainable> zero3 =
+        LargestTrainableGpt2(80 * kGiB, 1, 1024, DType::kBf16, false, placement);
+    absl::StatusOr<LargestTrainable> zero2 =
+        LargestTrainableGpt2(80 * kGiB, 1, 1024, DType::kBf16, false);
+    ASSERT_TRUE(zero3.ok() && zero2.ok());
+    EXPECT_GT(zero3->num_params, zero2->num_params) << ranks;
+    EXPECT_LE(zero3->plan.total_bytes(), 80 * kGiB);
+    Gpt2Config deeper = zero3->config;
+    ++deeper.num_layers;
+    EXPECT_GT(PlanGpt2CudaMemory(deeper, 1, 1024, DType::kBf16, false, placement).total_bytes(),
+              80 * kGiB);
+  }
+}
+
 TEST(MemoryPlanner, NothingFitsInWhatTheCudaContextReserves) {
   for (const bool gpu_optimizer : {false, true}) {
     // kCudaReservedBytes (1 GiB) is held back before any model byte, so a 1 GiB device (or a

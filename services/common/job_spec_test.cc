@@ -279,6 +279,20 @@ TEST(ValidateJobSpecTest, MessagesNameTheField) {
        "parallel.ranks: must be in [1, 1024]"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_optimizer_servers(2000); },
        "parallel.optimizer_servers: must be in [1, 1024]"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_zero_stage(1); },
+       "parallel.zero_stage: must be in {2, 3}"},
+      {[](v1::JobSpec* s) {
+         s->mutable_parallel()->set_zero_stage(3);
+         s->mutable_parallel()->set_param_window_layers(0);
+       },
+       "parallel.param_window_layers: must be >= 1"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_param_window_layers(4); },
+       "parallel.param_window_layers: needs parallel.zero_stage 3"},
+      {[](v1::JobSpec* s) {
+         s->mutable_parallel()->set_zero_stage(3);
+         s->mutable_parallel()->set_dpu(true);
+       },
+       "parallel.dpu: does not work with parallel.zero_stage 3"},
       {[](v1::JobSpec* s) { s->mutable_model()->set_preset("gpt3"); },
        "model.preset: must be one of demo, gpt2"},
       {[](v1::JobSpec* s) { s->mutable_model()->set_init_from("weights.safetensors"); },
@@ -338,6 +352,17 @@ TEST(JobSpecFlagsTest, RoundTripIsExact) {
   MessageDifferencer differencer;
   differencer.ReportDifferencesToString(&diff);
   EXPECT_TRUE(differencer.Compare(*spec, *back)) << diff;
+}
+
+TEST(JobSpecFlagsTest, ZeroStageTravelsAsFlags) {
+  absl::StatusOr<v1::JobSpec> spec =
+      JobSpecFromFlags({"--zero_stage=3", "--param_window_layers=1", "--data=/d.txt"});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->parallel().zero_stage(), 3);
+  EXPECT_EQ(spec->parallel().param_window_layers(), 1);
+  EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
+  EXPECT_THAT(JobSpecToFlags(*spec),
+              ElementsAre("--data=/d.txt", "--zero_stage=3", "--param_window_layers=1"));
 }
 
 TEST(JobSpecFlagsTest, BoolSpellings) {

@@ -171,8 +171,16 @@ std::string JobDetails(const v1::Job& job, absl::Time now, absl::TimeZone zone) 
   const uint32_t ranks = job.spec().parallel().has_ranks() ? job.spec().parallel().ranks() : 1;
   const uint32_t shards =
       job.spec().parallel().has_optimizer_servers() ? job.spec().parallel().optimizer_servers() : 1;
+  const v1::ParallelSpec& parallel = job.spec().parallel();
+  const int zero_stage = parallel.has_zero_stage() ? parallel.zero_stage() : 2;
+  std::string zero = absl::StrCat(", ZeRO stage ", zero_stage);
+  if (zero_stage == 3) {
+    absl::StrAppend(&zero, " (window ",
+                    parallel.has_param_window_layers() ? parallel.param_window_layers() : 2,
+                    " layers)");
+  }
   rows.push_back(
-      {"Layout:", absl::StrCat(ranks, " trainer rank(s), ", shards, " optimizer server(s)")});
+      {"Layout:", absl::StrCat(ranks, " trainer rank(s), ", shards, " optimizer server(s)", zero)});
   if (job.trainer_workers_size() > 0) {
     rows.push_back({"Trainers:", absl::StrJoin(job.trainer_workers(), ", ")});
   }

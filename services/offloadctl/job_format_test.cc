@@ -157,10 +157,14 @@ TEST(JobDetailsTest, ShowsReasonAttemptProgressAndCheckpoint) {
   for (const char* expected :
        {"ID:", "job-7", "restarted after worker w3 was lost", "Request:", "pause",
         "2 (restarts 1 of 3 allowed)", "120/1000 (12%)", "3.4121", "12.3k", "5m07s",
-        "/ckpt/step_00100 (step 100)", "2 trainer rank(s), 1 optimizer server(s)",
+        "/ckpt/step_00100 (step 100)", "2 trainer rank(s), 1 optimizer server(s), ZeRO stage 2",
         "2023-11-14 20:43:20 (1h30m ago)"}) {
     EXPECT_NE(details.find(expected), std::string::npos) << expected << " in\n" << details;
   }
+  v1::Job stage3 = job;
+  stage3.mutable_spec()->mutable_parallel()->set_zero_stage(3);
+  EXPECT_NE(JobDetails(stage3, kNow, absl::UTCTimeZone()).find("ZeRO stage 3 (window 2 layers)"),
+            std::string::npos);
   // Values start in one column.
   const std::vector<std::string> lines = absl::StrSplit(details, '\n', absl::SkipEmpty());
   const size_t value_column = lines[0].find("job-7");
