@@ -4,7 +4,9 @@
 # so that nothing talks over loopback. docs/RELIABILITY.md, "Several hosts on one machine", has
 # the topology, the bounds and the measured times. Checks:
 #   1. a 2x2 job (2 trainer ranks, 2 optimizer servers, the controller: 5 hosts) succeeds over
-#      gRPC and over UCX on TCP (UCX_TLS=tcp on every side), and says which plane auto picks;
+#      gRPC and over UCX on TCP (UCX_TLS=tcp on every side), and with ZeRO stage 3 over gRPC (the
+#      ranks' parameter gathers meet through the controller's rendezvous), and says which plane
+#      auto picks;
 #   2. a. an optimizer server's switch port goes down mid-step: both trainer ranks are gone
 #         within a bound derived from the heartbeat timeout, and once a replacement server joins
 #         (a new host) the job restarts from its checkpoint and succeeds;
@@ -189,8 +191,9 @@ wait_state() {  # JOB STATE TIMEOUT_S
   done
   fail "job $1 did not reach $2 in $3 s (now $(state_of "$1"))"
 }
-# submit NAME TRANSPORT STEPS [CHECKPOINT_DIR]: a 2x2 job of the tiny model; prints its id.
-# With CHECKPOINT_DIR it checkpoints every 20 steps and may restart once.
+# submit NAME TRANSPORT STEPS [CHECKPOINT_DIR [PARALLEL]]: a 2x2 job of the tiny model; prints its
+# id. With CHECKPOINT_DIR it checkpoints every 20 steps and may restart once; PARALLEL adds fields
+# to the job's parallel section (", \"zero_stage\": 3").
 submit() {
   local restart=""
   [ -z "${4-}" ] ||
@@ -199,7 +202,7 @@ submit() {
     \"model\": {\"layers\": 2, \"heads\": 2, \"channels\": 32, \"context\": 32},
     \"training\": {\"steps\": $3, \"batch\": 8, \"seq_len\": 32},
     \"eval\": {\"every\": 0, \"batches\": 1, \"sample_tokens\": 0},
-    \"parallel\": {\"ranks\": 2, \"optimizer_servers\": 2, \"transport\": \"$2\"}$restart}" |
+    \"parallel\": {\"ranks\": 2, \"optimizer_servers\": 2, \"transport\": \"$2\"${5-}}$restart}" |
     json "['id']"
 }
 # attempt_log JOB ATTEMPT: what rank 0 of that attempt printed (from its worker's log).
@@ -267,6 +270,12 @@ for plane in grpc ucx; do
   [ "$(plane_of "$job" 1)" = "$plane" ] || fail "job $job ran on '$(plane_of "$job" 1)'"
   echo "$plane: 30 steps, succeeded in $(since "$t") s"
 done
+# ZeRO-3 across hosts: the ranks' layer gathers meet through the controller's rendezvous too.
+job=$(submit zero3 grpc 30 "" ', "zero_stage": 3')
+wait_state "$job" JOB_STATE_SUCCEEDED 60
+attempt_log "$job" 1 | grep -q "ZeRO stage 3: this rank holds" ||
+  fail "job $job did not run ZeRO stage 3"
+echo "zero_stage 3 over gRPC: 30 steps, succeeded"
 job=$(submit auto auto 30)
 wait_state "$job" JOB_STATE_SUCCEEDED 60
 auto_shared=$(plane_of "$job" 1)

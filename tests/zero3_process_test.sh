@@ -4,7 +4,8 @@
 # micro-batches, a job run with --zero_stage=3 (and, at W=1, with a one-layer parameter window)
 # ends with a checkpoint byte-identical to the same job with --zero_stage=2: the model file, every
 # shard's master weights and moments, and the manifest. The sampled text is the same too (under
-# stage 3 every rank takes part in sampling, as each forward gathers the layers).
+# stage 3 every rank takes part in sampling, as each forward gathers the layers). And a checkpoint
+# of either stage resumes under the other to the same bytes.
 set -euo pipefail
 launcher=$1
 server=$2
@@ -50,4 +51,24 @@ done < <(
   echo "1 bf16 2 --param_window_layers=1"
   echo "1 fp16 1 --param_window_layers=1"
 )
+# A checkpoint of either stage resumes under the other, W=2: the step-3 checkpoint of a run with
+# --checkpoint_every=3, made the latest on its own, resumed to step 6 under the other stage, ends
+# with the straight run's step-6 checkpoint byte for byte.
+for first in 2 3; do
+  then=$((5 - first))
+  name=cross-$first-$then
+  job "$work/$name-a.log" --ranks=2 --checkpoint_dir="$work/$name-a" --zero_stage=$first \
+    --checkpoint_every=3 --keep_checkpoints=2
+  wait "$launched" || fail "$name: the straight job failed"
+  [ -d "$work/$name-a/step-00000003" ] || fail "$name: no step-3 checkpoint"
+  cp -r "$work/$name-a" "$work/$name-b"
+  rm -rf "$work/$name-b/step-00000006"
+  printf 'step-00000003\n' >"$work/$name-b/latest"
+  job "$work/$name-b.log" --ranks=2 --checkpoint_dir="$work/$name-b" --zero_stage=$then --resume
+  log=$work/$name-b.log
+  wait "$launched" || fail "$name: the resumed job failed"
+  grep -q "resumed from .* at step 3" "$log" || fail "$name: the job did not resume at step 3"
+  same_checkpoint "$work/$name-a" "$work/$name-b" "stage $first resumed under stage $then"
+  runs=$((runs + 1))
+done
 echo "zero3_process_test: $runs cases, each stage 3 checkpoint byte-identical to stage 2's"

@@ -180,7 +180,7 @@ absl::StatusOr<float> Gpt2Cpu::Forward(Gpt2ParamSource& params, const int32_t* i
   // Everything is checked before anything is written, so a refused call leaves the previous
   // Forward's activations, logits and batch intact for a Backward.
   if (inputs == nullptr) {
-    return absl::InvalidArgumentError("Gpt2Cpu::Forward: params and inputs must not be null");
+    return absl::InvalidArgumentError("Gpt2Cpu::Forward: inputs must not be null");
   }
   if (B <= 0 || B > max_batch_ || T <= 0 || T > max_seq_) {
     return absl::InvalidArgumentError(absl::StrCat("Gpt2Cpu::Forward: (B, T) = (", B, ", ", T,
@@ -278,7 +278,7 @@ absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float*
         "Gpt2Cpu::Backward: needs a preceding Forward with targets");
   }
   if (grads == nullptr) {
-    return absl::InvalidArgumentError("Gpt2Cpu::Backward: params and grads must not be null");
+    return absl::InvalidArgumentError("Gpt2Cpu::Backward: grads must not be null");
   }
   if (!std::isfinite(loss_scale)) {
     return absl::InvalidArgumentError(

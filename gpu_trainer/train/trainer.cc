@@ -135,6 +135,11 @@ absl::Status Trainer::Init() {
         "hold two versions of its partition and gather layers from the older; use "
         "--zero_stage=2 with --dpu");
   }
+  if (stage3 && o.device == ComputeDevice::kCuda) {
+    return absl::UnimplementedError(
+        "--zero_stage=3 is built for the CPU backend only: the CUDA backend's window of layers "
+        "in device memory is not built yet; use --zero_stage=2 with --device=cuda");
+  }
   if (stage3 && o.param_window_layers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("param_window_layers must be >= 1, got ", o.param_window_layers));
@@ -178,24 +183,8 @@ absl::Status Trainer::Init() {
                                                    runner_->num_params()));
   }
   if (stage3) {
+    // The gatherer and its communicator come in Start, once the ranks agree on the settings.
     partition16_ = Weights16(backend_->partition_length(), &weight_meter_);
-    OFFLOAD_ASSIGN_OR_RETURN(param_collectives_, collectives_->Fork("params"));
-    ParamGathererOptions g;
-    g.model = o.model;
-    g.dtype = o.param_dtype;
-    g.padded_length = static_cast<int64_t>(map.padded_length());
-    g.rank = rank();
-    g.world_size = W;
-    g.window_layers = o.param_window_layers;
-    if (o.trace != nullptr) {
-      g.on_gathered = [this](int unit, PhaseTrace::Clock::time_point begin,
-                             PhaseTrace::Clock::time_point end) {
-        options_.trace->Record("gather", trace_step_.load(), begin, end);
-      };
-    }
-    OFFLOAD_ASSIGN_OR_RETURN(gatherer_, ParamGatherer::Create(g, param_collectives_.get(),
-                                                              partition16_.data(), &weight_meter_));
-    OFFLOAD_RETURN_IF_ERROR(runner_->SetParamSource(gatherer_.get()));
   } else {
     weights16_.assign(map.padded_length(), 0);
     if (o.dpu) next_weights16_.assign(map.padded_length(), 0);
@@ -250,6 +239,7 @@ absl::StatusOr<std::string> Trainer::Start() {
         absl::StrCat("batch=", o.batch, " micro_batches=", o.micro_batches, " seq_len=", o.seq_len,
                      " bucket_elements=", o.bucket_elements, " steps=", o.steps, " seed=", o.seed,
                      " dtype=", DTypeName(o.param_dtype), " dpu=", o.dpu, "/", o.dpu_warmup_steps,
+                     " zero_stage=", o.zero_stage, "/", stage3() ? o.param_window_layers : 0,
                      " model=", ModelConfigToProto(o.model).ShortDebugString(),
                      " resume_step=", resuming ? static_cast<int64_t>(manifest.step()) : -1);
     char lead[1024] = {};
@@ -264,16 +254,21 @@ absl::StatusOr<std::string> Trainer::Start() {
     }
   }
 
+  if (stage3()) OFFLOAD_RETURN_IF_ERROR(StartGatherer());
+
   std::string how;
   absl::Status loaded;
-  // ZeRO-3: rank 0 holds the whole 16-bit model only until it has dealt out the partitions.
+  // ZeRO-3: rank 0 holds the whole 16-bit model only until it has dealt out the partitions (with
+  // one rank the partition is the whole model).
   Weights16 full;
-  if (rank() == 0) {
-    uint16_t* weights16 = weights16_.data();
-    if (gatherer_ != nullptr) {
+  uint16_t* weights16 = weights16_.data();
+  if (stage3()) {
+    if (world_size() > 1 && rank() == 0) {
       full = Weights16(backend_->partition().padded_length(), &weight_meter_);
-      weights16 = full.data();
     }
+    weights16 = world_size() > 1 ? full.data() : partition16_.data();
+  }
+  if (rank() == 0) {
     loaded = LoadJob(resuming ? &dir : nullptr, resuming ? &manifest : nullptr, weights16, &how);
     // A user who asked to resume must not mistake a fresh start for a continued run.
     if (o.resume && !resuming) {
@@ -294,8 +289,8 @@ absl::StatusOr<std::string> Trainer::Start() {
   if (!lead_ok) {
     return absl::FailedPreconditionError("rank 0 could not start the job (its log says why)");
   }
-  if (gatherer_ != nullptr) {
-    OFFLOAD_RETURN_IF_ERROR(DealPartitions(full.data()));
+  if (stage3()) {
+    OFFLOAD_RETURN_IF_ERROR(DealPartitions(weights16));
     full.Reset();
   } else {
     OFFLOAD_RETURN_IF_ERROR(collectives_->Broadcast(weights16_.data(), weights16_.size() * 2, 0));
@@ -324,9 +319,34 @@ absl::StatusOr<std::string> Trainer::Start() {
   return how;
 }
 
+absl::Status Trainer::StartGatherer() {
+  if (gatherer_ != nullptr) return absl::OkStatus();
+  const TrainerOptions& o = options_;
+  // Collective, like every gather after it: all ranks get here with the same settings.
+  OFFLOAD_ASSIGN_OR_RETURN(param_collectives_, collectives_->Fork("params"));
+  ParamGathererOptions g;
+  g.model = o.model;
+  g.dtype = o.param_dtype;
+  g.padded_length = static_cast<int64_t>(backend_->partition().padded_length());
+  g.rank = rank();
+  g.world_size = world_size();
+  g.window_layers = o.param_window_layers;
+  if (o.trace != nullptr) {
+    g.on_gathered = [this](int unit, PhaseTrace::Clock::time_point begin,
+                           PhaseTrace::Clock::time_point end) {
+      options_.trace->Record("gather", trace_step_.load(), begin, end);
+    };
+  }
+  OFFLOAD_ASSIGN_OR_RETURN(gatherer_, ParamGatherer::Create(g, param_collectives_.get(),
+                                                            partition16_.data(), &weight_meter_));
+  return runner_->SetParamSource(gatherer_.get());
+}
+
 absl::Status Trainer::DealPartitions(const uint16_t* full) {
   const int64_t P = backend_->partition_length();
-  if (rank() == 0) std::memcpy(partition16_.data(), full, P * sizeof(uint16_t));
+  if (rank() == 0 && full != partition16_.data()) {
+    std::memcpy(partition16_.data(), full, P * sizeof(uint16_t));
+  }
   // One broadcast per rank's partition: a rank keeps its own and passes over the others, so no
   // rank but 0 ever holds more than two partitions.
   Weights16 scratch;
@@ -378,7 +398,8 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
 
 absl::Status Trainer::ApplyWeights() {
   if (!params_stale_) return absl::OkStatus();
-  if (gatherer_ != nullptr) {
+  if (stage3()) {
+    if (gatherer_ == nullptr) return absl::FailedPreconditionError("Start the trainer first");
     gatherer_->Invalidate();  // the layers gathered so far are of the old weights
   } else {
     OFFLOAD_RETURN_IF_ERROR(runner_->SetWeights(weights16_.data()));
@@ -454,15 +475,16 @@ absl::StatusOr<StepReport> Trainer::Step() {
     absl::StatusOr<StepCounters> counters;
     {
       TracePhase phase(o.trace, "commit", step);
-      uint16_t* partition = gatherer_ != nullptr ? partition16_.data()
-                                                 : weights16_.data() + backend_->partition_offset();
+      if (stage3()) gatherer_->Invalidate();  // nothing may read the partition while it changes
+      uint16_t* partition =
+          stage3() ? partition16_.data() : weights16_.data() + backend_->partition_offset();
       counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, partition);
     }
     if (!counters.ok()) return counters.status();
     counters_ = *counters;
     if (!report.skipped) {
       // Stage 3 gathers each layer when it is next used instead.
-      if (gatherer_ == nullptr) OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(weights16_.data()));
+      if (!stage3()) OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(weights16_.data()));
       params_stale_ = true;
     }
   }
@@ -474,15 +496,18 @@ absl::StatusOr<StepReport> Trainer::Step() {
 
 std::string Trainer::DescribeZero() const {
   const int64_t padded = static_cast<int64_t>(backend_->partition().padded_length());
-  if (gatherer_ == nullptr) {
+  if (!stage3()) {
     return absl::StrCat("ZeRO stage 2: every rank holds all ", padded,
                         " 16-bit weights; updated partitions are all-gathered after each step");
   }
+  const Gpt2Config& c = options_.model;
+  const int blocks = std::min(options_.param_window_layers, c.num_layers);
+  const int64_t window = Gpt2UnitRange(c, 0).size() + Gpt2UnitRange(c, c.num_layers + 1).size() +
+                         blocks * Gpt2UnitRange(c, 1).size();
   return absl::StrCat("ZeRO stage 3: this rank holds ", backend_->partition_length(), " of ",
                       padded, " 16-bit weights; each layer is gathered before use into a window ",
-                      "of ", options_.param_window_layers,
-                      " block(s) plus the embeddings and ln_f (",
-                      gatherer_->window_bytes16() + backend_->partition_length() * 2,
+                      "of ", blocks, " block(s) plus the embeddings and ln_f (",
+                      2 * (window + backend_->partition_length()),
                       " bytes of 16-bit weights in all)");
 }
 
@@ -735,8 +760,8 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
     // Stage 3: no rank holds the whole 16-bit model; the file is written from the shards'
     // master weights, whose rounding the 16-bit weights are (no DPU under stage 3).
     dir = offload::SaveCheckpoint(options_.checkpoint_dir, std::move(m),
-                                  gatherer_ != nullptr ? nullptr : weights16_.data(), backend_,
-                                  counters_, options_.keep_checkpoints);
+                                  stage3() ? nullptr : weights16_.data(), backend_, counters_,
+                                  options_.keep_checkpoints);
   }
   // No rank steps on (and changes the shards) before rank 0 has read them, and every rank learns
   // whether the checkpoint is there.

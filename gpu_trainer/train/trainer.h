@@ -155,8 +155,8 @@ class Trainer {
   const std::vector<uint16_t>& weights16() const { return weights16_; }
   // This rank's 16-bit weights that every stage holds, (partition_length,).
   const uint16_t* partition16() const {
-    return gatherer_ != nullptr ? partition16_.data()
-                                : weights16_.data() + backend_->partition_offset();
+    return options_.zero_stage == 3 ? partition16_.data()
+                                    : weights16_.data() + backend_->partition_offset();
   }
   // The 16-bit weight bytes this rank holds: every such buffer is counted.
   WeightMeter& weight_meter() { return weight_meter_; }
@@ -174,6 +174,9 @@ class Trainer {
   // ZeRO-3: rank 0's whole weights full (padded,) (null on the other ranks) dealt out, each rank
   // keeping its partition.
   absl::Status DealPartitions(const uint16_t* full);
+  // ZeRO-3: the gathers' communicator and the gatherer, the model's source of weights. Collective.
+  absl::Status StartGatherer();
+  bool stage3() const { return options_.zero_stage == 3; }
   // What a step reports, from its loss and the statistics of its (global) gradients.
   StepReport Report(uint64_t step, float loss, float loss_scale, const GradStats& stats) const;
   float GradMultiplier(const StepReport& report) const;
@@ -217,12 +220,12 @@ class Trainer {
   std::atomic<uint64_t> checkpoint_requested_{0};
 
   // One allocation each, sized once: the flat buffers of the step.
-  WeightMeter weight_meter_;         // counts weights16_, next_weights16_, partition16_...
-  std::vector<uint16_t> weights16_;  // (padded,) stage 2: what the optimizer sent
-  Weights16 partition16_;            // (P,) stage 3: this rank's part of it
+  WeightMeter weight_meter_;             // counts weights16_, next_weights16_, partition16_...
+  std::vector<uint16_t> weights16_;      // (padded,) stage 2: what the optimizer sent
+  Weights16 partition16_;                // (P,) stage 3: this rank's part of it
+  std::atomic<uint64_t> trace_step_{0};  // the step a gather is recorded under
   std::unique_ptr<Collectives> param_collectives_;  // stage 3: the gathers' own communicator
   std::unique_ptr<ParamGatherer> gatherer_;         // stage 3: the layers' weights on demand
-  std::atomic<uint64_t> trace_step_{0};             // the step a gather is recorded under
   std::vector<uint16_t> grads16_;                   // (padded,) what leaves; the padding stays 0
   std::vector<float> grads32_;             // (padded,) fp32 backends: backward's, then reduced
   std::vector<float> acc32_;               // (P,) micro-batches > 1: this rank's gradient sum

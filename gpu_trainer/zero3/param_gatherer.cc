@@ -58,6 +58,9 @@ ParamGatherer::ParamGatherer(const ParamGathererOptions& options, Collectives* c
       num_units_(Gpt2NumUnits(options.model)),
       partition_length_(options.padded_length / options.world_size) {}
 
+// The gathers still queued run first: they are collectives the other ranks make too, and dropping
+// them would leave the ranks out of step. With a stalled peer that takes up to the collective
+// timeout.
 ParamGatherer::~ParamGatherer() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -76,7 +79,8 @@ int ParamGatherer::FindSlot(int unit) const {
 
 int ParamGatherer::FreeSlot(int unit) const {
   auto usable = [&](int s) {
-    return slots_[s].holders == 0 && slots_[s].state != SlotState::kInFlight;
+    return slots_[s].holders == 0 && !slots_[s].awaiting_acquire &&
+           slots_[s].state != SlotState::kInFlight;
   };
   if (unit == 0) return usable(0) ? 0 : -1;
   if (unit == num_units_ - 1) return usable(1) ? 1 : -1;
@@ -108,13 +112,14 @@ absl::StatusOr<const float*> ParamGatherer::Acquire(int unit) {
     s = FreeSlot(unit);
     if (s < 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat("ParamGatherer: unit ", unit, " has no free slot: all ",
-                       options_.window_layers, " block slots of the parameter window are held"));
+          absl::StrCat("ParamGatherer: unit ", unit, " has no free slot: all ", slots_.size() - 2,
+                       " block slots of the parameter window are held"));
     }
     StartGather(unit, s);
   }
   Slot& slot = slots_[s];
   slot.holders++;
+  slot.awaiting_acquire = false;
   cv_.wait(lock, [&] { return slot.state != SlotState::kInFlight || !broken_.ok(); });
   if (!broken_.ok()) {
     slot.holders--;
@@ -132,6 +137,7 @@ void ParamGatherer::Release(int unit) {
     const int free = FreeSlot(deferred_prefetch_);
     if (free >= 0) {
       StartGather(deferred_prefetch_, free);
+      slots_[free].awaiting_acquire = true;
       deferred_prefetch_ = -1;
     }
   }
@@ -144,6 +150,7 @@ void ParamGatherer::Prefetch(int unit) {
   const int free = FreeSlot(unit);
   if (free >= 0) {
     StartGather(unit, free);
+    slots_[free].awaiting_acquire = true;
   } else {
     deferred_prefetch_ = unit;
   }
@@ -160,6 +167,7 @@ void ParamGatherer::Invalidate() {
     if (slot.holders > 0) continue;  // a caller error; that unit stays as it is
     slot.unit = -1;
     slot.state = SlotState::kEmpty;
+    slot.awaiting_acquire = false;
   }
   deferred_prefetch_ = -1;
 }
@@ -190,6 +198,7 @@ void ParamGatherer::GatherLoop() {
       if (broken_.ok()) broken_ = status;
       slot.unit = -1;
       slot.state = SlotState::kEmpty;
+      slot.awaiting_acquire = false;
     }
     cv_.notify_all();
   }

@@ -80,6 +80,9 @@ class ParamGatherer final : public Gpt2ParamSource {
     int unit = -1;  // the unit it holds or is gathering; -1 when empty
     SlotState state = SlotState::kEmpty;
     int holders = 0;
+    // Gathered (or gathering) for a Prefetch whose Acquire has not come yet: not to be reused,
+    // whether or not the gather has finished, so that slot choice never depends on timing.
+    bool awaiting_acquire = false;
     uint64_t released_at = 0;  // sequence number of its last release: the oldest is reused first
     Weights16 w16;             // (capacity,) what the gather writes
     std::vector<float> w32;    // (capacity,) its upcast, what the model computes with

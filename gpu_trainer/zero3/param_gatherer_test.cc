@@ -3,6 +3,7 @@
 // window, the window is what is allocated, and failures surface as errors.
 #include "gpu_trainer/zero3/param_gatherer.h"
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -172,6 +173,24 @@ TEST(ParamGathererTest, AFullWindowAndBadUnitsAreRefused) {
   bad = Options(DType::kFp16, 2, 0, 1);  // two ranks, but the collectives have one
   EXPECT_EQ(ParamGatherer::Create(bad, c.get(), full.data(), nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A prefetched unit keeps its slot until it is acquired, however soon its gather finishes: which
+// slot a later unit gets must not depend on timing, or ranks would gather different units.
+TEST(ParamGathererTest, APrefetchedSlotWaitsForItsAcquire) {
+  std::unique_ptr<Collectives> c = SingleRankCollectives();
+  const std::vector<uint16_t> full = Weights(DType::kFp16, Padded(1));
+  auto g = ParamGatherer::Create(Options(DType::kFp16, 1, 0, 1), c.get(), full.data(), nullptr);
+  ASSERT_TRUE(g.ok()) << g.status();
+  (*g)->Prefetch(2);
+  (*g)->Invalidate();  // waits for the gather; the prefetch is forgotten with it
+  (*g)->Prefetch(2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // long done: a copy of one block
+  EXPECT_EQ((*g)->Acquire(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*g)->Acquire(2).ok());
+  (*g)->Release(2);
+  EXPECT_TRUE((*g)->Acquire(1).ok());  // released: the slot may be reused now
+  EXPECT_EQ((*g)->gathers(), 3);
 }
 
 // Collectives whose gathers fail: a peer that died.

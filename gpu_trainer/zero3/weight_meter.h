@@ -41,6 +41,7 @@ class Weights16 {
   }
   Weights16(Weights16&& other) noexcept { *this = std::move(other); }
   Weights16& operator=(Weights16&& other) noexcept {
+    if (this == &other) return *this;
     Reset();
     data_ = std::move(other.data_);
     size_ = std::exchange(other.size_, 0);

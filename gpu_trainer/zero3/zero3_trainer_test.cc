@@ -228,6 +228,42 @@ TEST(Stage3, CheckpointsCrossBetweenTheStages) {
   }
 }
 
+// Ranks that would gather differently refuse to start together, before any gather.
+TEST(Stage3, RanksThatDisagreeOnTheStageOrWindowRefuseTogether) {
+  for (const bool window_differs : {false, true}) {
+    LocalShards shards(1);
+    auto store = std::make_shared<gloo::rendezvous::HashStore>();
+    std::vector<absl::Status> started(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        GlooOptions g;
+        g.rank = r;
+        g.world_size = 2;
+        g.prefix = "test";
+        g.timeout = absl::Seconds(20);
+        absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
+        ASSERT_TRUE(collectives.ok()) << collectives.status();
+        TrainerOptions o = Options(window_differs || r == 0 ? 3 : 2);
+        if (window_differs && r == 1) o.param_window_layers = 1;
+        auto backend =
+            RemoteOptimizer::Connect(MapFor(o, 1, 2), shards.addresses(), ClientOptions{});
+        ASSERT_TRUE(backend.ok()) << backend.status();
+        ASSERT_TRUE((*backend)->SetRank(r).ok());
+        o.collectives = collectives->get();
+        absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(o, backend->get());
+        ASSERT_TRUE(t.ok()) << t.status();
+        started[r] = (*t)->Start().status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(started[r].code(), absl::StatusCode::kFailedPrecondition) << started[r];
+      EXPECT_NE(started[r].message().find("zero_stage="), std::string::npos) << started[r];
+    }
+  }
+}
+
 TEST(Stage3, RefusesWhatItCannotDo) {
   LocalShards shards(1);
   auto backend =
@@ -243,6 +279,11 @@ TEST(Stage3, RefusesWhatItCannotDo) {
   EXPECT_EQ(Trainer::Create(o, backend->get()).status().code(), absl::StatusCode::kInvalidArgument);
   o = Options(4);
   EXPECT_EQ(Trainer::Create(o, backend->get()).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options(3);
+  o.device = ComputeDevice::kCuda;
+  t = Trainer::Create(o, backend->get());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(t.status().message().find("CPU backend only"), std::string::npos) << t.status();
 }
 
 }  // namespace
