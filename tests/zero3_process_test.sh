@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ZeRO-3 as real processes: offload_local with two optimizer servers and W gpu_trainer ranks
 # meeting over Gloo on loopback. For W = 1, 2 and 3, fp16 and bf16, with and without
-# micro-batches, a job run with --zero_stage=3 (and, at W=1, with a one-layer parameter window)
-# ends with a checkpoint byte-identical to the same job with --zero_stage=2: the model file, every
+# micro-batches, a job run with --zero_stage=3 (and, at W=1, with a one-layer parameter window;
+# at W=2 with activation checkpointing) ends with a checkpoint byte-identical to the same job with
+# --zero_stage=2: the model file, every
 # shard's master weights and moments, and the manifest. The sampled text is the same too (under
 # stage 3 every rank takes part in sampling, as each forward gathers the layers). And a checkpoint
 # of either stage resumes under the other to the same bytes.
@@ -27,7 +28,7 @@ sample() { sed -n '/^gpu_trainer: sample:/,$p' "$1" | sed -n '3,/^---$/p' | od -
 runs=0
 # ranks dtype micro_batches [extra stage-3 flags]
 while read -r ranks dtype micro extra; do
-  name="w${ranks}-${dtype}-m${micro}${extra:+-window}"
+  name="w${ranks}-${dtype}-m${micro}${extra:+-${extra#--}}"
   for stage in 2 3; do
     flags=(--dtype="$dtype" --micro_batches="$micro" --zero_stage=$stage)
     [ "$stage" = 3 ] && [ -n "$extra" ] && flags+=("$extra")
@@ -50,6 +51,8 @@ done < <(
   done
   echo "1 bf16 2 --param_window_layers=1"
   echo "1 fp16 1 --param_window_layers=1"
+  # Activation checkpointing recomputes each block in backward: the same bits again.
+  echo "2 bf16 2 --activation_checkpointing"
 )
 # A checkpoint of either stage resumes under the other, W=2: the step-3 checkpoint of a run with
 # --checkpoint_every=3, made the latest on its own, resumed to step 6 under the other stage, ends

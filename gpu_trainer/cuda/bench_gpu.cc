@@ -85,6 +85,9 @@ ABSL_FLAG(int, plan_window_layers, 2,
           "blocks of the parameter window in the planner's ZeRO-3 rows (a plan: the CUDA backend "
           "runs stage 2 only)");
 ABSL_FLAG(int, plan_ranks, 8, "GPUs of the planner's ZeRO-3 row, one rank each");
+ABSL_FLAG(bool, plan_activation_checkpointing, false,
+          "plan every row with activation checkpointing (each block's input kept, the block "
+          "recomputed in backward)");
 
 namespace offload {
 namespace {
@@ -344,6 +347,7 @@ struct PlanResult {
   double memory_gib = 0;
   int batch = 0, seq_len = 0;
   DType dtype = DType::kBf16;
+  bool checkpointing = false;
   int64_t offload_params = 0, gpu_only_params = 0;  // 0: nothing fits
   std::string offload_model = "none", gpu_only_model = "none";
   double ratio = 0;  // offload_params / gpu_only_params; 0 when either is 0
@@ -360,10 +364,11 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   p.batch = absl::GetFlag(FLAGS_plan_batch);
   p.seq_len = absl::GetFlag(FLAGS_plan_seq_len);
   p.dtype = dtype;
+  p.checkpointing = absl::GetFlag(FLAGS_plan_activation_checkpointing);
   const auto bytes = static_cast<int64_t>(memory_gib * static_cast<double>(int64_t{1} << 30));
   for (const bool gpu_optimizer : {false, true}) {
     absl::StatusOr<LargestTrainable> best =
-        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, gpu_optimizer);
+        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, gpu_optimizer, {}, p.checkpointing);
     if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
     if (!best.ok()) continue;  // nothing fits: reported as 0 parameters
     (gpu_optimizer ? p.gpu_only_params : p.offload_params) = best->num_params;
@@ -376,8 +381,8 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   p.ranks = absl::GetFlag(FLAGS_plan_ranks);
   for (const int ranks : {1, p.ranks}) {
     const ParamPlacement placement{3, ranks, p.window_layers};
-    absl::StatusOr<LargestTrainable> best =
-        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, /*gpu_optimizer=*/false, placement);
+    absl::StatusOr<LargestTrainable> best = LargestTrainableGpt2(
+        bytes, p.batch, p.seq_len, dtype, /*gpu_optimizer=*/false, placement, p.checkpointing);
     if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
     if (!best.ok()) continue;
     (ranks == 1 ? p.window_params : p.stage3_params) = best->num_params;
@@ -440,8 +445,9 @@ void Report(const BenchConfig& b, const Results& r) {
   }
   if (r.plan) {
     const PlanResult& p = *r.plan;
-    const std::string on = absl::StrFormat("%.1f GiB, %s, batch %d x %d", p.memory_gib,
-                                           DTypeName(p.dtype), p.batch, p.seq_len);
+    const std::string on =
+        absl::StrFormat("%.1f GiB, %s, batch %d x %d%s", p.memory_gib, DTypeName(p.dtype), p.batch,
+                        p.seq_len, p.checkpointing ? ", activation checkpointing" : "");
     std::printf("  largest model on %s\n", on.c_str());
     row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model, ")"));
     row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model, ")"));
@@ -492,10 +498,10 @@ void Report(const BenchConfig& b, const Results& r) {
     const PlanResult& p = *r.plan;
     std::printf(
         "gpu plan memory_gib=%.1f offload_params=%lld offload_model=%s gpu_only_params=%lld "
-        "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s\n",
+        "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s checkpointing=%d\n",
         p.memory_gib, static_cast<long long>(p.offload_params), p.offload_model.c_str(),
         static_cast<long long>(p.gpu_only_params), p.gpu_only_model.c_str(), p.ratio, p.batch,
-        p.seq_len, std::string(DTypeName(p.dtype)).c_str());
+        p.seq_len, std::string(DTypeName(p.dtype)).c_str(), p.checkpointing ? 1 : 0);
     std::printf(
         "gpu plan_zero3 memory_gib=%.1f window_layers=%d window_params=%lld window_model=%s "
         "ranks=%d stage3_params=%lld stage3_model=%s\n",

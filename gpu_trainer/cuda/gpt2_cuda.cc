@@ -82,6 +82,11 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
  private:
   const T* w(int index) const { return params_ + offsets_[index]; }
   T* dw(int index) const { return grads_ + offsets_[index]; }
+  // Block l's forward for the batch of the last Forward (B, Tn), queued on stream_: from its input
+  // (the encoder's output or block l-1's residual3) to its residual3.
+  absl::Status BlockForward(int l, int B, int Tn);
+  // Where block l's saved activations live: l, or 0 under activation checkpointing.
+  int64_t Slot(int l) const { return options_.activation_checkpointing ? 0 : l; }
 
   const Gpt2Config c_;
   const int max_batch_;
@@ -130,7 +135,8 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   // Check the whole plan against free memory first, so a model that cannot fit fails with the
   // full picture rather than at whichever allocation happens to run out.
   const CudaMemoryPlan plan =
-      PlanGpt2CudaMemory(c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false);
+      PlanGpt2CudaMemory(c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false, {},
+                         options_.activation_checkpointing);
   size_t free_bytes = 0, total_bytes = 0;
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   const int64_t need = plan.total_bytes() - plan.reserved_bytes;
@@ -149,7 +155,8 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   grads_ = static_cast<T*>(grads_mem_.data());
   OFFLOAD_RETURN_IF_ERROR(acts_mem_.Allocate(plan.activation_bytes, "activations"));
   BufferCarver carver(acts_mem_.data());
-  CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_);
+  CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_,
+                           options_.activation_checkpointing);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params_, 0, n_ * sizeof(T), nullptr));
 
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<CublasLt> lt, CublasLt::Create(kCublasWorkspaceBytes));
@@ -244,9 +251,9 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
   T_ = Tn;
   have_targets_ = false;  // until the loss is there
 
-  const int L = c_.num_layers, NH = c_.num_heads, C = c_.channels;
+  const int L = c_.num_layers, C = c_.channels;
   const int N = static_cast<int>(BT);
-  const int64_t BTC = BT * C, BHTT = BT * NH * Tn, Vp = PaddedVocab(V);
+  const int64_t BTC = BT * C, Vp = PaddedVocab(V);
   const Gpt2CudaActivations<T>& a = a_;
   cudaStream_t s = stream_;
   OFFLOAD_CUDA_RETURN_IF_ERROR(
@@ -262,41 +269,7 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
 
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       EncoderForward<T>(a.encoded, a.inputs, w(kWte), w(kWpe), B, Tn, C, s));
-  for (int l = 0; l < L; l++) {
-    auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
-    const T* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
-    T* ln1 = a.ln1 + l * BTC;                                              // (B, T, C)
-    float* ln1_mean = a.ln1_mean + l * BT;                                 // (B, T)
-    float* ln1_rstd = a.ln1_rstd + l * BT;                                 // (B, T)
-    T* qkv = a.qkv + l * 3 * BTC;                                          // (B, T, 3C)
-    T* atty = a.atty + l * BTC;                                            // (B, T, C)
-    T* att = a.att + l * BHTT;                                             // (B, NH, T, T)
-    T* residual2 = a.residual2 + l * BTC;                                  // (B, T, C)
-    T* ln2 = a.ln2 + l * BTC;                                              // (B, T, C)
-    float* ln2_mean = a.ln2_mean + l * BT;                                 // (B, T)
-    float* ln2_rstd = a.ln2_rstd + l * BT;                                 // (B, T)
-    T* fch = a.fch + l * 4 * BTC;                                          // (B, T, 4C)
-    T* fch_gelu = a.fch_gelu + l * 4 * BTC;                                // (B, T, 4C)
-    T* residual3 = a.residual3 + l * BTC;                                  // (B, T, C)
-
-    OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln1, ln1_mean, ln1_rstd, residual,
-                                                     bw(kLn1Weight), bw(kLn1Bias), N, C, s));
-    OFFLOAD_RETURN_IF_ERROR(
-        MatmulForward<T>(*lt_, qkv, ln1, bw(kAttnWeight), bw(kAttnBias), N, C, 3 * C, s));
-    OFFLOAD_RETURN_IF_ERROR(
-        AttentionForward<T>(*lt_, atty, att, a.attn_scratch, qkv, B, Tn, C, NH, s));
-    OFFLOAD_RETURN_IF_ERROR(
-        MatmulForward<T>(*lt_, a.proj, atty, bw(kAttnProjWeight), bw(kAttnProjBias), N, C, C, s));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual2, residual, a.proj, BTC, s));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln2, ln2_mean, ln2_rstd, residual2,
-                                                     bw(kLn2Weight), bw(kLn2Bias), N, C, s));
-    OFFLOAD_RETURN_IF_ERROR(
-        MatmulForward<T>(*lt_, fch, ln2, bw(kFcWeight), bw(kFcBias), N, C, 4 * C, s));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(GeluForward<T>(fch_gelu, fch, 4 * BTC, s));
-    OFFLOAD_RETURN_IF_ERROR(MatmulForward<T>(*lt_, a.proj, fch_gelu, bw(kFcProjWeight),
-                                             bw(kFcProjBias), N, 4 * C, C, s));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual3, residual2, a.proj, BTC, s));
-  }
+  for (int l = 0; l < L; l++) OFFLOAD_RETURN_IF_ERROR(BlockForward(l, B, Tn));
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       LayerNormForward<T>(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3 + (L - 1) * BTC,
                           w(LnfWeightIndex(L)), w(LnfBiasIndex(L)), N, C, s));
@@ -315,6 +288,50 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
   for (float x : losses) sum += x;
   have_targets_ = true;
   return static_cast<float>(sum / BT);
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::BlockForward(int l, int B, int Tn) {
+  const int NH = c_.num_heads, C = c_.channels;
+  const int N = B * Tn;
+  const int64_t BT = N, BTC = BT * C, BHTT = BT * NH * Tn;
+  const Gpt2CudaActivations<T>& a = a_;
+  cudaStream_t s = stream_;
+  const int64_t i = Slot(l);
+  auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
+  const T* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
+  T* ln1 = a.ln1 + i * BTC;                                              // (B, T, C)
+  float* ln1_mean = a.ln1_mean + i * BT;                                 // (B, T)
+  float* ln1_rstd = a.ln1_rstd + i * BT;                                 // (B, T)
+  T* qkv = a.qkv + i * 3 * BTC;                                          // (B, T, 3C)
+  T* atty = a.atty + i * BTC;                                            // (B, T, C)
+  T* att = a.att + i * BHTT;                                             // (B, NH, T, T)
+  T* residual2 = a.residual2 + i * BTC;                                  // (B, T, C)
+  T* ln2 = a.ln2 + i * BTC;                                              // (B, T, C)
+  float* ln2_mean = a.ln2_mean + i * BT;                                 // (B, T)
+  float* ln2_rstd = a.ln2_rstd + i * BT;                                 // (B, T)
+  T* fch = a.fch + i * 4 * BTC;                                          // (B, T, 4C)
+  T* fch_gelu = a.fch_gelu + i * 4 * BTC;                                // (B, T, 4C)
+  T* residual3 = a.residual3 + l * BTC;                                  // (B, T, C)
+
+  OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln1, ln1_mean, ln1_rstd, residual,
+                                                   bw(kLn1Weight), bw(kLn1Bias), N, C, s));
+  OFFLOAD_RETURN_IF_ERROR(
+      MatmulForward<T>(*lt_, qkv, ln1, bw(kAttnWeight), bw(kAttnBias), N, C, 3 * C, s));
+  OFFLOAD_RETURN_IF_ERROR(
+      AttentionForward<T>(*lt_, atty, att, a.attn_scratch, qkv, B, Tn, C, NH, s));
+  OFFLOAD_RETURN_IF_ERROR(
+      MatmulForward<T>(*lt_, a.proj, atty, bw(kAttnProjWeight), bw(kAttnProjBias), N, C, C, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual2, residual, a.proj, BTC, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln2, ln2_mean, ln2_rstd, residual2,
+                                                   bw(kLn2Weight), bw(kLn2Bias), N, C, s));
+  OFFLOAD_RETURN_IF_ERROR(
+      MatmulForward<T>(*lt_, fch, ln2, bw(kFcWeight), bw(kFcBias), N, C, 4 * C, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(GeluForward<T>(fch_gelu, fch, 4 * BTC, s));
+  OFFLOAD_RETURN_IF_ERROR(
+      MatmulForward<T>(*lt_, a.proj, fch_gelu, bw(kFcProjWeight), bw(kFcProjBias), N, 4 * C, C, s));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual3, residual2, a.proj, BTC, s));
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -379,21 +396,26 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   OFFLOAD_RETURN_IF_ERROR(ready(offsets_[LnfWeightIndex(L)], n_));
 
   for (int l = L - 1; l >= 0; l--) {
+    // Checkpointing: the last block's activations are still those Forward left.
+    if (options_.activation_checkpointing && l < L - 1) {
+      OFFLOAD_RETURN_IF_ERROR(BlockForward(l, B, Tn));
+    }
     auto bw = [&](BlockTensor t) { return w(BlockIndex(l, t)); };
     auto dbw = [&](BlockTensor t) { return dw(BlockIndex(l, t)); };
+    const int64_t i = Slot(l);
     const T* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
-    const T* ln1 = a.ln1 + l * BTC;                                        // (B, T, C)
-    const float* ln1_mean = a.ln1_mean + l * BT;                           // (B, T)
-    const float* ln1_rstd = a.ln1_rstd + l * BT;                           // (B, T)
-    const T* qkv = a.qkv + l * 3 * BTC;                                    // (B, T, 3C)
-    const T* atty = a.atty + l * BTC;                                      // (B, T, C)
-    const T* att = a.att + l * BHTT;                                       // (B, NH, T, T)
-    const T* residual2 = a.residual2 + l * BTC;                            // (B, T, C)
-    const T* ln2 = a.ln2 + l * BTC;                                        // (B, T, C)
-    const float* ln2_mean = a.ln2_mean + l * BT;                           // (B, T)
-    const float* ln2_rstd = a.ln2_rstd + l * BT;                           // (B, T)
-    const T* fch = a.fch + l * 4 * BTC;                                    // (B, T, 4C)
-    const T* fch_gelu = a.fch_gelu + l * 4 * BTC;                          // (B, T, 4C)
+    const T* ln1 = a.ln1 + i * BTC;                                        // (B, T, C)
+    const float* ln1_mean = a.ln1_mean + i * BT;                           // (B, T)
+    const float* ln1_rstd = a.ln1_rstd + i * BT;                           // (B, T)
+    const T* qkv = a.qkv + i * 3 * BTC;                                    // (B, T, 3C)
+    const T* atty = a.atty + i * BTC;                                      // (B, T, C)
+    const T* att = a.att + i * BHTT;                                       // (B, NH, T, T)
+    const T* residual2 = a.residual2 + i * BTC;                            // (B, T, C)
+    const T* ln2 = a.ln2 + i * BTC;                                        // (B, T, C)
+    const float* ln2_mean = a.ln2_mean + i * BT;                           // (B, T)
+    const float* ln2_rstd = a.ln2_rstd + i * BT;                           // (B, T)
+    const T* fch = a.fch + i * 4 * BTC;                                    // (B, T, 4C)
+    const T* fch_gelu = a.fch_gelu + i * 4 * BTC;                          // (B, T, 4C)
 
     // a.dresidual holds d loss / d residual3; the two LayerNorm backwards add the branches'
     // shares into it in place, as in Gpt2Cpu::Backward.

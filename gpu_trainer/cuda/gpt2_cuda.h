@@ -28,6 +28,8 @@ struct CudaModelOptions {
   DType dtype = DType::kBf16;  // storage of weights, gradients and activations
   int device = 0;
   StagingOptions staging;  // per direction
+  // As Gpt2Cpu's: keep each block's input only, recompute the block's forward in backward.
+  bool activation_checkpointing = false;
 };
 
 // What leaves with the gradients: computed on the GPU over the 16-bit values that are sent.

@@ -20,8 +20,9 @@ namespace offload {
 // 16-byte aligned (cuBLASLt's fast paths need it; GPT-2's V = 50257 is odd).
 inline int64_t PaddedVocab(int V) { return (int64_t{V} + 63) / 64 * 64; }
 
-// What Forward saves for Backward (per layer, leading (L)) and one layer's worth of scratch and
-// activation gradients, sized for (max_batch B, max_seq T). Same names as Gpt2Cpu's.
+// What Forward saves for Backward (per layer, leading (L); with activation checkpointing (1), but
+// residual3, the blocks' inputs, which keeps (L)) and one layer's worth of scratch and activation
+// gradients, sized for (max_batch B, max_seq T). Same names as Gpt2Cpu's.
 template <typename T>
 struct Gpt2CudaActivations {
   T* encoded;       // (B, T, C)
@@ -64,22 +65,23 @@ struct Gpt2CudaActivations {
 
 template <typename T>
 void CarveGpt2CudaActivations(const Gpt2Config& c, int B, int Tn, BufferCarver& carver,
-                              Gpt2CudaActivations<T>* a) {
+                              Gpt2CudaActivations<T>* a, bool activation_checkpointing = false) {
   const int64_t L = c.num_layers, C = c.channels, NH = c.num_heads;
+  const int64_t Ls = activation_checkpointing ? 1 : L;  // layers of saved activations
   const int64_t BT = int64_t{B} * Tn;
   a->encoded = carver.Take<T>(BT * C);
-  a->ln1 = carver.Take<T>(L * BT * C);
-  a->ln1_mean = carver.Take<float>(L * BT);
-  a->ln1_rstd = carver.Take<float>(L * BT);
-  a->qkv = carver.Take<T>(L * BT * 3 * C);
-  a->atty = carver.Take<T>(L * BT * C);
-  a->att = carver.Take<T>(L * B * NH * Tn * Tn);
-  a->residual2 = carver.Take<T>(L * BT * C);
-  a->ln2 = carver.Take<T>(L * BT * C);
-  a->ln2_mean = carver.Take<float>(L * BT);
-  a->ln2_rstd = carver.Take<float>(L * BT);
-  a->fch = carver.Take<T>(L * BT * 4 * C);
-  a->fch_gelu = carver.Take<T>(L * BT * 4 * C);
+  a->ln1 = carver.Take<T>(Ls * BT * C);
+  a->ln1_mean = carver.Take<float>(Ls * BT);
+  a->ln1_rstd = carver.Take<float>(Ls * BT);
+  a->qkv = carver.Take<T>(Ls * BT * 3 * C);
+  a->atty = carver.Take<T>(Ls * BT * C);
+  a->att = carver.Take<T>(Ls * B * NH * Tn * Tn);
+  a->residual2 = carver.Take<T>(Ls * BT * C);
+  a->ln2 = carver.Take<T>(Ls * BT * C);
+  a->ln2_mean = carver.Take<float>(Ls * BT);
+  a->ln2_rstd = carver.Take<float>(Ls * BT);
+  a->fch = carver.Take<T>(Ls * BT * 4 * C);
+  a->fch_gelu = carver.Take<T>(Ls * BT * 4 * C);
   a->residual3 = carver.Take<T>(L * BT * C);
   a->lnf = carver.Take<T>(BT * C);
   a->lnf_mean = carver.Take<float>(BT);

@@ -21,7 +21,8 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 }
 
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
-                                  bool gpu_optimizer, const ParamPlacement& placement) {
+                                  bool gpu_optimizer, const ParamPlacement& placement,
+                                  bool activation_checkpointing) {
   const int64_t n = Gpt2NumParams(config);
   const int64_t size = DTypeSize(dtype);
   CudaMemoryPlan plan;
@@ -31,7 +32,7 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
     using Storage = decltype(zero);
     Gpt2CudaActivations<Storage> views;
     BufferCarver carver(nullptr);
-    CarveGpt2CudaActivations(config, B, T, carver, &views);
+    CarveGpt2CudaActivations(config, B, T, carver, &views, activation_checkpointing);
     return static_cast<int64_t>(carver.bytes());
   });
   plan.optimizer_bytes = gpu_optimizer ? 3 * n * int64_t{sizeof(float)} : 0;
@@ -42,7 +43,8 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
 
 absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
                                                       DType dtype, bool gpu_optimizer,
-                                                      const ParamPlacement& placement) {
+                                                      const ParamPlacement& placement,
+                                                      bool activation_checkpointing) {
   // GPT-2 small ... XL, then GPT-3 2.7B ... 175B widths.
   static constexpr int kWidths[] = {768,  1024, 1280, 1600, 2048, 2560,
                                     4096, 5120, 6144, 8192, 12288};
@@ -55,8 +57,9 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
     config.num_heads = C <= 1280 ? C / 64 : C / 128;
     auto fits = [&](int layers) {
       config.num_layers = layers;
-      return PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement).total_bytes() <=
-             device_bytes;
+      return PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement,
+                                activation_checkpointing)
+                 .total_bytes() <= device_bytes;
     };
     // Memory grows with depth, so the deepest model that fits is a binary search away.
     int lo = 0, hi = 1024;
@@ -74,7 +77,8 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
     if (n > best.num_params) {
       best.config = config;
       best.num_params = n;
-      best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement);
+      best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement,
+                                     activation_checkpointing);
     }
   }
   if (best.num_params == 0) {

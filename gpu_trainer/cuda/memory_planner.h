@@ -49,8 +49,10 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 
 // Micro-batch B, sequence T. gpu_optimizer: the fused GPU AdamW (the no-offload baseline) instead
 // of the CPU shards.
+// activation_checkpointing: the activations of a model that keeps only each block's input.
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
-                                  bool gpu_optimizer, const ParamPlacement& placement = {});
+                                  bool gpu_optimizer, const ParamPlacement& placement = {},
+                                  bool activation_checkpointing = false);
 
 struct LargestTrainable {
   Gpt2Config config;
@@ -63,7 +65,8 @@ struct LargestTrainable {
 // plan fits in device_bytes. NotFound when not even one layer of the narrowest width fits.
 absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
                                                       DType dtype, bool gpu_optimizer,
-                                                      const ParamPlacement& placement = {});
+                                                      const ParamPlacement& placement = {},
+                                                      bool activation_checkpointing = false);
 
 std::string DescribeConfig(const Gpt2Config& config);
 

@@ -84,11 +84,16 @@ absl::StatusOr<const float*> FlatGpt2Params::Acquire(int unit) {
 }
 
 Gpt2Cpu::Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq,
-                 const CpuLayerKernels* kernels)
-    : config_(config), max_batch_(max_batch), max_seq_(max_seq), kernels_(kernels) {}
+                 const CpuLayerKernels* kernels, bool activation_checkpointing)
+    : config_(config),
+      max_batch_(max_batch),
+      max_seq_(max_seq),
+      kernels_(kernels),
+      checkpointing_(activation_checkpointing) {}
 
 absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& config, int max_batch,
-                                                         int max_seq, CpuKernelSet kernels) {
+                                                         int max_seq, CpuKernelSet kernels,
+                                                         bool activation_checkpointing) {
   OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(config));
   if (max_batch <= 0 || max_seq <= 0 || max_seq > config.context_length ||
       int64_t{max_batch} * max_seq > kMaxTokens) {
@@ -97,9 +102,9 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
         ": need max_batch >= 1, 1 <= max_seq <= context_length = ", config.context_length,
         ", max_batch * max_seq <= ", kMaxTokens));
   }
-  std::unique_ptr<Gpt2Cpu> model(
-      new Gpt2Cpu(config, max_batch, max_seq,
-                  kernels == CpuKernelSet::kFast ? &FastKernels() : &NaiveKernels()));
+  std::unique_ptr<Gpt2Cpu> model(new Gpt2Cpu(
+      config, max_batch, max_seq, kernels == CpuKernelSet::kFast ? &FastKernels() : &NaiveKernels(),
+      activation_checkpointing));
   for (const ParamTensor& t : Gpt2ParamLayout(config)) model->tensor_offsets_.push_back(t.offset);
   model->num_params_ = Gpt2NumParams(config);
   for (int u = 0; u < Gpt2NumUnits(config); ++u) {
@@ -111,21 +116,22 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
     const int64_t Bi = max_batch, Ti = max_seq, Li = config.num_layers, Ci = config.channels,
                   NHi = config.num_heads, Vi = config.vocab_size;
     const int64_t BT = Bi * Ti, BTC = BT * Ci, BHTT = Bi * NHi * Ti * Ti;
+    const int64_t Ls = activation_checkpointing ? 1 : Li;  // layers of saved activations
     Carver c(base);
     a->encoded = c.Take(BTC);
-    a->ln1 = c.Take(Li * BTC);
-    a->ln1_mean = c.Take(Li * BT);
-    a->ln1_rstd = c.Take(Li * BT);
-    a->qkv = c.Take(Li * 3 * BTC);
-    a->atty = c.Take(Li * BTC);
-    a->att = c.Take(Li * BHTT);
-    a->residual2 = c.Take(Li * BTC);
-    a->ln2 = c.Take(Li * BTC);
-    a->ln2_mean = c.Take(Li * BT);
-    a->ln2_rstd = c.Take(Li * BT);
-    a->fch = c.Take(Li * 4 * BTC);
-    a->fch_gelu = c.Take(Li * 4 * BTC);
-    a->residual3 = c.Take(Li * BTC);
+    a->ln1 = c.Take(Ls * BTC);
+    a->ln1_mean = c.Take(Ls * BT);
+    a->ln1_rstd = c.Take(Ls * BT);
+    a->qkv = c.Take(Ls * 3 * BTC);
+    a->atty = c.Take(Ls * BTC);
+    a->att = c.Take(Ls * BHTT);
+    a->residual2 = c.Take(Ls * BTC);
+    a->ln2 = c.Take(Ls * BTC);
+    a->ln2_mean = c.Take(Ls * BT);
+    a->ln2_rstd = c.Take(Ls * BT);
+    a->fch = c.Take(Ls * 4 * BTC);
+    a->fch_gelu = c.Take(Ls * 4 * BTC);
+    a->residual3 = c.Take(Li * BTC);  // every block's output: the next block's input
     a->lnf = c.Take(BTC);
     a->lnf_mean = c.Take(BT);
     a->lnf_rstd = c.Take(BT);
@@ -205,8 +211,8 @@ absl::StatusOr<float> Gpt2Cpu::Forward(Gpt2ParamSource& params, const int32_t* i
   have_targets_ = false;  // until the pass is through
 
   const CpuLayerKernels& k = *kernels_;
-  const int L = config_.num_layers, NH = config_.num_heads, C = config_.channels;
-  const int64_t BT = int64_t{B} * T, BTC = BT * C, BHTT = BT * NH * T;
+  const int L = config_.num_layers, C = config_.channels;
+  const int64_t BT = int64_t{B} * T, BTC = BT * C;
   // Tensor `index` of the flat layout, inside the held unit that contains it.
   auto w = [&](const HeldUnit& unit, int index) {
     return unit.base() + (tensor_offsets_[index] - unit_begins_[unit.unit()]);
@@ -221,32 +227,7 @@ absl::StatusOr<float> Gpt2Cpu::Forward(Gpt2ParamSource& params, const int32_t* i
     HeldUnit block(params, 1 + l);
     OFFLOAD_RETURN_IF_ERROR(block.Acquire());
     params.Prefetch(2 + l);  // the next block, or ln_f after the last
-    auto bw = [&](BlockTensor t) { return w(block, BlockIndex(l, t)); };
-    const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
-    float* ln1 = a.ln1 + l * BTC;                                              // (B, T, C)
-    float* ln1_mean = a.ln1_mean + l * BT;                                     // (B, T)
-    float* ln1_rstd = a.ln1_rstd + l * BT;                                     // (B, T)
-    float* qkv = a.qkv + l * 3 * BTC;                                          // (B, T, 3C)
-    float* atty = a.atty + l * BTC;                                            // (B, T, C)
-    float* att = a.att + l * BHTT;                                             // (B, NH, T, T)
-    float* residual2 = a.residual2 + l * BTC;                                  // (B, T, C)
-    float* ln2 = a.ln2 + l * BTC;                                              // (B, T, C)
-    float* ln2_mean = a.ln2_mean + l * BT;                                     // (B, T)
-    float* ln2_rstd = a.ln2_rstd + l * BT;                                     // (B, T)
-    float* fch = a.fch + l * 4 * BTC;                                          // (B, T, 4C)
-    float* fch_gelu = a.fch_gelu + l * 4 * BTC;                                // (B, T, 4C)
-    float* residual3 = a.residual3 + l * BTC;                                  // (B, T, C)
-
-    k.layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, bw(kLn1Weight), bw(kLn1Bias), B, T, C);
-    k.matmul_forward(qkv, ln1, bw(kAttnWeight), bw(kAttnBias), B, T, C, 3 * C);
-    k.attention_forward(atty, a.preatt, att, qkv, B, T, C, NH);
-    k.matmul_forward(a.proj, atty, bw(kAttnProjWeight), bw(kAttnProjBias), B, T, C, C);
-    k.residual_forward(residual2, residual, a.proj, BTC);
-    k.layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, bw(kLn2Weight), bw(kLn2Bias), B, T, C);
-    k.matmul_forward(fch, ln2, bw(kFcWeight), bw(kFcBias), B, T, C, 4 * C);
-    k.gelu_forward(fch_gelu, fch, 4 * BTC);
-    k.matmul_forward(a.proj, fch_gelu, bw(kFcProjWeight), bw(kFcProjBias), B, T, 4 * C, C);
-    k.residual_forward(residual3, residual2, a.proj, BTC);
+    BlockForward(l, block.base(), B, T);
   }
   HeldUnit lnf(params, L + 1);
   OFFLOAD_RETURN_IF_ERROR(lnf.Acquire());
@@ -260,6 +241,41 @@ absl::StatusOr<float> Gpt2Cpu::Forward(Gpt2ParamSource& params, const int32_t* i
   double sum = 0.0;  // double: B*T terms of similar size, summed in a fixed order
   for (int64_t i = 0; i < BT; i++) sum += a.losses[i];
   return static_cast<float>(sum / BT);
+}
+
+void Gpt2Cpu::BlockForward(int l, const float* block, int B, int T) {
+  const CpuLayerKernels& k = *kernels_;
+  const int NH = config_.num_heads, C = config_.channels;
+  const int64_t BT = int64_t{B} * T, BTC = BT * C, BHTT = BT * NH * T;
+  const int64_t first = unit_begins_[1 + l];
+  auto bw = [&](BlockTensor t) { return block + (tensor_offsets_[BlockIndex(l, t)] - first); };
+  const Activations& a = acts_;
+  const int64_t i = Slot(l);
+  const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
+  float* ln1 = a.ln1 + i * BTC;                                              // (B, T, C)
+  float* ln1_mean = a.ln1_mean + i * BT;                                     // (B, T)
+  float* ln1_rstd = a.ln1_rstd + i * BT;                                     // (B, T)
+  float* qkv = a.qkv + i * 3 * BTC;                                          // (B, T, 3C)
+  float* atty = a.atty + i * BTC;                                            // (B, T, C)
+  float* att = a.att + i * BHTT;                                             // (B, NH, T, T)
+  float* residual2 = a.residual2 + i * BTC;                                  // (B, T, C)
+  float* ln2 = a.ln2 + i * BTC;                                              // (B, T, C)
+  float* ln2_mean = a.ln2_mean + i * BT;                                     // (B, T)
+  float* ln2_rstd = a.ln2_rstd + i * BT;                                     // (B, T)
+  float* fch = a.fch + i * 4 * BTC;                                          // (B, T, 4C)
+  float* fch_gelu = a.fch_gelu + i * 4 * BTC;                                // (B, T, 4C)
+  float* residual3 = a.residual3 + l * BTC;                                  // (B, T, C)
+
+  k.layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, bw(kLn1Weight), bw(kLn1Bias), B, T, C);
+  k.matmul_forward(qkv, ln1, bw(kAttnWeight), bw(kAttnBias), B, T, C, 3 * C);
+  k.attention_forward(atty, a.preatt, att, qkv, B, T, C, NH);
+  k.matmul_forward(a.proj, atty, bw(kAttnProjWeight), bw(kAttnProjBias), B, T, C, C);
+  k.residual_forward(residual2, residual, a.proj, BTC);
+  k.layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, bw(kLn2Weight), bw(kLn2Bias), B, T, C);
+  k.matmul_forward(fch, ln2, bw(kFcWeight), bw(kFcBias), B, T, C, 4 * C);
+  k.gelu_forward(fch_gelu, fch, 4 * BTC);
+  k.matmul_forward(a.proj, fch_gelu, bw(kFcProjWeight), bw(kFcProjBias), B, T, 4 * C, C);
+  k.residual_forward(residual3, residual2, a.proj, BTC);
 }
 
 absl::Status Gpt2Cpu::Backward(const float* params, float loss_scale, float* grads,
@@ -321,21 +337,24 @@ absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float*
     HeldUnit block(params, 1 + l);
     OFFLOAD_RETURN_IF_ERROR(block.Acquire());
     if (l > 0) params.Prefetch(l);  // the block below
+    // Checkpointing: the last block's activations are still those Forward left.
+    if (checkpointing_ && l < L - 1) BlockForward(l, block.base(), B, T);
     auto bw = [&](BlockTensor t) { return w(block, BlockIndex(l, t)); };
     auto dbw = [&](BlockTensor t) { return dw(BlockIndex(l, t)); };
+    const int64_t i = Slot(l);
     const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
-    const float* ln1 = a.ln1 + l * BTC;                                        // (B, T, C)
-    const float* ln1_mean = a.ln1_mean + l * BT;                               // (B, T)
-    const float* ln1_rstd = a.ln1_rstd + l * BT;                               // (B, T)
-    const float* qkv = a.qkv + l * 3 * BTC;                                    // (B, T, 3C)
-    const float* atty = a.atty + l * BTC;                                      // (B, T, C)
-    const float* att = a.att + l * BHTT;                                       // (B, NH, T, T)
-    const float* residual2 = a.residual2 + l * BTC;                            // (B, T, C)
-    const float* ln2 = a.ln2 + l * BTC;                                        // (B, T, C)
-    const float* ln2_mean = a.ln2_mean + l * BT;                               // (B, T)
-    const float* ln2_rstd = a.ln2_rstd + l * BT;                               // (B, T)
-    const float* fch = a.fch + l * 4 * BTC;                                    // (B, T, 4C)
-    const float* fch_gelu = a.fch_gelu + l * 4 * BTC;                          // (B, T, 4C)
+    const float* ln1 = a.ln1 + i * BTC;                                        // (B, T, C)
+    const float* ln1_mean = a.ln1_mean + i * BT;                               // (B, T)
+    const float* ln1_rstd = a.ln1_rstd + i * BT;                               // (B, T)
+    const float* qkv = a.qkv + i * 3 * BTC;                                    // (B, T, 3C)
+    const float* atty = a.atty + i * BTC;                                      // (B, T, C)
+    const float* att = a.att + i * BHTT;                                       // (B, NH, T, T)
+    const float* residual2 = a.residual2 + i * BTC;                            // (B, T, C)
+    const float* ln2 = a.ln2 + i * BTC;                                        // (B, T, C)
+    const float* ln2_mean = a.ln2_mean + i * BT;                               // (B, T)
+    const float* ln2_rstd = a.ln2_rstd + i * BT;                               // (B, T)
+    const float* fch = a.fch + i * 4 * BTC;                                    // (B, T, 4C)
+    const float* fch_gelu = a.fch_gelu + i * 4 * BTC;                          // (B, T, 4C)
 
     // g.dresidual holds d loss / d residual3. Both branches of the block add into it in place:
     // the skip path passes it through unchanged, so after the MLP branch's LayerNorm it is

@@ -55,10 +55,17 @@ class Gpt2Cpu {
   // Activations for up to (max_batch, max_seq) in one allocation carved into views;
   // max_seq <= context_length. InvalidArgument for a bad config or size, ResourceExhausted when
   // the activations do not fit in memory.
+  //
+  // activation_checkpointing: Forward keeps only each block's input (the residual stream between
+  // blocks), and Backward recomputes a block's forward just before its backward, with the same
+  // kernels on the same inputs, so gradients are bit-identical to a plain run's. The per-layer
+  // activations then take one layer's worth of memory instead of L layers'.
   static absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Create(const Gpt2Config& config, int max_batch,
-                                                         int max_seq, CpuKernelSet kernels);
+                                                         int max_seq, CpuKernelSet kernels,
+                                                         bool activation_checkpointing = false);
 
   const Gpt2Config& config() const { return config_; }
+  bool activation_checkpointing() const { return checkpointing_; }
   int64_t num_params() const { return num_params_; }
   // Bytes of the one activation allocation (activations and their gradients).
   int64_t activation_bytes() const { return activation_floats_ * 4; }
@@ -92,7 +99,8 @@ class Gpt2Cpu {
  private:
   // What Forward saves for Backward, per layer with a leading (L) dimension, plus scratch reused
   // by every layer. Views into memory_, sized for (max_batch, max_seq); a call with a smaller
-  // (B, T) packs each tensor densely at the start of its view.
+  // (B, T) packs each tensor densely at the start of its view. With activation checkpointing the
+  // per-layer tensors but residual3 have a leading dimension of 1 (the layer being worked on).
   struct Activations {
     float* encoded;    // (B, T, C) wte + wpe, the residual stream entering layer 0
     float* ln1;        // (L, B, T, C)
@@ -135,12 +143,19 @@ class Gpt2Cpu {
     float* dfch_gelu;  // (B, T, 4C)
   };
 
-  Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq, const CpuLayerKernels* kernels);
+  Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq, const CpuLayerKernels* kernels,
+          bool activation_checkpointing);
+  // Block l's forward for the batch of the last Forward, from its input (the encoder's output or
+  // block l-1's residual3) to its residual3; block (Gpt2UnitRange(l + 1).size(),) its weights.
+  void BlockForward(int l, const float* block, int B, int T);
+  // Where block l's saved activations live: l, or 0 under activation checkpointing.
+  int64_t Slot(int l) const { return checkpointing_ ? 0 : l; }
 
   const Gpt2Config config_;
   const int max_batch_;
   const int max_seq_;
   const CpuLayerKernels* const kernels_;
+  const bool checkpointing_;
   int64_t num_params_ = 0;
   std::vector<int64_t> tensor_offsets_;  // Gpt2ParamLayout(config_)[i].offset
   std::vector<int64_t> unit_begins_;     // Gpt2UnitRange(config_, u).begin

@@ -96,6 +96,36 @@ TEST(Gpt2Cpu, FastMatchesNaive) {
   ExpectGradsClose(c, f.grads, n.grads, 1e-5);
 }
 
+// Activation checkpointing recomputes each block's forward inside backward with the same kernels
+// on the same inputs: the same bits, for both kernel sets, a smaller batch than allocated, and
+// two steps in a row (the recompute must not leave anything the next Forward reads). It keeps
+// one layer's activations where a plain model keeps L.
+TEST(Gpt2Cpu, ActivationCheckpointingIsBitIdentical) {
+  const Gpt2Config c = SmallConfig();
+  const std::vector<float> params = PerturbedParams(c, 1);
+  for (const CpuKernelSet set : {CpuKernelSet::kFast, CpuKernelSet::kNaive}) {
+    std::unique_ptr<Gpt2Cpu> plain = MakeModel(c, kB, kT, set);
+    absl::StatusOr<std::unique_ptr<Gpt2Cpu>> checkpointed =
+        Gpt2Cpu::Create(c, kB, kT, set, /*activation_checkpointing=*/true);
+    ASSERT_TRUE(plain && checkpointed.ok());
+    EXPECT_TRUE((*checkpointed)->activation_checkpointing());
+    EXPECT_LT((*checkpointed)->activation_bytes(), plain->activation_bytes());
+    for (const int B : {kB, 1}) {
+      for (int round = 0; round < 2; ++round) {
+        const std::vector<int32_t> inputs = RandomTokens(B * kT, c.vocab_size, 2 + round);
+        const std::vector<int32_t> targets = RandomTokens(B * kT, c.vocab_size, 5 + round);
+        const StepResult want = RunStep(*plain, params, inputs, targets, B, kT, 3.0f);
+        const StepResult got = RunStep(**checkpointed, params, inputs, targets, B, kT, 3.0f);
+        EXPECT_EQ(got.loss, want.loss);
+        EXPECT_EQ(0, std::memcmp(got.logits.data(), want.logits.data(), want.logits.size() * 4));
+        EXPECT_EQ(0, std::memcmp(got.grads.data(), want.grads.data(), want.grads.size() * 4))
+            << "B=" << B << " round " << round;
+        EXPECT_EQ(got.ready, want.ready);
+      }
+    }
+  }
+}
+
 // on_ready: [ln_f], [h.{L-1}], ..., [h.0], then [wte, wpe], contiguous, covering every element
 // once, and each range already final when reported.
 TEST(Gpt2Cpu, OnReadyOrderCoverageAndFinality) {

@@ -121,13 +121,13 @@ class CpuModelRunner final : public ModelRunner {
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(const Gpt2Config& config,
                                                                   int max_batch, int max_seq,
-                                                                  CpuKernelSet kernels,
-                                                                  DType dtype) {
+                                                                  CpuKernelSet kernels, DType dtype,
+                                                                  bool activation_checkpointing) {
   if (dtype != DType::kFp16 && dtype != DType::kBf16) {
     return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
   }
   absl::StatusOr<std::unique_ptr<Gpt2Cpu>> model =
-      Gpt2Cpu::Create(config, max_batch, max_seq, kernels);
+      Gpt2Cpu::Create(config, max_batch, max_seq, kernels, activation_checkpointing);
   if (!model.ok()) return model.status();
   return std::make_unique<CpuModelRunner>(std::move(*model), kernels, dtype);
 }

@@ -65,7 +65,8 @@ class CudaModelRunner final : public ModelRunner {
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config& config,
                                                                    int max_batch, int max_seq,
                                                                    DType dtype, int device,
-                                                                   int64_t pinned_staging_bytes) {
+                                                                   int64_t pinned_staging_bytes,
+                                                                   bool activation_checkpointing) {
   if (dtype != DType::kFp16 && dtype != DType::kBf16) {
     return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
   }
@@ -74,6 +75,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
   options.dtype = dtype;
   options.device = device;
   options.staging.budget_bytes = pinned_staging_bytes;
+  options.activation_checkpointing = activation_checkpointing;
   options.staging.chunk_bytes =
       std::min<int64_t>(options.staging.chunk_bytes, pinned_staging_bytes / 2);
   absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
@@ -86,7 +88,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
 #else
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config&, int, int,
-                                                                   DType, int, int64_t) {
+                                                                   DType, int, int64_t, bool) {
   return absl::UnimplementedError(
       "this build has no CUDA backend (nvcc was not found when it was configured; see "
       "OFFLOAD_CUDA in the README)");

@@ -68,17 +68,16 @@ class ModelRunner {
   virtual DeviceMemory Memory() const = 0;
 };
 
-// dtype: the 16-bit format of weights and gradients (fp16 or bf16).
-absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(const Gpt2Config& config,
-                                                                  int max_batch, int max_seq,
-                                                                  CpuKernelSet kernels,
-                                                                  DType dtype);
+// dtype: the 16-bit format of weights and gradients (fp16 or bf16). activation_checkpointing: as
+// Gpt2Cpu::Create's (each block's forward recomputed in backward; the same bits).
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(
+    const Gpt2Config& config, int max_batch, int max_seq, CpuKernelSet kernels, DType dtype,
+    bool activation_checkpointing = false);
 
 // Unavailable without a GPU; Unimplemented in a build without the CUDA backend.
-absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config& config,
-                                                                   int max_batch, int max_seq,
-                                                                   DType dtype, int device,
-                                                                   int64_t pinned_staging_bytes);
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
+    const Gpt2Config& config, int max_batch, int max_seq, DType dtype, int device,
+    int64_t pinned_staging_bytes, bool activation_checkpointing = false);
 
 }  // namespace offload
 

@@ -162,8 +162,9 @@ absl::Status Trainer::Init() {
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
       o.device == ComputeDevice::kCuda
           ? CreateCudaModelRunner(o.model, local_batch_, o.seq_len, o.param_dtype, o.cuda_device,
-                                  o.pinned_staging_bytes)
-          : CreateCpuModelRunner(o.model, local_batch_, o.seq_len, o.kernels, o.param_dtype);
+                                  o.pinned_staging_bytes, o.activation_checkpointing)
+          : CreateCpuModelRunner(o.model, local_batch_, o.seq_len, o.kernels, o.param_dtype,
+                                 o.activation_checkpointing);
   if (!runner.ok()) return runner.status();
   runner_ = std::move(*runner);
   if (W > 1 && !runner_->has_fp32_gradients()) {

@@ -45,6 +45,9 @@ struct TrainerOptions {
   CpuKernelSet kernels = CpuKernelSet::kFast;  // CPU backend only
   int cuda_device = 0;
   int64_t pinned_staging_bytes = int64_t{64} << 20;  // CUDA: pinned host memory per direction
+  // Keep only each block's input in forward and recompute the block in backward: activations of
+  // one layer instead of L, for a second forward's compute. The same bits on the CPU backend.
+  bool activation_checkpointing = false;
   std::string data;  // text file, llm.c .bin file, or a glob of .bin files
   double val_fraction = 0.1;
   // Sequences per step over all ranks and micro-batches: each rank computes micro_batches

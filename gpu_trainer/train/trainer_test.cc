@@ -75,6 +75,31 @@ TEST(Trainer, InProcessAndServerShardsGiveBitIdenticalWeights) {
   }
 }
 
+// Activation checkpointing recomputes each block in backward with the same kernels: the same
+// losses and weights, fp16 and bf16, with micro-batches; and the model holds fewer activations.
+TEST(Trainer, ActivationCheckpointingTrainsTheSameBits) {
+  for (DType dtype : {DType::kFp16, DType::kBf16}) {
+    TrainerOptions o = TinyOptions();
+    o.param_dtype = dtype;
+    o.micro_batches = 2;
+    InProcessOptimizer plain_backend(MapFor(o, 1), 2, BestSimdPath());
+    const RunResult plain = Train(o, &plain_backend, 8);
+    o.activation_checkpointing = true;
+    InProcessOptimizer checkpointed_backend(MapFor(o, 1), 2, BestSimdPath());
+    const RunResult checkpointed = Train(o, &checkpointed_backend, 8);
+    EXPECT_EQ(plain.losses, checkpointed.losses) << DTypeName(dtype);
+    EXPECT_EQ(plain.weights16, checkpointed.weights16) << DTypeName(dtype);
+    EXPECT_TRUE(SameBits(plain.master, checkpointed.master)) << DTypeName(dtype);
+  }
+  TrainerOptions o = TinyOptions();
+  InProcessOptimizer backend(MapFor(o, 1), 1, BestSimdPath());
+  auto plain = Trainer::Create(o, &backend);
+  o.activation_checkpointing = true;
+  auto checkpointed = Trainer::Create(o, &backend);
+  ASSERT_TRUE(plain.ok() && checkpointed.ok());
+  EXPECT_LT((*checkpointed)->DeviceMemory().used_bytes, (*plain)->DeviceMemory().used_bytes);
+}
+
 TEST(Trainer, ResumeFromACheckpointIsBitIdentical) {
   TrainerOptions o = TinyOptions();
   o.steps = 16;

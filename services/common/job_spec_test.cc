@@ -365,6 +365,13 @@ TEST(JobSpecFlagsTest, ZeroStageTravelsAsFlags) {
               ElementsAre("--data=/d.txt", "--zero_stage=3", "--param_window_layers=1"));
 }
 
+TEST(JobSpecFlagsTest, ActivationCheckpointingTravelsAsAFlag) {
+  absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags({"--activation_checkpointing"});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->training().activation_checkpointing());
+  EXPECT_THAT(JobSpecToFlags(*spec), ElementsAre("--activation_checkpointing=true"));
+}
+
 TEST(JobSpecFlagsTest, BoolSpellings) {
   absl::StatusOr<v1::JobSpec> spec = JobSpecFromFlags({"--dpu", "--noresume", "-steps=5"});
   ASSERT_TRUE(spec.ok()) << spec.status();
