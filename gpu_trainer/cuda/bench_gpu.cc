@@ -85,6 +85,9 @@ ABSL_FLAG(int, plan_window_layers, 2,
           "blocks of the parameter window in the planner's ZeRO-3 rows (a plan: the CUDA backend "
           "runs stage 2 only)");
 ABSL_FLAG(int, plan_ranks, 8, "GPUs of the planner's ZeRO-3 row, one rank each");
+ABSL_FLAG(double, plan_host_gib, 0,
+          "host memory the planner's rows must fit too (the shards' fp32 state, the trainer's "
+          "16-bit copies, the pinned rings), GiB; 0: no host limit");
 ABSL_FLAG(bool, plan_activation_checkpointing, false,
           "plan every row with activation checkpointing (each block's input kept, the block "
           "recomputed in backward)");
@@ -162,6 +165,9 @@ absl::StatusOr<BenchConfig> ConfigFromFlags() {
   }
   OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(b.model));
   if (absl::GetFlag(FLAGS_shards) < 1) return absl::InvalidArgumentError("--shards must be >= 1");
+  if (absl::GetFlag(FLAGS_plan_host_gib) < 0) {
+    return absl::InvalidArgumentError("--plan_host_gib must be >= 0");
+  }
   if (absl::GetFlag(FLAGS_plan_window_layers) < 1 || absl::GetFlag(FLAGS_plan_ranks) < 1) {
     return absl::InvalidArgumentError("--plan_window_layers and --plan_ranks must be >= 1");
   }
@@ -348,6 +354,8 @@ struct PlanResult {
   int batch = 0, seq_len = 0;
   DType dtype = DType::kBf16;
   bool checkpointing = false;
+  double host_gib = 0;  // 0: no limit
+  std::string offload_binds = "-", gpu_only_binds = "-", window_binds = "-", stage3_binds = "-";
   int64_t offload_params = 0, gpu_only_params = 0;  // 0: nothing fits
   std::string offload_model = "none", gpu_only_model = "none";
   double ratio = 0;  // offload_params / gpu_only_params; 0 when either is 0
@@ -365,14 +373,17 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   p.seq_len = absl::GetFlag(FLAGS_plan_seq_len);
   p.dtype = dtype;
   p.checkpointing = absl::GetFlag(FLAGS_plan_activation_checkpointing);
+  p.host_gib = absl::GetFlag(FLAGS_plan_host_gib);
   const auto bytes = static_cast<int64_t>(memory_gib * static_cast<double>(int64_t{1} << 30));
+  const auto host = static_cast<int64_t>(p.host_gib * static_cast<double>(int64_t{1} << 30));
   for (const bool gpu_optimizer : {false, true}) {
-    absl::StatusOr<LargestTrainable> best =
-        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, gpu_optimizer, {}, p.checkpointing);
+    absl::StatusOr<LargestTrainable> best = LargestTrainableGpt2(
+        bytes, p.batch, p.seq_len, dtype, gpu_optimizer, {}, p.checkpointing, host);
     if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
     if (!best.ok()) continue;  // nothing fits: reported as 0 parameters
     (gpu_optimizer ? p.gpu_only_params : p.offload_params) = best->num_params;
     (gpu_optimizer ? p.gpu_only_model : p.offload_model) = Token(DescribeConfig(best->config));
+    (gpu_optimizer ? p.gpu_only_binds : p.offload_binds) = best->binds;
   }
   if (p.offload_params > 0 && p.gpu_only_params > 0) {
     p.ratio = static_cast<double>(p.offload_params) / static_cast<double>(p.gpu_only_params);
@@ -381,12 +392,14 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   p.ranks = absl::GetFlag(FLAGS_plan_ranks);
   for (const int ranks : {1, p.ranks}) {
     const ParamPlacement placement{3, ranks, p.window_layers};
-    absl::StatusOr<LargestTrainable> best = LargestTrainableGpt2(
-        bytes, p.batch, p.seq_len, dtype, /*gpu_optimizer=*/false, placement, p.checkpointing);
+    absl::StatusOr<LargestTrainable> best =
+        LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, /*gpu_optimizer=*/false, placement,
+                             p.checkpointing, host);
     if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
     if (!best.ok()) continue;
     (ranks == 1 ? p.window_params : p.stage3_params) = best->num_params;
     (ranks == 1 ? p.window_model : p.stage3_model) = Token(DescribeConfig(best->config));
+    (ranks == 1 ? p.window_binds : p.stage3_binds) = best->binds;
   }
   return p;
 }
@@ -446,18 +459,22 @@ void Report(const BenchConfig& b, const Results& r) {
   if (r.plan) {
     const PlanResult& p = *r.plan;
     const std::string on =
-        absl::StrFormat("%.1f GiB, %s, batch %d x %d%s", p.memory_gib, DTypeName(p.dtype), p.batch,
-                        p.seq_len, p.checkpointing ? ", activation checkpointing" : "");
+        absl::StrFormat("%.1f GiB, %s, batch %d x %d%s%s", p.memory_gib, DTypeName(p.dtype),
+                        p.batch, p.seq_len, p.checkpointing ? ", activation checkpointing" : "",
+                        p.host_gib > 0 ? absl::StrFormat(", host %.0f GiB", p.host_gib) : "");
     std::printf("  largest model on %s\n", on.c_str());
-    row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model, ")"));
-    row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model, ")"));
+    row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model,
+                                       ", binds: ", p.offload_binds, ")"));
+    row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model,
+                                   ", binds: ", p.gpu_only_binds, ")"));
     row("size ratio offload / GPU only", absl::StrFormat("%.2fx", p.ratio));
     std::printf("  planned, not yet run by the CUDA backend (ZeRO-3, window of %d blocks):\n",
                 p.window_layers);
-    row("  offload + window, 1 GPU",
-        absl::StrCat(Billions(p.window_params), " (", p.window_model, ")"));
+    row("  offload + window, 1 GPU", absl::StrCat(Billions(p.window_params), " (", p.window_model,
+                                                  ", binds: ", p.window_binds, ")"));
     row(absl::StrCat("  offload + stage 3, ", p.ranks, " GPUs"),
-        absl::StrCat(Billions(p.stage3_params), " (", p.stage3_model, ")"));
+        absl::StrCat(Billions(p.stage3_params), " (", p.stage3_model, ", binds: ", p.stage3_binds,
+                     ")"));
   }
   std::printf("\n");
 
@@ -498,10 +515,12 @@ void Report(const BenchConfig& b, const Results& r) {
     const PlanResult& p = *r.plan;
     std::printf(
         "gpu plan memory_gib=%.1f offload_params=%lld offload_model=%s gpu_only_params=%lld "
-        "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s checkpointing=%d\n",
+        "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s checkpointing=%d "
+        "host_gib=%.1f offload_binds=%s gpu_only_binds=%s\n",
         p.memory_gib, static_cast<long long>(p.offload_params), p.offload_model.c_str(),
         static_cast<long long>(p.gpu_only_params), p.gpu_only_model.c_str(), p.ratio, p.batch,
-        p.seq_len, std::string(DTypeName(p.dtype)).c_str(), p.checkpointing ? 1 : 0);
+        p.seq_len, std::string(DTypeName(p.dtype)).c_str(), p.checkpointing ? 1 : 0, p.host_gib,
+        p.offload_binds.c_str(), p.gpu_only_binds.c_str());
     std::printf(
         "gpu plan_zero3 memory_gib=%.1f window_layers=%d window_params=%lld window_model=%s "
         "ranks=%d stage3_params=%lld stage3_model=%s\n",

@@ -41,10 +41,26 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
   return plan;
 }
 
+HostMemoryPlan PlanHostMemory(const Gpt2Config& config, DType dtype, bool gpu_optimizer,
+                              int64_t pinned_staging_bytes) {
+  const int64_t n = Gpt2NumParams(config);
+  const int64_t size = DTypeSize(dtype);
+  HostMemoryPlan plan;
+  if (gpu_optimizer) {
+    plan.trainer_bytes = n * size;
+    return plan;
+  }
+  plan.optimizer_state_bytes = 3 * n * int64_t{sizeof(float)};
+  plan.trainer_bytes = 2 * n * size;
+  plan.staging_bytes = 2 * pinned_staging_bytes;
+  return plan;
+}
+
 absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
                                                       DType dtype, bool gpu_optimizer,
                                                       const ParamPlacement& placement,
-                                                      bool activation_checkpointing) {
+                                                      bool activation_checkpointing,
+                                                      int64_t host_bytes) {
   // GPT-2 small ... XL, then GPT-3 2.7B ... 175B widths.
   static constexpr int kWidths[] = {768,  1024, 1280, 1600, 2048, 2560,
                                     4096, 5120, 6144, 8192, 12288};
@@ -55,11 +71,18 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
     config.context_length = T;
     config.channels = C;
     config.num_heads = C <= 1280 ? C / 64 : C / 128;
+    auto gpu_fits = [&](const Gpt2Config& c) {
+      return PlanGpt2CudaMemory(c, B, T, dtype, gpu_optimizer, placement, activation_checkpointing)
+                 .total_bytes() <= device_bytes;
+    };
+    auto host_fits = [&](const Gpt2Config& c) {
+      return host_bytes <= 0 ||
+             PlanHostMemory(c, dtype, gpu_optimizer, kDefaultPinnedStagingBytes).total_bytes() <=
+                 host_bytes;
+    };
     auto fits = [&](int layers) {
       config.num_layers = layers;
-      return PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement,
-                                activation_checkpointing)
-                 .total_bytes() <= device_bytes;
+      return gpu_fits(config) && host_fits(config);
     };
     // Memory grows with depth, so the deepest model that fits is a binary search away.
     int lo = 0, hi = 1024;
@@ -79,6 +102,11 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
       best.num_params = n;
       best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement,
                                      activation_checkpointing);
+      best.host = PlanHostMemory(config, dtype, gpu_optimizer, kDefaultPinnedStagingBytes);
+      Gpt2Config deeper = config;
+      ++deeper.num_layers;
+      const bool gpu = !gpu_fits(deeper), host = !host_fits(deeper);
+      best.binds = gpu && host ? "both" : host ? "host" : "gpu";
     }
   }
   if (best.num_params == 0) {

@@ -54,19 +54,42 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
                                   bool gpu_optimizer, const ParamPlacement& placement = {},
                                   bool activation_checkpointing = false);
 
+// What the host holds for a job on one GPU. With offload: the shards' fp32 master weights and both
+// Adam moments (12 bytes a parameter), the trainer's 16-bit host copies of the weights it uploads
+// and the gradients it sends (2 + 2; with a parameter window the weights' copy is the pinned host
+// model the window is fed from), and the pinned staging rings, one per direction. GPU-only: the
+// 16-bit copy of the weights it uploads (2). Not counted: a micro-batch accumulator on the shards
+// (4 more with micro-batches), the delayed update's second weight copy (2 more with DPU), and
+// whatever else runs on the host.
+struct HostMemoryPlan {
+  int64_t optimizer_state_bytes = 0;
+  int64_t trainer_bytes = 0;
+  int64_t staging_bytes = 0;
+  int64_t total_bytes() const { return optimizer_state_bytes + trainer_bytes + staging_bytes; }
+};
+// pinned_staging_bytes: per direction (gpu_trainer --pinned_staging_mb).
+HostMemoryPlan PlanHostMemory(const Gpt2Config& config, DType dtype, bool gpu_optimizer,
+                              int64_t pinned_staging_bytes);
+inline constexpr int64_t kDefaultPinnedStagingBytes = int64_t{64} << 20;
+
 struct LargestTrainable {
   Gpt2Config config;
   int64_t num_params = 0;
   CudaMemoryPlan plan;
+  HostMemoryPlan host;
+  // What stops one more layer of the same width: "gpu", "host" or "both".
+  std::string binds;
 };
 
 // The GPT-2-shaped model (vocab 50257, context T, head size 64 up to 1280 channels and 128 above,
 // widths of the GPT-2 and GPT-3 families, as many layers as fit) with the most parameters whose
 // plan fits in device_bytes. NotFound when not even one layer of the narrowest width fits.
+// host_bytes: the host memory the plan must fit too; 0 for no limit.
 absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int B, int T,
                                                       DType dtype, bool gpu_optimizer,
                                                       const ParamPlacement& placement = {},
-                                                      bool activation_checkpointing = false);
+                                                      bool activation_checkpointing = false,
+                                                      int64_t host_bytes = 0);
 
 std::string DescribeConfig(const Gpt2Config& config);
 

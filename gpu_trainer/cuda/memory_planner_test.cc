@@ -175,6 +175,61 @@ TEST(MemoryPlanner, Stage3HoldsThePartitionAndTheWindow) {
   }
 }
 
+TEST(MemoryPlanner, HostHoldsTheShardsStateAndTheTrainersCopies) {
+  const Gpt2Config c = Gpt2Small();
+  const int64_t n = Gpt2NumParams(c);
+  const HostMemoryPlan offload = PlanHostMemory(c, DType::kBf16, false, 64 << 20);
+  EXPECT_EQ(offload.optimizer_state_bytes, 12 * n);
+  EXPECT_EQ(offload.trainer_bytes, 4 * n);
+  EXPECT_EQ(offload.staging_bytes, 128 << 20);
+  EXPECT_EQ(PlanHostMemory(c, DType::kBf16, true, 64 << 20).total_bytes(), 2 * n);
+}
+
+// With 80 GiB of GPU and 128 GiB of host (the lent H100 machine), offload's 16 host bytes a
+// parameter bind first; without offload the GPU does. Either way the plan fits both, and one more
+// layer does not fit the side named.
+TEST(MemoryPlanner, TheHostCanBindFirst) {
+  for (const bool gpu_optimizer : {false, true}) {
+    absl::StatusOr<LargestTrainable> best = LargestTrainableGpt2(
+        80 * kGiB, 1, 1024, DType::kBf16, gpu_optimizer, {}, false, 128 * kGiB);
+    ASSERT_TRUE(best.ok()) << best.status();
+    EXPECT_EQ(best->binds, gpu_optimizer ? "gpu" : "host");
+    EXPECT_LE(best->plan.total_bytes(), 80 * kGiB);
+    EXPECT_LE(best->host.total_bytes(), 128 * kGiB);
+    Gpt2Config deeper = best->config;
+    ++deeper.num_layers;
+    if (gpu_optimizer) {
+      EXPECT_GT(PlanGpt2CudaMemory(deeper, 1, 1024, DType::kBf16, true).total_bytes(), 80 * kGiB);
+    } else {
+      EXPECT_GT(
+          PlanHostMemory(deeper, DType::kBf16, false, kDefaultPinnedStagingBytes).total_bytes(),
+          128 * kGiB);
+    }
+  }
+  // No host limit: the GPU binds, and the model is larger.
+  absl::StatusOr<LargestTrainable> unlimited =
+      LargestTrainableGpt2(80 * kGiB, 1, 1024, DType::kBf16, false);
+  absl::StatusOr<LargestTrainable> limited =
+      LargestTrainableGpt2(80 * kGiB, 1, 1024, DType::kBf16, false, {}, false, 128 * kGiB);
+  ASSERT_TRUE(unlimited.ok() && limited.ok());
+  EXPECT_EQ(unlimited->binds, "gpu");
+  EXPECT_GT(unlimited->num_params, limited->num_params);
+}
+
+// Keeping one layer's activations instead of L buys depth.
+TEST(MemoryPlanner, CheckpointingShrinksTheActivations) {
+  const Gpt2Config c = Gpt2Small();
+  const CudaMemoryPlan plain = PlanGpt2CudaMemory(c, 4, 1024, DType::kBf16, false);
+  const CudaMemoryPlan checkpointed = PlanGpt2CudaMemory(c, 4, 1024, DType::kBf16, false, {}, true);
+  EXPECT_LT(checkpointed.activation_bytes * 3, plain.activation_bytes);
+  EXPECT_EQ(checkpointed.params_bytes, plain.params_bytes);
+  absl::StatusOr<LargestTrainable> a = LargestTrainableGpt2(80 * kGiB, 4, 1024, DType::kBf16, true);
+  absl::StatusOr<LargestTrainable> b =
+      LargestTrainableGpt2(80 * kGiB, 4, 1024, DType::kBf16, true, {}, true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_GT(b->num_params, a->num_params);
+}
+
 TEST(MemoryPlanner, NothingFitsInWhatTheCudaContextReserves) {
   for (const bool gpu_optimizer : {false, true}) {
     // kCudaReservedBytes (1 GiB) is held back before any model byte, so a 1 GiB device (or a
