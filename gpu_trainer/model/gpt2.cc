@@ -91,6 +91,60 @@ Gpt2Cpu::Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq,
       kernels_(kernels),
       checkpointing_(activation_checkpointing) {}
 
+// Sizes are for (max_batch, max_seq); Forward packs smaller batches densely (see gpt2.h). With a
+// null base it only counts, so the same code sizes the allocation and then carves it.
+int64_t Gpt2Cpu::CarveActivations(const Gpt2Config& config, int max_batch, int max_seq,
+                                  bool activation_checkpointing, float* base, Activations* a,
+                                  ActivationGrads* g) {
+  const int64_t Bi = max_batch, Ti = max_seq, Li = config.num_layers, Ci = config.channels,
+                NHi = config.num_heads, Vi = config.vocab_size;
+  const int64_t BT = Bi * Ti, BTC = BT * Ci, BHTT = Bi * NHi * Ti * Ti;
+  const int64_t Ls = activation_checkpointing ? 1 : Li;  // layers of saved activations
+  Carver c(base);
+  a->encoded = c.Take(BTC);
+  a->ln1 = c.Take(Ls * BTC);
+  a->ln1_mean = c.Take(Ls * BT);
+  a->ln1_rstd = c.Take(Ls * BT);
+  a->qkv = c.Take(Ls * 3 * BTC);
+  a->atty = c.Take(Ls * BTC);
+  a->att = c.Take(Ls * BHTT);
+  a->residual2 = c.Take(Ls * BTC);
+  a->ln2 = c.Take(Ls * BTC);
+  a->ln2_mean = c.Take(Ls * BT);
+  a->ln2_rstd = c.Take(Ls * BT);
+  a->fch = c.Take(Ls * 4 * BTC);
+  a->fch_gelu = c.Take(Ls * 4 * BTC);
+  a->residual3 = c.Take(Li * BTC);  // every block's output: the next block's input
+  a->lnf = c.Take(BTC);
+  a->lnf_mean = c.Take(BT);
+  a->lnf_rstd = c.Take(BT);
+  a->logits = c.Take(BT * Vi);
+  a->probs = c.Take(BT * Vi);
+  a->losses = c.Take(BT);
+  a->preatt = c.Take(BHTT);
+  a->proj = c.Take(BTC);
+  g->dlogits = c.Take(BT * Vi);
+  g->dlnf = c.Take(BTC);
+  g->dresidual = c.Take(BTC);
+  g->dln1 = c.Take(BTC);
+  g->dqkv = c.Take(3 * BTC);
+  g->datty = c.Take(BTC);
+  g->dpreatt = c.Take(BHTT);
+  g->datt = c.Take(BHTT);
+  g->dln2 = c.Take(BTC);
+  g->dfch = c.Take(4 * BTC);
+  g->dfch_gelu = c.Take(4 * BTC);
+  return c.used();
+}
+
+int64_t Gpt2Cpu::ActivationBytes(const Gpt2Config& config, int max_batch, int max_seq,
+                                 bool activation_checkpointing) {
+  Activations a{};
+  ActivationGrads g{};
+  return 4 *
+         CarveActivations(config, max_batch, max_seq, activation_checkpointing, nullptr, &a, &g);
+}
+
 absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& config, int max_batch,
                                                          int max_seq, CpuKernelSet kernels,
                                                          bool activation_checkpointing) {
@@ -111,49 +165,8 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
     model->unit_begins_.push_back(Gpt2UnitRange(config, u).begin);
   }
 
-  // Sizes are for (max_batch, max_seq); Forward packs smaller batches densely (see gpt2.h).
-  auto carve = [&](float* base, Activations* a, ActivationGrads* g) {
-    const int64_t Bi = max_batch, Ti = max_seq, Li = config.num_layers, Ci = config.channels,
-                  NHi = config.num_heads, Vi = config.vocab_size;
-    const int64_t BT = Bi * Ti, BTC = BT * Ci, BHTT = Bi * NHi * Ti * Ti;
-    const int64_t Ls = activation_checkpointing ? 1 : Li;  // layers of saved activations
-    Carver c(base);
-    a->encoded = c.Take(BTC);
-    a->ln1 = c.Take(Ls * BTC);
-    a->ln1_mean = c.Take(Ls * BT);
-    a->ln1_rstd = c.Take(Ls * BT);
-    a->qkv = c.Take(Ls * 3 * BTC);
-    a->atty = c.Take(Ls * BTC);
-    a->att = c.Take(Ls * BHTT);
-    a->residual2 = c.Take(Ls * BTC);
-    a->ln2 = c.Take(Ls * BTC);
-    a->ln2_mean = c.Take(Ls * BT);
-    a->ln2_rstd = c.Take(Ls * BT);
-    a->fch = c.Take(Ls * 4 * BTC);
-    a->fch_gelu = c.Take(Ls * 4 * BTC);
-    a->residual3 = c.Take(Li * BTC);  // every block's output: the next block's input
-    a->lnf = c.Take(BTC);
-    a->lnf_mean = c.Take(BT);
-    a->lnf_rstd = c.Take(BT);
-    a->logits = c.Take(BT * Vi);
-    a->probs = c.Take(BT * Vi);
-    a->losses = c.Take(BT);
-    a->preatt = c.Take(BHTT);
-    a->proj = c.Take(BTC);
-    g->dlogits = c.Take(BT * Vi);
-    g->dlnf = c.Take(BTC);
-    g->dresidual = c.Take(BTC);
-    g->dln1 = c.Take(BTC);
-    g->dqkv = c.Take(3 * BTC);
-    g->datty = c.Take(BTC);
-    g->dpreatt = c.Take(BHTT);
-    g->datt = c.Take(BHTT);
-    g->dln2 = c.Take(BTC);
-    g->dfch = c.Take(4 * BTC);
-    g->dfch_gelu = c.Take(4 * BTC);
-    return c.used();
-  };
-  const int64_t total = carve(nullptr, &model->acts_, &model->grads_);
+  const int64_t total = CarveActivations(config, max_batch, max_seq, activation_checkpointing,
+                                         nullptr, &model->acts_, &model->grads_);
   if (total > kMaxActivationFloats) {
     return absl::ResourceExhaustedError(
         absl::StrCat("Gpt2Cpu::Create: activations for max_batch = ", max_batch,
@@ -166,7 +179,8 @@ absl::StatusOr<std::unique_ptr<Gpt2Cpu>> Gpt2Cpu::Create(const Gpt2Config& confi
         absl::StrCat("Gpt2Cpu::Create: cannot allocate ", total * 4, " bytes of activations"));
   }
   model->activation_floats_ = total;
-  carve(model->memory_.get(), &model->acts_, &model->grads_);
+  CarveActivations(config, max_batch, max_seq, activation_checkpointing, model->memory_.get(),
+                   &model->acts_, &model->grads_);
   model->inputs_.resize(int64_t{max_batch} * max_seq);
   model->targets_.resize(int64_t{max_batch} * max_seq);
   return model;

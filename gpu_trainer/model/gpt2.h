@@ -64,6 +64,10 @@ class Gpt2Cpu {
                                                          int max_seq, CpuKernelSet kernels,
                                                          bool activation_checkpointing = false);
 
+  // Bytes Create would allocate for activations (no check of the sizes: Create does that).
+  static int64_t ActivationBytes(const Gpt2Config& config, int max_batch, int max_seq,
+                                 bool activation_checkpointing);
+
   const Gpt2Config& config() const { return config_; }
   bool activation_checkpointing() const { return checkpointing_; }
   int64_t num_params() const { return num_params_; }
@@ -145,6 +149,10 @@ class Gpt2Cpu {
 
   Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq, const CpuLayerKernels* kernels,
           bool activation_checkpointing);
+  // Carves the activation views out of base (null: only counts); returns the floats used.
+  static int64_t CarveActivations(const Gpt2Config& config, int max_batch, int max_seq,
+                                  bool activation_checkpointing, float* base, Activations* a,
+                                  ActivationGrads* g);
   // Block l's forward for the batch of the last Forward, from its input (the encoder's output or
   // block l-1's residual3) to its residual3; block (Gpt2UnitRange(l + 1).size(),) its weights.
   void BlockForward(int l, const float* block, int B, int T);

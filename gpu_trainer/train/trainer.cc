@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
+#include "base/host_memory.h"
 #include "base/splitmix64.h"
 #include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/checkpoint_dir.h"
@@ -158,6 +159,7 @@ absl::Status Trainer::Init() {
   train_ = split->first;
   val_ = split->second;
   sampler_ = std::make_unique<BatchSampler>(train_, o.batch, o.seq_len, o.seed);
+  OFFLOAD_RETURN_IF_ERROR(CheckHostMemory());
 
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
       o.device == ComputeDevice::kCuda
@@ -493,6 +495,51 @@ absl::StatusOr<StepReport> Trainer::Step() {
   step_ = step;
   last_loss_ = loss;
   return report;
+}
+
+Trainer::HostMemory Trainer::PlanHostMemory() const {
+  const TrainerOptions& o = options_;
+  const v1::PartitionMap& map = backend_->partition();
+  const int64_t padded = static_cast<int64_t>(map.padded_length());
+  const int64_t P = padded / std::max<int64_t>(1, map.world_size());
+  const Gpt2Config& c = o.model;
+  const int64_t n = Gpt2NumParams(c);
+  const bool cpu = o.device == ComputeDevice::kCpu;
+  HostMemory m;
+  if (stage3()) {
+    const int64_t window =
+        Gpt2UnitRange(c, 0).size() + Gpt2UnitRange(c, c.num_layers + 1).size() +
+        std::min(o.param_window_layers, c.num_layers) * Gpt2UnitRange(c, 1).size();
+    // The partition, the window's 16-bit and fp32 copies, and rank 0's whole model at start-up.
+    m.weights = 2 * P + 6 * window + (rank() == 0 && map.world_size() > 1 ? 2 * padded : 0);
+  } else {
+    // The 16-bit copy (and DPU's second one), and the CPU backend's fp32 copy it computes with.
+    m.weights = 2 * padded * (o.dpu ? 2 : 1) + (cpu ? 4 * n : 0);
+  }
+  // 16-bit gradients that leave, the CPU backend's fp32 ones, the micro-batch accumulator.
+  m.gradients = 2 * padded + (cpu ? 4 * padded : 0) + (o.micro_batches > 1 ? 4 * P : 0);
+  m.activations = cpu ? Gpt2Cpu::ActivationBytes(c, local_batch_, o.seq_len,
+                                                 o.activation_checkpointing)
+                      : 2 * o.pinned_staging_bytes;  // CUDA: the pinned rings instead
+  return m;
+}
+
+absl::Status Trainer::CheckHostMemory() const {
+  const HostMemory need = PlanHostMemory();
+  const int64_t limit = options_.host_memory_limit_bytes > 0 ? options_.host_memory_limit_bytes
+                                                             : AvailableHostBytes();
+  if (limit < 0 || need.total() <= limit) return absl::OkStatus();
+  const Gpt2Config& c = options_.model;
+  auto mib = [](int64_t bytes) { return absl::StrCat(bytes >> 20, " MiB"); };
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "this trainer rank needs ", mib(need.total()), " of host memory for GPT-2 layers=",
+      c.num_layers, " channels=", c.channels, " (", Gpt2NumParams(c), " parameters; weights ",
+      mib(need.weights), ", gradients ", mib(need.gradients),
+      options_.device == ComputeDevice::kCpu ? ", activations " : ", pinned staging ",
+      mib(need.activations), ") but ", mib(limit),
+      options_.host_memory_limit_bytes > 0 ? " are allowed" : " are available (MemAvailable)",
+      ": lower --batch or --seq_len, add --micro_batches, use --activation_checkpointing or "
+      "--zero_stage=3, or train a smaller model"));
 }
 
 std::string Trainer::DescribeZero() const {

@@ -48,6 +48,9 @@ struct TrainerOptions {
   // Keep only each block's input in forward and recompute the block in backward: activations of
   // one layer instead of L, for a second forward's compute. The same bits on the CPU backend.
   bool activation_checkpointing = false;
+  // The host memory this rank may take; Create refuses a job that needs more, naming the model,
+  // the need and the limit, before it allocates. 0: what the host has available (MemAvailable).
+  int64_t host_memory_limit_bytes = 0;
   std::string data;  // text file, llm.c .bin file, or a glob of .bin files
   double val_fraction = 0.1;
   // Sequences per step over all ranks and micro-batches: each rank computes micro_batches
@@ -164,6 +167,13 @@ class Trainer {
   // The 16-bit weight bytes this rank holds: every such buffer is counted.
   WeightMeter& weight_meter() { return weight_meter_; }
   int zero_stage() const { return options_.zero_stage; }
+  // The host bytes this rank allocates for the job (the fp32 state lives on the shards), as
+  // Create checked them against TrainerOptions::host_memory_limit_bytes.
+  struct HostMemory {
+    int64_t weights = 0, gradients = 0, activations = 0;
+    int64_t total() const { return weights + gradients + activations; }
+  };
+  HostMemory PlanHostMemory() const;
 
  private:
   Trainer(const TrainerOptions& options, OptimizerBackend* backend);
@@ -177,6 +187,7 @@ class Trainer {
   // ZeRO-3: rank 0's whole weights full (padded,) (null on the other ranks) dealt out, each rank
   // keeping its partition.
   absl::Status DealPartitions(const uint16_t* full);
+  absl::Status CheckHostMemory() const;
   // ZeRO-3: the gathers' communicator and the gatherer, the model's source of weights. Collective.
   absl::Status StartGatherer();
   bool stage3() const { return options_.zero_stage == 3; }

@@ -100,6 +100,38 @@ TEST(Trainer, ActivationCheckpointingTrainsTheSameBits) {
   EXPECT_LT((*checkpointed)->DeviceMemory().used_bytes, (*plain)->DeviceMemory().used_bytes);
 }
 
+// A job too large for the host's memory is refused before anything is allocated, with the model,
+// what it needs and the limit in the message.
+TEST(Trainer, AJobTooLargeForTheHostIsRefusedWithTheNumbers) {
+  TrainerOptions o = TinyOptions();
+  InProcessOptimizer backend(MapFor(o, 1), 1, BestSimdPath());
+  o.host_memory_limit_bytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(o, &backend);
+  ASSERT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
+  for (const char* part : {"needs ", "of host memory for GPT-2 layers=2 channels=32",
+                           "activations ", "but 1 MiB are allowed", "--activation_checkpointing"}) {
+    EXPECT_NE(t.status().message().find(part), std::string::npos) << part << ": " << t.status();
+  }
+  // What this machine has is enough for the tiny model.
+  o.host_memory_limit_bytes = 0;
+  EXPECT_TRUE(Trainer::Create(o, &backend).ok());
+  // The limit is what the plan says: a limit of exactly the need passes, one byte less does not.
+  o.host_memory_limit_bytes = int64_t{1} << 40;
+  auto probe = Trainer::Create(o, &backend);
+  ASSERT_TRUE(probe.ok());
+  const int64_t need = (*probe)->PlanHostMemory().total();
+  o.host_memory_limit_bytes = need;
+  EXPECT_TRUE(Trainer::Create(o, &backend).ok());
+  o.host_memory_limit_bytes = need - 1;
+  EXPECT_EQ(Trainer::Create(o, &backend).status().code(), absl::StatusCode::kResourceExhausted);
+  // Checkpointing holds fewer activations, which the plan counts.
+  o.host_memory_limit_bytes = 0;
+  o.activation_checkpointing = true;
+  auto checkpointed = Trainer::Create(o, &backend);
+  ASSERT_TRUE(checkpointed.ok());
+  EXPECT_LT((*checkpointed)->PlanHostMemory().activations, (*probe)->PlanHostMemory().activations);
+}
+
 TEST(Trainer, ResumeFromACheckpointIsBitIdentical) {
   TrainerOptions o = TinyOptions();
   o.steps = 16;
