@@ -83,6 +83,25 @@ absl::StatusOr<const float*> FlatGpt2Params::Acquire(int unit) {
   return params_ + Gpt2UnitRange(config_, unit).begin;
 }
 
+FlatGpt2Grads::FlatGpt2Grads(const Gpt2Config& config, float* grads,
+                             std::function<void(int64_t offset, int64_t n)> on_ready)
+    : config_(config), grads_(grads), on_ready_(std::move(on_ready)) {}
+
+absl::StatusOr<float*> FlatGpt2Grads::Acquire(int unit) {
+  if (unit < 0 || unit >= Gpt2NumUnits(config_)) {
+    return absl::InvalidArgumentError(absl::StrCat("FlatGpt2Grads: no unit ", unit));
+  }
+  const ParamRange r = Gpt2UnitRange(config_, unit);
+  std::memset(grads_ + r.begin, 0, sizeof(float) * r.size());
+  return grads_ + r.begin;
+}
+
+absl::Status FlatGpt2Grads::Release(int unit) {
+  const ParamRange r = Gpt2UnitRange(config_, unit);
+  if (on_ready_) on_ready_(r.begin, r.size());
+  return absl::OkStatus();
+}
+
 Gpt2Cpu::Gpt2Cpu(const Gpt2Config& config, int max_batch, int max_seq,
                  const CpuLayerKernels* kernels, bool activation_checkpointing)
     : config_(config),
@@ -294,21 +313,18 @@ void Gpt2Cpu::BlockForward(int l, const float* block, int B, int T) {
 
 absl::Status Gpt2Cpu::Backward(const float* params, float loss_scale, float* grads,
                                const std::function<void(int64_t offset, int64_t n)>& on_ready) {
-  if (params == nullptr) {
+  if (params == nullptr || grads == nullptr) {
     return absl::InvalidArgumentError("Gpt2Cpu::Backward: params and grads must not be null");
   }
   FlatGpt2Params flat(config_, params);
-  return Backward(flat, loss_scale, grads, on_ready);
+  FlatGpt2Grads flat_grads(config_, grads, on_ready);
+  return Backward(flat, loss_scale, flat_grads);
 }
 
-absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float* grads,
-                               const std::function<void(int64_t offset, int64_t n)>& on_ready) {
+absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, Gpt2GradSink& grads) {
   if (!have_targets_) {
     return absl::FailedPreconditionError(
         "Gpt2Cpu::Backward: needs a preceding Forward with targets");
-  }
-  if (grads == nullptr) {
-    return absl::InvalidArgumentError("Gpt2Cpu::Backward: grads must not be null");
   }
   if (!std::isfinite(loss_scale)) {
     return absl::InvalidArgumentError(
@@ -322,17 +338,18 @@ absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float*
   auto w = [&](const HeldUnit& unit, int index) {
     return unit.base() + (tensor_offsets_[index] - unit_begins_[unit.unit()]);
   };
-  auto dw = [&](int index) { return grads + tensor_offsets_[index]; };
-  auto ready = [&](int64_t begin, int64_t end) {
-    if (on_ready) on_ready(begin, end - begin);
+  // Tensor `index`'s gradient, inside the unit buffer `unit_grads` of the unit that contains it.
+  auto dw = [&](float* unit_grads, int unit, int index) {
+    return unit_grads + (tensor_offsets_[index] - unit_begins_[unit]);
   };
   const Activations& a = acts_;
   const ActivationGrads& g = grads_;
 
-  // The kernels accumulate into parameter gradients and into the residual stream's gradient
-  // (layer_kernels.h); every other activation gradient they overwrite.
-  std::memset(grads, 0, sizeof(float) * num_params_);
+  // The kernels accumulate into parameter gradients (each unit's buffer comes zeroed) and into the
+  // residual stream's gradient (layer_kernels.h); every other activation gradient they overwrite.
   std::memset(g.dresidual, 0, sizeof(float) * BTC);
+  OFFLOAD_ASSIGN_OR_RETURN(float* const d_embeddings, grads.Acquire(0));
+  OFFLOAD_ASSIGN_OR_RETURN(float* const d_lnf, grads.Acquire(L + 1));
 
   HeldUnit embeddings(params, 0);  // the tied head now, the embedding at the end
   OFFLOAD_RETURN_IF_ERROR(embeddings.Acquire());
@@ -340,12 +357,13 @@ absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float*
   OFFLOAD_RETURN_IF_ERROR(lnf.Acquire());
   params.Prefetch(L);  // the last block
   k.crossentropy_backward(g.dlogits, a.probs, targets_.data(), loss_scale / BT, B, T, V);
-  k.tied_head_backward(g.dlnf, dw(kWte), g.dlogits, a.lnf, w(embeddings, kWte), B, T, C, V);
-  k.layernorm_backward(g.dresidual, dw(LnfWeightIndex(L)), dw(LnfBiasIndex(L)), g.dlnf,
-                       a.residual3 + (L - 1) * BTC, w(lnf, LnfWeightIndex(L)), a.lnf_mean,
-                       a.lnf_rstd, B, T, C);
+  k.tied_head_backward(g.dlnf, dw(d_embeddings, 0, kWte), g.dlogits, a.lnf, w(embeddings, kWte), B,
+                       T, C, V);
+  k.layernorm_backward(g.dresidual, dw(d_lnf, L + 1, LnfWeightIndex(L)),
+                       dw(d_lnf, L + 1, LnfBiasIndex(L)), g.dlnf, a.residual3 + (L - 1) * BTC,
+                       w(lnf, LnfWeightIndex(L)), a.lnf_mean, a.lnf_rstd, B, T, C);
   lnf.Release();
-  ready(tensor_offsets_[LnfWeightIndex(L)], num_params_);
+  OFFLOAD_RETURN_IF_ERROR(grads.Release(L + 1));
 
   for (int l = L - 1; l >= 0; l--) {
     HeldUnit block(params, 1 + l);
@@ -353,8 +371,9 @@ absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float*
     if (l > 0) params.Prefetch(l);  // the block below
     // Checkpointing: the last block's activations are still those Forward left.
     if (checkpointing_ && l < L - 1) BlockForward(l, block.base(), B, T);
+    OFFLOAD_ASSIGN_OR_RETURN(float* const d_block, grads.Acquire(1 + l));
     auto bw = [&](BlockTensor t) { return w(block, BlockIndex(l, t)); };
-    auto dbw = [&](BlockTensor t) { return dw(BlockIndex(l, t)); };
+    auto dbw = [&](BlockTensor t) { return dw(d_block, 1 + l, BlockIndex(l, t)); };
     const int64_t i = Slot(l);
     const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BTC;  // (B, T, C)
     const float* ln1 = a.ln1 + i * BTC;                                        // (B, T, C)
@@ -387,13 +406,12 @@ absl::Status Gpt2Cpu::Backward(Gpt2ParamSource& params, float loss_scale, float*
                       C, 3 * C);
     k.layernorm_backward(g.dresidual, dbw(kLn1Weight), dbw(kLn1Bias), g.dln1, residual,
                          bw(kLn1Weight), ln1_mean, ln1_rstd, B, T, C);
-    ready(tensor_offsets_[BlockIndex(l, kLn1Weight)],
-          tensor_offsets_[l + 1 < L ? BlockIndex(l + 1, kLn1Weight) : LnfWeightIndex(L)]);
+    OFFLOAD_RETURN_IF_ERROR(grads.Release(1 + l));
   }
 
-  k.encoder_backward(dw(kWte), dw(kWpe), g.dresidual, inputs_.data(), B, T, C);
-  ready(0, tensor_offsets_[BlockIndex(0, kLn1Weight)]);
-  return absl::OkStatus();
+  k.encoder_backward(dw(d_embeddings, 0, kWte), dw(d_embeddings, 0, kWpe), g.dresidual,
+                     inputs_.data(), B, T, C);
+  return grads.Release(0);
 }
 
 }  // namespace offload

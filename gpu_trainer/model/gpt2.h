@@ -38,6 +38,35 @@ class Gpt2ParamSource {
   virtual void Prefetch(int unit) {}
 };
 
+// Where Backward writes the fp32 gradients, one unit at a time: into one flat buffer
+// (FlatGpt2Grads), or into buffers that hold only the units still on their way (the trainer's
+// gradient buckets, gpu_trainer/train/gradient_reducer.h). Backward acquires a unit before it
+// writes into it and releases it once its gradient is final, in this order: 0 and L+1 acquired
+// first (the tied head adds into wte at the start), L+1 released, each block L..1 acquired and
+// released in turn, then 0 released. Release is where a unit is handed on.
+class Gpt2GradSink {
+ public:
+  virtual ~Gpt2GradSink() = default;
+  // Zeroed fp32 for the unit's gradient, (Gpt2UnitRange(unit).size(),), valid until Release.
+  virtual absl::StatusOr<float*> Acquire(int unit) = 0;
+  virtual absl::Status Release(int unit) = 0;
+};
+
+// Every unit is a view of one flat buffer grads (num_params,); Release reports the unit's range
+// to on_ready(offset, n), which may be empty.
+class FlatGpt2Grads final : public Gpt2GradSink {
+ public:
+  FlatGpt2Grads(const Gpt2Config& config, float* grads,
+                std::function<void(int64_t offset, int64_t n)> on_ready);
+  absl::StatusOr<float*> Acquire(int unit) override;
+  absl::Status Release(int unit) override;
+
+ private:
+  const Gpt2Config config_;
+  float* const grads_;
+  const std::function<void(int64_t, int64_t)> on_ready_;
+};
+
 // Every unit is a view of one flat buffer params (num_params,) in layout order.
 class FlatGpt2Params final : public Gpt2ParamSource {
  public:
@@ -95,8 +124,8 @@ class Gpt2Cpu {
   // both add into wte. The ranges cover [0, num_params) exactly once. on_ready may be empty.
   absl::Status Backward(const float* params, float loss_scale, float* grads,
                         const std::function<void(int64_t offset, int64_t n)>& on_ready);
-  absl::Status Backward(Gpt2ParamSource& params, float loss_scale, float* grads,
-                        const std::function<void(int64_t offset, int64_t n)>& on_ready);
+  // The same with the gradients going unit by unit into `grads`.
+  absl::Status Backward(Gpt2ParamSource& params, float loss_scale, Gpt2GradSink& grads);
 
   const float* logits() const { return acts_.logits; }  // (B, T, V) of the last Forward
 

@@ -72,19 +72,17 @@ class CpuModelRunner final : public ModelRunner {
     // only if the 16-bit path is used.
     if (grads_.empty()) grads_.assign(model_->num_params(), 0.0f);
     GradStats stats;
-    absl::Status status =
-        model_->Backward(Params(), loss_scale, grads_.data(), [&](int64_t offset, int64_t n) {
-          stats.Merge(RoundGradients(grads_.data() + offset, n, dtype_, grads16 + offset));
-          if (on_ready) on_ready(offset, n);
-        });
+    FlatGpt2Grads sink(model_->config(), grads_.data(), [&](int64_t offset, int64_t n) {
+      stats.Merge(RoundGradients(grads_.data() + offset, n, dtype_, grads16 + offset));
+      if (on_ready) on_ready(offset, n);
+    });
+    absl::Status status = model_->Backward(Params(), loss_scale, sink);
     if (!status.ok()) return status;
     return stats;
   }
 
-  absl::Status BackwardFp32(
-      float loss_scale, float* grads32,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
-    return model_->Backward(Params(), loss_scale, grads32, on_ready);
+  absl::Status BackwardFp32(float loss_scale, Gpt2GradSink& grads) override {
+    return model_->Backward(Params(), loss_scale, grads);
   }
   bool has_fp32_gradients() const override { return true; }
 

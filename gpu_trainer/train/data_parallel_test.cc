@@ -17,6 +17,7 @@
 #include "gloo/rendezvous/hash_store.h"
 #include "gpu_trainer/collectives/gloo_collectives.h"
 #include "gpu_trainer/offload/remote_optimizer.h"
+#include "gpu_trainer/train/gradient_reducer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_test_util.h"
 #include "gtest/gtest.h"
@@ -266,6 +267,73 @@ TEST(DataParallel, ResumeWithTwoRanksIsBitIdentical) {
   absl::StatusOr<std::string> started = (*trainer)->Start();
   EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(started.status().message().find("ranks"), std::string::npos) << started.status();
+}
+
+// The fp32 gradients go out in buckets, reduced in backward order, and only the buckets on their
+// way hold memory: the embeddings' bucket plus at most two others, far less than a buffer for
+// every parameter. What each rank rounds is what a flat buffer of every rank's gradients, summed
+// in the reduce-scatter's order, gives.
+TEST(GradientBuckets, StreamInBackwardOrderAndHoldOnlyWhatIsOnItsWay) {
+  const Gpt2Config c{64, 16, 8, 2, 32};
+  const int W = 2, B = 2, T = 8;
+  const int64_t n = Gpt2NumParams(c);
+  const int64_t padded = (n + W * 64 - 1) / (W * 64) * (W * 64);
+  const int64_t block = Gpt2UnitRange(c, 1).size();
+  std::vector<float> params(n);
+  InitGpt2Params(c, 9, params.data());
+  std::vector<std::vector<float>> flat(W, std::vector<float>(n));  // (W, n)
+  std::vector<std::vector<uint16_t>> rounded(W, std::vector<uint16_t>(padded, 0));
+  std::vector<std::vector<int64_t>> order(W);
+  std::vector<int64_t> peak(W);
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      GlooOptions g;
+      g.rank = r;
+      g.world_size = W;
+      g.prefix = "buckets";
+      absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
+      ASSERT_TRUE(collectives.ok()) << collectives.status();
+      auto model = Gpt2Cpu::Create(c, B, T, CpuKernelSet::kFast);
+      ASSERT_TRUE(model.ok());
+      std::vector<int32_t> tokens(B * T);
+      for (int i = 0; i < B * T; ++i) tokens[i] = (i * 7 + 3 * r + 1) % c.vocab_size;
+      // The reference: this rank's gradients in one flat buffer.
+      ASSERT_TRUE((*model)->Forward(params.data(), tokens.data(), tokens.data(), B, T).ok());
+      ASSERT_TRUE((*model)->Backward(params.data(), 1.0f, flat[r].data(), nullptr).ok());
+      // The same through the buckets: about one block each.
+      GradientReducer reducer(collectives->get(), c, padded, rounded[r].data(), DType::kBf16, block,
+                              nullptr);
+      reducer.Begin(1);
+      ASSERT_TRUE((*model)->Forward(params.data(), tokens.data(), tokens.data(), B, T).ok());
+      FlatGpt2Params source(c, params.data());
+      ASSERT_TRUE((*model)->Backward(source, 1.0f, reducer).ok());
+      ASSERT_TRUE(reducer.Finish().ok());
+      order[r] = reducer.reduced_order();
+      peak[r] = reducer.peak_bytes();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < W; ++r) {
+    // Backward order: the padding, then from the top of the flat space down to the embeddings.
+    ASSERT_GE(order[r].size(), 4u) << r;
+    EXPECT_TRUE(std::is_sorted(order[r].rbegin(), order[r].rend())) << r;
+    EXPECT_EQ(order[r].back(), 0) << r;
+    // The embeddings' bucket (under a block plus the embeddings) and two more of under two blocks.
+    const int64_t bound = 4 * ((block + Gpt2UnitRange(c, 0).size()) + 2 * 2 * block);
+    EXPECT_LE(peak[r], bound) << r;
+    EXPECT_LT(peak[r], 4 * padded / 2) << r;
+  }
+  // Each rank rounded the mean of the two ranks' gradients of its own partition; with two ranks
+  // the sum has one order, so it is exact: (g0 + g1) / 2, rounded.
+  const int64_t P = padded / W;
+  for (int r = 0; r < W; ++r) {
+    for (int64_t i = r * P; i < std::min((r + 1) * P, n); ++i) {
+      const float mean = (flat[(r + 1) % W][i] + flat[r][i]) * 0.5f;
+      ASSERT_EQ(rounded[r][i], FloatToBf16(mean)) << "rank " << r << " element " << i;
+    }
+  }
 }
 
 // A rank that dies mid-run makes the other's next collective fail within the timeout, with an

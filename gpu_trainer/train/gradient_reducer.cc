@@ -1,30 +1,55 @@
 #include "gpu_trainer/train/gradient_reducer.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "model_spec/param_layout.h"
 
 namespace offload {
 
-GradientReducer::GradientReducer(Collectives* collectives, int64_t num_params,
-                                 int64_t padded_length, float* grads32, uint16_t* grads16,
-                                 DType dtype, int64_t bucket_elements,
+GradientReducer::GradientReducer(Collectives* collectives, const Gpt2Config& model,
+                                 int64_t padded_length, uint16_t* grads16, DType dtype,
+                                 int64_t bucket_elements,
                                  std::function<void(int64_t, int64_t)> on_rounded,
-                                 PhaseTrace* trace)
+                                 PhaseTrace* trace, int max_in_flight)
     : collectives_(collectives),
-      num_params_(num_params),
+      model_(model),
       padded_length_(padded_length),
       partition_length_(padded_length / collectives->world_size()),
-      grads32_(grads32),
       grads16_(grads16),
       dtype_(dtype),
-      // Alone there is nothing to amortise: each range leaves as soon as it is final.
+      // Alone there is nothing to amortise: each unit leaves as soon as it is final.
       bucket_elements_(collectives->world_size() == 1 ? 1 : std::max<int64_t>(1, bucket_elements)),
+      max_in_flight_(std::max(1, max_in_flight)),
       on_rounded_(std::move(on_rounded)),
       trace_(trace),
-      counts_(collectives->world_size(), 0),
-      thread_([this] { Loop(); }) {}
+      counts_(collectives->world_size(), 0) {
+  // The padding above the parameters is a bucket of its own: its gradients are zeros, and the
+  // owner of that part of the flat space sends them like the rest.
+  const int64_t num_params = Gpt2NumParams(model);
+  if (padded_length_ > num_params) buckets_.push_back(Bucket{num_params, padded_length_, 0, false});
+  // Then units in backward order (ln_f, the blocks from the last, the embeddings), grouped
+  // greedily from the top until a bucket holds bucket_elements.
+  const int units = Gpt2NumUnits(model);
+  bucket_of_unit_.assign(units, -1);
+  Bucket open;
+  for (int unit = units - 1; unit >= 0; --unit) {
+    const ParamRange r = Gpt2UnitRange(model, unit);
+    if (open.units == 0) open = Bucket{r.begin, r.end, 0, false};
+    open.lo = r.begin;
+    open.units++;
+    open.embeddings = open.embeddings || unit == 0;
+    bucket_of_unit_[unit] = static_cast<int>(buckets_.size());
+    if (open.hi - open.lo >= bucket_elements_ || unit == 0) {
+      buckets_.push_back(open);
+      open = Bucket{};
+    }
+  }
+  live_.resize(buckets_.size());
+  thread_ = std::thread([this] { Loop(); });
+}
 
 GradientReducer::~GradientReducer() {
   {
@@ -36,42 +61,123 @@ GradientReducer::~GradientReducer() {
 }
 
 void GradientReducer::Begin(uint64_t step) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   step_ = step;
   stats_ = GradStats{};
-  // The padding above the parameters is a bucket of its own: its gradients are the zeros grads32
-  // holds there, and the owner of that part of the flat space sends them like the rest.
-  open_ = Bucket{num_params_, padded_length_, {}};
-  Flush();
-}
-
-void GradientReducer::Add(int64_t offset, int64_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
-  open_.lo = std::min(open_.lo, offset);
-  if (open_.hi - open_.lo >= bucket_elements_) Flush();
-}
-
-void GradientReducer::Flush() {
-  if (open_.hi > open_.lo) {
-    open_.queued = PhaseTrace::Clock::now();
-    queue_.push_back(open_);
-    cv_.notify_all();
+  reduced_.clear();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].units == 0 && Take(static_cast<int>(b), lock).ok()) Queue(static_cast<int>(b));
   }
-  open_ = Bucket{open_.lo, open_.lo, {}};
+}
+
+absl::Status GradientReducer::Take(int b, std::unique_lock<std::mutex>& lock) {
+  const Bucket& bucket = buckets_[b];
+  if (!bucket.embeddings) {
+    cv_.wait(lock, [&] { return in_flight_ < max_in_flight_; });
+    in_flight_++;
+  }
+  const int64_t n = bucket.hi - bucket.lo;
+  // The smallest free buffer that holds the bucket, else a new one.
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(free_.size()); ++i) {
+    if (free_capacity_[i] >= n && (best < 0 || free_capacity_[i] < free_capacity_[best])) best = i;
+  }
+  Live& live = live_[b];
+  if (best >= 0) {
+    live.data = std::move(free_[best]);
+    live.capacity = free_capacity_[best];
+    free_.erase(free_.begin() + best);
+    free_capacity_.erase(free_capacity_.begin() + best);
+  } else {
+    live.data.reset(new float[n]);
+    live.capacity = n;
+    held_ += n * static_cast<int64_t>(sizeof(float));
+    peak_ = std::max(peak_, held_);
+  }
+  std::memset(live.data.get(), 0, n * sizeof(float));
+  live.taken = true;
+  live.queued = false;
+  live.released = 0;
+  return absl::OkStatus();
+}
+
+void GradientReducer::GiveBack(int b) {
+  Live& live = live_[b];
+  if (!live.taken) return;
+  free_.push_back(std::move(live.data));
+  free_capacity_.push_back(live.capacity);
+  live = Live{};
+  if (!buckets_[b].embeddings) in_flight_--;
+  cv_.notify_all();
+}
+
+void GradientReducer::Queue(int b) {
+  live_[b].queued = true;
+  queue_.emplace_back(b, PhaseTrace::Clock::now());
+  cv_.notify_all();
+}
+
+absl::StatusOr<float*> GradientReducer::Acquire(int unit) {
+  if (unit < 0 || unit >= static_cast<int>(bucket_of_unit_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("GradientReducer: no unit ", unit));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const int b = bucket_of_unit_[unit];
+  if (!live_[b].taken) OFFLOAD_RETURN_IF_ERROR(Take(b, lock));
+  return live_[b].data.get() + (Gpt2UnitRange(model_, unit).begin - buckets_[b].lo);
+}
+
+absl::Status GradientReducer::Release(int unit) {
+  if (unit < 0 || unit >= static_cast<int>(bucket_of_unit_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("GradientReducer: no unit ", unit));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const int b = bucket_of_unit_[unit];
+  if (!live_[b].taken) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("GradientReducer: unit ", unit, " released before it was acquired"));
+  }
+  if (++live_[b].released == buckets_[b].units) Queue(b);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<GradStats> GradientReducer::Finish() {
   std::unique_lock<std::mutex> lock(mu_);
-  Flush();
   cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+  for (size_t b = 0; b < live_.size(); ++b) {
+    if (live_[b].taken) {
+      GiveBack(static_cast<int>(b));
+      if (error_.ok()) {
+        error_ = absl::InternalError(absl::StrCat("GradientReducer: bucket [", buckets_[b].lo, ", ",
+                                                  buckets_[b].hi, ") was never complete"));
+      }
+    }
+  }
   if (!error_.ok()) return error_;
   return stats_;
 }
 
 void GradientReducer::Abandon() {
   std::unique_lock<std::mutex> lock(mu_);
-  open_ = Bucket{open_.lo, open_.lo, {}};
+  for (size_t b = 0; b < live_.size(); ++b) {
+    if (live_[b].taken && !live_[b].queued) GiveBack(static_cast<int>(b));
+  }
   cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+}
+
+int64_t GradientReducer::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_;
+}
+
+int64_t GradientReducer::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+
+std::vector<int64_t> GradientReducer::reduced_order() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reduced_;
 }
 
 void GradientReducer::Loop() {
@@ -79,30 +185,33 @@ void GradientReducer::Loop() {
   while (true) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_ and nothing left
-    const Bucket bucket = queue_.front();
+    const auto [b, queued] = queue_.front();
     queue_.pop_front();
     const bool failed = !error_.ok();
     const uint64_t step = step_;
+    float* data = live_[b].data.get();
     busy_ = true;
     lock.unlock();
     GradStats stats;
     absl::Status s;
     if (!failed) {
-      if (trace_ != nullptr) {
-        trace_->Record("reduce_queued", step, bucket.queued, PhaseTrace::Clock::now());
-      }
+      if (trace_ != nullptr)
+        trace_->Record("reduce_queued", step, queued, PhaseTrace::Clock::now());
       TracePhase phase(trace_, "reduce_scatter", step);
-      s = Reduce(bucket, &stats);
+      s = Reduce(b, data, &stats);
     }
     lock.lock();
     busy_ = false;
     stats_.Merge(stats);
     if (!s.ok() && error_.ok()) error_ = s;
+    if (s.ok() && !failed) reduced_.push_back(buckets_[b].lo);
+    GiveBack(b);
     cv_.notify_all();
   }
 }
 
-absl::Status GradientReducer::Reduce(const Bucket& bucket, GradStats* stats) {
+absl::Status GradientReducer::Reduce(int b, float* data, GradStats* stats) {
+  const Bucket& bucket = buckets_[b];
   const int W = collectives_->world_size();
   const int rank = collectives_->rank();
   // The bucket is contiguous and the partitions are in rank order, so its pieces in each rank's
@@ -114,8 +223,8 @@ absl::Status GradientReducer::Reduce(const Bucket& bucket, GradStats* stats) {
   }
   const int64_t mine_lo = std::max(bucket.lo, rank * partition_length_);
   const int64_t mine = counts_[rank];
-  float* out = grads32_ + mine_lo;  // (mine,)
-  OFFLOAD_RETURN_IF_ERROR(collectives_->ReduceScatter(grads32_ + bucket.lo, out, counts_));
+  float* out = data + (mine_lo - bucket.lo);  // (mine,)
+  OFFLOAD_RETURN_IF_ERROR(collectives_->ReduceScatter(data, out, counts_));
   if (mine == 0) return absl::OkStatus();
   // The mean over ranks, before rounding: each rank's loss is the mean over its share of the
   // batch, so this is the gradient of the whole batch's mean loss.

@@ -1,9 +1,15 @@
-// ZeRO-2's gradient path on the CPU backend (ARCHITECTURE.md sections 1 and 3): backward's fp32
-// gradient ranges are grouped into buckets in backward order; each bucket, once its last range is
-// final, is reduce-scattered across the W ranks on a thread of its own while backward goes on, and
-// this rank's share of it is averaged, rounded to 16 bits and handed on (to the gradient sender).
-// Rounding after the reduction makes W ranks send what one rank with the whole batch would, up to
-// the order of the fp32 sums.
+// ZeRO-2's gradient path on the CPU backend (ARCHITECTURE.md sections 1 and 3): backward writes
+// its fp32 gradients unit by unit into buckets, groups of consecutive units in backward order;
+// each bucket, once its last unit is final, is reduce-scattered across the W ranks on a thread of
+// its own while backward goes on, and this rank's share of it is averaged, rounded to 16 bits and
+// handed on (to the gradient sender). Rounding after the reduction makes W ranks send what one
+// rank with the whole batch would, up to the order of the fp32 sums.
+//
+// Only the buckets on their way hold memory: a bucket's buffer is taken when backward first
+// writes into it and given back once it is reduced, and at most max_in_flight buckets (besides
+// the one with the embeddings, which the tied head writes at the start of backward and the
+// embedding at the end) hold buffers at once; backward waits for the reduction when it runs
+// ahead. So the fp32 gradients take a few buckets' worth, not 4 bytes for every parameter.
 #ifndef OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_REDUCER_H_
 #define OFFLOAD_GPU_TRAINER_TRAIN_GRADIENT_REDUCER_H_
 
@@ -11,6 +17,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -18,67 +25,97 @@
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
 #include "gpu_trainer/collectives/collectives.h"
+#include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/train/phase_trace.h"
+#include "model_spec/gpt2_config.h"
 
 namespace offload {
 
-class GradientReducer {
+class GradientReducer final : public Gpt2GradSink {
  public:
-  // grads32 (padded_length,) is written by backward (its padding stays 0); this rank's share of
-  // each reduced bucket is written over it, then rounded into grads16 (padded_length,).
+  // This rank's share of each reduced bucket is rounded into grads16 (padded_length,), and
   // on_rounded(offset, n) runs on the reducer thread once [offset, offset + n) of this rank's
-  // partition is final in grads16. Buckets hold at least bucket_elements (the last may be
-  // smaller), and never split one of backward's ranges; with a single rank each range is a bucket.
-  GradientReducer(Collectives* collectives, int64_t num_params, int64_t padded_length,
-                  float* grads32, uint16_t* grads16, DType dtype, int64_t bucket_elements,
+  // partition is final there. Buckets hold at least bucket_elements (the last may hold fewer) and
+  // never split a unit; with a single rank each unit is a bucket.
+  GradientReducer(Collectives* collectives, const Gpt2Config& model, int64_t padded_length,
+                  uint16_t* grads16, DType dtype, int64_t bucket_elements,
                   std::function<void(int64_t offset, int64_t n)> on_rounded,
-                  PhaseTrace* trace = nullptr);
-  ~GradientReducer();
+                  PhaseTrace* trace = nullptr, int max_in_flight = 2);
+  ~GradientReducer() override;
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
   // Starts one backward pass; `step` labels the trace, where each bucket has two spans:
   // `reduce_queued` from backward's hand-off until this thread takes it, then `reduce_scatter`.
   void Begin(uint64_t step);
-  // Backward's range [offset, offset + n) is final in grads32. Ranges come in backward order:
-  // each one ends where the previous began (Gpt2Cpu::Backward's contract).
-  void Add(int64_t offset, int64_t n);
-  // Reduces what is left, waits for every bucket, and returns the statistics of this rank's
-  // rounded share, or the first error (after which the collectives are unusable).
+  // Gpt2GradSink, for Gpt2Cpu::Backward: a unit's place in its bucket's buffer (taken, and
+  // zeroed, with the bucket's first unit; waiting while max_in_flight buckets are on their way),
+  // and the unit final. A bucket whose units are all final is queued for reduction.
+  absl::StatusOr<float*> Acquire(int unit) override;
+  absl::Status Release(int unit) override;
+  // Waits for every bucket and returns the statistics of this rank's rounded share, or the first
+  // error (after which the collectives are unusable).
   absl::StatusOr<GradStats> Finish();
-  // After a failed backward: drops the open bucket (the other ranks would reduce it with other
-  // sizes) and waits for the queued ones.
+  // After a failed backward: drops the buckets not yet queued (the other ranks would reduce them
+  // with other sizes) and waits for the queued ones.
   void Abandon();
+
+  // The fp32 gradient buffers held now and at most since construction, in bytes: what the
+  // gradients take on the compute device.
+  int64_t held_bytes() const;
+  int64_t peak_bytes() const;
+  // The first element of each bucket reduced in the last pass, in the order they were reduced.
+  std::vector<int64_t> reduced_order() const;
 
  private:
   struct Bucket {
-    int64_t lo, hi;
-    PhaseTrace::Clock::time_point queued;  // set by Flush
+    int64_t lo = 0, hi = 0;   // flat [lo, hi)
+    int units = 0;            // units it holds (0: the padding above the parameters)
+    bool embeddings = false;  // holds unit 0, written at both ends of backward
   };
-  void Flush();  // queues the open bucket; mu_ held
+  struct Live {
+    std::unique_ptr<float[]> data;  // (capacity,) the bucket's gradients from lo on
+    int64_t capacity = 0;
+    int released = 0;  // units final
+    bool taken = false;
+    bool queued = false;
+  };
+  // Takes a buffer for bucket b; mu_ held (lock passed for waiting).
+  absl::Status Take(int b, std::unique_lock<std::mutex>& lock);
+  void GiveBack(int b);  // mu_ held
+  void Queue(int b);     // mu_ held
   void Loop();
-  absl::Status Reduce(const Bucket& bucket, GradStats* stats);
+  absl::Status Reduce(int b, float* data, GradStats* stats);
 
   Collectives* const collectives_;
-  const int64_t num_params_, padded_length_, partition_length_;
-  float* const grads32_;
+  const Gpt2Config model_;
+  const int64_t padded_length_, partition_length_;
   uint16_t* const grads16_;
   const DType dtype_;
   const int64_t bucket_elements_;
+  const int max_in_flight_;
   const std::function<void(int64_t, int64_t)> on_rounded_;
   PhaseTrace* const trace_;
-  std::vector<int64_t> counts_;  // (W,) elements of the bucket in each rank's partition
+  std::vector<Bucket> buckets_;      // in backward order; the padding first when there is any
+  std::vector<int> bucket_of_unit_;  // (units,)
+  std::vector<int64_t> counts_;      // (W,) elements of the bucket in each rank's partition
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  uint64_t step_ = 0;         // guarded by mu_
-  Bucket open_{0, 0, {}};     // guarded by mu_; [lo, hi) grows downwards
-  std::deque<Bucket> queue_;  // guarded by mu_
-  bool busy_ = false;         // guarded by mu_: the thread is reducing a bucket
-  GradStats stats_;           // guarded by mu_
-  absl::Status error_;        // guarded by mu_
-  bool stop_ = false;         // guarded by mu_
+  uint64_t step_ = 0;                           // guarded by mu_
+  std::vector<Live> live_;                      // guarded by mu_; (buckets,)
+  std::vector<std::unique_ptr<float[]>> free_;  // guarded by mu_: buffers to reuse
+  std::vector<int64_t> free_capacity_;          // guarded by mu_
+  int in_flight_ = 0;  // guarded by mu_: buckets other than the embeddings' holding buffers
+  int64_t held_ = 0;   // guarded by mu_: bytes of every buffer, taken or free
+  int64_t peak_ = 0;   // guarded by mu_
+  std::deque<std::pair<int, PhaseTrace::Clock::time_point>> queue_;  // guarded by mu_
+  std::vector<int64_t> reduced_;                                     // guarded by mu_
+  bool busy_ = false;   // guarded by mu_: the thread is reducing a bucket
+  GradStats stats_;     // guarded by mu_
+  absl::Status error_;  // guarded by mu_
+  bool stop_ = false;   // guarded by mu_
   std::thread thread_;
 };
 

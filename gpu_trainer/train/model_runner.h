@@ -46,13 +46,12 @@ class ModelRunner {
   virtual absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
       const std::function<void(int64_t offset, int64_t n)>& on_ready) = 0;
-  // Where gradients are fp32 where they are computed (the CPU backend): grads32 (num_params,) :=
-  // the fp32 gradients of loss * loss_scale, on_ready as in Backward. The data-parallel trainer
-  // reduces them across ranks before they are rounded to 16 bits, so W ranks send what one rank
-  // with the whole batch would. Unimplemented where gradients are 16-bit from the start (CUDA).
-  virtual absl::Status BackwardFp32(
-      float loss_scale, float* grads32,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) {
+  // Where gradients are fp32 where they are computed (the CPU backend): the fp32 gradients of
+  // loss * loss_scale into `grads`, unit by unit in backward order (Gpt2GradSink). The
+  // data-parallel trainer reduces them across ranks bucket by bucket before they are rounded to
+  // 16 bits, so W ranks send what one rank with the whole batch would, and only the buckets on
+  // their way are held. Unimplemented where gradients are 16-bit from the start (CUDA).
+  virtual absl::Status BackwardFp32(float loss_scale, Gpt2GradSink& grads) {
     return absl::UnimplementedError("this backend has no fp32 gradients");
   }
   virtual bool has_fp32_gradients() const { return false; }

@@ -199,10 +199,9 @@ absl::Status Trainer::Init() {
   targets_.assign(inputs_.size(), 0);
   sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
   if (runner_->has_fp32_gradients()) {
-    grads32_.assign(map.padded_length(), 0.0f);
     reducer_ = std::make_unique<GradientReducer>(
-        collectives_, runner_->num_params(), static_cast<int64_t>(map.padded_length()),
-        grads32_.data(), grads16_.data(), o.param_dtype, o.bucket_elements,
+        collectives_, o.model, static_cast<int64_t>(map.padded_length()), grads16_.data(),
+        o.param_dtype, o.bucket_elements,
         [this](int64_t offset, int64_t n) { OnGradientsRounded(offset, n); }, o.trace);
   }
   return absl::OkStatus();
@@ -517,7 +516,14 @@ Trainer::HostMemory Trainer::PlanHostMemory() const {
     m.weights = 2 * padded * (o.dpu ? 2 : 1) + (cpu ? 4 * n : 0);
   }
   // 16-bit gradients that leave, the CPU backend's fp32 ones, the micro-batch accumulator.
-  m.gradients = 2 * padded + (cpu ? 4 * padded : 0) + (o.micro_batches > 1 ? 4 * P : 0);
+  // 16-bit gradients that leave, the CPU backend's fp32 buckets on their way (the embeddings'
+  // bucket and two more, each under bucket_elements plus a unit; never more than the whole
+  // buffer), and the micro-batch accumulator.
+  const int64_t block = Gpt2UnitRange(c, 1).size();
+  const int64_t buckets32 =
+      4 * std::min(padded, (o.bucket_elements + Gpt2UnitRange(c, 0).size()) +
+                               2 * (o.bucket_elements + std::max(block, padded - n)));
+  m.gradients = 2 * padded + (cpu ? buckets32 : 0) + (o.micro_batches > 1 ? 4 * P : 0);
   m.activations = cpu ? Gpt2Cpu::ActivationBytes(c, local_batch_, o.seq_len,
                                                  o.activation_checkpointing)
                       : 2 * o.pinned_staging_bytes;  // CUDA: the pinned rings instead
@@ -605,8 +611,7 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     absl::Status s;
     {
       TracePhase phase(o.trace, "backward", step);
-      s = runner_->BackwardFp32(loss_scale, grads32_.data(),
-                                [this](int64_t offset, int64_t n) { reducer_->Add(offset, n); });
+      s = runner_->BackwardFp32(loss_scale, *reducer_);
     }
     // Either way the reducer is idle after this, before anything else uses the collectives.
     if (!s.ok()) {

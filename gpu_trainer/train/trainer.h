@@ -154,6 +154,7 @@ class Trainer {
   ModelRunner::DeviceMemory DeviceMemory() const {
     ModelRunner::DeviceMemory m = runner_->Memory();
     if (gatherer_ != nullptr) m.used_bytes += gatherer_->window_bytes32();
+    if (reducer_ != nullptr) m.used_bytes += reducer_->held_bytes();
     return m;
   }
   const DynamicLossScaler& loss_scaler() const { return scaler_; }
@@ -241,7 +242,6 @@ class Trainer {
   std::unique_ptr<Collectives> param_collectives_;  // stage 3: the gathers' own communicator
   std::unique_ptr<ParamGatherer> gatherer_;         // stage 3: the layers' weights on demand
   std::vector<uint16_t> grads16_;                   // (padded,) what leaves; the padding stays 0
-  std::vector<float> grads32_;             // (padded,) fp32 backends: backward's, then reduced
   std::vector<float> acc32_;               // (P,) micro-batches > 1: this rank's gradient sum
   std::vector<int32_t> inputs_, targets_;  // (B, T) the global batch
   bool params_stale_ = true;

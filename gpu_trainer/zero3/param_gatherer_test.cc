@@ -54,7 +54,8 @@ PassResult Pass(Gpt2ParamSource& params) {
   EXPECT_TRUE(loss.ok()) << loss.status();
   r.loss = loss.value_or(0);
   r.grads.assign(Gpt2NumParams(kModel), 0.0f);
-  EXPECT_TRUE((*model)->Backward(params, 1.0f, r.grads.data(), nullptr).ok());
+  FlatGpt2Grads grads(kModel, r.grads.data(), nullptr);
+  EXPECT_TRUE((*model)->Backward(params, 1.0f, grads).ok());
   return r;
 }
 
@@ -230,7 +231,8 @@ TEST(ParamGathererTest, AFailedGatherFailsEveryLaterAcquire) {
   EXPECT_EQ(loss.status().code(), absl::StatusCode::kUnavailable);
   std::vector<float> grads(Gpt2NumParams(kModel));
   // A forward that failed part way leaves nothing to differentiate.
-  EXPECT_EQ((*model)->Backward(**g, 1.0f, grads.data(), nullptr).code(),
+  FlatGpt2Grads sink(kModel, grads.data(), nullptr);
+  EXPECT_EQ((*model)->Backward(**g, 1.0f, sink).code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
