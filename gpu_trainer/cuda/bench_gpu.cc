@@ -88,6 +88,10 @@ ABSL_FLAG(int, plan_ranks, 8, "GPUs of the planner's ZeRO-3 row, one rank each")
 ABSL_FLAG(double, plan_host_gib, 0,
           "host memory the planner's rows must fit too (the shards' fp32 state, the trainer's "
           "16-bit copies, the pinned rings), GiB; 0: no host limit");
+ABSL_FLAG(double, plan_gradient_bucket_mb, 0,
+          "plan the gradients as three buckets of this many MiB of 16-bit values on the GPU, each "
+          "leaving as backward finishes it (a plan: the CUDA backend keeps every gradient); 0: "
+          "every gradient on the GPU");
 ABSL_FLAG(bool, plan_activation_checkpointing, false,
           "plan every row with activation checkpointing (each block's input kept, the block "
           "recomputed in backward)");
@@ -165,8 +169,8 @@ absl::StatusOr<BenchConfig> ConfigFromFlags() {
   }
   OFFLOAD_RETURN_IF_ERROR(ValidateGpt2Config(b.model));
   if (absl::GetFlag(FLAGS_shards) < 1) return absl::InvalidArgumentError("--shards must be >= 1");
-  if (absl::GetFlag(FLAGS_plan_host_gib) < 0) {
-    return absl::InvalidArgumentError("--plan_host_gib must be >= 0");
+  if (absl::GetFlag(FLAGS_plan_host_gib) < 0 || absl::GetFlag(FLAGS_plan_gradient_bucket_mb) < 0) {
+    return absl::InvalidArgumentError("--plan_host_gib and --plan_gradient_bucket_mb must be >= 0");
   }
   if (absl::GetFlag(FLAGS_plan_window_layers) < 1 || absl::GetFlag(FLAGS_plan_ranks) < 1) {
     return absl::InvalidArgumentError("--plan_window_layers and --plan_ranks must be >= 1");
@@ -354,7 +358,8 @@ struct PlanResult {
   int batch = 0, seq_len = 0;
   DType dtype = DType::kBf16;
   bool checkpointing = false;
-  double host_gib = 0;  // 0: no limit
+  double host_gib = 0;            // 0: no limit
+  double gradient_bucket_mb = 0;  // 0: every gradient on the GPU
   std::string offload_binds = "-", gpu_only_binds = "-", window_binds = "-", stage3_binds = "-";
   int64_t offload_params = 0, gpu_only_params = 0;  // 0: nothing fits
   std::string offload_model = "none", gpu_only_model = "none";
@@ -374,11 +379,14 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   p.dtype = dtype;
   p.checkpointing = absl::GetFlag(FLAGS_plan_activation_checkpointing);
   p.host_gib = absl::GetFlag(FLAGS_plan_host_gib);
+  p.gradient_bucket_mb = absl::GetFlag(FLAGS_plan_gradient_bucket_mb);
+  const auto bucket = static_cast<int64_t>(p.gradient_bucket_mb * (1 << 20)) /
+                      static_cast<int64_t>(DTypeSize(dtype));
   const auto bytes = static_cast<int64_t>(memory_gib * static_cast<double>(int64_t{1} << 30));
   const auto host = static_cast<int64_t>(p.host_gib * static_cast<double>(int64_t{1} << 30));
   for (const bool gpu_optimizer : {false, true}) {
     absl::StatusOr<LargestTrainable> best = LargestTrainableGpt2(
-        bytes, p.batch, p.seq_len, dtype, gpu_optimizer, {}, p.checkpointing, host);
+        bytes, p.batch, p.seq_len, dtype, gpu_optimizer, {}, p.checkpointing, host, bucket);
     if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
     if (!best.ok()) continue;  // nothing fits: reported as 0 parameters
     (gpu_optimizer ? p.gpu_only_params : p.offload_params) = best->num_params;
@@ -394,7 +402,7 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
     const ParamPlacement placement{3, ranks, p.window_layers};
     absl::StatusOr<LargestTrainable> best =
         LargestTrainableGpt2(bytes, p.batch, p.seq_len, dtype, /*gpu_optimizer=*/false, placement,
-                             p.checkpointing, host);
+                             p.checkpointing, host, bucket);
     if (!best.ok() && !absl::IsNotFound(best.status())) return best.status();
     if (!best.ok()) continue;
     (ranks == 1 ? p.window_params : p.stage3_params) = best->num_params;
@@ -458,10 +466,13 @@ void Report(const BenchConfig& b, const Results& r) {
   }
   if (r.plan) {
     const PlanResult& p = *r.plan;
-    const std::string on =
-        absl::StrFormat("%.1f GiB, %s, batch %d x %d%s%s", p.memory_gib, DTypeName(p.dtype),
-                        p.batch, p.seq_len, p.checkpointing ? ", activation checkpointing" : "",
-                        p.host_gib > 0 ? absl::StrFormat(", host %.0f GiB", p.host_gib) : "");
+    const std::string on = absl::StrFormat(
+        "%.1f GiB, %s, batch %d x %d%s%s%s", p.memory_gib, DTypeName(p.dtype), p.batch, p.seq_len,
+        p.checkpointing ? ", activation checkpointing" : "",
+        p.host_gib > 0 ? absl::StrFormat(", host %.0f GiB", p.host_gib) : "",
+        p.gradient_bucket_mb > 0
+            ? absl::StrFormat(", gradients in %.0f MiB buckets (planned)", p.gradient_bucket_mb)
+            : "");
     std::printf("  largest model on %s\n", on.c_str());
     row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model,
                                        ", binds: ", p.offload_binds, ")"));
@@ -516,11 +527,11 @@ void Report(const BenchConfig& b, const Results& r) {
     std::printf(
         "gpu plan memory_gib=%.1f offload_params=%lld offload_model=%s gpu_only_params=%lld "
         "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s checkpointing=%d "
-        "host_gib=%.1f offload_binds=%s gpu_only_binds=%s\n",
+        "host_gib=%.1f offload_binds=%s gpu_only_binds=%s gradient_bucket_mb=%.1f\n",
         p.memory_gib, static_cast<long long>(p.offload_params), p.offload_model.c_str(),
         static_cast<long long>(p.gpu_only_params), p.gpu_only_model.c_str(), p.ratio, p.batch,
         p.seq_len, std::string(DTypeName(p.dtype)).c_str(), p.checkpointing ? 1 : 0, p.host_gib,
-        p.offload_binds.c_str(), p.gpu_only_binds.c_str());
+        p.offload_binds.c_str(), p.gpu_only_binds.c_str(), p.gradient_bucket_mb);
     std::printf(
         "gpu plan_zero3 memory_gib=%.1f window_layers=%d window_params=%lld window_model=%s "
         "ranks=%d stage3_params=%lld stage3_model=%s\n",

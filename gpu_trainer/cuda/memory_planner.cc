@@ -22,12 +22,15 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
                                   bool gpu_optimizer, const ParamPlacement& placement,
-                                  bool activation_checkpointing) {
+                                  bool activation_checkpointing, int64_t gradient_bucket_elements) {
   const int64_t n = Gpt2NumParams(config);
   const int64_t size = DTypeSize(dtype);
   CudaMemoryPlan plan;
   plan.params_bytes = DeviceParamElements(config, placement) * size;
-  plan.grads_bytes = n * size;
+  // The optimizer on the GPU needs every gradient at once.
+  plan.grads_bytes = gradient_bucket_elements > 0 && !gpu_optimizer
+                         ? std::min(n, 3 * gradient_bucket_elements) * size
+                         : n * size;
   plan.activation_bytes = DispatchStorageType(dtype, [&](auto zero) {
     using Storage = decltype(zero);
     Gpt2CudaActivations<Storage> views;
@@ -60,7 +63,8 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
                                                       DType dtype, bool gpu_optimizer,
                                                       const ParamPlacement& placement,
                                                       bool activation_checkpointing,
-                                                      int64_t host_bytes) {
+                                                      int64_t host_bytes,
+                                                      int64_t gradient_bucket_elements) {
   // GPT-2 small ... XL, then GPT-3 2.7B ... 175B widths.
   static constexpr int kWidths[] = {768,  1024, 1280, 1600, 2048, 2560,
                                     4096, 5120, 6144, 8192, 12288};
@@ -72,7 +76,8 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
     config.channels = C;
     config.num_heads = C <= 1280 ? C / 64 : C / 128;
     auto gpu_fits = [&](const Gpt2Config& c) {
-      return PlanGpt2CudaMemory(c, B, T, dtype, gpu_optimizer, placement, activation_checkpointing)
+      return PlanGpt2CudaMemory(c, B, T, dtype, gpu_optimizer, placement, activation_checkpointing,
+                                gradient_bucket_elements)
                  .total_bytes() <= device_bytes;
     };
     auto host_fits = [&](const Gpt2Config& c) {
@@ -101,7 +106,7 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
       best.config = config;
       best.num_params = n;
       best.plan = PlanGpt2CudaMemory(config, B, T, dtype, gpu_optimizer, placement,
-                                     activation_checkpointing);
+                                     activation_checkpointing, gradient_bucket_elements);
       best.host = PlanHostMemory(config, dtype, gpu_optimizer, kDefaultPinnedStagingBytes);
       Gpt2Config deeper = config;
       ++deeper.num_layers;

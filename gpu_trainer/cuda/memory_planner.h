@@ -50,9 +50,14 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 // Micro-batch B, sequence T. gpu_optimizer: the fused GPU AdamW (the no-offload baseline) instead
 // of the CPU shards.
 // activation_checkpointing: the activations of a model that keeps only each block's input.
+// gradient_bucket_elements: 0, the device holds a gradient for every parameter (the CUDA backend
+// today); otherwise it holds three buckets of that many 16-bit gradients (one being written, one
+// on its way out, one waiting), each leaving as backward finishes it: a plan for the bucketed
+// gradients the CUDA backend does not have yet.
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
                                   bool gpu_optimizer, const ParamPlacement& placement = {},
-                                  bool activation_checkpointing = false);
+                                  bool activation_checkpointing = false,
+                                  int64_t gradient_bucket_elements = 0);
 
 // What the host holds for a job on one GPU. With offload: the shards' fp32 master weights and both
 // Adam moments (12 bytes a parameter), the trainer's 16-bit host copies of the weights it uploads
@@ -89,7 +94,8 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
                                                       DType dtype, bool gpu_optimizer,
                                                       const ParamPlacement& placement = {},
                                                       bool activation_checkpointing = false,
-                                                      int64_t host_bytes = 0);
+                                                      int64_t host_bytes = 0,
+                                                      int64_t gradient_bucket_elements = 0);
 
 std::string DescribeConfig(const Gpt2Config& config);
 

@@ -230,6 +230,34 @@ TEST(MemoryPlanner, CheckpointingShrinksTheActivations) {
   EXPECT_GT(b->num_params, a->num_params);
 }
 
+// Gradients that leave bucket by bucket free the device of 2 bytes a parameter; with
+// checkpointing the offloaded model then needs little beyond its weights' 2 bytes a parameter
+// against GPU-only's 16: the ratio approaches 16 / 2 = 8 from below (the activations and the
+// buckets are the rest). The parameter window takes the weights off the device too, and passes
+// 8x (with unlimited host memory).
+TEST(MemoryPlanner, BucketedGradientsAndCheckpointingApproachEightTimes) {
+  const Gpt2Config c = Gpt2Small();
+  const int64_t n = Gpt2NumParams(c);
+  const int64_t bucket = int64_t{4} << 20;  // 8 MiB of bf16
+  EXPECT_EQ(PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false, {}, false, bucket).grads_bytes,
+            2 * 3 * bucket);
+  // The GPU optimizer needs every gradient at once.
+  EXPECT_EQ(PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, true, {}, false, bucket).grads_bytes,
+            2 * n);
+  absl::StatusOr<LargestTrainable> offload =
+      LargestTrainableGpt2(80 * kGiB, 1, 1024, DType::kBf16, false, {}, true, 0, bucket);
+  absl::StatusOr<LargestTrainable> gpu_only =
+      LargestTrainableGpt2(80 * kGiB, 1, 1024, DType::kBf16, true, {}, true, 0, bucket);
+  ASSERT_TRUE(offload.ok() && gpu_only.ok());
+  const double ratio = static_cast<double>(offload->num_params) / gpu_only->num_params;
+  EXPECT_LT(ratio, 8.0);
+  EXPECT_GT(ratio, 7.5);
+  absl::StatusOr<LargestTrainable> window = LargestTrainableGpt2(
+      80 * kGiB, 1, 1024, DType::kBf16, false, ParamPlacement{3, 1, 2}, true, 0, bucket);
+  ASSERT_TRUE(window.ok());
+  EXPECT_GE(static_cast<double>(window->num_params) / gpu_only->num_params, 8.0);
+}
+
 TEST(MemoryPlanner, NothingFitsInWhatTheCudaContextReserves) {
   for (const bool gpu_optimizer : {false, true}) {
     // kCudaReservedBytes (1 GiB) is held back before any model byte, so a 1 GiB device (or a
