@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -334,6 +336,37 @@ TEST(GradientBuckets, StreamInBackwardOrderAndHoldOnlyWhatIsOnItsWay) {
       ASSERT_EQ(rounded[r][i], FloatToBf16(mean)) << "rank " << r << " element " << i;
     }
   }
+}
+
+// When rank 0 cannot write a checkpoint, every rank fails, and each one's error says why (the job
+// controller reports whichever rank's error comes first).
+TEST(DataParallel, ACheckpointRankZeroCannotWriteFailsEveryRankSayingWhy) {
+  TempDir dir;
+  TrainerOptions o = TinyOptions();
+  o.checkpoint_dir = dir.path() + "/ckpt";
+  std::filesystem::create_directory(o.checkpoint_dir);
+  LocalShards shards(1);
+  std::vector<absl::Status> saved(2);
+  RunRanks(o, shards, 2, absl::Seconds(30),
+           [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
+             auto trainer = Trainer::Create(mine, backend);
+             ASSERT_TRUE(trainer.ok()) << trainer.status();
+             ASSERT_TRUE((*trainer)->Start().ok());
+             ASSERT_TRUE((*trainer)->Step().ok());
+             if (r == 0) {
+               // Where the checkpoint goes is now a file: rank 0's write fails.
+               std::filesystem::remove_all(mine.checkpoint_dir);
+               std::ofstream(mine.checkpoint_dir) << "not a directory";
+             }
+             saved[r] = (*trainer)->SaveCheckpoint(0.0f).status();
+           });
+  EXPECT_FALSE(saved[0].ok());
+  EXPECT_EQ(saved[1].code(), absl::StatusCode::kDataLoss) << saved[1];
+  EXPECT_NE(saved[1].message().find("rank 0 could not write the checkpoint: "), std::string::npos)
+      << saved[1];
+  EXPECT_NE(saved[1].message().find(std::string(saved[0].message()).substr(0, 40)),
+            std::string::npos)
+      << saved[1] << " does not carry " << saved[0];
 }
 
 // A rank that dies mid-run makes the other's next collective fail within the timeout, with an

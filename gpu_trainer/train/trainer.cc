@@ -287,9 +287,10 @@ absl::StatusOr<std::string> Trainer::Start() {
       !s.ok()) {
     return loaded.ok() ? s : loaded;
   }
-  if (!loaded.ok()) return loaded;
   if (!lead_ok) {
-    return absl::FailedPreconditionError("rank 0 could not start the job (its log says why)");
+    const std::string why = ShareLeadError(loaded);
+    if (!loaded.ok()) return loaded;
+    return absl::FailedPreconditionError(absl::StrCat("rank 0 could not start the job: ", why));
   }
   if (stage3()) {
     OFFLOAD_RETURN_IF_ERROR(DealPartitions(weights16));
@@ -342,6 +343,14 @@ absl::Status Trainer::StartGatherer() {
   OFFLOAD_ASSIGN_OR_RETURN(gatherer_, ParamGatherer::Create(g, param_collectives_.get(),
                                                             partition16_.data(), &weight_meter_));
   return runner_->SetParamSource(gatherer_.get());
+}
+
+std::string Trainer::ShareLeadError(const absl::Status& status) {
+  char why[512] = {};
+  if (rank() == 0) status.ToString().copy(why, sizeof(why) - 1);
+  if (!collectives_->Broadcast(why, sizeof(why), 0).ok()) return "its log says why";
+  why[sizeof(why) - 1] = '\0';
+  return why;
 }
 
 absl::Status Trainer::DealPartitions(const uint16_t* full) {
@@ -824,8 +833,13 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
       !s.ok()) {
     return s;
   }
+  if (!written) {
+    const std::string why = ShareLeadError(dir.status());
+    if (rank() != 0) {
+      return absl::DataLossError(absl::StrCat("rank 0 could not write the checkpoint: ", why));
+    }
+  }
   if (rank() == 0) return dir;
-  if (!written) return absl::DataLossError("rank 0 could not write the checkpoint");
   return absl::StrCat(options_.checkpoint_dir, " (written by rank 0)");
 }
 

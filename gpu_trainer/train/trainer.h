@@ -189,6 +189,9 @@ class Trainer {
   // keeping its partition.
   absl::Status DealPartitions(const uint16_t* full);
   absl::Status CheckHostMemory() const;
+  // After rank 0 failed a step every rank waited for (loading the job, writing a checkpoint): its
+  // error, broadcast so that every rank's error says why, not only rank 0's log. Collective.
+  std::string ShareLeadError(const absl::Status& status);
   // ZeRO-3: the gathers' communicator and the gatherer, the model's source of weights. Collective.
   absl::Status StartGatherer();
   bool stage3() const { return options_.zero_stage == 3; }
