@@ -27,46 +27,6 @@
 namespace offload {
 namespace {
 
-// Runs `ranks` ranks of one job on `shards`, each on its own thread with its own collectives
-// (over one in-memory store), shard clients and options (`o` with this rank's collectives):
-// body(rank, options, backend).
-void RunRanks(const TrainerOptions& o, const LocalShards& shards, int ranks, absl::Duration timeout,
-              const std::function<void(int, const TrainerOptions&, OptimizerBackend*)>& body) {
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      GlooOptions g;
-      g.rank = r;
-      g.world_size = ranks;
-      g.prefix = "test";
-      g.timeout = timeout;
-      absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
-      ASSERT_TRUE(collectives.ok()) << collectives.status();
-      auto backend =
-          RemoteOptimizer::Connect(MapFor(o, static_cast<int>(shards.addresses().size()), ranks),
-                                   shards.addresses(), ClientOptions{});
-      ASSERT_TRUE(backend.ok()) << backend.status();
-      ASSERT_TRUE((*backend)->SetRank(r).ok());
-      TrainerOptions mine = o;
-      mine.collectives = collectives->get();
-      body(r, mine, backend->get());
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
-// `steps` steps of every rank; returns every rank's result.
-std::vector<RunResult> TrainRanks(const TrainerOptions& o, const LocalShards& shards, int ranks,
-                                  uint64_t steps, bool checkpoint_at_end = false) {
-  std::vector<RunResult> results(ranks);
-  RunRanks(o, shards, ranks, absl::Seconds(60),
-           [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
-             results[r] = Train(mine, backend, steps, checkpoint_at_end);
-           });
-  return results;
-}
-
 // How far apart two runs ended: ||a - b|| / ||b|| over the model's weights, the largest such
 // difference of one tensor, the largest |a_i - b_i|, and the largest relative difference of a
 // step's loss.
@@ -287,36 +247,25 @@ TEST(GradientBuckets, StreamInBackwardOrderAndHoldOnlyWhatIsOnItsWay) {
   std::vector<std::vector<uint16_t>> rounded(W, std::vector<uint16_t>(padded, 0));
   std::vector<std::vector<int64_t>> order(W);
   std::vector<int64_t> peak(W);
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      GlooOptions g;
-      g.rank = r;
-      g.world_size = W;
-      g.prefix = "buckets";
-      absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
-      ASSERT_TRUE(collectives.ok()) << collectives.status();
-      auto model = Gpt2Cpu::Create(c, B, T, CpuKernelSet::kFast);
-      ASSERT_TRUE(model.ok());
-      std::vector<int32_t> tokens(B * T);
-      for (int i = 0; i < B * T; ++i) tokens[i] = (i * 7 + 3 * r + 1) % c.vocab_size;
-      // The reference: this rank's gradients in one flat buffer.
-      ASSERT_TRUE((*model)->Forward(params.data(), tokens.data(), tokens.data(), B, T).ok());
-      ASSERT_TRUE((*model)->Backward(params.data(), 1.0f, flat[r].data(), nullptr).ok());
-      // The same through the buckets: about one block each.
-      GradientReducer reducer(collectives->get(), c, padded, rounded[r].data(), DType::kBf16, block,
-                              nullptr);
-      reducer.Begin(1);
-      ASSERT_TRUE((*model)->Forward(params.data(), tokens.data(), tokens.data(), B, T).ok());
-      FlatGpt2Params source(c, params.data());
-      ASSERT_TRUE((*model)->Backward(source, 1.0f, reducer).ok());
-      ASSERT_TRUE(reducer.Finish().ok());
-      order[r] = reducer.reduced_order();
-      peak[r] = reducer.peak_bytes();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunOnGlooRanks(W, absl::Seconds(60), [&](int r, Collectives& collectives) {
+    auto model = Gpt2Cpu::Create(c, B, T, CpuKernelSet::kFast);
+    ASSERT_TRUE(model.ok());
+    std::vector<int32_t> tokens(B * T);
+    for (int i = 0; i < B * T; ++i) tokens[i] = (i * 7 + 3 * r + 1) % c.vocab_size;
+    // The reference: this rank's gradients in one flat buffer.
+    ASSERT_TRUE((*model)->Forward(params.data(), tokens.data(), tokens.data(), B, T).ok());
+    ASSERT_TRUE((*model)->Backward(params.data(), 1.0f, flat[r].data(), nullptr).ok());
+    // The same through the buckets: about one block each.
+    GradientReducer reducer(&collectives, c, padded, rounded[r].data(), DType::kBf16, block,
+                            nullptr);
+    reducer.Begin(1);
+    ASSERT_TRUE((*model)->Forward(params.data(), tokens.data(), tokens.data(), B, T).ok());
+    FlatGpt2Params source(c, params.data());
+    ASSERT_TRUE((*model)->Backward(source, 1.0f, reducer).ok());
+    ASSERT_TRUE(reducer.Finish().ok());
+    order[r] = reducer.reduced_order();
+    peak[r] = reducer.peak_bytes();
+  });
   for (int r = 0; r < W; ++r) {
     // Backward order: the padding, then from the top of the flat space down to the embeddings.
     ASSERT_GE(order[r].size(), 4u) << r;

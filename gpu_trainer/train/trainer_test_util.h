@@ -4,16 +4,20 @@
 #define OFFLOAD_GPU_TRAINER_TRAIN_TRAINER_TEST_UTIL_H_
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "base/testing/test_util.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
+#include "gpu_trainer/collectives/gloo_test_util.h"
 #include "gpu_trainer/offload/optimizer_backend.h"
+#include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gtest/gtest.h"
 #include "model_spec/param_layout.h"
@@ -127,6 +131,36 @@ class LocalShards {
   std::vector<std::unique_ptr<OptimizerServer>> servers_;
   std::vector<std::string> addresses_;
 };
+
+// Runs `ranks` ranks of one job on `shards`, each on its own thread with its own collectives
+// (over one in-memory store), shard clients and options (`o` with this rank's collectives):
+// body(rank, options, backend).
+inline void RunRanks(
+    const TrainerOptions& o, const LocalShards& shards, int ranks, absl::Duration timeout,
+    const std::function<void(int, const TrainerOptions&, OptimizerBackend*)>& body) {
+  RunOnGlooRanks(ranks, timeout, [&](int r, Collectives& collectives) {
+    auto backend =
+        RemoteOptimizer::Connect(MapFor(o, static_cast<int>(shards.addresses().size()), ranks),
+                                 shards.addresses(), ClientOptions{});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    ASSERT_TRUE((*backend)->SetRank(r).ok());
+    TrainerOptions mine = o;
+    mine.collectives = &collectives;
+    body(r, mine, backend->get());
+  });
+}
+
+// `steps` steps of every rank; returns every rank's result.
+inline std::vector<RunResult> TrainRanks(const TrainerOptions& o, const LocalShards& shards,
+                                         int ranks, uint64_t steps,
+                                         bool checkpoint_at_end = false) {
+  std::vector<RunResult> results(ranks);
+  RunRanks(o, shards, ranks, absl::Seconds(60),
+           [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
+             results[r] = Train(mine, backend, steps, checkpoint_at_end);
+           });
+  return results;
+}
 
 }  // namespace offload
 

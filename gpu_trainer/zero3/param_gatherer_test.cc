@@ -9,9 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
-#include "gpu_trainer/collectives/gloo_collectives.h"
+#include "gpu_trainer/collectives/gloo_test_util.h"
 #include "gpu_trainer/collectives/local_collectives.h"
 #include "gtest/gtest.h"
 
@@ -69,26 +68,6 @@ PassResult FlatPass(const std::vector<uint16_t>& w16, DType dtype) {
   return Pass(flat);
 }
 
-// Runs fn(rank, collectives) on W threads joined through one in-memory store.
-template <typename Fn>
-void OnRanks(int W, Fn fn) {
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      GlooOptions o;
-      o.rank = r;
-      o.world_size = W;
-      o.prefix = "test";
-      o.timeout = absl::Seconds(20);
-      absl::StatusOr<std::unique_ptr<Collectives>> c = ConnectGloo(o, store);
-      ASSERT_TRUE(c.ok()) << c.status();
-      fn(r, **c);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
 ParamGathererOptions Options(DType dtype, int W, int rank, int window) {
   ParamGathererOptions o;
   o.model = kModel;
@@ -107,7 +86,7 @@ TEST_P(GatherTest, SameBitsAsOneFlatBuffer) {
   const std::vector<uint16_t> full = Weights(dtype, Padded(W));
   const PassResult want = FlatPass(full, dtype);
   const int64_t P = Padded(W) / W;
-  OnRanks(W, [&](int rank, Collectives& c) {
+  RunOnGlooRanks(W, absl::Seconds(20), [&](int rank, Collectives& c) {
     std::vector<uint16_t> mine(full.begin() + rank * P, full.begin() + (rank + 1) * P);  // (P,)
     WeightMeter meter;
     auto g = ParamGatherer::Create(Options(dtype, W, rank, window), &c, mine.data(), &meter);
@@ -137,7 +116,7 @@ TEST(ParamGathererTest, EachUnitIsItsOwnersBits) {
   const int W = 3;
   const std::vector<uint16_t> full = Weights(DType::kBf16, Padded(W));
   const int64_t P = Padded(W) / W;
-  OnRanks(W, [&](int rank, Collectives& c) {
+  RunOnGlooRanks(W, absl::Seconds(20), [&](int rank, Collectives& c) {
     std::vector<uint16_t> mine(full.begin() + rank * P, full.begin() + (rank + 1) * P);
     auto g = ParamGatherer::Create(Options(DType::kBf16, W, rank, 1), &c, mine.data(), nullptr);
     ASSERT_TRUE(g.ok()) << g.status();
@@ -232,8 +211,7 @@ TEST(ParamGathererTest, AFailedGatherFailsEveryLaterAcquire) {
   std::vector<float> grads(Gpt2NumParams(kModel));
   // A forward that failed part way leaves nothing to differentiate.
   FlatGpt2Grads sink(kModel, grads.data(), nullptr);
-  EXPECT_EQ((*model)->Backward(**g, 1.0f, sink).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*model)->Backward(**g, 1.0f, sink).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -32,35 +32,6 @@ std::string ReadBytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// Every rank's result of `steps` steps of one job of `ranks` ranks on `shards`.
-std::vector<RunResult> TrainRanks(const TrainerOptions& o, const LocalShards& shards, int ranks,
-                                  uint64_t steps, bool checkpoint_at_end = false) {
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
-  std::vector<RunResult> results(ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      GlooOptions g;
-      g.rank = r;
-      g.world_size = ranks;
-      g.prefix = "test";
-      g.timeout = absl::Seconds(60);
-      absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
-      ASSERT_TRUE(collectives.ok()) << collectives.status();
-      auto backend =
-          RemoteOptimizer::Connect(MapFor(o, static_cast<int>(shards.addresses().size()), ranks),
-                                   shards.addresses(), ClientOptions{});
-      ASSERT_TRUE(backend.ok()) << backend.status();
-      ASSERT_TRUE((*backend)->SetRank(r).ok());
-      TrainerOptions mine = o;
-      mine.collectives = collectives->get();
-      results[r] = Train(mine, backend->get(), steps, checkpoint_at_end);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return results;
-}
-
 // A batch that splits over 1, 2 and 3 ranks with 1 or 2 micro-batches, and a model of 3 blocks so
 // that a window of 2 leaves one block out.
 TrainerOptions Options(int zero_stage) {
@@ -232,31 +203,16 @@ TEST(Stage3, CheckpointsCrossBetweenTheStages) {
 TEST(Stage3, RanksThatDisagreeOnTheStageOrWindowRefuseTogether) {
   for (const bool window_differs : {false, true}) {
     LocalShards shards(1);
-    auto store = std::make_shared<gloo::rendezvous::HashStore>();
     std::vector<absl::Status> started(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        GlooOptions g;
-        g.rank = r;
-        g.world_size = 2;
-        g.prefix = "test";
-        g.timeout = absl::Seconds(20);
-        absl::StatusOr<std::unique_ptr<Collectives>> collectives = ConnectGloo(g, store);
-        ASSERT_TRUE(collectives.ok()) << collectives.status();
-        TrainerOptions o = Options(window_differs || r == 0 ? 3 : 2);
-        if (window_differs && r == 1) o.param_window_layers = 1;
-        auto backend =
-            RemoteOptimizer::Connect(MapFor(o, 1, 2), shards.addresses(), ClientOptions{});
-        ASSERT_TRUE(backend.ok()) << backend.status();
-        ASSERT_TRUE((*backend)->SetRank(r).ok());
-        o.collectives = collectives->get();
-        absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(o, backend->get());
-        ASSERT_TRUE(t.ok()) << t.status();
-        started[r] = (*t)->Start().status();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    RunRanks(Options(3), shards, 2, absl::Seconds(20),
+             [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
+               TrainerOptions o = mine;
+               o.zero_stage = window_differs || r == 0 ? 3 : 2;
+               if (window_differs && r == 1) o.param_window_layers = 1;
+               absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(o, backend);
+               ASSERT_TRUE(t.ok()) << t.status();
+               started[r] = (*t)->Start().status();
+             });
     for (int r = 0; r < 2; ++r) {
       EXPECT_EQ(started[r].code(), absl::StatusCode::kFailedPrecondition) << started[r];
       EXPECT_NE(started[r].message().find("zero_stage="), std::string::npos) << started[r];
