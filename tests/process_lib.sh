@@ -30,6 +30,8 @@ export OFFLOAD_SHARD_TOKEN
 # LOG as $log, so that fail shows it).
 start_server() {
   local log=$2
+  # Made here, not by the background redirection, which may open it after the first sed below.
+  : >"$log"
   OFFLOAD_TOKEN=$OFFLOAD_SHARD_TOKEN "$1" --listen=127.0.0.1:0 "${@:3}" >"$log" 2>&1 &
   server_pid=$!
   pids+=("$server_pid")
