@@ -82,6 +82,8 @@ class StepSession {
   // The checks shared by AddGradients and AddGradientsView; OK means the chunk may be taken.
   absl::Status ValidateChunk(int64_t offset, int64_t n, bool accumulate) const;
   absl::Status StartAccumulating();
+  // Whether any of data (n,) in dtype is inf or NaN.
+  bool AnyNonFinite(const char* data, DType dtype, int64_t n) const;
   // Streams the 16-bit copy of [0, length) in waves; `update` first applies Adam to each wave.
   bool StreamWaves(const AdamStepScalars* update, ParamSink* sink);
 

@@ -157,6 +157,9 @@ class ShmStepStream final : public StepStream {
                              bool accumulate) override;
   absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
                                         void* params_out) override;
+  void* GradientArea() override { return done_ ? nullptr : a_->segment().grad_area(); }
+  absl::StatusOr<v1::StepResult> CommitInPlace(float lr, float grad_multiplier, bool skip,
+                                               const ParamWaveFn& on_wave) override;
   void Abandon() override {
     if (done_) return;
     ShmCommand cmd{};
@@ -181,6 +184,9 @@ class ShmStepStream final : public StepStream {
     Finish();
     return s;
   }
+  // Pushes the COMMIT and hands each wave of parameters to on_wave as it is published.
+  absl::StatusOr<v1::StepResult> CommitWaves(float lr, float grad_multiplier, bool skip,
+                                             const ParamWaveFn& on_wave);
   absl::StatusOr<uint32_t> PushGrad(int64_t offset, DType dtype, int64_t n, bool accumulate,
                                     uint32_t slot) {
     ShmCommand cmd{};
@@ -212,7 +218,9 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
     // outside the range is not copied; the shard refuses it with the gRPC service's error.
     const int64_t at = offset - h->range_offset;
     if (at >= 0 && at < h->range_length && n <= h->range_length - at) {
-      std::memcpy(a_->segment().grad_area() + at * 2, bytes, n * 2);
+      char* place = a_->segment().grad_area() + at * 2;
+      // Written there by the caller already (GradientArea): nothing to copy.
+      if (bytes != place) std::memcpy(place, bytes, n * 2);
     }
     OFFLOAD_RETURN_IF_ERROR(PushGrad(offset, dtype, n, false, kShmInPlace).status());
     return PendingError();
@@ -239,6 +247,20 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
 
 absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multiplier, bool skip,
                                                      void* params_out) {
+  char* out = static_cast<char*>(params_out);
+  return CommitWaves(lr, grad_multiplier, skip,
+                     [out](int64_t begin, int64_t n, const void* params) {
+                       std::memcpy(out + begin * 2, params, n * 2);
+                     });
+}
+
+absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(float lr, float grad_multiplier,
+                                                            bool skip, const ParamWaveFn& on_wave) {
+  return CommitWaves(lr, grad_multiplier, skip, on_wave);
+}
+
+absl::StatusOr<v1::StepResult> ShmStepStream::CommitWaves(float lr, float grad_multiplier,
+                                                          bool skip, const ParamWaveFn& on_wave) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   OFFLOAD_RETURN_IF_ERROR(PendingError());
   ShmHeader* h = a_->header();
@@ -256,9 +278,8 @@ absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multip
     done_ = true;
     return seq.status();
   }
-  // Copy each wave out as it is published, while the shard computes the next one.
+  // Hand each wave over as it is published, while the shard computes the next one.
   const char* area = a_->segment().param_area();
-  char* out = static_cast<char*>(params_out);
   int64_t copied = 0;
   bool bad_progress = false;
   auto copy_published = [&] {
@@ -267,7 +288,7 @@ absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multip
       bad_progress = true;
       return;
     }
-    std::memcpy(out + copied * 2, area + copied * 2, (published - copied) * 2);
+    if (published > copied) on_wave(copied, published - copied, area + copied * 2);
     copied = published;
   };
   absl::Status waited = a_->WaitUntil(

@@ -13,11 +13,12 @@
 //     (futex-backed 32-bit sequence counters) of a command ring written by the trainer and read by
 //     the shard, the reply of the last command, and the count of parameters published;
 //   gradients: (range length,) in the job's 16-bit dtype, at their range-relative position: the
-//     trainer writes a step's gradients straight there and the shard's Adam pass reads them in
-//     place (StepSession::AddGradientsView), no copy on the shard;
+//     trainer copies a step's gradients there, or writes them there in the first place
+//     (StepStream::GradientArea: zero-copy), and the shard's Adam pass reads them in place
+//     (StepSession::AddGradientsView), no copy on the shard;
 //   parameters: (range length,) 16-bit: the shard's Adam pass writes each wave there (its
-//     ParamSink buffer is the segment) and publishes how far it got; the trainer copies out as
-//     waves land;
+//     ParamSink buffer is the segment) and publishes how far it got; the trainer copies each
+//     wave out as it lands (Commit), or reads it where it is (CommitInPlace: zero-copy);
 //   chunk slots: a few fixed-size slots for what cannot be zero-copy (fp32 gradients, and
 //     accumulate chunks, which must not overwrite the first micro-batch's gradients in place).
 //

@@ -18,9 +18,18 @@
 // connection, one direction then the other, in 4 MiB send/recv calls.
 // For information the table also shows a full step (gradients in, Adam, parameters out).
 //
-// Planes: grpc (bound tcp), shm (bound memcpy), and where the build has UCX: ucx (UCX chooses its
-// transports; on one host that is shared memory, so the bound is memcpy) and ucx-tcp (UCX_TLS=tcp
-// for the server and the trainer, bound tcp). After the table, one line per plane:
+// Shared memory runs two ways. shm is zero-copy (StepStream::GradientArea and CommitInPlace): the
+// gradients are written into the segment where the shard reads them, and the parameters are
+// handed over where the shard's Adam pass wrote them. The write stands for the trainer's own
+// rounding of its gradients, which on every plane writes them once (elsewhere into its own
+// buffer): it is timed apart (produce_ms) and not counted in `in`, as no plane counts it; the
+// parameters' consumer (a host-to-device copy, a conversion) is likewise the trainer's own work.
+// shm-copy goes through SendGradients and Commit from and into the trainer's buffers, a copy each
+// way, as the gRPC and UCX planes do.
+//
+// Planes: grpc (bound tcp), shm and shm-copy (bound memcpy), and where the build has UCX: ucx (UCX
+// chooses its transports; on one host that is shared memory, so the bound is memcpy) and ucx-tcp
+// (UCX_TLS=tcp for the server and the trainer, bound tcp). After the table, one line per plane:
 //
 //   transport name=shm bytes=134217728 gbytes_per_s=... bound_gbytes_per_s=... ratio=...
 #include <arpa/inet.h>
@@ -45,6 +54,7 @@
 #include "absl/strings/str_split.h"
 #include "base/host_buffer.h"
 #include "base/status_macros.h"
+#include "cpu_optimizer_server/adam/adam_kernel_internal.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
@@ -61,7 +71,7 @@ ABSL_FLAG(int, repeats, 5, "timed exchanges per plane (after one warm-up); the b
 ABSL_FLAG(int, threads, 0, "the shard's worker threads (0: all cores)");
 ABSL_FLAG(int64_t, chunk_kib, 4096, "gRPC chunk payload and UCX chunk");
 ABSL_FLAG(std::string, dtype, "fp16", "fp16 or bf16 gradients and parameters");
-ABSL_FLAG(std::string, transports, "grpc,shm,ucx,ucx-tcp",
+ABSL_FLAG(std::string, transports, "grpc,shm,shm-copy,ucx,ucx-tcp",
           "planes to measure (ucx and ucx-tcp only where the build has UCX)");
 
 namespace offload {
@@ -83,14 +93,16 @@ double MemcpyBothWaysSeconds(std::vector<char>* in_src, std::vector<char>* in_ds
 }
 
 struct Plane {
-  std::string name;     // as printed: grpc, shm, ucx, ucx-tcp
+  std::string name;     // as printed: grpc, shm, shm-copy, ucx, ucx-tcp
   std::string kind;     // grpc, shm or ucx
   std::string ucx_tls;  // set for the server and the trainer; "" leaves UCX_TLS alone
   bool memcpy_bound;    // else the TCP bound
+  bool zero_copy = false;
 };
 
 struct Result {
   double in_s = 1e30, out_s = 1e30, exchange_s = 1e30, step_s = 1e30;
+  double produce_s = 0;  // zero-copy: writing the gradients into the segment (not in in_s)
 };
 
 class Bench {
@@ -176,25 +188,31 @@ class Bench {
     for (int round = 0; round <= repeats; ++round) {
       // in: the gradients, then a skipping commit (no Adam, no parameters).
       ++step;
+      double produce_s = 0;
       auto t0 = Clock::now();
-      absl::StatusOr<v1::StepResult> r = Exchange(transport, step, /*send=*/true, /*skip=*/true);
-      const double in_s = Seconds(t0, Clock::now());
+      absl::StatusOr<v1::StepResult> r =
+          Exchange(transport, plane.zero_copy, step, /*send=*/true, /*skip=*/true, &produce_s);
+      const double in_s = Seconds(t0, Clock::now()) - produce_s;
       if (!r.ok()) return r.status();
       if (!r->skipped()) return absl::InternalError("the skipping commit was not skipped");
       // out: a replay of that step, which only sends the parameters back.
+      double unused = 0;
       t0 = Clock::now();
-      r = Exchange(transport, step, /*send=*/false, /*skip=*/false);
+      r = Exchange(transport, plane.zero_copy, step, /*send=*/false, /*skip=*/false, &unused);
       const double out_s = Seconds(t0, Clock::now());
       if (!r.ok()) return r.status();
       if (!r->replayed()) return absl::InternalError("the replay was not a replay");
       // For information: a full step, Adam included.
       ++step;
+      double step_produce_s = 0;
       t0 = Clock::now();
-      r = Exchange(transport, step, /*send=*/true, /*skip=*/false);
-      const double step_s = Seconds(t0, Clock::now());
+      r = Exchange(transport, plane.zero_copy, step, /*send=*/true, /*skip=*/false,
+                   &step_produce_s);
+      const double step_s = Seconds(t0, Clock::now()) - step_produce_s;
       if (!r.ok()) return r.status();
       if (!r->applied()) return absl::InternalError("the step was not applied");
       if (round == 0) continue;
+      if (best.in_s > in_s) best.produce_s = produce_s;
       best.in_s = std::min(best.in_s, in_s);
       best.out_s = std::min(best.out_s, out_s);
       best.exchange_s = std::min(best.exchange_s, in_s + out_s);
@@ -204,14 +222,31 @@ class Bench {
     return best;
   }
 
-  absl::StatusOr<v1::StepResult> Exchange(StepTransport* transport, uint64_t step, bool send,
-                                          bool skip) {
+  // One step stream. zero_copy: the gradients are written into the plane's gradient area (the
+  // seconds that takes go to *produce_s) and the parameters are taken where they land.
+  absl::StatusOr<v1::StepResult> Exchange(StepTransport* transport, bool zero_copy, uint64_t step,
+                                          bool send, bool skip, double* produce_s) {
     auto stream = transport->OpenStep("bench", 0, 0, n_, step);
     if (!stream.ok()) return stream.status();
-    if (send) {
-      OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, grads_.data(), dtype_, n_));
+    if (!zero_copy) {
+      if (send) OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, grads_.data(), dtype_, n_));
+      return (*stream)->Commit(1e-4f, 1.0f, skip, params_.data());
     }
-    return (*stream)->Commit(1e-4f, 1.0f, skip, params_.data());
+    if (send) {
+      void* area = (*stream)->GradientArea();  // (n,)
+      if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");
+      const auto t0 = Clock::now();
+      std::memcpy(area, grads_.data(), n_ * 2);
+      *produce_s = Seconds(t0, Clock::now());
+      OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, area, dtype_, n_));
+    }
+    int64_t handed_over = 0;
+    absl::StatusOr<v1::StepResult> r = (*stream)->CommitInPlace(
+        1e-4f, 1.0f, skip, [&](int64_t, int64_t n, const void*) { handed_over += n; });
+    if (r.ok() && !r->skipped() && handed_over != n_) {
+      return absl::InternalError("the zero-copy commit did not hand over the whole range");
+    }
+    return r;
   }
 
   const int64_t n_;
@@ -234,7 +269,9 @@ int Run() {
     if (name == "grpc") {
       planes.push_back({"grpc", "grpc", "", false});
     } else if (name == "shm") {
-      planes.push_back({"shm", "shm", "", true});
+      planes.push_back({"shm", "shm", "", true, /*zero_copy=*/true});
+    } else if (name == "shm-copy") {
+      planes.push_back({"shm-copy", "shm", "", true});
     } else if (name == "ucx" || name == "ucx-tcp") {
 #ifdef OFFLOAD_HAVE_UCX
       if (name == "ucx") {
@@ -278,10 +315,16 @@ int Run() {
     ShardStore store(ShardOptions{}, &pool, BestSimdPath());
     std::vector<float> master(n, 0.25f);
     std::vector<uint16_t> out(n);
+    // The conversion a replay runs (step_session.cc): the SIMD one of the store's path.
+    const internal::FloatToHalfFn to_half = internal::GetFloatToHalf(store.simd_path());
     for (int it = 0; it <= repeats; ++it) {
       const auto t0 = Clock::now();
       store.ParallelTiles(0, n, [&](int64_t lo, int64_t hi) {
-        ConvertFromFloat(master.data() + lo, hi - lo, dtype, out.data() + lo);
+        if (to_half != nullptr) {
+          to_half(master.data() + lo, dtype, out.data() + lo, hi - lo);
+        } else {
+          ConvertFromFloat(master.data() + lo, hi - lo, dtype, out.data() + lo);
+        }
       });
       if (it > 0) convert_s = std::min(convert_s, Seconds(t0, Clock::now()));
     }
@@ -314,15 +357,17 @@ int Run() {
               std::string(DTypeName(dtype)).c_str(), convert_s * 1e3);
   std::printf("bounds: memcpy %.2f GB/s, tcp loopback %.2f GB/s (both directions, same bytes)\n",
               moved / memcpy_s / 1e9, moved / tcp_s / 1e9);
-  std::printf("%-8s %-6s %8s %8s %8s %8s %8s %8s %6s %8s\n", "plane", "bound", "in_ms", "out_ms",
-              "xchg_ms", "in_GB/s", "out_GB/s", "GB/s", "ratio", "step_ms");
+  std::printf("%-8s %-6s %8s %8s %8s %8s %8s %8s %6s %8s %10s\n", "plane", "bound", "in_ms",
+              "out_ms", "xchg_ms", "in_GB/s", "out_GB/s", "GB/s", "ratio", "step_ms", "produce_ms");
   for (const Row& row : rows) {
     const double bound_s = row.plane.memcpy_bound ? memcpy_s : tcp_s;
     const Result& r = row.result;
-    std::printf("%-8s %-6s %8.1f %8.1f %8.1f %8.2f %8.2f %8.2f %6.2f %8.1f\n",
+    char produce[16] = "-";
+    if (row.plane.zero_copy) std::snprintf(produce, sizeof(produce), "%.1f", r.produce_s * 1e3);
+    std::printf("%-8s %-6s %8.1f %8.1f %8.1f %8.2f %8.2f %8.2f %6.2f %8.1f %10s\n",
                 row.plane.name.c_str(), row.plane.memcpy_bound ? "memcpy" : "tcp", r.in_s * 1e3,
                 r.out_s * 1e3, r.exchange_s * 1e3, bytes / r.in_s / 1e9, bytes / r.out_s / 1e9,
-                moved / r.exchange_s / 1e9, bound_s / r.exchange_s, r.step_s * 1e3);
+                moved / r.exchange_s / 1e9, bound_s / r.exchange_s, r.step_s * 1e3, produce);
   }
   for (const Row& row : rows) {
     const double bound_s = row.plane.memcpy_bound ? memcpy_s : tcp_s;

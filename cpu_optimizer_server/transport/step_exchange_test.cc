@@ -489,6 +489,85 @@ TEST_P(StepExchangeTest, BadChunkIsRefusedAndTheStepAppliesNothing) {
   EXPECT_TRUE(p == e) << FirstDifference(p, e) << " seed " << seed_;
 }
 
+TEST_P(StepExchangeTest, NonFiniteGradientIsRefusedAndChangesNothing) {
+  // The shard scans a chunk in tiles across its pool: the NaN sits in the last tile.
+  std::vector<uint16_t> g = Bf16Grads(kLen0), p;
+  g[kLen0 - 1] = 0x7fc0;  // bf16 NaN
+  const std::string state = StateFingerprint();
+  auto r = Exchange(0, 1, Whole(0, g.data()), &p);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "inf or NaN")) << r.status();
+  EXPECT_EQ(StateFingerprint(), state);
+  if (GetParam().kind != "shm") return;
+  // Written in place, the same gradients are refused the same way.
+  auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  char* area = static_cast<char*>((*stream)->GradientArea());  // (kLen0,) bf16
+  ASSERT_NE(area, nullptr);
+  std::memcpy(area, g.data(), kLen0 * 2);
+  absl::Status sent = (*stream)->SendGradients(0, area, DType::kBf16, kLen0);
+  absl::StatusOr<v1::StepResult> committed =
+      sent.ok() ? (*stream)->CommitInPlace(kLr, 1.0f, false,
+                                           [](int64_t, int64_t, const void*) {
+                                             ADD_FAILURE() << "parameters of a refused step";
+                                           })
+                : sent;
+  EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+  EXPECT_EQ(StateFingerprint(), state);
+}
+
+// Zero-copy (step_transport.h): on shared memory the trainer writes its gradients into the
+// segment and reads the parameters where the shard wrote them; every other plane says it has no
+// such place.
+TEST_P(StepExchangeTest, ZeroCopyStepsMatchTheKernel) {
+  if (GetParam().kind != "shm") {
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    EXPECT_EQ((*stream)->GradientArea(), nullptr);
+    auto r = (*stream)->CommitInPlace(kLr, 1.0f, false, [](int64_t, int64_t, const void*) {});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
+    return;
+  }
+  for (uint64_t step = 1; step <= 3; ++step) {
+    const std::vector<uint16_t> g = Bf16Grads(kLen0);
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, step);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    uint16_t* area = static_cast<uint16_t*>((*stream)->GradientArea());  // (kLen0,)
+    ASSERT_NE(area, nullptr);
+    // Three pieces, the last first, as backward finishes buckets; the middle one is sent from
+    // the trainer's own buffer (a copy into the same area) to mix both ways in one step.
+    const int64_t cut[4] = {0, 20000, 50000, kLen0};
+    for (int k = 2; k >= 0; --k) {
+      const int64_t n = cut[k + 1] - cut[k];
+      absl::Status s;
+      if (k == 1) {
+        s = (*stream)->SendGradients(cut[k], g.data() + cut[k], DType::kBf16, n);
+      } else {
+        std::memcpy(area + cut[k], g.data() + cut[k], n * 2);
+        s = (*stream)->SendGradients(cut[k], area + cut[k], DType::kBf16, n);
+      }
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    std::vector<uint16_t> p(kLen0, kSentinel);
+    int64_t next = 0;
+    auto r = (*stream)->CommitInPlace(kLr, 1.0f, false,
+                                      [&](int64_t begin, int64_t n, const void* params) {
+                                        EXPECT_EQ(begin, next) << "waves out of order";
+                                        ASSERT_LE(begin + n, kLen0);
+                                        std::memcpy(p.data() + begin, params, n * 2);
+                                        next = begin + n;
+                                      });
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->applied());
+    EXPECT_EQ(r->adam_step(), step);
+    EXPECT_EQ(next, kLen0);
+    EXPECT_EQ((*stream)->GradientArea(), nullptr) << "the area outlived the step";
+    const std::vector<uint16_t> e = Reference(0, g.data(), DType::kBf16);
+    EXPECT_TRUE(p == e) << FirstDifference(p, e) << " step " << step << " seed " << seed_;
+  }
+  EXPECT_TRUE(MasterWeights() == ref_p_) << "seed " << seed_;
+}
+
 TEST_P(StepExchangeTest, SkippedStepSendsNoParametersAndCounts) {
   const std::vector<float> before = MasterWeights();
   std::vector<uint16_t> g = Bf16Grads(kLen0), p;

@@ -7,6 +7,7 @@
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TRANSPORT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,6 +34,29 @@ class StepStream {
                                                 void* params_out) = 0;
   // Ends the step without committing (the shard drops the gradients).
   virtual void Abandon() = 0;
+
+  // Zero-copy, where the plane has it (shared memory; null elsewhere): the range's gradient
+  // area, (range length,) 16-bit values in the job's dtype, in memory the shard reads in place.
+  // A caller that writes a chunk's gradients at their range-relative position there sends them
+  // with SendGradients(offset, that position, ...) and no byte is copied. What is there when
+  // SendGradients is called is what the shard takes, and it must not change until the commit
+  // returns or the step ends. Valid until then; accumulate chunks still travel by copy.
+  virtual void* GradientArea() { return nullptr; }
+
+  // Receives wave k of a zero-copy commit: n 16-bit parameters of range-relative elements
+  // [begin, begin + n), at `params` in the plane's memory, valid until the next OpenStep of the
+  // range. Waves arrive in order, each begins where the last ended, and together they cover the
+  // range unless the step was skipped.
+  using ParamWaveFn = std::function<void(int64_t begin, int64_t n, const void* params)>;
+  // As Commit, but the updated parameters are handed over where they land instead of copied
+  // (shared memory), so the caller reads them straight into their use (a host-to-device copy,
+  // a conversion) while the shard computes the next wave. Only where GradientArea() is not null;
+  // UNIMPLEMENTED elsewhere.
+  virtual absl::StatusOr<v1::StepResult> CommitInPlace(float /*lr*/, float /*grad_multiplier*/,
+                                                       bool /*skip*/,
+                                                       const ParamWaveFn& /*on_wave*/) {
+    return absl::UnimplementedError("this data plane has no zero-copy commit");
+  }
 };
 
 // The data plane to one shard.
