@@ -1,5 +1,8 @@
 #include "base/thread_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -31,6 +34,32 @@ TEST(ThreadPoolTest, RunCallsFnOncePerWorker) {
       ++calls[i];
     });
     for (int i = 0; i < n; ++i) EXPECT_EQ(calls[i].load(), 1) << "worker " << i << " of " << n;
+  }
+}
+
+// The default takes every core of the process's affinity mask, and pin puts worker i on the
+// i-th of them: a trainer or server limited by its cgroup's cpuset uses exactly what it may.
+TEST(ThreadPoolTest, PinnedWorkersEachRunOnTheirOwnAllowedCore) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  ThreadPool pool(ThreadPool::Options{0, /*pin=*/true});
+  ASSERT_EQ(pool.num_threads(), static_cast<int>(cpus.size()));
+  std::vector<std::vector<int>> seen(pool.num_threads());
+  pool.Run([&](int i) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (pthread_getaffinity_np(pthread_self(), sizeof(set), &set) != 0) return;
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) seen[i].push_back(c);
+    }
+  });
+  for (int i = 0; i < pool.num_threads(); ++i) {
+    EXPECT_EQ(seen[i], std::vector<int>{cpus[i]}) << "worker " << i;
   }
 }
 

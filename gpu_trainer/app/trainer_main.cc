@@ -51,7 +51,11 @@ ABSL_FLAG(std::string, transport, "auto",
           "data plane to the shards: auto (shared memory on this host, else UCX, else gRPC), grpc, "
           "shm or ucx");
 ABSL_FLAG(int, num_shards, 1, "shards of the in-process optimizer (when --shards is empty)");
-ABSL_FLAG(int, optimizer_threads, 0, "Adam threads of the in-process optimizer; 0: all cores");
+ABSL_FLAG(int, optimizer_threads, 0,
+          "Adam threads of the in-process optimizer; 0: one per core this process may use");
+ABSL_FLAG(bool, optimizer_pin_threads, false,
+          "pin each Adam thread of the in-process optimizer to one core (as the server's "
+          "--pin_threads)");
 ABSL_FLAG(std::string, progress, "auto", "auto (a bar on a terminal), bar, or log");
 ABSL_FLAG(int, log_every, 10, "steps between log lines when not drawing a bar");
 ABSL_FLAG(int, eval_every, 100, "steps between validation evaluations; 0: only at the end");
@@ -271,7 +275,8 @@ int main(int argc, char** argv) {
   if (addresses.empty()) {
     absl::StatusOr<offload::SimdPath> path = offload::ParseSimdPath("auto");
     backend = std::make_unique<offload::InProcessOptimizer>(
-        *map, absl::GetFlag(FLAGS_optimizer_threads), *path);
+        *map, absl::GetFlag(FLAGS_optimizer_threads), *path,
+        absl::GetFlag(FLAGS_optimizer_pin_threads));
   } else {
     offload::ClientOptions client_options;
     client_options.call_timeout = absl::GetFlag(FLAGS_shard_timeout);

@@ -28,8 +28,9 @@ class DirectParamSink final : public ParamSink {
 
 }  // namespace
 
-InProcessOptimizer::InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path)
-    : OptimizerBackend(std::move(map)), pool_(ThreadPool::Options{threads, false}) {
+InProcessOptimizer::InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path,
+                                       bool pin_threads)
+    : OptimizerBackend(std::move(map)), pool_(ThreadPool::Options{threads, pin_threads}) {
   // In process the trainer's own memory is the limit; a budget would only refuse big models.
   ShardOptions options;
   options.memory_limit_bytes = std::numeric_limits<int64_t>::max() / 2;

@@ -16,8 +16,9 @@ namespace offload {
 
 class InProcessOptimizer final : public OptimizerBackend {
  public:
-  // `threads` workers for the Adam pass (0: one per core).
-  InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path);
+  // `threads` workers for the Adam pass (0: one per core this process may use), each pinned to
+  // one of those cores if pin_threads (its first touch keeps the state on that core's node).
+  InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path, bool pin_threads = false);
   ~InProcessOptimizer() override;
 
   absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
