@@ -78,5 +78,28 @@ wait "${rank_pid[0]}" || status=$?
 seconds=$(printf "%.2f" "$(echo "$(date +%s.%N) - $killed_at" | bc)")
 [ "$status" -ne 0 ] || fail "rank 0 exited 0 after rank 1 died"
 grep -q "gpu_trainer rank 0: .*gloo" "$work/rank0.log" || fail "rank 0's error does not say why"
+# 5. CUDA ranks over NCCL are refused, each rank alone and at once (no GPU needed: the refusal
+# comes before the ranks meet or touch a device); through the controller, a host with fewer GPUs
+# than NCCL ranks fails the attempt saying so.
+for r in 0 1; do
+  rc=0
+  "$trainer" "${common[@]}" --device=cuda --collectives=nccl --shards=127.0.0.1:1 --rank=$r \
+    --world_size=2 --rendezvous="$work/never" >"$work/nccl$r.log" 2>&1 || rc=$?
+  [ "$rc" -ne 0 ] || fail "rank $r of 2 NCCL ranks started"
+  grep -q "2 CUDA ranks cannot meet over NCCL yet.*--collectives=gloo" "$work/nccl$r.log" ||
+    fail "rank $r: $(tail -2 "$work/nccl$r.log")"
+done
+rc=0
+"$trainer" "${common[@]}" --collectives=nccl >"$work/nccl-cpu.log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "nccl on the CPU backend started"
+grep -q -- "--collectives: nccl needs" "$work/nccl-cpu.log" || fail "$(tail -2 "$work/nccl-cpu.log")"
+rc=0
+CUDA_VISIBLE_DEVICES=0 timeout 60 "$launcher" --shards=1 --ranks=2 --server_binary="$server" \
+  --trainer_binary="$trainer" -- "${common[@]}" --device=cuda --collectives=nccl \
+  >"$work/nccl-pool.log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "the controller ran 2 NCCL ranks on one GPU"
+grep -q "2 CUDA ranks on this host need one GPU per rank with --collectives=nccl" "$work/nccl-pool.log" ||
+  fail "the pool's refusal: $(tail -3 "$work/nccl-pool.log")"
+
 echo "data_parallel_process_test: all cases passed (Ctrl-C at step $stopped0; rank 0 failed" \
   "${seconds}s after rank 1 died: $(grep 'gpu_trainer rank 0:' "$work/rank0.log" | head -c 160))"

@@ -134,12 +134,22 @@ step "pool: a server and a trainer join; the Python job runs to succeeded"
 "$server_bin" --listen=127.0.0.1:0 --controller="$grpc" --token_file="$work/token" \
   >"$work/server.log" 2>&1 &
 pids+=($!)
-"$trainer_bin" --controller="$grpc" --token_file="$work/token" -- --progress=log \
-  >"$work/trainer.log" 2>&1 &
+# It sees no GPU, whatever the machine has (CUDA_VISIBLE_DEVICES empty): see the NCCL case below.
+CUDA_VISIBLE_DEVICES= "$trainer_bin" --controller="$grpc" --token_file="$work/token" -- \
+  --progress=log >"$work/trainer.log" 2>&1 &
 trainer_pid=$!
 pids+=("$trainer_pid")
 wait_state "$py_job" JOB_STATE_SUCCEEDED 120
 [ "$(get "/v1/jobs/$py_job" | json "['progress']['step']")" = 40 ] || fail "python job's step"
+
+step "pool: a CUDA rank over NCCL on a worker that sees no GPU fails its attempt saying so"
+nccl_job=$(post /v1/jobs "{\"name\": \"nccl\", \"data\": {\"path\": \"$data\"},
+  \"training\": {\"steps\": 5, \"batch\": 8, \"seq_len\": 64, \"device\": \"cuda\"},
+  \"parallel\": {\"collectives\": \"nccl\"}}" | json "['id']")
+wait_state "$nccl_job" JOB_STATE_FAILED 60
+get "/v1/jobs/$nccl_job/events" >"$work/nccl-events.json"
+grep -q "1 CUDA rank on this host needs one GPU per rank with --collectives=nccl, but none are" \
+  "$work/nccl-events.json" || fail "the NCCL refusal: $(cat "$work/nccl-events.json")"
 
 step "REST: submit, progress while running, kill -9 of the controller, restart, succeeded"
 spec=$(cat <<JSON

@@ -303,4 +303,45 @@ rc=0
 expect_log "offload_local: --ranks must be at least 1 (got 0)"
 grep -q "listening" "$log" && fail "a server was started for --ranks=0"
 
+echo "--- 12. CUDA ranks: each takes its own GPU over nccl; over gloo they may share one"
+# No GPU is needed: CUDA_VISIBLE_DEVICES says how many the host has, and the fake trainer only
+# records the --cuda_device it was given.
+CUDA_VISIBLE_DEVICES=0,1 start_job gpus_nccl exit0 1 --ranks=2 -- --device=cuda --collectives=nccl
+wait_job
+[ "$rc" -eq 0 ] || fail "exit $rc, want 0"
+for r in 0 1; do
+  [ "$(grep -c '^--cuda_device=' "$dir/rank$r.args")" = 1 ] &&
+    grep -qx -- "--cuda_device=$r" "$dir/rank$r.args" || fail "rank $r: $(cat "$dir/rank$r.args")"
+done
+expect_all_gone
+CUDA_VISIBLE_DEVICES=0 start_job gpus_gloo exit0 1 --ranks=2 -- --device=cuda --collectives=gloo
+wait_job
+[ "$rc" -eq 0 ] || fail "exit $rc, want 0"
+for r in 0 1; do
+  grep -qx -- "--cuda_device=0" "$dir/rank$r.args" || fail "rank $r: $(cat "$dir/rank$r.args")"
+done
+expect_all_gone
+# A device the user chose is every rank's; the CPU backend gets none.
+CUDA_VISIBLE_DEVICES=0,1 start_job gpus_given exit0 1 --ranks=2 -- --device=cuda --cuda_device=1
+wait_job
+[ "$rc" -eq 0 ] || fail "exit $rc, want 0"
+for r in 0 1; do
+  [ "$(grep -c '^--cuda_device=' "$dir/rank$r.args")" = 1 ] || fail "rank $r: $(cat "$dir/rank$r.args")"
+done
+start_job gpus_cpu exit0 1 --ranks=2 -- --steps=1
+wait_job
+grep -q -- "--cuda_device" "$dir/rank0.args" && fail "a CPU rank was given a GPU"
+expect_all_gone
+
+echo "--- 13. more NCCL ranks than GPUs: refused before anything starts"
+dir=$work/too_few_gpus && mkdir -p "$dir" && log=$dir/launcher.log
+rc=0
+CUDA_VISIBLE_DEVICES=0 FAKE_DIR=$dir FAKE_MODE=exit0 "${launch[@]}" --ranks=2 \
+  --server_binary="$server" --trainer_binary="$work/fake_trainer" -- --device=cuda \
+  --collectives=nccl >"$log" 2>&1 || rc=$?
+[ "$rc" -eq 1 ] || fail "exit $rc, want 1"
+expect_log "2 CUDA ranks on this host need one GPU per rank with --collectives=nccl, but 1 is visible"
+grep -q "listening" "$log" && fail "a server was started"
+[ ! -e "$dir/rank0.pid" ] || fail "a rank was started"
+
 echo "PASS"

@@ -20,6 +20,10 @@ ABSL_FLAG(std::string, kernels, "fast", "CPU kernels: fast (BLAS) or naive (the 
 ABSL_FLAG(std::string, device, "cpu",
           "cpu: the CPU backend; cuda: the CUDA backend (16-bit compute on the GPU)");
 ABSL_FLAG(int, cuda_device, 0, "which GPU, with --device=cuda");
+ABSL_FLAG(std::string, collectives, "gloo",
+          "with world_size > 1: gloo (TCP from host memory; CUDA ranks stage their 16-bit "
+          "gradients on the host and may share a GPU) or nccl (GPU buffers, a GPU per rank; "
+          "--device=cuda)");
 ABSL_FLAG(int64_t, pinned_staging_mb, 64,
           "--device=cuda: pinned host memory per transfer direction (a bounded ring, whatever the "
           "model size)");
@@ -92,6 +96,8 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags() {
   o.kernels = absl::GetFlag(FLAGS_kernels) == "fast" ? CpuKernelSet::kFast : CpuKernelSet::kNaive;
   o.device = absl::GetFlag(FLAGS_device) == "cuda" ? ComputeDevice::kCuda : ComputeDevice::kCpu;
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  OFFLOAD_ASSIGN_OR_RETURN(o.collective_library,
+                           ParseCollectiveLibrary(absl::GetFlag(FLAGS_collectives)));
   o.pinned_staging_bytes = absl::GetFlag(FLAGS_pinned_staging_mb) << 20;
   o.val_fraction = absl::GetFlag(FLAGS_val_fraction);
   o.batch = absl::GetFlag(FLAGS_batch);

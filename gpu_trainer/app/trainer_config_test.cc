@@ -24,6 +24,8 @@ ABSL_DECLARE_FLAG(float, min_lr);
 ABSL_DECLARE_FLAG(bool, resume);
 ABSL_DECLARE_FLAG(std::string, checkpoint_dir);
 ABSL_DECLARE_FLAG(std::string, data);
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, collectives);
 
 namespace offload {
 namespace {
@@ -97,6 +99,32 @@ TEST(TrainerConfig, BadValuesAreRefusedNamingTheFlag) {
   absl::StatusOr<TrainerOptions> o = TrainerOptionsFromFlags();
   ASSERT_FALSE(o.ok());
   EXPECT_THAT(std::string(o.status().message()), HasSubstr("divisible"));
+}
+
+// --collectives picks how ranks meet; nccl is refused where it cannot serve, each time saying
+// what works instead.
+TEST(TrainerConfig, CollectivesAreGlooOrNcclAndNcclNeedsCuda) {
+  absl::FlagSaver saver;
+  absl::StatusOr<TrainerOptions> o = TrainerOptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->collective_library, CollectiveLibrary::kGloo);
+  absl::SetFlag(&FLAGS_collectives, "mpi");
+  EXPECT_THAT(TrainerOptionsFromFlags().status().message(),
+              HasSubstr("--collectives: must be one of gloo, nccl"));
+  absl::SetFlag(&FLAGS_collectives, "nccl");
+  EXPECT_THAT(TrainerOptionsFromFlags().status().message(), HasSubstr("--collectives: nccl needs"));
+  absl::SetFlag(&FLAGS_device, "cuda");
+  o = TrainerOptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->collective_library, CollectiveLibrary::kNccl);
+  // One CUDA rank needs no collectives; more are refused until NCCL is in the gradient path.
+  EXPECT_TRUE(CheckCollectiveLibrary(ComputeDevice::kCuda, CollectiveLibrary::kNccl, 1).ok());
+  absl::Status two = CheckCollectiveLibrary(ComputeDevice::kCuda, CollectiveLibrary::kNccl, 2);
+  EXPECT_EQ(two.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(two.message(), HasSubstr("--collectives=gloo"));
+  EXPECT_EQ(CheckCollectiveLibrary(ComputeDevice::kCpu, CollectiveLibrary::kNccl, 1).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckCollectiveLibrary(ComputeDevice::kCuda, CollectiveLibrary::kGloo, 2).ok());
 }
 
 }  // namespace

@@ -235,6 +235,12 @@ int main(int argc, char** argv) {
         "more than one rank needs optimizer servers (--shards): an in-process optimizer would "
         "give each rank its own copy of the state"));
   }
+  // Before the ranks meet: each refuses alone, at once, rather than after the rendezvous.
+  if (absl::Status s =
+          offload::CheckCollectiveLibrary(options->device, options->collective_library, world_size);
+      !s.ok()) {
+    return Fail(s);
+  }
   std::unique_ptr<offload::Collectives> collectives;
   if (world_size > 1) {
     g_who = absl::StrCat("gpu_trainer rank ", rank);

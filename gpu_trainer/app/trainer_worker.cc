@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <deque>
@@ -18,6 +19,7 @@
 #include "base/security/security.h"
 #include "services/common/job_spec.h"
 #include "services/launcher/child_process.h"
+#include "services/launcher/rank_devices.h"
 #include "services/worker/worker_agent.h"
 
 namespace offload {
@@ -150,6 +152,18 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
     unlink(error_file.c_str());
     SpawnOptions spawn;
     spawn.argv = RankCommandLine(self, controller, rank_address, error_file, rank_args, a);
+    // The rank's GPU among this host's (the job's flags and this worker's rank flags say CUDA).
+    absl::StatusOr<std::string> device_flag = CudaDeviceFlag(
+        ReadRankDeviceSettings(spawn.argv), static_cast<int>(a.local_rank()),
+        static_cast<int>(std::max(a.local_ranks(), a.local_rank() + 1)), VisibleGpuCount());
+    if (!device_flag.ok()) {
+      LOG(ERROR) << "gpu_trainer: " << device_flag.status();
+      result.set_exit_code(1);
+      result.set_message(std::string(device_flag.status().message()));
+      (*agent)->Finished(result);
+      continue;
+    }
+    if (!device_flag->empty()) spawn.argv.push_back(*device_flag);
     spawn.null_stdin = true;
     spawn.env = {absl::StrCat(kShardTokenEnv, "=", a.shard_secret())};
     LOG(INFO) << absl::StrFormat("gpu_trainer: worker %s runs rank %u of %u of %s (attempt %u)",

@@ -148,6 +148,42 @@ TEST(DataParallel, TwoRanksTwoShardsTrainWhatOneRankOneShardTrains) {
   }
 }
 
+// The host-staged path of the CUDA backend's ranks over gloo (--collectives=gloo), with a CPU
+// runner whose gradients are 16-bit where they are computed, as the CUDA backend's are: each rank
+// rounds its half-batch gradients to 16 bits, the reducer widens and sums them in fp32 and
+// rounds the mean. So W=2 differs from one rank with the whole batch (the same runner, one
+// rounding) as micro-batches do (MicroBatchesAccumulateToTheWholeBatch): by where each half's
+// gradients were rounded, not by the order of sums, which is far below that (W=2 over this path
+// measured 25-35x the order floor). The floor is therefore the rounding one, with the micro-batch
+// test's reasons for bounding only the norm and the loss: the same W=2 run at a loss scale of
+// 3 * 2^14. fp16 only: bf16 has no loss scale to move its roundings (its reduction is checked bit
+// for bit in GradientBuckets.SixteenBitRangesReduceAsTheirSum).
+TEST(DataParallel, HostStagedSixteenBitGradientsTrainWhatOneRankTrains) {
+  TrainerOptions o = TinyOptions();
+  o.steps = 10;
+  o.schedule.set_total_steps(10);
+  const TrainerOptions staged = WithSixteenBitGradients(o);
+  LocalShards one_shard(2);
+  std::vector<RunResult> alone = TrainRanks(staged, one_shard, 1, 10);
+  LocalShards two_shards(2);
+  std::vector<RunResult> pair = TrainRanks(staged, two_shards, 2, 10);
+  ASSERT_EQ(pair.size(), 2u);
+  EXPECT_EQ(pair[0].weights16, pair[1].weights16);
+  EXPECT_EQ(pair[0].losses, pair[1].losses);
+  const Difference d = Compare(o.model, pair[0], alone[0]);
+  TrainerOptions rerounded = staged;
+  rerounded.loss_scaler.init_scale = 3 * 16384.0f;
+  LocalShards rerounded_shards(2);
+  const Difference floor =
+      Compare(o.model, TrainRanks(rerounded, rerounded_shards, 2, 10)[0], pair[0]);
+  ExpectWithinFloor(o, d, floor, "host-staged W=2 vs W=1 after 10 steps", /*elementwise=*/false);
+  EXPECT_GT(d.relative, 0.0);
+  // Deterministic: a second W=2 run is the first bit for bit.
+  LocalShards two_more(2);
+  std::vector<RunResult> again = TrainRanks(staged, two_more, 2, 10);
+  EXPECT_TRUE(SameBits(again[0].master, pair[0].master));
+}
+
 // The delayed update and gradient accumulation compose with the ranks: W=2 with DPU after a
 // warm-up of 4 and 2 micro-batches trains what W=1 with the same settings trains, up to the order
 // of the sums again (each micro-batch's pieces are added in fp32 before the one rounding).
@@ -282,6 +318,51 @@ TEST(GradientBuckets, StreamInBackwardOrderAndHoldOnlyWhatIsOnItsWay) {
   for (int r = 0; r < W; ++r) {
     for (int64_t i = r * P; i < std::min((r + 1) * P, n); ++i) {
       const float mean = (flat[(r + 1) % W][i] + flat[r][i]) * 0.5f;
+      ASSERT_EQ(rounded[r][i], FloatToBf16(mean)) << "rank " << r << " element " << i;
+    }
+  }
+}
+
+// The host-staged reduction: 16-bit gradients handed over in ranges of any size (here cut
+// across units) are widened exactly and reduced as fp32 ones are, so each rank rounds
+// (h0 + h1) / 2 of its partition, exact with two ranks. A unit covered twice is refused.
+TEST(GradientBuckets, SixteenBitRangesReduceAsTheirSum) {
+  const Gpt2Config c{64, 16, 8, 2, 32};
+  const int W = 2;
+  const int64_t n = Gpt2NumParams(c);
+  const int64_t padded = (n + W * 64 - 1) / (W * 64) * (W * 64);
+  std::vector<std::vector<uint16_t>> h(W, std::vector<uint16_t>(n));  // (W, n) each rank's
+  for (int r = 0; r < W; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      h[r][i] = FloatToBf16(std::sin(0.37f * static_cast<float>(i) + r) * 1e-2f);
+    }
+  }
+  std::vector<std::vector<uint16_t>> rounded(W, std::vector<uint16_t>(padded, 0));
+  std::vector<absl::Status> refused(W);
+  RunOnGlooRanks(W, absl::Seconds(60), [&](int r, Collectives& collectives) {
+    GradientReducer reducer(&collectives, c, padded, rounded[r].data(), DType::kBf16,
+                            Gpt2UnitRange(c, 1).size(), nullptr);
+    reducer.Begin(1);
+    // Backward order (from the top), in pieces of 1000 that straddle units.
+    for (int64_t hi = n; hi > 0; hi -= 1000) {
+      const int64_t lo = std::max<int64_t>(0, hi - 1000);
+      // Within a unit the pieces go up, as a range arrives whole.
+      ASSERT_TRUE(reducer.AddGradients16(lo, hi - lo, h[r].data() + lo).ok());
+    }
+    ASSERT_TRUE(reducer.Finish().ok());
+    reducer.Begin(2);
+    const ParamRange top = Gpt2UnitRange(c, Gpt2NumUnits(c) - 1);
+    ASSERT_TRUE(reducer.AddGradients16(top.begin, top.size(), h[r].data() + top.begin).ok());
+    refused[r] = reducer.AddGradients16(top.begin, 1, h[r].data() + top.begin);
+    reducer.Abandon();
+  });
+  for (int r = 0; r < W; ++r) {
+    EXPECT_EQ(refused[r].code(), absl::StatusCode::kInvalidArgument) << refused[r];
+  }
+  const int64_t P = padded / W;
+  for (int r = 0; r < W; ++r) {
+    for (int64_t i = r * P; i < std::min((r + 1) * P, n); ++i) {
+      const float mean = (Bf16ToFloat(h[(r + 1) % W][i]) + Bf16ToFloat(h[r][i])) * 0.5f;
       ASSERT_EQ(rounded[r][i], FloatToBf16(mean)) << "rank " << r << " element " << i;
     }
   }

@@ -48,6 +48,9 @@ GradientReducer::GradientReducer(Collectives* collectives, const Gpt2Config& mod
     }
   }
   live_.resize(buckets_.size());
+  for (int unit = 0; unit < units; ++unit) unit_begin_.push_back(Gpt2UnitRange(model, unit).begin);
+  unit_begin_.push_back(num_params);
+  unit_received_.assign(units, 0);
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -65,6 +68,7 @@ void GradientReducer::Begin(uint64_t step) {
   step_ = step;
   stats_ = GradStats{};
   reduced_.clear();
+  std::fill(unit_received_.begin(), unit_received_.end(), 0);
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].units == 0 && Take(static_cast<int>(b), lock).ok()) Queue(static_cast<int>(b));
   }
@@ -138,6 +142,38 @@ absl::Status GradientReducer::Release(int unit) {
         absl::StrCat("GradientReducer: unit ", unit, " released before it was acquired"));
   }
   if (++live_[b].released == buckets_[b].units) Queue(b);
+  return absl::OkStatus();
+}
+
+absl::Status GradientReducer::AddGradients16(int64_t offset, int64_t n, const uint16_t* grads16) {
+  if (offset < 0 || n < 0 || offset + n > unit_begin_.back()) {
+    return absl::InvalidArgumentError(absl::StrCat("GradientReducer: gradients [", offset, ", ",
+                                                   offset + n, ") are not all parameters"));
+  }
+  int unit = static_cast<int>(std::upper_bound(unit_begin_.begin(), unit_begin_.end(), offset) -
+                              unit_begin_.begin() - 1);
+  for (int64_t lo = offset, end = offset + n; lo < end; ++unit) {
+    const int64_t unit_lo = unit_begin_[unit], unit_hi = unit_begin_[unit + 1];
+    const int64_t hi = std::min(end, unit_hi);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (unit_received_[unit] + (hi - lo) > unit_hi - unit_lo) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "GradientReducer: unit ", unit, " [", unit_lo, ", ", unit_hi, ") got gradients for [",
+            lo, ", ", hi, ") after ", unit_received_[unit], " of its elements"));
+      }
+    }
+    OFFLOAD_ASSIGN_OR_RETURN(float* place, Acquire(unit));  // (unit_hi - unit_lo,)
+    AddAsFloat(grads16 + (lo - offset), dtype_, hi - lo, place + (lo - unit_lo));
+    bool complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      unit_received_[unit] += hi - lo;
+      complete = unit_received_[unit] == unit_hi - unit_lo;
+    }
+    if (complete) OFFLOAD_RETURN_IF_ERROR(Release(unit));
+    lo = hi;
+  }
   return absl::OkStatus();
 }
 

@@ -54,6 +54,14 @@ class GradientReducer final : public Gpt2GradSink {
   // and the unit final. A bucket whose units are all final is queued for reduction.
   absl::StatusOr<float*> Acquire(int unit) override;
   absl::Status Release(int unit) override;
+  // The host-staged path, for a backend whose gradients are 16-bit where they are computed (CUDA
+  // ranks meeting over gloo): grads16 (n,) of flat [offset, offset + n) are final, copied to the
+  // host. They are widened into their units' buckets (exactly: every 16-bit value is an fp32
+  // one), and each unit is released once all of it has come, so the buckets are reduced in fp32
+  // as the CPU backend's are. The ranges may have any size but must cover each unit once per
+  // pass, in the same order on every rank; calls come from one thread at a time. The rounded
+  // share may later be written over grads16's bucket range: only a final range is ever read.
+  absl::Status AddGradients16(int64_t offset, int64_t n, const uint16_t* grads16);
   // Waits for every bucket and returns the statistics of this rank's rounded share, or the first
   // error (after which the collectives are unusable).
   absl::StatusOr<GradStats> Finish();
@@ -99,7 +107,9 @@ class GradientReducer final : public Gpt2GradSink {
   PhaseTrace* const trace_;
   std::vector<Bucket> buckets_;      // in backward order; the padding first when there is any
   std::vector<int> bucket_of_unit_;  // (units,)
-  std::vector<int64_t> counts_;      // (W,) elements of the bucket in each rank's partition
+  std::vector<int64_t> unit_begin_;  // (units + 1,) flat first element of each unit, then the end
+  std::vector<int64_t> unit_received_;  // (units,) elements AddGradients16 has widened this pass
+  std::vector<int64_t> counts_;         // (W,) elements of the bucket in each rank's partition
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

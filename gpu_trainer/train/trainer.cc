@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
@@ -19,6 +20,31 @@
 #include "model_spec/partition.h"
 
 namespace offload {
+
+absl::StatusOr<CollectiveLibrary> ParseCollectiveLibrary(absl::string_view name) {
+  if (name.empty() || name == "gloo") return CollectiveLibrary::kGloo;
+  if (name == "nccl") return CollectiveLibrary::kNccl;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--collectives=", name, " is not one of gloo, nccl"));
+}
+
+absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary library,
+                                    int world_size) {
+  if (library != CollectiveLibrary::kNccl) return absl::OkStatus();
+  if (device != ComputeDevice::kCuda) {
+    return absl::InvalidArgumentError(
+        "--collectives=nccl needs --device=cuda: NCCL reduces GPU buffers; the CPU backend's "
+        "ranks meet over gloo");
+  }
+  if (world_size > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        world_size,
+        " CUDA ranks cannot meet over NCCL yet: its reduce-scatter of GPU gradient "
+        "buckets is not in the CUDA backend's gradient path; run them with --collectives=gloo, "
+        "which stages the 16-bit gradients on the host"));
+  }
+  return absl::OkStatus();
+}
 namespace {
 
 // Fails with a message naming the setting when a resumed run asks for something else than the
@@ -161,19 +187,16 @@ absl::Status Trainer::Init() {
   sampler_ = std::make_unique<BatchSampler>(train_, o.batch, o.seq_len, o.seed);
   OFFLOAD_RETURN_IF_ERROR(CheckHostMemory());
 
+  OFFLOAD_RETURN_IF_ERROR(CheckCollectiveLibrary(o.device, o.collective_library, W));
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
-      o.device == ComputeDevice::kCuda
+      o.make_runner ? o.make_runner(local_batch_)
+      : o.device == ComputeDevice::kCuda
           ? CreateCudaModelRunner(o.model, local_batch_, o.seq_len, o.param_dtype, o.cuda_device,
                                   o.pinned_staging_bytes, o.activation_checkpointing)
           : CreateCpuModelRunner(o.model, local_batch_, o.seq_len, o.kernels, o.param_dtype,
                                  o.activation_checkpointing);
   if (!runner.ok()) return runner.status();
   runner_ = std::move(*runner);
-  if (W > 1 && !runner_->has_fp32_gradients()) {
-    return absl::UnimplementedError(
-        "more than one trainer rank needs the CPU backend: the CUDA backend's reduce-scatter "
-        "(NCCL) is not built yet");
-  }
   const v1::PartitionMap& map = backend_->partition();
   if (static_cast<int>(map.world_size()) != W || backend_->rank() != collectives_->rank()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -198,7 +221,9 @@ absl::Status Trainer::Init() {
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
   sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
-  if (runner_->has_fp32_gradients()) {
+  // fp32 gradients go to the reducer unit by unit; a backend with 16-bit ones and other ranks
+  // to meet (the CUDA backend over gloo) hands it each range once it is on the host.
+  if (runner_->has_fp32_gradients() || W > 1) {
     reducer_ = std::make_unique<GradientReducer>(
         collectives_, o.model, static_cast<int64_t>(map.padded_length()), grads16_.data(),
         o.param_dtype, o.bucket_elements,
@@ -524,15 +549,16 @@ Trainer::HostMemory Trainer::PlanHostMemory() const {
     // The 16-bit copy (and DPU's second one), and the CPU backend's fp32 copy it computes with.
     m.weights = 2 * padded * (o.dpu ? 2 : 1) + (cpu ? 4 * n : 0);
   }
-  // 16-bit gradients that leave, the CPU backend's fp32 ones, the micro-batch accumulator.
-  // 16-bit gradients that leave, the CPU backend's fp32 buckets on their way (the embeddings'
-  // bucket and two more, each under bucket_elements plus a unit; never more than the whole
-  // buffer), and the micro-batch accumulator.
+  // 16-bit gradients that leave, the fp32 buckets on their way where there is a reducer (the CPU
+  // backend, and CUDA ranks staged on the host; the embeddings' bucket and two more, each under
+  // bucket_elements plus a unit; never more than the whole buffer), and the micro-batch
+  // accumulator.
   const int64_t block = Gpt2UnitRange(c, 1).size();
   const int64_t buckets32 =
       4 * std::min(padded, (o.bucket_elements + Gpt2UnitRange(c, 0).size()) +
                                2 * (o.bucket_elements + std::max(block, padded - n)));
-  m.gradients = 2 * padded + (cpu ? buckets32 : 0) + (o.micro_batches > 1 ? 4 * P : 0);
+  const bool reducer = cpu || map.world_size() > 1;
+  m.gradients = 2 * padded + (reducer ? buckets32 : 0) + (o.micro_batches > 1 ? 4 * P : 0);
   m.activations = cpu ? Gpt2Cpu::ActivationBytes(c, local_batch_, o.seq_len,
                                                  o.activation_checkpointing)
                       : 2 * o.pinned_staging_bytes;  // CUDA: the pinned rings instead
@@ -620,7 +646,25 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     absl::Status s;
     {
       TracePhase phase(o.trace, "backward", step);
-      s = runner_->BackwardFp32(loss_scale, *reducer_);
+      if (runner_->has_fp32_gradients()) {
+        s = runner_->BackwardFp32(loss_scale, *reducer_);
+      } else {
+        // Host-staged: each range is widened into the reducer as soon as it is on the host, and
+        // the reducer rounds this rank's share over the same buffer once it is reduced.
+        std::mutex error_mu;  // on_ready may run on the backend's copy thread
+        absl::Status staged;
+        s = runner_
+                ->Backward(loss_scale, grads16_.data(),
+                           [&](int64_t offset, int64_t n) {
+                             absl::Status added =
+                                 reducer_->AddGradients16(offset, n, grads16_.data() + offset);
+                             std::lock_guard<std::mutex> lock(error_mu);
+                             staged.Update(added);
+                           })
+                .status();
+        std::lock_guard<std::mutex> lock(error_mu);
+        s.Update(staged);
+      }
     }
     // Either way the reducer is idle after this, before anything else uses the collectives.
     if (!s.ok()) {

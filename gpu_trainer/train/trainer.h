@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <string>
@@ -36,6 +37,11 @@
 namespace offload {
 
 enum class ComputeDevice { kCpu, kCuda };
+
+// How W > 1 ranks reduce-scatter gradients and all-gather weights (ARCHITECTURE.md section 1).
+// kGloo: over TCP from host memory; the CUDA backend's ranks stage their 16-bit gradients on the
+// host first (host-staged), and may share a GPU. kNccl: on the GPU, one GPU per rank.
+enum class CollectiveLibrary { kGloo, kNccl };
 
 struct TrainerOptions {
   Gpt2Config model;
@@ -87,6 +93,11 @@ struct TrainerOptions {
   PhaseTrace* trace = nullptr;  // per-phase timestamps of every step, if given (not owned)
   // This rank's collectives (not owned); null: a single rank. The backend's rank must match.
   Collectives* collectives = nullptr;
+  // What `collectives` is, for a check that the compute device can use it (nccl needs cuda).
+  CollectiveLibrary collective_library = CollectiveLibrary::kGloo;
+  // Tests: builds the compute device for this rank's batch instead of `device` (a CPU runner
+  // made to behave as another backend does, such as one without fp32 gradients). Null: `device`.
+  std::function<absl::StatusOr<std::unique_ptr<ModelRunner>>(int max_batch)> make_runner;
   // fp32 elements per gradient bucket, the unit of the reduce-scatter and of its overlap with
   // backward.
   int64_t bucket_elements = int64_t{1} << 21;
@@ -94,6 +105,14 @@ struct TrainerOptions {
   // write a checkpoint, which can take far longer than a collective.
   absl::Duration lead_timeout = absl::Minutes(30);
 };
+
+// "gloo" or "nccl" (the flag and the job spec's parallel.collectives); "" is gloo.
+absl::StatusOr<CollectiveLibrary> ParseCollectiveLibrary(absl::string_view name);
+// Whether `library` can serve world_size ranks computing on `device`: nccl needs cuda, and its
+// reduce-scatter of device buffers is not in the CUDA backend's gradient path yet, so more than
+// one rank is refused, naming gloo, which stages the gradients on the host.
+absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary library,
+                                    int world_size);
 
 struct StepReport {
   uint64_t step = 0;

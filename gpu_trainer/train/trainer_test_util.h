@@ -59,6 +59,42 @@ inline TrainerOptions DpuOptions() {
   return o;
 }
 
+// A CPU runner that behaves toward the trainer as the CUDA backend does: its gradients are 16-bit
+// where they are computed (no BackwardFp32), so W > 1 ranks take the host-staged path, each range
+// handed over once it is final.
+class SixteenBitGradientsRunner final : public ModelRunner {
+ public:
+  explicit SixteenBitGradientsRunner(std::unique_ptr<ModelRunner> cpu) : cpu_(std::move(cpu)) {}
+  int64_t num_params() const override { return cpu_->num_params(); }
+  std::string Describe() const override { return "16-bit gradients: " + cpu_->Describe(); }
+  absl::Status SetWeights(const uint16_t* w16) override { return cpu_->SetWeights(w16); }
+  absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
+                                int T) override {
+    return cpu_->Forward(inputs, targets, B, T);
+  }
+  absl::StatusOr<GradStats> Backward(
+      float loss_scale, uint16_t* grads16,
+      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
+    return cpu_->Backward(loss_scale, grads16, on_ready);
+  }
+  absl::Status Logits(int t, float* logits) override { return cpu_->Logits(t, logits); }
+  DeviceMemory Memory() const override { return cpu_->Memory(); }
+
+ private:
+  std::unique_ptr<ModelRunner> cpu_;
+};
+
+// `o` with SixteenBitGradientsRunner as its compute device.
+inline TrainerOptions WithSixteenBitGradients(TrainerOptions o) {
+  o.make_runner = [o](int max_batch) -> absl::StatusOr<std::unique_ptr<ModelRunner>> {
+    absl::StatusOr<std::unique_ptr<ModelRunner>> cpu = CreateCpuModelRunner(
+        o.model, max_batch, o.seq_len, o.kernels, o.param_dtype, o.activation_checkpointing);
+    if (!cpu.ok()) return cpu.status();
+    return std::unique_ptr<ModelRunner>(new SixteenBitGradientsRunner(*std::move(cpu)));
+  };
+  return o;
+}
+
 inline v1::PartitionMap MapFor(const TrainerOptions& o, int shards, int ranks = 1) {
   absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(o.model), ranks, shards);
   EXPECT_TRUE(map.ok()) << map.status();

@@ -275,6 +275,10 @@ TEST(ValidateJobSpecTest, MessagesNameTheField) {
        "training.kernels: must be one of fast, naive"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_transport("tcp"); },
        "parallel.transport: must be one of auto, grpc, shm, ucx"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_collectives("mpi"); },
+       "parallel.collectives: must be one of gloo, nccl"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_collectives("nccl"); },
+       "parallel.collectives: nccl needs training.device cuda"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_ranks(0); },
        "parallel.ranks: must be in [1, 1024]"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_optimizer_servers(2000); },
@@ -363,6 +367,16 @@ TEST(JobSpecFlagsTest, ZeroStageTravelsAsFlags) {
   EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
   EXPECT_THAT(JobSpecToFlags(*spec),
               ElementsAre("--data=/d.txt", "--zero_stage=3", "--param_window_layers=1"));
+}
+
+TEST(JobSpecFlagsTest, CollectivesTravelAsAFlag) {
+  absl::StatusOr<v1::JobSpec> spec =
+      JobSpecFromFlags({"--device=cuda", "--collectives=nccl", "--data=/d.txt"});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->parallel().collectives(), "nccl");
+  EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
+  EXPECT_THAT(JobSpecToFlags(*spec),
+              ElementsAre("--data=/d.txt", "--device=cuda", "--collectives=nccl"));
 }
 
 TEST(JobSpecFlagsTest, ActivationCheckpointingTravelsAsAFlag) {

@@ -191,6 +191,11 @@ absl::Status ValidateTraining(const v1::TrainingSpec& t, const v1::ParallelSpec&
     s.Update(AtLeast("training.loss_scale_window", t.loss_scale_window(), 1));
   }
   if (s.ok() && t.has_device()) s.Update(OneOf("training.device", t.device(), {"cpu", "cuda"}));
+  if (s.ok() && p.collectives() == "nccl" && t.device() != "cuda") {
+    return Invalid("parallel.collectives",
+                   "nccl needs training.device cuda: NCCL reduces GPU buffers; the CPU backend's "
+                   "ranks meet over gloo");
+  }
   if (s.ok() && t.has_kernels()) {
     s.Update(OneOf("training.kernels", t.kernels(), {"fast", "naive"}));
   }
@@ -209,6 +214,9 @@ absl::Status ValidateParallel(const v1::ParallelSpec& p) {
   }
   if (s.ok() && p.has_transport()) {
     s.Update(OneOf("parallel.transport", p.transport(), {"auto", "grpc", "shm", "ucx"}));
+  }
+  if (s.ok() && p.has_collectives()) {
+    s.Update(OneOf("parallel.collectives", p.collectives(), {"gloo", "nccl"}));
   }
   if (s.ok() && p.has_dpu_warmup_steps()) {
     s.Update(AtLeast("parallel.dpu_warmup_steps", p.dpu_warmup_steps(), int64_t{0}));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -538,10 +539,20 @@ void JobController::MaybeReleaseTrainers(JobEntry& entry) {
     auto it = workers_.find(id);
     if (it == workers_.end() || !it->second.acknowledged) return;
   }
+  // Ranks on one host share its GPUs: each learns its place among them.
+  std::map<std::string, uint32_t> on_host;  // hostname -> the attempt's ranks there
+  std::vector<uint32_t> local_rank(entry.job.trainer_workers_size(), 0);
+  for (uint32_t rank = 0; rank < static_cast<uint32_t>(entry.job.trainer_workers_size()); ++rank) {
+    auto it = workers_.find(entry.job.trainer_workers(rank));
+    if (it != workers_.end()) local_rank[rank] = on_host[it->second.info.hostname()]++;
+  }
   for (uint32_t rank = 0; rank < static_cast<uint32_t>(entry.job.trainer_workers_size()); ++rank) {
     auto it = workers_.find(entry.job.trainer_workers(rank));
     if (it == workers_.end()) continue;
-    it->second.pending_start = MakeAssignment(entry.job, v1::WORKER_KIND_TRAINER, rank);
+    v1::Assignment a = MakeAssignment(entry.job, v1::WORKER_KIND_TRAINER, rank);
+    a.set_local_rank(local_rank[rank]);
+    a.set_local_ranks(on_host[it->second.info.hostname()]);
+    it->second.pending_start = std::move(a);
   }
   entry.trainers_released = true;
 }

@@ -344,6 +344,35 @@ TEST_F(JobControllerTest, TwoRanksTwoShards) {
   EXPECT_THAT(r1.start(0).shard_addresses(), ElementsAre("s0:50051", "s1:50051"));
 }
 
+TEST_F(JobControllerTest, RanksOnOneHostLearnTheirPlaceAmongThem) {
+  // Three ranks on host a (a pod of several GPUs, its workers sharing the pod's address) and one
+  // on host b: each CUDA rank takes the GPU of its place on its host.
+  const std::string s0 = Server("s0");
+  std::vector<std::string> trainers(4);
+  const char* hosts[4] = {"10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.1"};
+  for (int index = 0; index < 4; ++index) {
+    v1::RegisterWorkerRequest request;
+    request.mutable_worker()->set_kind(v1::WORKER_KIND_TRAINER);
+    request.mutable_worker()->set_name(absl::StrCat("t", index));
+    request.mutable_worker()->set_hostname(hosts[index]);
+    request.mutable_worker()->set_index(index);
+    absl::StatusOr<v1::RegisterWorkerResponse> r = controller_->RegisterWorker(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    trainers[index] = r->worker_id();
+  }
+  const std::string job_id = Submit(Spec(4, 1)).id();
+  Beat(s0);
+  Beat(s0, {Ref(job_id, 1)});
+  const uint32_t local_rank[4] = {0, 0, 1, 2}, local_ranks[4] = {3, 1, 3, 3};
+  for (int index = 0; index < 4; ++index) {
+    v1::HeartbeatResponse r = Beat(trainers[index]);
+    ASSERT_EQ(r.start_size(), 1);
+    EXPECT_EQ(r.start(0).rank(), static_cast<uint32_t>(index));
+    EXPECT_EQ(r.start(0).local_rank(), local_rank[index]) << index;
+    EXPECT_EQ(r.start(0).local_ranks(), local_ranks[index]) << index;
+  }
+}
+
 TEST_F(JobControllerTest, RanksFollowWorkerIndexes) {
   // Pods of an Indexed Job register in any order; rank i goes to the worker with index i.
   const std::string s0 = Server("s0");

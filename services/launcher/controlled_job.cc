@@ -23,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "services/common/job_spec.h"
 #include "services/launcher/child_output.h"
+#include "services/launcher/rank_devices.h"
 
 namespace offload {
 namespace {
@@ -251,6 +252,13 @@ ControlledJob::Process* ControlledJob::ExitedProcess() {
 JobOutcome ControlledJob::Run() {
   absl::StatusOr<v1::JobSpec> spec = MakeSpec();
   if (!spec.ok()) return {2, std::string(spec.status().message())};
+  // The trainer workers give each rank its GPU; a host without enough fails the job before
+  // anything starts, as without a controller.
+  if (absl::StatusOr<std::vector<std::string>> devices =
+          CudaDeviceFlags(options_.trainer_args, options_.num_ranks);
+      !devices.ok()) {
+    return {1, std::string(devices.status().message())};
+  }
   if (absl::Status s = Prepare(); !s.ok()) return {1, s.ToString()};
   if (absl::Status s = StartController(); !s.ok()) {
     StopAll();

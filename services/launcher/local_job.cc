@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
+#include "services/launcher/rank_devices.h"
 
 namespace offload {
 namespace {
@@ -80,6 +81,11 @@ JobOutcome LocalJob::Run() {
                          CheckExecutable("trainer binary", options_.trainer_binary)}) {
     if (!s.ok()) return {1, std::string(s.message())};
   }
+  // Each CUDA rank's GPU, before anything starts: a host without enough of them fails the job now.
+  absl::StatusOr<std::vector<std::string>> device_flags =
+      CudaDeviceFlags(options_.trainer_args, options_.num_ranks);
+  if (!device_flags.ok()) return {1, std::string(device_flags.status().message())};
+  rank_device_flags_ = *std::move(device_flags);
   absl::Status started = StartServers();
   if (started.ok()) started = CreateRendezvous();
   if (started.ok()) started = StartRanks();
@@ -232,6 +238,7 @@ absl::Status LocalJob::StartRanks() {
       spawn.argv.push_back(absl::StrCat("--rendezvous=", rendezvous_dir_));
     }
     spawn.argv.insert(spawn.argv.end(), options_.trainer_args.begin(), options_.trainer_args.end());
+    if (!rank_device_flags_[r].empty()) spawn.argv.push_back(rank_device_flags_[r]);
     // Rank 0 keeps the launcher's terminal: it draws a progress bar when stdout is one. The other
     // ranks' output would tear it, so it comes through a pipe, line by line and marked; and in a
     // background process group they must not read the terminal either (SIGTTIN would stop them).

@@ -25,7 +25,8 @@ struct LocalJobOptions {
   std::string trainer_binary;
   // Given to every server after --listen=127.0.0.1:0.
   std::vector<std::string> server_args;
-  // Given to every rank after --shards=127.0.0.1:p1,... (and the rank flags).
+  // Given to every rank after --shards=127.0.0.1:p1,... (and the rank flags). With --device=cuda
+  // each rank also gets its own GPU, --cuda_device=R (rank_devices.h), unless these set one.
   std::vector<std::string> trainer_args;
   // How long the servers have, together, to announce their ports.
   absl::Duration startup_timeout = absl::Seconds(30);
@@ -101,7 +102,8 @@ class LocalJob {
   std::vector<Rank> ranks_;
   // Empty until created (only for more than one rank).
   std::string rendezvous_dir_;
-  std::string shard_token_;  // what the servers accept and the ranks present
+  std::vector<std::string> rank_device_flags_;  // (num_ranks,) "--cuda_device=K" or ""
+  std::string shard_token_;                     // what the servers accept and the ranks present
   // The first SIGINT/SIGTERM; it starts the orderly shutdown.
   int stop_signal_ = 0;
   // Set once the job is ending: any signal from then on kills everything at once.
