@@ -195,6 +195,45 @@ TYPED_TEST(BlasKernelsTest, GemmBiasAlphaBetaHandChecked) {
   EXPECT_EQ(Fetch(*d_c), expected);
 }
 
+// A plan is made once per shape: the same product on other buffers (another bias, another C)
+// reuses it and still uses the pointers of its own call; another shape makes a second plan.
+TYPED_TEST(BlasKernelsTest, GemmPlansAreMadeOncePerShapeAndTakeEachCallsPointers) {
+  using T = TypeParam;
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  ASSERT_NO_FATAL_FAILURE(this->Init());
+  const std::vector<float> a = {1, 3, 5, 2, 4, 6};  // (3 x 2): [[1,2],[3,4],[5,6]]
+  const std::vector<float> b = {1, 2, -1, 0};       // (2 x 2): [[1,-1],[2,0]]
+  auto d_a = Upload<T>(a);
+  auto d_b = Upload<T>(b);
+  auto d_c1 = Upload<T>(std::vector<float>(6, 0));
+  auto d_c2 = Upload<T>(std::vector<float>(6, 0));
+  auto d_bias1 = Upload<T>({1, 1, 1});
+  auto d_bias2 = Upload<T>({-1, 0, 2});
+  GemmSpec spec;
+  spec.m = 3;
+  spec.n = 2;
+  spec.k = 2;
+  spec.a = d_a->get();
+  spec.lda = 3;
+  spec.b = d_b->get();
+  spec.ldb = 2;
+  spec.ldc = 3;
+  spec.c = d_c1->get();
+  spec.bias = d_bias1->get();
+  ASSERT_TRUE(Gemm<T>(*this->lt_, spec, this->stream_).ok());
+  spec.c = d_c2->get();
+  spec.bias = d_bias2->get();
+  ASSERT_TRUE(Gemm<T>(*this->lt_, spec, this->stream_).ok());
+  EXPECT_EQ(this->lt_->plans_made(), 1);
+  ASSERT_NO_FATAL_FAILURE(this->Sync());
+  // A @ B = [[5,-1],[11,-3],[17,-5]] plus each call's own bias, column-major.
+  EXPECT_EQ(Fetch(*d_c1), (std::vector<float>{6, 12, 18, 0, -2, -4}));
+  EXPECT_EQ(Fetch(*d_c2), (std::vector<float>{4, 11, 19, -2, -3, -3}));
+  spec.n = 1;
+  ASSERT_TRUE(Gemm<T>(*this->lt_, spec, this->stream_).ok());
+  EXPECT_EQ(this->lt_->plans_made(), 2);
+}
+
 TYPED_TEST(BlasKernelsTest, MatmulForwardMatchesCpu) {
   using T = TypeParam;
   OFFLOAD_SKIP_WITHOUT_CUDA();

@@ -55,28 +55,21 @@ std::string Describe(const GemmSpec& s) {
       s.bias != nullptr ? "yes" : "no");
 }
 
-// The largest power of two (up to 256, cuBLASLt's default assumption) dividing the address of
-// every matrix of the batch. The heuristic assumes 256-byte aligned operands unless told
-// otherwise, and the attention products start at offsets into scratch and strided batches whose
-// stride need not be a multiple of 256 bytes.
-uint32_t AlignmentBytes(const void* p, int64_t stride_elems, size_t elem_bytes, int batch) {
-  uint64_t bits = reinterpret_cast<uintptr_t>(p);
-  if (batch > 1) bits |= static_cast<uint64_t>(stride_elems) * elem_bytes;
-  uint32_t alignment = 256;
-  while (alignment > 1 && (bits & (alignment - 1)) != 0) alignment >>= 1;
-  return alignment;
-}
+}  // namespace
 
-// Owns the descriptors of one product, so every early return destroys them.
-struct Descriptors {
+// Owns the descriptors of one product, so every early return destroys them, and the algorithm
+// the heuristic chose for them.
+struct GemmPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
 
-  Descriptors() = default;
-  Descriptors(const Descriptors&) = delete;
-  Descriptors& operator=(const Descriptors&) = delete;
-  ~Descriptors() {
+  cublasLtMatmulAlgo_t algo = {};
+
+  GemmPlan() = default;
+  GemmPlan(const GemmPlan&) = delete;
+  GemmPlan& operator=(const GemmPlan&) = delete;
+  ~GemmPlan() {
     if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
     if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
     if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
@@ -84,6 +77,8 @@ struct Descriptors {
     if (op != nullptr) cublasLtMatmulDescDestroy(op);
   }
 };
+
+namespace {
 
 absl::Status MakeLayout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t rows,
                         int64_t cols, int64_t ld, int batch, int64_t stride) {
@@ -137,19 +132,30 @@ absl::StatusOr<std::unique_ptr<CublasLt>> CublasLt::Create(size_t workspace_byte
 }
 
 CublasLt::~CublasLt() {
+  plans_.clear();  // their descriptors before the handle they were made for
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-template <typename T>
-absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
-  if (absl::Status s = CheckSpec(spec); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(s.message(), ": ", Describe<T>(spec)));
-  }
-  if (spec.m == 0 || spec.n == 0) return absl::OkStatus();
-  constexpr cudaDataType_t kType = CudaDataType<T>();
+GemmPlan* CublasLt::FindPlan(const GemmPlanKey& key) const {
+  auto it = plans_.find(key);
+  return it == plans_.end() ? nullptr : it->second.get();
+}
 
-  Descriptors d;
+GemmPlan* CublasLt::AddPlan(const GemmPlanKey& key, std::unique_ptr<GemmPlan> plan) {
+  return (plans_[key] = std::move(plan)).get();
+}
+
+namespace {
+
+// The descriptors and the heuristic's algorithm for every product of `key` (spec is one of
+// them; its pointers matter only through the key's alignments).
+template <typename T>
+absl::StatusOr<std::unique_ptr<GemmPlan>> MakePlan(CublasLt& lt, const GemmSpec& spec,
+                                                   const GemmPlanKey& key) {
+  constexpr cudaDataType_t kType = CudaDataType<T>();
+  auto plan = std::make_unique<GemmPlan>();
+  GemmPlan& d = *plan;
   // fp32 accumulation and fp32 alpha/beta for every storage type; CUBLAS_COMPUTE_32F (not
   // _FAST_TF32) keeps fp32 inputs off the TF32 tensor cores.
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -159,10 +165,11 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
       cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
-  if (spec.bias != nullptr) {
+  if (key.bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    // The pointer is set again before every product (Gemm); this one is only for the heuristic.
     OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &spec.bias, sizeof(spec.bias)));
     // cublasLt.h: outside the int8 and fp8 kernels the bias has the type of D, which is T
@@ -173,18 +180,12 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
   }
 
   // Stored (column-major) shapes: op(A) is (m, k), so A is (k, m) when transposed.
-  if (absl::Status s =
-          MakeLayout(&d.a, kType, spec.trans_a ? spec.k : spec.m, spec.trans_a ? spec.m : spec.k,
-                     spec.lda, spec.batch, spec.stride_a);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s =
-          MakeLayout(&d.b, kType, spec.trans_b ? spec.n : spec.k, spec.trans_b ? spec.k : spec.n,
-                     spec.ldb, spec.batch, spec.stride_b);
-      !s.ok()) {
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(MakeLayout(&d.a, kType, spec.trans_a ? spec.k : spec.m,
+                                     spec.trans_a ? spec.m : spec.k, spec.lda, spec.batch,
+                                     spec.stride_a));
+  OFFLOAD_RETURN_IF_ERROR(MakeLayout(&d.b, kType, spec.trans_b ? spec.n : spec.k,
+                                     spec.trans_b ? spec.k : spec.n, spec.ldb, spec.batch,
+                                     spec.stride_b));
   // C and D are the same matrix.
   OFFLOAD_RETURN_IF_ERROR(
       MakeLayout(&d.c, kType, spec.m, spec.n, spec.ldc, spec.batch, spec.stride_c));
@@ -193,17 +194,14 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
   const uint64_t workspace_bytes = lt.workspace_bytes();
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
       d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
-  const uint32_t align_a = AlignmentBytes(spec.a, spec.stride_a, sizeof(T), spec.batch);
-  const uint32_t align_b = AlignmentBytes(spec.b, spec.stride_b, sizeof(T), spec.batch);
-  const uint32_t align_c = AlignmentBytes(spec.c, spec.stride_c, sizeof(T), spec.batch);
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof(key.align_a)));
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof(key.align_b)));
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof(key.align_c)));
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof(key.align_c)));
 
   // First ask for algorithms whose split-K partial sums stay in fp32 (or that do not split):
   // the in-place and output-type schemes round every partial sum to T, so a 16-bit output
@@ -225,15 +223,36 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
     return absl::InternalError(absl::StrFormat(
         "cuBLASLt found no algorithm (%s) for %s; alignments a=%u b=%u c=%u bytes, workspace %u "
         "bytes",
-        cublasGetStatusName(heuristic_status), Describe<T>(spec), align_a, align_b, align_c,
-        workspace_bytes));
+        cublasGetStatusName(heuristic_status), Describe<T>(spec), key.align_a, key.align_b,
+        key.align_c, workspace_bytes));
   }
+  d.algo = heuristic.algo;
+  return plan;
+}
 
+}  // namespace
+
+template <typename T>
+absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
+  if (absl::Status s = CheckSpec(spec); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(s.message(), ": ", Describe<T>(spec)));
+  }
+  if (spec.m == 0 || spec.n == 0) return absl::OkStatus();
+  const GemmPlanKey key = MakeGemmPlanKey(spec, CudaDataType<T>(), sizeof(T));
+  GemmPlan* plan = lt.FindPlan(key);
+  if (plan == nullptr) {
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<GemmPlan> made, MakePlan<T>(lt, spec, key));
+    plan = lt.AddPlan(key, std::move(made));
+  }
+  if (key.bias) {
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &spec.bias, sizeof(spec.bias)));
+  }
   const float alpha = spec.alpha;
   const float beta = spec.beta;
-  const cublasStatus_t status =
-      cublasLtMatmul(lt.handle(), d.op, &alpha, spec.a, d.a, spec.b, d.b, &beta, spec.c, d.c,
-                     spec.c, d.c, &heuristic.algo, lt.workspace(), lt.workspace_bytes(), stream);
+  const cublasStatus_t status = cublasLtMatmul(
+      lt.handle(), plan->op, &alpha, spec.a, plan->a, spec.b, plan->b, &beta, spec.c, plan->c,
+      spec.c, plan->c, &plan->algo, lt.workspace(), lt.workspace_bytes(), stream);
   if (status != CUBLAS_STATUS_SUCCESS) {
     const absl::Status s = CublasErrorStatus(status, "cublasLtMatmul", __FILE__, __LINE__);
     return absl::Status(s.code(), absl::StrCat(s.message(), " for ", Describe<T>(spec)));

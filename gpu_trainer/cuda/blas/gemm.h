@@ -1,6 +1,7 @@
 // Every matrix product of the CUDA backend goes through one cuBLASLt call with fp32 compute and
 // fp32 scale (CUBLAS_COMPUTE_32F: no TF32 shortcut, so the fp32 mode is a true fp32 reference),
-// storage type T for A, B and C, an optional bias epilogue, and strided batches.
+// storage type T for A, B and C, an optional bias epilogue, and strided batches. The product is
+// described by a GemmSpec (gemm_spec.h); its plan is made once per shape and reused.
 #ifndef OFFLOAD_GPU_TRAINER_CUDA_BLAS_GEMM_H_
 #define OFFLOAD_GPU_TRAINER_CUDA_BLAS_GEMM_H_
 
@@ -11,12 +12,20 @@
 #include <cstdint>
 #include <memory>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "gpu_trainer/cuda/blas/gemm_spec.h"
 
 namespace offload {
 
-// A cuBLASLt handle and its workspace. One per stream that runs products.
+// One product's cuBLASLt descriptors, layouts and chosen algorithm (gemm.cc).
+struct GemmPlan;
+
+// A cuBLASLt handle, its workspace, and the plans of the products run through it: each shape's
+// descriptors are made and its algorithm chosen once, on its first product, not on every one (a
+// GPT-2 step runs about 150 products of a dozen shapes). One per stream that runs products; not
+// thread-safe.
 class CublasLt {
  public:
   static absl::StatusOr<std::unique_ptr<CublasLt>> Create(size_t workspace_bytes = 32 << 20);
@@ -28,31 +37,18 @@ class CublasLt {
   void* workspace() const { return workspace_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
 
+  // Gemm's cache: the plan of `key`, or null; and a new one, kept until destruction.
+  GemmPlan* FindPlan(const GemmPlanKey& key) const;
+  GemmPlan* AddPlan(const GemmPlanKey& key, std::unique_ptr<GemmPlan> plan);
+  // Plans made so far (heuristic queries run), for the tests and the bench.
+  int64_t plans_made() const { return static_cast<int64_t>(plans_.size()); }
+
  private:
   CublasLt() = default;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-};
-
-// C = alpha * op(A) @ op(B) + beta * C (+ bias), column-major as cuBLAS defines it: op(A) is
-// (m, k), op(B) is (k, n), C is (m, n). A row-major (R, S) matrix is a column-major (S, R) one,
-// which is how the row-major wrappers of matmul.h and attention.cu call this.
-struct GemmSpec {
-  bool trans_a = false;
-  bool trans_b = false;
-  int m = 0, n = 0, k = 0;
-  const void* a = nullptr;
-  int64_t lda = 0;
-  const void* b = nullptr;
-  int64_t ldb = 0;
-  void* c = nullptr;
-  int64_t ldc = 0;
-  const void* bias = nullptr;  // (m,) in T, added to every column; nullptr for none
-  float alpha = 1.0f;
-  float beta = 0.0f;
-  int batch = 1;  // strided batches: matrix i at a + i * stride_a elements, etc.
-  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  absl::flat_hash_map<GemmPlanKey, std::unique_ptr<GemmPlan>> plans_;
 };
 
 template <typename T>
