@@ -454,6 +454,27 @@ absl::StatusOr<std::unique_ptr<Collectives>> Rendezvous(
 
 }  // namespace
 
+absl::Status StorePut(gloo::rendezvous::Store& store, const std::string& key,
+                      const std::string& value) {
+  try {
+    store.set(key, std::vector<char>(value.begin(), value.end()));
+    return absl::OkStatus();
+  } catch (...) {
+    return CurrentExceptionToStatus(absl::StrCat("rendezvous store: putting ", key));
+  }
+}
+
+absl::StatusOr<std::string> StoreAwait(gloo::rendezvous::Store& store, const std::string& key,
+                                       absl::Duration timeout) {
+  try {
+    store.wait({key}, std::max(Millis(1), absl::ToChronoMilliseconds(timeout)));
+    const std::vector<char> value = store.get(key);
+    return std::string(value.begin(), value.end());
+  } catch (...) {
+    return CurrentExceptionToStatus(absl::StrCat("rendezvous store: waiting for ", key));
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const GlooOptions& options) {
   OFFLOAD_RETURN_IF_ERROR(CheckOptions(options));
   if (options.rendezvous.empty()) {

@@ -45,6 +45,15 @@ absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const GlooOptions& opti
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(
     const GlooOptions& options, std::shared_ptr<gloo::rendezvous::Store> store);
 
+// Values other than Gloo's own addresses that travel through the ranks' rendezvous store, such
+// as NCCL's unique id: one rank puts a value under a key, the others wait for it (up to
+// `timeout`, then DEADLINE_EXCEEDED naming the key) and read it. A FileStore refuses a key that
+// exists, so keys carry the job's prefix and are put once.
+absl::Status StorePut(gloo::rendezvous::Store& store, const std::string& key,
+                      const std::string& value);
+absl::StatusOr<std::string> StoreAwait(gloo::rendezvous::Store& store, const std::string& key,
+                                       absl::Duration timeout);
+
 }  // namespace offload
 
 #endif  // OFFLOAD_GPU_TRAINER_COLLECTIVES_GLOO_COLLECTIVES_H_

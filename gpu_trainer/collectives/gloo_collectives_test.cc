@@ -740,5 +740,25 @@ TEST(ConnectTest, RendezvousTimesOutWithoutPeer) {
   std::cerr << "rendezvous: " << c.status() << " after " << seconds << " s\n";
 }
 
+// How NCCL's unique id travels: one rank puts it, another thread waits for it; a key nobody puts
+// is waited for only as long as asked.
+TEST(StoreTest, AValuePutIsAwaitedAndAMissingOneTimesOut) {
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  std::string id(128, '\0');
+  for (int i = 0; i < 128; ++i) id[i] = static_cast<char>(i * 7);  // any bytes, zeros among them
+  absl::StatusOr<std::string> got;
+  std::thread waiter([&] { got = StoreAwait(*store, "job/nccl-id", absl::Seconds(10)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(StorePut(*store, "job/nccl-id", id).ok());
+  waiter.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, id);
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::string> missing = StoreAwait(*store, "job/never", absl::Milliseconds(300));
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kDeadlineExceeded) << missing.status();
+  EXPECT_THAT(missing.status().message(), HasSubstr("job/never"));
+  EXPECT_LT(SecondsSince(start), 5.0);
+}
+
 }  // namespace
 }  // namespace offload
