@@ -6,11 +6,16 @@
 //      local gRPC shards on loopback; step times against each other and against (1).
 //   3. The memory planner: the largest GPT-2-shaped model that trains on this GPU's memory with
 //      offload and without.
+//   4. The host's share of an offload step, for gpt2 (124M) and gpt2-xl (1.5B): the Adam pass over
+//      every parameter against the host's own memory roofline (adam_roofline.h, as bench_adam),
+//      on every core the process may use, pinned; and the bytes a step moves each way. Needs no
+//      GPU (--host_rows=false skips it); a model whose state does not fit the host is skipped
+//      saying so.
 //
 // Progress goes to stderr. stdout ends with a table and then one machine-readable line per
 // result, "gpu <kind> key=value ..." with no spaces inside values (scripts/gpu-check parses
 // them). Without a GPU it says why and exits 1 (0 with --allow_no_gpu); --plan_memory_gib makes
-// the planner row print first, since it needs no GPU.
+// the planner row print first, and the host rows print too, since they need no GPU.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -33,9 +38,11 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/dtype.h"
+#include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "cpu_optimizer_server/adam/adam_roofline.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
@@ -81,6 +88,9 @@ ABSL_FLAG(double, plan_memory_gib, 0,
 ABSL_FLAG(int, plan_batch, 1, "micro-batch of the planner row");
 ABSL_FLAG(int, plan_seq_len, 1024, "sequence length (and context) of the planner row");
 ABSL_FLAG(bool, allow_no_gpu, false, "exit 0, not 1, when there is no GPU");
+ABSL_FLAG(bool, host_rows, true,
+          "also measure the host's share of an offload step (Adam vs the memory roofline) for "
+          "gpt2-124m and gpt2-xl; needs no GPU");
 ABSL_FLAG(int, plan_window_layers, 2,
           "blocks of the parameter window in the planner's ZeRO-3 rows (a plan: the CUDA backend "
           "runs stage 2 only)");
@@ -414,12 +424,52 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
 
 // ---- Report -------------------------------------------------------------------------------
 
+// ---- 4. The host's share of an offload step --------------------------------------------
+
+struct HostRow {
+  std::string model;
+  int64_t params = 0;
+  int threads = 0;
+  int64_t bytes_each_way = 0;  // 16-bit gradients in, 16-bit weights out
+  double adam_s = 0, roofline_s = 0;
+  std::string skipped;  // why it was not measured; empty if it was
+};
+
+HostRow RunHostRow(const std::string& name, const Gpt2Config& c, DType dtype) {
+  HostRow row;
+  row.model = name;
+  row.params = Gpt2NumParams(c);
+  row.bytes_each_way = 2 * row.params;
+  // The shards' 16 bytes per parameter, with room left for the rest of the process.
+  const int64_t need = 16 * row.params;
+  const int64_t available = AvailableHostBytes();
+  if (available >= 0 && need > available - (int64_t{2} << 30)) {
+    row.skipped = absl::StrFormat("needs %.1f GiB of host memory, %.1f GiB available",
+                                  need / 1073741824.0, available / 1073741824.0);
+    return row;
+  }
+  ThreadPool pool(ThreadPool::Options{0, /*pin=*/true});
+  row.threads = pool.num_threads();
+  absl::StatusOr<std::unique_ptr<AdamRooflineBuffers>> buffers =
+      AdamRooflineBuffers::Allocate(row.params);
+  if (!buffers.ok()) {
+    row.skipped = std::string(buffers.status().message());
+    return row;
+  }
+  (*buffers)->Fill(dtype, pool);
+  const AdamVsRoofline best = MeasureAdamVsRoofline(**buffers, dtype, BestSimdPath(), pool, 3);
+  row.adam_s = best.adam_s;
+  row.roofline_s = best.roofline_s;
+  return row;
+}
+
 struct Results {
   std::optional<CudaDeviceInfo> device;
   double peak_flops = 0;
   std::optional<GpuResult> gpu;
   std::optional<OffloadResult> offload;
   std::optional<PlanResult> plan;
+  std::vector<HostRow> host;
 };
 
 std::string Billions(int64_t n) { return absl::StrFormat("%.2fB", static_cast<double>(n) / 1e9); }
@@ -487,6 +537,17 @@ void Report(const BenchConfig& b, const Results& r) {
         absl::StrCat(Billions(p.stage3_params), " (", p.stage3_model, ", binds: ", p.stage3_binds,
                      ")"));
   }
+  for (const HostRow& h : r.host) {
+    const std::string what =
+        absl::StrFormat("host Adam, %s (%s params)", h.model, Billions(h.params));
+    if (!h.skipped.empty()) {
+      row(what, absl::StrCat("skipped: ", h.skipped));
+      continue;
+    }
+    row(what, absl::StrFormat("%.1f ms, roofline %.1f ms (%.2fx), %d threads; %.0f MB each way",
+                              h.adam_s * 1e3, h.roofline_s * 1e3, h.roofline_s / h.adam_s,
+                              h.threads, h.bytes_each_way / 1e6));
+  }
   std::printf("\n");
 
   if (r.device) {
@@ -521,6 +582,18 @@ void Report(const BenchConfig& b, const Results& r) {
         "gpu offload_ratio server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f server_vs_gpu=%.3f\n",
         *r.offload->server_step_s / *r.offload->inprocess_step_s,
         *r.offload->inprocess_step_s / r.gpu->step_s, *r.offload->server_step_s / r.gpu->step_s);
+  }
+  for (const HostRow& h : r.host) {
+    if (!h.skipped.empty()) {
+      std::printf("gpu host model=%s params=%lld skipped=%s\n", h.model.c_str(),
+                  static_cast<long long>(h.params), Token(h.skipped).c_str());
+      continue;
+    }
+    std::printf(
+        "gpu host model=%s params=%lld dtype=%s threads=%d adam_s=%.5f roofline_s=%.5f "
+        "ratio=%.3f bytes_each_way=%lld\n",
+        h.model.c_str(), static_cast<long long>(h.params), dtype.c_str(), h.threads, h.adam_s,
+        h.roofline_s, h.roofline_s / h.adam_s, static_cast<long long>(h.bytes_each_way));
   }
   if (r.plan) {
     const PlanResult& p = *r.plan;
@@ -558,13 +631,21 @@ int Run() {
   Results r;
   const double plan_gib = absl::GetFlag(FLAGS_plan_memory_gib);
 
+  if (absl::GetFlag(FLAGS_host_rows)) {
+    for (const auto& [name, model] :
+         {std::pair<std::string, Gpt2Config>{"gpt2-124m", Gpt2Config{50257, 1024, 12, 12, 768}},
+          std::pair<std::string, Gpt2Config>{"gpt2-xl", Gpt2Config{50257, 1024, 48, 25, 1600}}}) {
+      std::fprintf(stderr, "bench_gpu: host Adam for %s\n", name.c_str());
+      r.host.push_back(RunHostRow(name, model, b.dtype));
+    }
+  }
   if (absl::Status available = CudaDeviceAvailable(); !available.ok()) {
     if (plan_gib > 0) {
       absl::StatusOr<PlanResult> plan = RunPlan(plan_gib, b.dtype);
       if (!plan.ok()) return Fail(b, r, "planner", plan.status());
       r.plan = *plan;
-      Report(b, r);
     }
+    if (plan_gib > 0 || !r.host.empty()) Report(b, r);
     std::printf("bench_gpu: no GPU, nothing to measure: %s\n",
                 std::string(available.message()).c_str());
     return absl::GetFlag(FLAGS_allow_no_gpu) ? 0 : 1;
