@@ -97,9 +97,31 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
     const int64_t lo = std::max<int64_t>(offset, it->offset());
     const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
     const int slice = static_cast<int>(it - map_.slices().begin());
-    OFFLOAD_RETURN_IF_ERROR(SendSlice(slice, lo, grads + (lo - offset), hi - lo, accumulate));
+    const uint16_t* piece = grads + (lo - offset);
+    if (const uint16_t* area = SliceGradientArea(slice);
+        area != nullptr && piece == area + (lo - static_cast<int64_t>(it->offset()))) {
+      in_place_elements_ += hi - lo;
+    }
+    OFFLOAD_RETURN_IF_ERROR(SendSlice(slice, lo, piece, hi - lo, accumulate));
   }
   return absl::OkStatus();
+}
+
+uint16_t* OptimizerBackend::GradientPlace(int64_t offset, int64_t n) {
+  if (!in_step_ || n <= 0 || offset < partition_offset() ||
+      offset + n > partition_offset() + partition_length()) {
+    return nullptr;
+  }
+  auto it = std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
+                             [](int64_t o, const v1::ShardSlice& s) {
+                               return o < static_cast<int64_t>(s.offset() + s.length());
+                             });
+  if (it == map_.slices().end() || static_cast<int64_t>(it->offset()) > offset ||
+      offset + n > static_cast<int64_t>(it->offset() + it->length())) {
+    return nullptr;  // not all in one slice
+  }
+  uint16_t* area = SliceGradientArea(static_cast<int>(it - map_.slices().begin()));
+  return area == nullptr ? nullptr : area + (offset - static_cast<int64_t>(it->offset()));
 }
 
 absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,

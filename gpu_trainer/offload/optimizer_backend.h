@@ -8,6 +8,7 @@
 #ifndef OFFLOAD_GPU_TRAINER_OFFLOAD_OPTIMIZER_BACKEND_H_
 #define OFFLOAD_GPU_TRAINER_OFFLOAD_OPTIMIZER_BACKEND_H_
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -77,6 +78,15 @@ class OptimizerBackend {
                                       uint16_t* partition16);
   void AbortStep();
 
+  // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
+  // elements [offset, offset + n) go so that SendGradients from exactly there copies nothing (the
+  // segment's gradient area), or null where they do not all lie in one slice whose plane has such
+  // a place. Only between BeginStep and Commit, for elements not yet sent; nothing may be written
+  // there once Commit is called. The shard validates what it finds there as any chunk.
+  uint16_t* GradientPlace(int64_t offset, int64_t n);
+  // Elements sent from their place (no copy) since construction.
+  int64_t in_place_elements() const { return in_place_elements_.load(); }
+
  protected:
   // Per-slice hooks of one step, slice = index into map.slices(); only this rank's slices are
   // opened.
@@ -88,6 +98,9 @@ class OptimizerBackend {
   virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
                                                     uint16_t* partition16) = 0;
   virtual void AbortSlices() = 0;
+  // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
+  // of this backend has one).
+  virtual uint16_t* SliceGradientArea(int /*slice*/) { return nullptr; }
   DType grad_dtype() const { return param_dtype_; }
 
   v1::PartitionMap map_;
@@ -98,6 +111,7 @@ class OptimizerBackend {
   int rank_ = 0;
   bool in_step_ = false;
   uint64_t step_ = 0;
+  std::atomic<int64_t> in_place_elements_{0};
 };
 
 // The CreateJobRequest of one shard: its slices as ranges, in range_index order.

@@ -110,6 +110,13 @@ absl::Status RemoteOptimizer::SendSlice(int slice, int64_t offset, const uint16_
                   addresses_[map_.slices(slice).shard_index()]);
 }
 
+uint16_t* RemoteOptimizer::SliceGradientArea(int slice) {
+  if (slice < 0 || slice >= static_cast<int>(streams_.size()) || streams_[slice] == nullptr) {
+    return nullptr;
+  }
+  return static_cast<uint16_t*>(streams_[slice]->GradientArea());
+}
+
 absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_multiplier,
                                                            bool skip, uint16_t* partition16) {
   std::vector<int> open;  // the slices of this rank's step

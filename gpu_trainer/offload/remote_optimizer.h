@@ -41,6 +41,7 @@ class RemoteOptimizer final : public OptimizerBackend {
   absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
                                             uint16_t* partition16) override;
   void AbortSlices() override;
+  uint16_t* SliceGradientArea(int slice) override;
 
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<OptimizerClient>> clients_;         // one per shard

@@ -184,6 +184,41 @@ TEST(DataParallel, HostStagedSixteenBitGradientsTrainWhatOneRankTrains) {
   EXPECT_TRUE(SameBits(again[0].master, pair[0].master));
 }
 
+// Zero-copy through shared memory: each rank's reducer rounds its share straight into the
+// shard's segment and the sender sends it from there, and the weights are those of the copying
+// gRPC plane bit for bit. Three shards cut the two ranks' partitions, so the shares that straddle
+// a cut go the copying way: both ways in one run. With DPU the step is not yet open when a step's
+// gradients are rounded after the warm-up, and micro-batches are summed from the trainer's own
+// buffer: those go the copying way, and still agree.
+TEST(DataParallel, GradientsWrittenIntoSharedMemoryTrainWhatGrpcTrains) {
+  struct Case {
+    const char* name;
+    bool dpu;
+    int micro_batches;
+    bool in_place;  // whether any gradient can go in place
+  };
+  for (const Case& c : {Case{"plain", false, 1, true}, Case{"dpu", true, 1, true},
+                        Case{"micro-batches", false, 2, false}}) {
+    TrainerOptions o = c.dpu ? DpuOptions() : TinyOptions();
+    o.micro_batches = c.micro_batches;
+    o.steps = 8;
+    o.schedule.set_total_steps(8);
+    o.bucket_elements = 4096;  // many buckets, some straddling the shards' slices
+    LocalShards grpc_shards(3), shm_shards(3);
+    std::vector<RunResult> grpc = TrainRanks(o, grpc_shards, 2, 8);
+    std::vector<RunResult> shm =
+        TrainRanks(o, shm_shards, 2, 8, /*checkpoint_at_end=*/false, TransportChoice::kShm);
+    std::printf("%s: rank 0 sent %lld of its 8 x %zu gradients in place\n", c.name,
+                static_cast<long long>(shm[0].in_place_elements), shm[0].partition16.size());
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(SameBits(shm[r].master, grpc[r].master)) << c.name << " rank " << r;
+      EXPECT_EQ(shm[r].losses, grpc[r].losses) << c.name << " rank " << r;
+      EXPECT_EQ(grpc[r].in_place_elements, 0) << c.name << " rank " << r;
+      EXPECT_EQ(shm[r].in_place_elements > 0, c.in_place) << c.name << " rank " << r;
+    }
+  }
+}
+
 // The delayed update and gradient accumulation compose with the ranks: W=2 with DPU after a
 // warm-up of 4 and 2 micro-batches trains what W=1 with the same settings trains, up to the order
 // of the sums again (each micro-batch's pieces are added in fp32 before the one rounding).

@@ -11,9 +11,8 @@ namespace offload {
 
 GradientReducer::GradientReducer(Collectives* collectives, const Gpt2Config& model,
                                  int64_t padded_length, uint16_t* grads16, DType dtype,
-                                 int64_t bucket_elements,
-                                 std::function<void(int64_t, int64_t)> on_rounded,
-                                 PhaseTrace* trace, int max_in_flight)
+                                 int64_t bucket_elements, RoundedFn on_rounded, PhaseTrace* trace,
+                                 int max_in_flight)
     : collectives_(collectives),
       model_(model),
       padded_length_(padded_length),
@@ -63,9 +62,10 @@ GradientReducer::~GradientReducer() {
   thread_.join();
 }
 
-void GradientReducer::Begin(uint64_t step) {
+void GradientReducer::Begin(uint64_t step, PlaceFn place) {
   std::unique_lock<std::mutex> lock(mu_);
   step_ = step;
+  place_ = std::move(place);
   stats_ = GradStats{};
   reduced_.clear();
   std::fill(unit_received_.begin(), unit_received_.end(), 0);
@@ -225,6 +225,7 @@ void GradientReducer::Loop() {
     queue_.pop_front();
     const bool failed = !error_.ok();
     const uint64_t step = step_;
+    const PlaceFn place = place_;
     float* data = live_[b].data.get();
     busy_ = true;
     lock.unlock();
@@ -234,7 +235,7 @@ void GradientReducer::Loop() {
       if (trace_ != nullptr)
         trace_->Record("reduce_queued", step, queued, PhaseTrace::Clock::now());
       TracePhase phase(trace_, "reduce_scatter", step);
-      s = Reduce(b, data, &stats);
+      s = Reduce(b, data, place, &stats);
     }
     lock.lock();
     busy_ = false;
@@ -246,7 +247,7 @@ void GradientReducer::Loop() {
   }
 }
 
-absl::Status GradientReducer::Reduce(int b, float* data, GradStats* stats) {
+absl::Status GradientReducer::Reduce(int b, float* data, const PlaceFn& place, GradStats* stats) {
   const Bucket& bucket = buckets_[b];
   const int W = collectives_->world_size();
   const int rank = collectives_->rank();
@@ -264,8 +265,10 @@ absl::Status GradientReducer::Reduce(int b, float* data, GradStats* stats) {
   if (mine == 0) return absl::OkStatus();
   // The mean over ranks, before rounding: each rank's loss is the mean over its share of the
   // batch, so this is the gradient of the whole batch's mean loss.
-  *stats = RoundGradients(out, mine, dtype_, grads16_ + mine_lo, 1.0f / static_cast<float>(W));
-  if (on_rounded_) on_rounded_(mine_lo, mine);
+  uint16_t* rounded = place != nullptr ? place(mine_lo, mine) : nullptr;  // (mine,)
+  if (rounded == nullptr) rounded = grads16_ + mine_lo;
+  *stats = RoundGradients(out, mine, dtype_, rounded, 1.0f / static_cast<float>(W));
+  if (on_rounded_) on_rounded_(mine_lo, mine, rounded);
   return absl::OkStatus();
 }
 

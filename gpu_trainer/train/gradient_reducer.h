@@ -34,21 +34,26 @@ namespace offload {
 
 class GradientReducer final : public Gpt2GradSink {
  public:
-  // This rank's share of each reduced bucket is rounded into grads16 (padded_length,), and
-  // on_rounded(offset, n) runs on the reducer thread once [offset, offset + n) of this rank's
-  // partition is final there. Buckets hold at least bucket_elements (the last may hold fewer) and
-  // never split a unit; with a single rank each unit is a bucket.
+  // This rank's share of each reduced bucket is rounded into grads16 (padded_length,), or where
+  // Begin's `place` says, and on_rounded(offset, n, rounded) runs on the reducer thread once
+  // [offset, offset + n) of this rank's partition is final at `rounded` (n,). Buckets hold at
+  // least bucket_elements (the last may hold fewer) and never split a unit; with a single rank
+  // each unit is a bucket.
+  using RoundedFn = std::function<void(int64_t offset, int64_t n, const uint16_t* rounded)>;
   GradientReducer(Collectives* collectives, const Gpt2Config& model, int64_t padded_length,
-                  uint16_t* grads16, DType dtype, int64_t bucket_elements,
-                  std::function<void(int64_t offset, int64_t n)> on_rounded,
+                  uint16_t* grads16, DType dtype, int64_t bucket_elements, RoundedFn on_rounded,
                   PhaseTrace* trace = nullptr, int max_in_flight = 2);
   ~GradientReducer() override;
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
+  // Where a bucket's rounded share of [offset, offset + n) goes instead of grads16, or null.
+  using PlaceFn = std::function<uint16_t*(int64_t offset, int64_t n)>;
   // Starts one backward pass; `step` labels the trace, where each bucket has two spans:
   // `reduce_queued` from backward's hand-off until this thread takes it, then `reduce_scatter`.
-  void Begin(uint64_t step);
+  // With `place`, each share is rounded where it says (zero-copy into the data plane), else into
+  // grads16; the statistics are the same either way.
+  void Begin(uint64_t step, PlaceFn place = nullptr);
   // Gpt2GradSink, for Gpt2Cpu::Backward: a unit's place in its bucket's buffer (taken, and
   // zeroed, with the bucket's first unit; waiting while max_in_flight buckets are on their way),
   // and the unit final. A bucket whose units are all final is queued for reduction.
@@ -94,7 +99,7 @@ class GradientReducer final : public Gpt2GradSink {
   void GiveBack(int b);  // mu_ held
   void Queue(int b);     // mu_ held
   void Loop();
-  absl::Status Reduce(int b, float* data, GradStats* stats);
+  absl::Status Reduce(int b, float* data, const PlaceFn& place, GradStats* stats);
 
   Collectives* const collectives_;
   const Gpt2Config model_;
@@ -103,7 +108,7 @@ class GradientReducer final : public Gpt2GradSink {
   const DType dtype_;
   const int64_t bucket_elements_;
   const int max_in_flight_;
-  const std::function<void(int64_t, int64_t)> on_rounded_;
+  const RoundedFn on_rounded_;
   PhaseTrace* const trace_;
   std::vector<Bucket> buckets_;      // in backward order; the padding first when there is any
   std::vector<int> bucket_of_unit_;  // (units,)
@@ -114,6 +119,7 @@ class GradientReducer final : public Gpt2GradSink {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   uint64_t step_ = 0;                           // guarded by mu_
+  PlaceFn place_;                               // guarded by mu_
   std::vector<Live> live_;                      // guarded by mu_; (buckets,)
   std::vector<std::unique_ptr<float[]>> free_;  // guarded by mu_: buffers to reuse
   std::vector<int64_t> free_capacity_;          // guarded by mu_

@@ -15,11 +15,12 @@ GradientSender::~GradientSender() {
   thread_.join();
 }
 
-void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate) {
+void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate, const uint16_t* src) {
   if (n <= 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Range{offset, n, accumulate, PhaseTrace::Clock::now()});
+    queue_.push_back(Range{offset, n, accumulate, src != nullptr ? src : grads16_ + offset,
+                           PhaseTrace::Clock::now()});
   }
   cv_.notify_all();
 }
@@ -51,7 +52,7 @@ void GradientSender::Loop() {
         trace_->Record("send_queued", step, range.queued, PhaseTrace::Clock::now());
       }
       TracePhase phase(trace_, "send_gradients", step);
-      s = backend_->SendGradients(range.offset, grads16_ + range.offset, range.n, range.accumulate);
+      s = backend_->SendGradients(range.offset, range.src, range.n, range.accumulate);
     }
     lock.lock();
     --in_flight_;

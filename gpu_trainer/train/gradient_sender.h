@@ -25,9 +25,11 @@ class GradientSender {
   void set_step(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
   ~GradientSender();
 
-  // Queues flat elements [offset, offset + n); accumulate as OptimizerBackend::SendGradients.
-  // After an error, later ranges are dropped. May be called from any thread.
-  void Enqueue(int64_t offset, int64_t n, bool accumulate = false);
+  // Queues flat elements [offset, offset + n), found at `src` (n,), or at grads16 + offset when
+  // null (src is the backend's GradientPlace when they were written there: sent without a copy);
+  // accumulate as OptimizerBackend::SendGradients. After an error, later ranges are dropped. May
+  // be called from any thread.
+  void Enqueue(int64_t offset, int64_t n, bool accumulate = false, const uint16_t* src = nullptr);
   // Waits until everything queued is sent; returns the first error since the last Drain.
   absl::Status Drain();
 
@@ -43,6 +45,7 @@ class GradientSender {
   struct Range {
     int64_t offset, n;
     bool accumulate;
+    const uint16_t* src;  // (n,)
     PhaseTrace::Clock::time_point queued;
   };
   std::deque<Range> queue_;  // guarded by mu_

@@ -227,7 +227,10 @@ absl::Status Trainer::Init() {
     reducer_ = std::make_unique<GradientReducer>(
         collectives_, o.model, static_cast<int64_t>(map.padded_length()), grads16_.data(),
         o.param_dtype, o.bucket_elements,
-        [this](int64_t offset, int64_t n) { OnGradientsRounded(offset, n); }, o.trace);
+        [this](int64_t offset, int64_t n, const uint16_t* rounded) {
+          OnGradientsRounded(offset, n, rounded);
+        },
+        o.trace);
   }
   return absl::OkStatus();
 }
@@ -642,7 +645,14 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
   accumulate_.store(k > 0);
   absl::StatusOr<GradStats> backward;
   if (reducer_ != nullptr) {
-    reducer_->Begin(step);
+    // Zero-copy where the data plane has a place for the gradients (shared memory): each share
+    // is rounded straight into it and sent from there. Not with micro-batches, whose sum is
+    // taken from grads16_, nor before the step is open (DPU's first micro-batch).
+    GradientReducer::PlaceFn place;
+    if (send && o.micro_batches == 1) {
+      place = [this](int64_t offset, int64_t n) { return backend_->GradientPlace(offset, n); };
+    }
+    reducer_->Begin(step, std::move(place));
     absl::Status s;
     {
       TracePhase phase(o.trace, "backward", step);
@@ -690,8 +700,8 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
   return absl::OkStatus();
 }
 
-void Trainer::OnGradientsRounded(int64_t offset, int64_t n) {
-  if (send_gradients_.load()) sender_->Enqueue(offset, n, accumulate_.load());
+void Trainer::OnGradientsRounded(int64_t offset, int64_t n, const uint16_t* rounded) {
+  if (send_gradients_.load()) sender_->Enqueue(offset, n, accumulate_.load(), rounded);
 }
 
 absl::Status Trainer::OpenDelayedStep(uint64_t step) {

@@ -222,8 +222,9 @@ class Trainer {
   // micro-batch, *stats := its gradients' statistics.
   absl::Status MicroBatch(uint64_t step, int k, float loss_scale, bool send, double* loss_sum,
                           GradStats* stats);
-  // Backward's 16-bit gradients [offset, offset + n) of this rank's partition are final.
-  void OnGradientsRounded(int64_t offset, int64_t n);
+  // Backward's 16-bit gradients [offset, offset + n) of this rank's partition are final, at
+  // `rounded` (n,) (null: in grads16_).
+  void OnGradientsRounded(int64_t offset, int64_t n, const uint16_t* rounded = nullptr);
   // DPU: once the first micro-batch is done, waits for the commit of the previous step and opens
   // this one with that micro-batch's gradients.
   absl::Status OpenDelayedStep(uint64_t step);

@@ -107,6 +107,7 @@ struct RunResult {
   int64_t weight_peak_bytes = 0;      // most 16-bit weight bytes held at once after Start
   std::vector<float> master;          // (padded,) fp32 master weights from the shards
   std::vector<float> losses;
+  int64_t in_place_elements = 0;  // gradients sent from the data plane's own memory (zero-copy)
 };
 
 // Trains `steps` more steps on `backend` (creating the trainer, starting or resuming) and
@@ -135,6 +136,7 @@ inline RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint6
   r.partition16.assign((*trainer)->partition16(),
                        (*trainer)->partition16() + backend->partition_length());
   r.weight_peak_bytes = (*trainer)->weight_meter().peak();
+  r.in_place_elements = backend->in_place_elements();
   const v1::PartitionMap& map = backend->partition();
   r.master.assign(map.padded_length(), 0.0f);
   EXPECT_TRUE(backend->ReadMasterWeights(r.master.data()).ok());
@@ -171,13 +173,14 @@ class LocalShards {
 // Runs `ranks` ranks of one job on `shards`, each on its own thread with its own collectives
 // (over one in-memory store), shard clients and options (`o` with this rank's collectives):
 // body(rank, options, backend).
-inline void RunRanks(
-    const TrainerOptions& o, const LocalShards& shards, int ranks, absl::Duration timeout,
-    const std::function<void(int, const TrainerOptions&, OptimizerBackend*)>& body) {
+inline void RunRanks(const TrainerOptions& o, const LocalShards& shards, int ranks,
+                     absl::Duration timeout,
+                     const std::function<void(int, const TrainerOptions&, OptimizerBackend*)>& body,
+                     TransportChoice transport = TransportChoice::kGrpc) {
   RunOnGlooRanks(ranks, timeout, [&](int r, Collectives& collectives) {
     auto backend =
         RemoteOptimizer::Connect(MapFor(o, static_cast<int>(shards.addresses().size()), ranks),
-                                 shards.addresses(), ClientOptions{});
+                                 shards.addresses(), ClientOptions{}, transport);
     ASSERT_TRUE(backend.ok()) << backend.status();
     ASSERT_TRUE((*backend)->SetRank(r).ok());
     TrainerOptions mine = o;
@@ -188,13 +191,15 @@ inline void RunRanks(
 
 // `steps` steps of every rank; returns every rank's result.
 inline std::vector<RunResult> TrainRanks(const TrainerOptions& o, const LocalShards& shards,
-                                         int ranks, uint64_t steps,
-                                         bool checkpoint_at_end = false) {
+                                         int ranks, uint64_t steps, bool checkpoint_at_end = false,
+                                         TransportChoice transport = TransportChoice::kGrpc) {
   std::vector<RunResult> results(ranks);
-  RunRanks(o, shards, ranks, absl::Seconds(60),
-           [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
-             results[r] = Train(mine, backend, steps, checkpoint_at_end);
-           });
+  RunRanks(
+      o, shards, ranks, absl::Seconds(60),
+      [&](int r, const TrainerOptions& mine, OptimizerBackend* backend) {
+        results[r] = Train(mine, backend, steps, checkpoint_at_end);
+      },
+      transport);
   return results;
 }
 
