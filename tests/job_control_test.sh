@@ -151,6 +151,31 @@ get "/v1/jobs/$nccl_job/events" >"$work/nccl-events.json"
 grep -q "1 CUDA rank on this host needs one GPU per rank with --collectives=nccl, but none are" \
   "$work/nccl-events.json" || fail "the NCCL refusal: $(cat "$work/nccl-events.json")"
 
+step "pool: one gpu_trainer process of two workers (--workers=2) runs two ranks of a job"
+# A 3-rank job takes every trainer worker; ranks follow indices, so ranks 0 and 1 go to this
+# process's workers (indices 0 and 1) and rank 2 to the unindexed worker above.
+"$trainer_bin" --controller="$grpc" --token_file="$work/token" --workers=2 --worker_index=0 \
+  -- --progress=log >"$work/trainer2x.log" 2>&1 &
+pair_pid=$!
+pids+=("$pair_pid")
+for _ in $(seq 100); do
+  [ "$(grep -c "registered with the job controller" "$work/trainer2x.log")" = 2 ] && break
+  sleep 0.1
+done
+[ "$(grep -c "registered with the job controller" "$work/trainer2x.log")" = 2 ] ||
+  fail "not two workers: $(cat "$work/trainer2x.log")"
+pair_job=$(post /v1/jobs "{\"name\": \"pair\", \"data\": {\"path\": \"$data\"},
+  \"training\": {\"steps\": 20, \"batch\": 12, \"seq_len\": 64},
+  \"eval\": {\"every\": 0, \"batches\": 1, \"sample_tokens\": 0},
+  \"parallel\": {\"ranks\": 3}}" | json "['id']")
+wait_state "$pair_job" JOB_STATE_SUCCEEDED 120
+for r in 0 1; do
+  grep -q "runs rank $r of 3 of $pair_job" "$work/trainer2x.log" ||
+    fail "rank $r did not run in the two-worker process: $(tail -5 "$work/trainer2x.log")"
+done
+kill "$pair_pid"
+wait "$pair_pid" || true
+
 step "REST: submit, progress while running, kill -9 of the controller, restart, succeeded"
 spec=$(cat <<JSON
 {"name": "curl", "data": {"path": "$data"},

@@ -88,6 +88,10 @@ ABSL_FLAG(std::string, error_file, "",
 ABSL_FLAG(std::string, rank_metrics_address, "",
           "with --controller: HOST:PORT where each rank this worker runs serves its training "
           "metrics (the worker's own are on --metrics_address)");
+ABSL_FLAG(int, workers, 1,
+          "with --controller: pool workers this process runs, one rank each (a node or pod of "
+          "that many GPUs): worker k has index worker_index * workers + k and its rank serves "
+          "metrics on --rank_metrics_address's port + k");
 ABSL_FLAG(int, worker_index, -1,
           "with --controller: this worker's place in its set (a Kubernetes completion index); "
           "the controller gives rank i to the worker with index i where it can. -1: none");
@@ -208,12 +212,15 @@ int main(int argc, char** argv) {
     // Arguments after "--" are this worker's own additions to every rank it runs (display,
     // timeouts, traces): settings of the machine, not of the job.
     std::vector<std::string> rank_args(positional.begin() + 1, positional.end());
-    if (const std::string a = absl::GetFlag(FLAGS_rank_metrics_address); !a.empty()) {
-      rank_args.push_back(absl::StrCat("--metrics_address=", a));
+    const int workers = absl::GetFlag(FLAGS_workers);
+    if (workers < 1 || workers > 1024) {
+      return Fail(
+          absl::InvalidArgumentError(absl::StrCat("--workers=", workers, " must be in [1, 1024]")));
     }
-    return offload::RunTrainerWorker(argv[0], absl::GetFlag(FLAGS_controller),
-                                     absl::GetFlag(FLAGS_rank_address),
-                                     absl::GetFlag(FLAGS_worker_index), rank_args, &g_stop);
+    return offload::RunTrainerWorkers(
+        workers, argv[0], absl::GetFlag(FLAGS_controller), absl::GetFlag(FLAGS_rank_address),
+        absl::GetFlag(FLAGS_worker_index), absl::GetFlag(FLAGS_rank_metrics_address), rank_args,
+        &g_stop);
   }
 
   absl::StatusOr<offload::TrainerOptions> options = offload::TrainerOptionsFromFlags();

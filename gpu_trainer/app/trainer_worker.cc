@@ -9,7 +9,9 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -105,7 +107,8 @@ std::vector<std::string> RankCommandLine(const std::string& trainer_binary,
 
 int RunTrainerWorker(const std::string& trainer_binary, const std::string& controller,
                      const std::string& rank_address, int worker_index,
-                     const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop) {
+                     const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop,
+                     const std::string& name_suffix) {
   const std::string self = ThisExecutable(trainer_binary);
 
   absl::StatusOr<SecurityOptions> security = SecurityFromFlags();
@@ -118,7 +121,7 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
     LOG(ERROR) << "gpu_trainer: " << channel.status();
     return 1;
   }
-  const std::string name = absl::StrCat(ThisHostName(), ":", getpid());
+  const std::string name = absl::StrCat(ThisHostName(), ":", getpid(), name_suffix);
   WorkerAgentOptions options;
   options.controller = controller;
   options.channel = *channel;
@@ -204,6 +207,44 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
   }
   // The last result goes out with the next heartbeat before the agent stops.
   (*agent)->Drain(absl::Seconds(5));
+  return 0;
+}
+
+int RunTrainerWorkers(int workers, const std::string& trainer_binary, const std::string& controller,
+                      const std::string& rank_address, int worker_index,
+                      const std::string& rank_metrics_address,
+                      const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop) {
+  std::string metrics_host;
+  int metrics_port = 0;
+  if (!rank_metrics_address.empty()) {
+    const size_t colon = rank_metrics_address.rfind(':');
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(rank_metrics_address.substr(colon + 1), &metrics_port) ||
+        metrics_port <= 0 || metrics_port + workers - 1 > 65535) {
+      LOG(ERROR) << absl::StrFormat(
+          "gpu_trainer: --rank_metrics_address=%s is not HOST:PORT with room for %d ports",
+          rank_metrics_address.c_str(), workers);
+      return 2;
+    }
+    metrics_host = rank_metrics_address.substr(0, colon);
+  }
+  std::vector<int> status(workers, 0);
+  auto run = [&](int k) {
+    std::vector<std::string> args = rank_args;
+    if (metrics_port > 0) {
+      args.push_back(absl::StrCat("--metrics_address=", metrics_host, ":", metrics_port + k));
+    }
+    status[k] = RunTrainerWorker(trainer_binary, controller, rank_address,
+                                 worker_index < 0 ? -1 : worker_index * workers + k, args, stop,
+                                 workers > 1 ? absl::StrCat("/", k) : "");
+  };
+  std::vector<std::thread> threads;
+  for (int k = 1; k < workers; ++k) threads.emplace_back(run, k);
+  run(0);
+  for (std::thread& t : threads) t.join();
+  for (int s : status) {
+    if (s != 0) return s;
+  }
   return 0;
 }
 

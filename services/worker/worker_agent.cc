@@ -15,7 +15,8 @@
 namespace offload {
 namespace {
 
-// docs/METRICS.md, "Pool workers". One agent per process, so plain process-wide metrics.
+// docs/METRICS.md, "Pool workers". Process-wide: a process may run several agents (gpu_trainer
+// --workers), so the gauges count them, each agent moving them by one when its own state changes.
 struct WorkerMetrics {
   prometheus::Gauge& registered;
   prometheus::Gauge& busy;
@@ -26,12 +27,12 @@ struct WorkerMetrics {
     static WorkerMetrics* m =
         new WorkerMetrics{prometheus::BuildGauge()
                               .Name("offload_worker_registered")
-                              .Help("1 while this worker is registered with the job controller.")
+                              .Help("Workers of this process registered with the job controller.")
                               .Register(MetricsRegistry())
                               .Add({}),
                           prometheus::BuildGauge()
                               .Name("offload_worker_busy")
-                              .Help("1 while this worker runs an assignment.")
+                              .Help("Workers of this process running an assignment.")
                               .Register(MetricsRegistry())
                               .Add({}),
                           prometheus::BuildCounter()
@@ -72,7 +73,17 @@ void ForgetAttempt(std::vector<v1::Assignment>* running, const v1::AttemptRef& r
       std::remove_if(running->begin(), running->end(),
                      [&](const v1::Assignment& a) { return SameAttempt(RefOf(a), ref); }),
       running->end());
-  WorkerMetrics::Get().busy.Set(running->empty() ? 0 : 1);
+}
+
+// Moves `gauge` by one when *state changes to `now`.
+void Track(prometheus::Gauge& gauge, bool* state, bool now) {
+  if (*state == now) return;
+  *state = now;
+  if (now) {
+    gauge.Increment();
+  } else {
+    gauge.Decrement();
+  }
 }
 
 }  // namespace
@@ -113,6 +124,9 @@ WorkerAgent::~WorkerAgent() {
     stopping_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  absl::MutexLock lock(&mu_);
+  Track(WorkerMetrics::Get().registered, &registered_, false);
+  Track(WorkerMetrics::Get().busy, &busy_, false);
 }
 
 std::string WorkerAgent::worker_id() const {
@@ -126,6 +140,7 @@ void WorkerAgent::Finished(v1::AttemptResult result) {
     if (SameAttempt(RefOf(a), result.attempt())) unreported_.push_back(a);
   }
   ForgetAttempt(&running_, result.attempt());
+  Track(WorkerMetrics::Get().busy, &busy_, !running_.empty());
   finished_.push_back(std::move(result));
 }
 
@@ -148,12 +163,9 @@ absl::Status WorkerAgent::Register() {
   SetDeadline(&context, options_.call_timeout);
   AttachBearer(&context, options_.token);
   grpc::Status s = stub_->RegisterWorker(&context, request, &response);
-  if (!s.ok()) {
-    WorkerMetrics::Get().registered.Set(0);
-    return FromGrpcStatus(s);
-  }
-  WorkerMetrics::Get().registered.Set(1);
   absl::MutexLock lock(&mu_);
+  Track(WorkerMetrics::Get().registered, &registered_, s.ok());
+  if (!s.ok()) return FromGrpcStatus(s);
   worker_id_ = response.worker_id();
   if (response.heartbeat_interval_ms() > 0) {
     interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
@@ -237,6 +249,7 @@ void WorkerAgent::HeartbeatOnce() {
     {
       absl::MutexLock lock(&mu_);
       ForgetAttempt(&running_, ref);
+      Track(WorkerMetrics::Get().busy, &busy_, !running_.empty());
     }
     if (hooks_.stop) hooks_.stop(ref);
   }
@@ -244,7 +257,7 @@ void WorkerAgent::HeartbeatOnce() {
     {
       absl::MutexLock lock(&mu_);
       running_.push_back(a);
-      WorkerMetrics::Get().busy.Set(1);
+      Track(WorkerMetrics::Get().busy, &busy_, true);
     }
     WorkerMetrics::Get().assignments.Increment();
     if (hooks_.start) hooks_.start(a);

@@ -90,6 +90,9 @@ class WorkerAgent {
   // next heartbeat carries lands on the slot's holder instead of being lost.
   std::vector<v1::Assignment> unreported_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // What this agent adds to the process's offload_worker_registered and _busy gauges.
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool unreachable_ ABSL_GUARDED_BY(mu_) = false;  // said once per outage, not every heartbeat
   std::thread thread_;
 };

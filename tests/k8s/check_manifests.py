@@ -144,6 +144,20 @@ def port_of(address):
     return int(m.group(1)) if m else None
 
 
+def workers_of(container):
+    """gpu_trainer --workers=N: pool workers (ranks) the container's process runs; 1 if unset."""
+    value = flags(container).get("workers", "1")
+    return int(value) if str(value).isdigit() and int(value) >= 1 else None
+
+
+# A process of N workers serves rank k's metrics on the rank port + k, container port
+# `rank-metrics-<k>` for k >= 1 (docs/METRICS.md).
+def extra_rank_port(name, number, base):
+    m = re.fullmatch(r"(.+)-(\d+)", name or "")
+    return m is not None and m.group(1) == base[1] and int(m.group(2)) >= 1 and \
+        number == base[0] + int(m.group(2))
+
+
 def container_ports(container):
     return {p.get("name"): p.get("containerPort") for p in lst(container.get("ports"))
             if isinstance(p, dict)}
@@ -324,6 +338,11 @@ def check_roles(case, obj, pod_meta, pod_spec, ctx, metrics_jobs):
                     case.error(obj, f"container {c.get('name')}: --{flag} is not on port {number} (docs/METRICS.md, job {job})")
                 if ports.get(port_name) != number:
                     case.error(obj, f"container {c.get('name')}: no container port {port_name}: {number} (docs/METRICS.md, job {job})")
+                # Each further rank of a process of several workers: its own port, one up.
+                if flag == "rank_metrics_address":
+                    for k in range(1, workers_of(c) or 1):
+                        if ports.get(f"{port_name}-{k}") != number + k:
+                            case.error(obj, f"container {c.get('name')}: --workers={workers_of(c)} but no container port {port_name}-{k}: {number + k} (docs/METRICS.md, job {job})")
 
     for c in by_binary.get("job_controller", []):
         f = flags(c)
@@ -406,6 +425,11 @@ def check_roles(case, obj, pod_meta, pod_spec, ctx, metrics_jobs):
         gpus = quantity(d(d(c.get("resources")).get("limits")).get("nvidia.com/gpu"))
         if not gpus or gpus < 1:
             case.error(obj, f"container {c.get('name')}: no nvidia.com/gpu limit")
+        workers = workers_of(c)
+        if workers is None:
+            case.error(obj, f"container {c.get('name')}: --workers is not a positive integer")
+        elif gpus and gpus < workers:
+            case.error(obj, f"container {c.get('name')}: nvidia.com/gpu limit {gpus} < --workers={workers} (a GPU per rank)")
         shm = mounts(c).get("/dev/shm")
         if not shm:
             case.error(obj, f"container {c.get('name')}: no /dev/shm mount")
@@ -536,9 +560,13 @@ def check_monitoring(case, ctx, metrics_jobs):
                 case.error(mon, f"endpoint port {port}: no such port on the selected "
                                 f"{'pods (containers)' if is_pod else 'services'}")
                 continue
-            if port != port_name or any(n != number for n in found):
+            if job == "offload-trainer" and port != port_name and \
+                    all(extra_rank_port(port, n, (number, port_name)) for n in found):
+                pass  # rank k of a process of several workers: the rank port + k
+            elif port != port_name or any(n != number for n in found):
                 case.error(mon, f"endpoint port {port} ({sorted(set(found))}): docs/METRICS.md gives job {job} port {number} ({port_name})")
-            scraped.setdefault(job, []).append(oid(mon))
+            if oid(mon) not in scraped.setdefault(job, []):
+                scraped[job].append(oid(mon))  # one monitor may scrape a job on several ports
     for job in sorted(metrics_jobs):
         if job in EXTERNAL_JOBS:
             continue
@@ -606,13 +634,13 @@ def check_example_job(case, ctx):
             continue
         for c in containers(ps, init=False):
             if binary(c) == "gpu_trainer":
-                trainer_pods += count
+                trainer_pods += count * (workers_of(c) or 1)
             if binary(c) == "cpu_optimizer_server":
                 shards += count
             if any(k.startswith("rdma/") for k in d(d(c.get("resources")).get("limits"))):
                 rdma = True
     if parallel.get("ranks", 1) != trainer_pods:
-        case.error(cm, f"parallel.ranks {parallel.get('ranks', 1)} != {trainer_pods} trainer pods")
+        case.error(cm, f"parallel.ranks {parallel.get('ranks', 1)} != {trainer_pods} trainer pool workers (pods x --workers)")
     if parallel.get("optimizer_servers", 1) != shards:
         case.error(cm, f"parallel.optimizer_servers {parallel.get('optimizer_servers', 1)} != {shards} optimizer servers")
     if rdma and parallel.get("transport") != "ucx":
