@@ -220,7 +220,7 @@ int RunTrainerWorkers(int workers, const std::string& trainer_binary, const std:
     const size_t colon = rank_metrics_address.rfind(':');
     if (colon == std::string::npos ||
         !absl::SimpleAtoi(rank_metrics_address.substr(colon + 1), &metrics_port) ||
-        metrics_port <= 0 || metrics_port + workers - 1 > 65535) {
+        metrics_port < 0 || metrics_port + workers - 1 > 65535) {
       LOG(ERROR) << absl::StrFormat(
           "gpu_trainer: --rank_metrics_address=%s is not HOST:PORT with room for %d ports",
           rank_metrics_address.c_str(), workers);
@@ -231,8 +231,10 @@ int RunTrainerWorkers(int workers, const std::string& trainer_binary, const std:
   std::vector<int> status(workers, 0);
   auto run = [&](int k) {
     std::vector<std::string> args = rank_args;
-    if (metrics_port > 0) {
-      args.push_back(absl::StrCat("--metrics_address=", metrics_host, ":", metrics_port + k));
+    if (!rank_metrics_address.empty()) {
+      // Port 0 (any free port) stays 0 for every rank.
+      const int port = metrics_port == 0 ? 0 : metrics_port + k;
+      args.push_back(absl::StrCat("--metrics_address=", metrics_host, ":", port));
     }
     status[k] = RunTrainerWorker(trainer_binary, controller, rank_address,
                                  worker_index < 0 ? -1 : worker_index * workers + k, args, stop,

@@ -39,7 +39,8 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
 // worker_index * workers + k (none when worker_index < 0), so an Indexed Job of P pods offers
 // ranks 0 .. P * workers - 1 in order; the controller sees they share rank_address, so worker k's
 // CUDA rank takes GPU k. Its rank serves metrics on rank_metrics_address's port + k (none when
-// ""). Returns the first non-zero exit status; 2 for a rank_metrics_address without a port.
+// ""; port 0, any free port, for every rank). Returns the first non-zero exit status; 2 for a
+// rank_metrics_address without a port.
 int RunTrainerWorkers(int workers, const std::string& trainer_binary, const std::string& controller,
                       const std::string& rank_address, int worker_index,
                       const std::string& rank_metrics_address,
