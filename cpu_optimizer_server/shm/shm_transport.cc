@@ -184,9 +184,6 @@ class ShmStepStream final : public StepStream {
     Finish();
     return s;
   }
-  // Pushes the COMMIT and hands each wave of parameters to on_wave as it is published.
-  absl::StatusOr<v1::StepResult> CommitWaves(float lr, float grad_multiplier, bool skip,
-                                             const ParamWaveFn& on_wave);
   absl::StatusOr<uint32_t> PushGrad(int64_t offset, DType dtype, int64_t n, bool accumulate,
                                     uint32_t slot) {
     ShmCommand cmd{};
@@ -248,19 +245,15 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
 absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multiplier, bool skip,
                                                      void* params_out) {
   char* out = static_cast<char*>(params_out);
-  return CommitWaves(lr, grad_multiplier, skip,
-                     [out](int64_t begin, int64_t n, const void* params) {
-                       std::memcpy(out + begin * 2, params, n * 2);
-                     });
+  return CommitInPlace(lr, grad_multiplier, skip,
+                       [out](int64_t begin, int64_t n, const void* params) {
+                         std::memcpy(out + begin * 2, params, n * 2);
+                       });
 }
 
+// Pushes the COMMIT and hands each wave of parameters to on_wave as it is published.
 absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(float lr, float grad_multiplier,
                                                             bool skip, const ParamWaveFn& on_wave) {
-  return CommitWaves(lr, grad_multiplier, skip, on_wave);
-}
-
-absl::StatusOr<v1::StepResult> ShmStepStream::CommitWaves(float lr, float grad_multiplier,
-                                                          bool skip, const ParamWaveFn& on_wave) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   OFFLOAD_RETURN_IF_ERROR(PendingError());
   ShmHeader* h = a_->header();

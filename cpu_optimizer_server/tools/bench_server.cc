@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -88,24 +87,9 @@ absl::Status StepAllRangesVia(StepTransport* transport, bool zero_copy, const st
       status[i] = (*stream)->Commit(lr, 1.0f, false, params + r.offset).status();
       return;
     }
-    void* area = (*stream)->GradientArea();  // (r.length,)
-    if (area == nullptr) {
-      status[i] = absl::UnimplementedError("the plane has no gradient area");
-      return;
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    std::memcpy(area, grads + r.offset, r.length * 2);
-    produced[i] = Seconds(t0, std::chrono::steady_clock::now());
-    status[i] = (*stream)->SendGradients(r.offset, area, dtype, r.length);
-    if (!status[i].ok()) return;
-    int64_t handed_over = 0;
-    status[i] = (*stream)
-                    ->CommitInPlace(lr, 1.0f, false,
-                                    [&](int64_t, int64_t n, const void*) { handed_over += n; })
+    status[i] = ExchangeInPlace(**stream, r.offset, grads + r.offset, dtype, r.length,
+                                /*send=*/true, lr, /*skip=*/false, &produced[i])
                     .status();
-    if (status[i].ok() && handed_over != r.length) {
-      status[i] = absl::InternalError("the zero-copy commit did not hand over the whole range");
-    }
   };
   std::vector<std::thread> threads;
   for (size_t i = 1; i < ranges.size(); ++i) threads.emplace_back(one, i);

@@ -232,21 +232,7 @@ class Bench {
       if (send) OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, grads_.data(), dtype_, n_));
       return (*stream)->Commit(1e-4f, 1.0f, skip, params_.data());
     }
-    if (send) {
-      void* area = (*stream)->GradientArea();  // (n,)
-      if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");
-      const auto t0 = Clock::now();
-      std::memcpy(area, grads_.data(), n_ * 2);
-      *produce_s = Seconds(t0, Clock::now());
-      OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, area, dtype_, n_));
-    }
-    int64_t handed_over = 0;
-    absl::StatusOr<v1::StepResult> r = (*stream)->CommitInPlace(
-        1e-4f, 1.0f, skip, [&](int64_t, int64_t n, const void*) { handed_over += n; });
-    if (r.ok() && !r->skipped() && handed_over != n_) {
-      return absl::InternalError("the zero-copy commit did not hand over the whole range");
-    }
-    return r;
+    return ExchangeInPlace(**stream, 0, grads_.data(), dtype_, n_, send, 1e-4f, skip, produce_s);
   }
 
   const int64_t n_;

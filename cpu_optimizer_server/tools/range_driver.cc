@@ -1,7 +1,10 @@
 #include "cpu_optimizer_server/tools/range_driver.h"
 
+#include <chrono>
+#include <cstring>
 #include <thread>
 
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 
 namespace offload {
@@ -56,6 +59,26 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
     if (!e.ok()) return e;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StepResult> ExchangeInPlace(StepStream& stream, int64_t offset,
+                                               const uint16_t* grads, DType dtype, int64_t n,
+                                               bool send, float lr, bool skip, double* produce_s) {
+  if (send) {
+    void* area = stream.GradientArea();  // (n,)
+    if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(area, grads, n * 2);
+    *produce_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    OFFLOAD_RETURN_IF_ERROR(stream.SendGradients(offset, area, dtype, n));
+  }
+  int64_t handed_over = 0;
+  absl::StatusOr<v1::StepResult> r = stream.CommitInPlace(
+      lr, 1.0f, skip, [&](int64_t, int64_t m, const void*) { handed_over += m; });
+  if (r.ok() && !r->skipped() && handed_over != n) {
+    return absl::InternalError("the zero-copy commit did not hand over the whole range");
+  }
+  return r;
 }
 
 }  // namespace offload

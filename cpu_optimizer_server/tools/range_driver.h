@@ -12,6 +12,7 @@
 #include "cpu_optimizer_server/adam/adam_kernel.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
+#include "cpu_optimizer_server/transport/step_transport.h"
 
 namespace offload {
 
@@ -29,6 +30,16 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
                            const std::vector<RangeSpec>& ranges, uint64_t step,
                            const uint16_t* grads, DType dtype, float lr, float grad_multiplier,
                            uint16_t* params);
+
+// One zero-copy exchange on an open `stream` (step_transport.h) of the range [offset, + n): when
+// `send`, grads (n,) in dtype are written into the plane's gradient area and sent from there;
+// then a zero-copy commit, whose waves must cover the range unless the step was skipped. The
+// write stands for the trainer's own rounding, which every plane does once, so the benches leave
+// it out of what they time: its seconds go to *produce_s. UNIMPLEMENTED where the plane has no
+// gradient area.
+absl::StatusOr<v1::StepResult> ExchangeInPlace(StepStream& stream, int64_t offset,
+                                               const uint16_t* grads, DType dtype, int64_t n,
+                                               bool send, float lr, bool skip, double* produce_s);
 
 }  // namespace offload
 

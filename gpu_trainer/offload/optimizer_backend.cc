@@ -79,6 +79,14 @@ absl::Status OptimizerBackend::BeginStep(uint64_t step) {
   return absl::OkStatus();
 }
 
+OptimizerBackend::SliceIterator OptimizerBackend::FirstSliceEndingAfter(int64_t offset) const {
+  // Slices are sorted by offset.
+  return std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
+                          [](int64_t o, const v1::ShardSlice& s) {
+                            return o < static_cast<int64_t>(s.offset() + s.length());
+                          });
+}
+
 absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
                                              bool accumulate) {
   if (!in_step_) return absl::FailedPreconditionError("SendGradients outside a step");
@@ -88,11 +96,7 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
         absl::StrCat("gradients [", offset, ", ", end, ") outside the partition of rank ", rank_,
                      " [", partition_offset(), ", ", partition_offset() + partition_length(), ")"));
   }
-  // Slices are sorted by offset: find the first that ends after `offset`.
-  auto it = std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
-                             [](int64_t o, const v1::ShardSlice& s) {
-                               return o < static_cast<int64_t>(s.offset() + s.length());
-                             });
+  auto it = FirstSliceEndingAfter(offset);
   for (; it != map_.slices().end() && static_cast<int64_t>(it->offset()) < end; ++it) {
     const int64_t lo = std::max<int64_t>(offset, it->offset());
     const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
@@ -112,10 +116,7 @@ uint16_t* OptimizerBackend::GradientPlace(int64_t offset, int64_t n) {
       offset + n > partition_offset() + partition_length()) {
     return nullptr;
   }
-  auto it = std::upper_bound(map_.slices().begin(), map_.slices().end(), offset,
-                             [](int64_t o, const v1::ShardSlice& s) {
-                               return o < static_cast<int64_t>(s.offset() + s.length());
-                             });
+  auto it = FirstSliceEndingAfter(offset);
   if (it == map_.slices().end() || static_cast<int64_t>(it->offset()) > offset ||
       offset + n > static_cast<int64_t>(it->offset() + it->length())) {
     return nullptr;  // not all in one slice

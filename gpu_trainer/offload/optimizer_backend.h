@@ -108,6 +108,10 @@ class OptimizerBackend {
   std::string job_id_;
 
  private:
+  using SliceIterator = google::protobuf::RepeatedPtrField<v1::ShardSlice>::const_iterator;
+  // The first slice of the map that ends after flat element `offset`.
+  SliceIterator FirstSliceEndingAfter(int64_t offset) const;
+
   int rank_ = 0;
   bool in_step_ = false;
   uint64_t step_ = 0;

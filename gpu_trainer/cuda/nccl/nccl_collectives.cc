@@ -61,6 +61,32 @@ absl::Status AwaitReady(ncclComm_t comm, Clock::time_point deadline, absl::strin
   }
 }
 
+// A non-blocking communicator's call was taken (ncclInProgress: queued, AwaitReady waits for it).
+bool Taken(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
+
+absl::Status Queued(ncclResult_t r, ncclComm_t comm, absl::string_view what) {
+  return Taken(r) ? absl::OkStatus() : NcclStatus(r, comm, what);
+}
+
+// A communicator just made (by init or split, call result r) once it is ready, with a stream of
+// its own; aborted on any failure.
+absl::StatusOr<cudaStream_t> StreamOnceReady(ncclComm_t comm, ncclResult_t r,
+                                             const std::string& what, absl::Duration timeout) {
+  absl::Status s = Queued(r, comm, what);
+  if (s.ok() && comm == nullptr) s = absl::InternalError(absl::StrCat(what, ": no communicator"));
+  if (s.ok()) s = AwaitReady(comm, DeadlineAfter(timeout), what, timeout);
+  cudaStream_t stream = nullptr;
+  if (s.ok()) {
+    const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) s = CudaErrorStatus(e, "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+  }
+  if (!s.ok()) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    return s;
+  }
+  return stream;
+}
+
 absl::Status CheckCounts(const std::vector<int64_t>& counts, int world_size,
                          absl::string_view what) {
   if (static_cast<int>(counts.size()) != world_size) {
@@ -85,7 +111,7 @@ class NcclCollectives final : public Collectives {
       // Flushes what was issued; a peer that is gone makes it hang, so it is bounded too.
       const ncclResult_t r = ncclCommFinalize(comm_);
       const bool finalized =
-          (r == ncclSuccess || r == ncclInProgress) &&
+          Taken(r) &&
           AwaitReady(comm_, DeadlineAfter(options_.timeout), "finalize", options_.timeout).ok();
       if (finalized) {
         ncclCommDestroy(comm_);
@@ -117,17 +143,10 @@ class NcclCollectives final : public Collectives {
         return ncclReduceScatter(data, out, counts[0], ncclFloat, ncclSum, comm_, stream_);
       }
       // Uneven pieces (a bucket meets the partitions unevenly): one reduce to each owner.
-      ncclResult_t r = ncclGroupStart();
-      int64_t offset = 0;
-      for (int p = 0; p < world_size() && (r == ncclSuccess || r == ncclInProgress); ++p) {
-        if (counts[p] > 0) {
-          r = ncclReduce(data + offset, p == rank() ? out : nullptr, counts[p], ncclFloat, ncclSum,
-                         p, comm_, stream_);
-        }
-        offset += counts[p];
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess && r != ncclInProgress ? r : end;
+      return PerOwner(counts, [&](int p, int64_t offset) {
+        return ncclReduce(data + offset, p == rank() ? out : nullptr, counts[p], ncclFloat, ncclSum,
+                          p, comm_, stream_);
+      });
     });
   }
 
@@ -146,17 +165,10 @@ class NcclCollectives final : public Collectives {
     std::lock_guard<std::mutex> lock(mu_);
     OFFLOAD_RETURN_IF_ERROR(CheckCounts(counts, world_size(), "nccl all_gather_v"));
     return Run("all_gather_v", options_.timeout, [&]() -> ncclResult_t {
-      ncclResult_t r = ncclGroupStart();
-      int64_t offset = 0;
-      for (int p = 0; p < world_size() && (r == ncclSuccess || r == ncclInProgress); ++p) {
-        if (counts[p] > 0) {
-          r = ncclBroadcast(p == rank() ? in : nullptr, out + offset,
-                            static_cast<size_t>(counts[p]) * 2, ncclUint8, p, comm_, stream_);
-        }
-        offset += counts[p];
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess && r != ncclInProgress ? r : end;
+      return PerOwner(counts, [&](int p, int64_t offset) {
+        return ncclBroadcast(p == rank() ? in : nullptr, out + offset,
+                             static_cast<size_t>(counts[p]) * 2, ncclUint8, p, comm_, stream_);
+      });
     });
   }
 
@@ -221,31 +233,38 @@ class NcclCollectives final : public Collectives {
     config.blocking = 0;
     ncclComm_t child = nullptr;
     const ncclResult_t r = ncclCommSplit(comm_, 0, rank(), &child, &config);
-    absl::Status s =
-        r == ncclSuccess || r == ncclInProgress ? absl::OkStatus() : NcclStatus(r, comm_, what);
-    if (s.ok()) s = AwaitReady(comm_, DeadlineAfter(options_.timeout), what, options_.timeout);
-    if (s.ok() && child != nullptr) {
-      s = AwaitReady(child, DeadlineAfter(options_.timeout), what, options_.timeout);
+    // The split is collective on the parent too: it must leave ncclInProgress as well.
+    absl::Status parent = Queued(r, comm_, what);
+    if (parent.ok()) {
+      parent = AwaitReady(comm_, DeadlineAfter(options_.timeout), what, options_.timeout);
     }
-    if (s.ok() && child == nullptr)
-      s = absl::InternalError(absl::StrCat(what, ": no communicator"));
-    cudaStream_t stream = nullptr;
-    if (s.ok()) {
-      const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-      if (e != cudaSuccess) s = CudaErrorStatus(e, "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+    absl::StatusOr<cudaStream_t> stream =
+        parent.ok() ? StreamOnceReady(child, r, what, options_.timeout) : parent;
+    if (!stream.ok()) {
+      if (!parent.ok() && child != nullptr) ncclCommAbort(child);
+      Break(stream.status());
+      return stream.status();
     }
-    if (!s.ok()) {
-      if (child != nullptr) ncclCommAbort(child);
-      Break(s);
-      return s;
-    }
-    NcclOptions options = options_;
     return std::unique_ptr<Collectives>(
-        new NcclCollectives(options, child, stream,
+        new NcclCollectives(options_, child, *stream,
                             name_.empty() ? std::string(name) : absl::StrCat(name_, "/", name)));
   }
 
  private:
+  // One call per rank p with a piece (counts[p] > 0, its first element at `offset`), in one
+  // group: the uneven collectives, built from rooted ones.
+  ncclResult_t PerOwner(const std::vector<int64_t>& counts,
+                        const std::function<ncclResult_t(int p, int64_t offset)>& call) {
+    ncclResult_t r = ncclGroupStart();
+    int64_t offset = 0;
+    for (int p = 0; p < world_size() && Taken(r); ++p) {
+      if (counts[p] > 0) r = call(p, offset);
+      offset += counts[p];
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    return Taken(r) ? end : r;
+  }
+
   absl::Status Usable() const {
     if (!broken_.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -284,9 +303,7 @@ class NcclCollectives final : public Collectives {
     const std::string what = absl::StrCat("nccl ", op, " (rank ", rank(), " of ", world_size(),
                                           name_.empty() ? "" : absl::StrCat(", fork ", name_), ")");
     const Clock::time_point deadline = DeadlineAfter(timeout);
-    const ncclResult_t r = enqueue();
-    absl::Status s =
-        r == ncclSuccess || r == ncclInProgress ? absl::OkStatus() : NcclStatus(r, comm_, what);
+    absl::Status s = Queued(enqueue(), comm_, what);
     // Non-blocking: the calls are queued once the communicator leaves ncclInProgress.
     if (s.ok()) s = AwaitReady(comm_, deadline, what, timeout);
     while (s.ok()) {
@@ -367,18 +384,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> ConnectNccl(
   config.blocking = 0;  // every wait is the host's, with a deadline
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&comm, W, id, options.rank, &config);
-  absl::Status s =
-      r == ncclSuccess || r == ncclInProgress ? absl::OkStatus() : NcclStatus(r, comm, what);
-  if (s.ok()) s = AwaitReady(comm, DeadlineAfter(options.timeout), what, options.timeout);
-  cudaStream_t stream = nullptr;
-  if (s.ok()) {
-    const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    if (e != cudaSuccess) s = CudaErrorStatus(e, "cudaStreamCreateWithFlags", __FILE__, __LINE__);
-  }
-  if (!s.ok()) {
-    if (comm != nullptr) ncclCommAbort(comm);
-    return s;
-  }
+  OFFLOAD_ASSIGN_OR_RETURN(cudaStream_t stream, StreamOnceReady(comm, r, what, options.timeout));
   return std::unique_ptr<Collectives>(new NcclCollectives(options, comm, stream, ""));
 }
 
