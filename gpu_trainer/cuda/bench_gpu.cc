@@ -2,8 +2,10 @@
 //
 //   1. GPU-resident training, no offload: Gpt2Cuda forward + backward and the fused GpuAdamW on
 //      the device; tokens/s and MFU (model FLOPs, Gpt2FlopsPerToken, over the 16-bit peak).
-//   2. The same model through the Trainer with the optimizer offloaded: in process, and behind
-//      local gRPC shards on loopback; step times against each other and against (1).
+//   2. The same model through the Trainer with the optimizer offloaded: in process (synchronous
+//      and DPU), and behind local shards on loopback (gRPC; shared memory, synchronous and DPU);
+//      step times against each other and against (1). Then the pinned transfer bound
+//      (cudaMemcpyAsync each way) and what a step's 16-bit bytes take at it.
 //   3. The memory planner: the largest GPT-2-shaped model that trains on this GPU's memory with
 //      offload and without.
 //   4. The host's share of an offload step, for gpt2 (124M) and gpt2-xl (1.5B): the Adam pass over
@@ -18,9 +20,11 @@
 // the planner row print first, and the host rows print too, since they need no GPU.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <random>
@@ -46,6 +50,7 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
+#include "cpu_optimizer_server/transport/transport_select.h"
 #include "gpu_trainer/cuda/gpt2_cuda.h"
 #include "gpu_trainer/cuda/memory_planner.h"
 #include "gpu_trainer/cuda/optim/gpu_adamw.h"
@@ -79,7 +84,7 @@ ABSL_FLAG(double, peak_tflops, 0,
           "dense 16-bit peak TFLOP/s that MFU is measured against; 0: from the device's SM "
           "count, clock and architecture");
 ABSL_FLAG(bool, offload, true, "also time the offload rows (the Trainer with CPU optimizers)");
-ABSL_FLAG(int, shards, 1, "optimizer shards behind gRPC on loopback for the offload=server row");
+ABSL_FLAG(int, shards, 1, "optimizer shards on loopback for the offload=server* rows");
 ABSL_FLAG(std::string, data, std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt",
           "training text of the offload rows (bytes, vocab 256: fits any vocab)");
 ABSL_FLAG(double, plan_memory_gib, 0,
@@ -320,22 +325,54 @@ absl::StatusOr<double> TimeTrainerSteps(const TrainerOptions& o, const BenchConf
   return seconds;
 }
 
-struct OffloadResult {
-  int64_t params = 0;
-  std::optional<double> inprocess_step_s;
-  std::optional<double> server_step_s;
+// One offload configuration: where the optimizer runs, over which data plane, with or without
+// the delayed parameter update.
+struct OffloadRow {
+  std::string name;  // the machine-readable line's offload=NAME
+  std::string what;  // the table's words
+  double step_s = 0;
 };
 
+struct OffloadResult {
+  int64_t params = 0;
+  std::vector<OffloadRow> rows;  // in the order they ran; inprocess first
+  // The step time of row `name`, if it ran.
+  std::optional<double> StepSeconds(const std::string& name) const {
+    for (const OffloadRow& r : rows) {
+      if (r.name == name) return r.step_s;
+    }
+    return std::nullopt;
+  }
+};
+
+// The rows, each through a fresh Trainer on the same data: the optimizer in process (synchronous,
+// then DPU), then behind --shards OptimizerServers on loopback in this process, over gRPC and
+// over shared memory (synchronous, then DPU). DPU rows time only delayed steps: their warm-up is
+// the bench's.
 absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
-  const TrainerOptions o = OffloadOptions(b, device);
+  TrainerOptions sync = OffloadOptions(b, device);
+  TrainerOptions dpu = sync;
+  dpu.dpu = true;
+  dpu.dpu_warmup_steps = static_cast<uint64_t>(std::max(1, b.warmup));
   const int shards = absl::GetFlag(FLAGS_shards);
   absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(b.model), 1, shards);
   if (!map.ok()) return map.status();
   out->params = map->num_params();
 
-  InProcessOptimizer in_process(*map, 0, BestSimdPath());
-  OFFLOAD_ASSIGN_OR_RETURN(double local, TimeTrainerSteps(o, b, &in_process, "inprocess"));
-  out->inprocess_step_s = local;
+  auto time_row = [&](const TrainerOptions& o, OptimizerBackend* backend, const std::string& name,
+                      const std::string& what) -> absl::Status {
+    OFFLOAD_ASSIGN_OR_RETURN(double seconds, TimeTrainerSteps(o, b, backend, name.c_str()));
+    out->rows.push_back(OffloadRow{name, what, seconds});
+    return absl::OkStatus();
+  };
+  {
+    InProcessOptimizer in_process(*map, 0, BestSimdPath());
+    OFFLOAD_RETURN_IF_ERROR(time_row(sync, &in_process, "inprocess", "in process"));
+  }
+  {
+    InProcessOptimizer in_process(*map, 0, BestSimdPath());
+    OFFLOAD_RETURN_IF_ERROR(time_row(dpu, &in_process, "inprocess_dpu", "in process, DPU"));
+  }
 
   // The shards as the launcher would run them, in this process on loopback.
   ThreadPool pool(ThreadPool::Options{});
@@ -352,13 +389,83 @@ absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
     addresses.push_back(absl::StrCat("127.0.0.1:", (*server)->port()));
     servers.push_back(std::move(*server));
   }
-  absl::StatusOr<std::unique_ptr<RemoteOptimizer>> remote =
-      RemoteOptimizer::Connect(*map, addresses, ClientOptions{});
-  if (!remote.ok()) return remote.status();
-  absl::StatusOr<double> served = TimeTrainerSteps(o, b, remote->get(), "server");
-  if (!served.ok()) return served.status();
-  out->server_step_s = *served;
+  const std::string n = absl::StrCat(shards, " shard", shards > 1 ? "s" : "");
+  struct ServerRow {
+    TransportChoice transport;
+    const TrainerOptions* options;
+    std::string name, what;
+  };
+  for (const ServerRow& row :
+       {ServerRow{TransportChoice::kGrpc, &sync, "server", absl::StrCat(n, ", gRPC")},
+        ServerRow{TransportChoice::kShm, &sync, "server_shm", absl::StrCat(n, ", shared memory")},
+        ServerRow{TransportChoice::kShm, &dpu, "server_shm_dpu",
+                  absl::StrCat(n, ", shared memory, DPU")}}) {
+    absl::StatusOr<std::unique_ptr<RemoteOptimizer>> remote =
+        RemoteOptimizer::Connect(*map, addresses, ClientOptions{}, row.transport);
+    if (!remote.ok()) return remote.status();
+    OFFLOAD_RETURN_IF_ERROR(time_row(*row.options, remote->get(), row.name, row.what));
+  }
   return absl::OkStatus();
+}
+
+// ---- 2b. Host <-> device transfers ----------------------------------------------------------
+
+// The pinned bound of an offload step's transfers: cudaMemcpyAsync between page-locked host
+// memory and the device, timed with events, best of `repeats`; and the bytes a step moves.
+struct TransferResult {
+  int64_t bytes = 0;  // per copy
+  double h2d_s = 0, d2h_s = 0;
+  int64_t step_bytes_each_way = 0;  // 16-bit gradients out, 16-bit weights in
+};
+
+absl::StatusOr<TransferResult> RunTransfers(int64_t step_bytes_each_way) {
+  TransferResult t;
+  t.bytes = int64_t{256} << 20;
+  t.step_bytes_each_way = step_bytes_each_way;
+  constexpr int kRepeats = 10;
+  void* host = nullptr;
+  void* dev = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr;
+  // Frees whatever was made, on every path out.
+  auto release = [&] {
+    if (begin != nullptr) cudaEventDestroy(begin);
+    if (end != nullptr) cudaEventDestroy(end);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    cudaFree(dev);
+    cudaFreeHost(host);
+  };
+  absl::Status status = [&]() -> absl::Status {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, static_cast<size_t>(t.bytes)));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, static_cast<size_t>(t.bytes)));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
+    // Not zeros: real data, written once (the copy engines do not look at it, but the page
+    // tables are touched before the clock starts).
+    std::memset(host, 0x5a, static_cast<size_t>(t.bytes));
+    for (const bool to_device : {true, false}) {
+      double best = 0;
+      for (int i = 0; i < kRepeats + 1; ++i) {  // the first is a warm-up
+        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(begin, stream));
+        OFFLOAD_CUDA_RETURN_IF_ERROR(to_device
+                                         ? cudaMemcpyAsync(dev, host, static_cast<size_t>(t.bytes),
+                                                           cudaMemcpyHostToDevice, stream)
+                                         : cudaMemcpyAsync(host, dev, static_cast<size_t>(t.bytes),
+                                                           cudaMemcpyDeviceToHost, stream));
+        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end, stream));
+        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end));
+        float ms = 0;
+        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, begin, end));
+        if (i > 0 && (best == 0 || ms * 1e-3 < best)) best = ms * 1e-3;
+      }
+      (to_device ? t.h2d_s : t.d2h_s) = best;
+    }
+    return absl::OkStatus();
+  }();
+  release();
+  if (!status.ok()) return status;
+  return t;
 }
 
 // ---- 3. The memory planner ----------------------------------------------------------------
@@ -468,6 +575,7 @@ struct Results {
   double peak_flops = 0;
   std::optional<GpuResult> gpu;
   std::optional<OffloadResult> offload;
+  std::optional<TransferResult> transfer;
   std::optional<PlanResult> plan;
   std::vector<HostRow> host;
 };
@@ -499,20 +607,31 @@ void Report(const BenchConfig& b, const Results& r) {
         absl::StrFormat("%.2f + %.2f GiB", r.gpu->model_bytes / 1073741824.0,
                         r.gpu->optimizer_bytes / 1073741824.0));
   }
-  if (r.offload && r.offload->inprocess_step_s) {
-    row("offload step, in process", absl::StrFormat("%.4f s", *r.offload->inprocess_step_s));
+  if (r.gpu && r.peak_flops > 0) {
+    row("MFU formula",
+        absl::StrFormat("%.4g FLOP/token (6 x matmul weights + 12 L T C) x tokens/s / peak",
+                        Gpt2FlopsPerToken(b.model, b.seq_len)));
   }
-  if (r.offload && r.offload->server_step_s) {
-    row(absl::StrCat("offload step, ", absl::GetFlag(FLAGS_shards), " gRPC shard(s)"),
-        absl::StrFormat("%.4f s", *r.offload->server_step_s));
+  if (r.offload) {
+    for (const OffloadRow& o : r.offload->rows) {
+      row(absl::StrCat("offload step, ", o.what),
+          r.gpu ? absl::StrFormat("%.4f s (%.3fx GPU-resident)", o.step_s, o.step_s / r.gpu->step_s)
+                : absl::StrFormat("%.4f s", o.step_s));
+    }
+    const std::optional<double> local = r.offload->StepSeconds("inprocess");
+    const std::optional<double> served = r.offload->StepSeconds("server");
+    if (local && served)
+      row("gRPC server / in process", absl::StrFormat("%.3fx", *served / *local));
   }
-  if (r.offload && r.offload->inprocess_step_s && r.offload->server_step_s) {
-    row("server / in process",
-        absl::StrFormat("%.3fx", *r.offload->server_step_s / *r.offload->inprocess_step_s));
-  }
-  if (r.offload && r.offload->inprocess_step_s && r.gpu) {
-    row("offload (in process) / GPU-resident",
-        absl::StrFormat("%.3fx", *r.offload->inprocess_step_s / r.gpu->step_s));
+  if (r.transfer) {
+    const TransferResult& t = *r.transfer;
+    row("pinned H2D / D2H (cudaMemcpyAsync)",
+        absl::StrFormat("%.1f / %.1f GB/s (%lld MiB copies)", t.bytes / t.h2d_s / 1e9,
+                        t.bytes / t.d2h_s / 1e9, static_cast<long long>(t.bytes >> 20)));
+    row("a step's transfers at that bound",
+        absl::StrFormat("%.0f MB each way: %.2f ms in, %.2f ms out", t.step_bytes_each_way / 1e6,
+                        1e3 * t.step_bytes_each_way * t.h2d_s / t.bytes,
+                        1e3 * t.step_bytes_each_way * t.d2h_s / t.bytes));
   }
   if (r.plan) {
     const PlanResult& p = *r.plan;
@@ -563,25 +682,31 @@ void Report(const BenchConfig& b, const Results& r) {
         b.model_name.c_str(), dtype.c_str(), r.gpu->tokens_per_s, r.gpu->mfu, r.gpu->step_s,
         b.batch, b.seq_len, static_cast<long long>(r.gpu->params), r.gpu->skipped);
   }
-  if (r.offload && r.offload->inprocess_step_s) {
-    std::printf(
-        "gpu offload=inprocess params=%lld step_s=%.5f model=%s dtype=%s batch=%d "
-        "seq_len=%d\n",
-        static_cast<long long>(r.offload->params), *r.offload->inprocess_step_s,
-        b.model_name.c_str(), dtype.c_str(), b.batch, b.seq_len);
+  if (r.offload) {
+    for (const OffloadRow& o : r.offload->rows) {
+      std::printf(
+          "gpu offload=%s params=%lld step_s=%.5f vs_gpu=%.3f model=%s dtype=%s batch=%d "
+          "seq_len=%d shards=%d\n",
+          o.name.c_str(), static_cast<long long>(r.offload->params), o.step_s,
+          r.gpu ? o.step_s / r.gpu->step_s : 0.0, b.model_name.c_str(), dtype.c_str(), b.batch,
+          b.seq_len, o.name.rfind("server", 0) == 0 ? absl::GetFlag(FLAGS_shards) : 0);
+    }
+    const std::optional<double> local = r.offload->StepSeconds("inprocess");
+    const std::optional<double> served = r.offload->StepSeconds("server");
+    if (local && served && r.gpu) {
+      std::printf(
+          "gpu offload_ratio server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f server_vs_gpu=%.3f\n",
+          *served / *local, *local / r.gpu->step_s, *served / r.gpu->step_s);
+    }
   }
-  if (r.offload && r.offload->server_step_s) {
+  if (r.transfer) {
+    const TransferResult& t = *r.transfer;
     std::printf(
-        "gpu offload=server params=%lld step_s=%.5f model=%s dtype=%s batch=%d "
-        "seq_len=%d shards=%d\n",
-        static_cast<long long>(r.offload->params), *r.offload->server_step_s, b.model_name.c_str(),
-        dtype.c_str(), b.batch, b.seq_len, absl::GetFlag(FLAGS_shards));
-  }
-  if (r.offload && r.offload->inprocess_step_s && r.offload->server_step_s && r.gpu) {
-    std::printf(
-        "gpu offload_ratio server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f server_vs_gpu=%.3f\n",
-        *r.offload->server_step_s / *r.offload->inprocess_step_s,
-        *r.offload->inprocess_step_s / r.gpu->step_s, *r.offload->server_step_s / r.gpu->step_s);
+        "gpu transfer bytes=%lld h2d_gbps=%.2f d2h_gbps=%.2f step_bytes_each_way=%lld "
+        "step_h2d_floor_s=%.5f step_d2h_floor_s=%.5f\n",
+        static_cast<long long>(t.bytes), t.bytes / t.h2d_s / 1e9, t.bytes / t.d2h_s / 1e9,
+        static_cast<long long>(t.step_bytes_each_way), t.step_bytes_each_way * t.h2d_s / t.bytes,
+        t.step_bytes_each_way * t.d2h_s / t.bytes);
   }
   for (const HostRow& h : r.host) {
     if (!h.skipped.empty()) {
@@ -668,6 +793,13 @@ int Run() {
     const absl::Status s = RunOffload(b, device, &offload);
     r.offload = offload;
     if (!s.ok()) return Fail(b, r, "offload training", s);
+  }
+
+  {
+    absl::StatusOr<TransferResult> transfer =
+        RunTransfers(static_cast<int64_t>(DTypeSize(b.dtype)) * r.gpu->params);
+    if (!transfer.ok()) return Fail(b, r, "transfers", transfer.status());
+    r.transfer = *transfer;
   }
 
   absl::StatusOr<PlanResult> plan =
