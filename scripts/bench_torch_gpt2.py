@@ -54,7 +54,7 @@ def main() -> int:
     # (4, B, T) random tokens, used in turn: made before the clock starts.
     tokens = torch.randint(0, vocab, (4, args.batch, args.seq_len), device="cuda")
 
-    def step(i: int) -> float:
+    def step(i: int) -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = step_fn(input_ids=tokens[i % 4], labels=tokens[(i + 1) % 4])
         out.loss.backward()

@@ -1,4 +1,5 @@
-// What tests anywhere in the tree share: a scratch directory per test.
+// What tests anywhere in the tree share: a scratch directory per test, and where the
+// repository's data is.
 #ifndef OFFLOAD_BASE_TESTING_TEST_UTIL_H_
 #define OFFLOAD_BASE_TESTING_TEST_UTIL_H_
 
@@ -9,6 +10,19 @@
 #include <string>
 
 namespace offload {
+
+// The repository's root, for the tests' data: $OFFLOAD_SOURCE_DIR when set (test programs run
+// from a bundle on another machine: scripts/gpu-check --bundle sets it), else the tree the test
+// was built from (the OFFLOAD_SOURCE_DIR its CMake target defines), else ".".
+inline std::string SourceDir() {
+  const char* env = getenv("OFFLOAD_SOURCE_DIR");
+  if (env != nullptr && env[0] != '\0') return env;
+#ifdef OFFLOAD_SOURCE_DIR
+  return OFFLOAD_SOURCE_DIR;
+#else
+  return ".";
+#endif
+}
 
 // A fresh directory under the system's temp directory, removed with everything in it when the
 // object goes.

@@ -56,6 +56,7 @@
 #include "gpu_trainer/cuda/optim/gpu_adamw.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 #include "gpu_trainer/cuda/runtime/cuda_device.h"
+#include "gpu_trainer/cuda/runtime/device_buffer.h"
 #include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/precision/grad_stats.h"
@@ -423,48 +424,40 @@ absl::StatusOr<TransferResult> RunTransfers(int64_t step_bytes_each_way) {
   t.bytes = int64_t{256} << 20;
   t.step_bytes_each_way = step_bytes_each_way;
   constexpr int kRepeats = 10;
-  void* host = nullptr;
-  void* dev = nullptr;
-  cudaStream_t stream = nullptr;
+  const auto bytes = static_cast<size_t>(t.bytes);
+  DeviceBuffer dev;
+  OFFLOAD_RETURN_IF_ERROR(dev.Allocate(bytes, "the transfer bound's device buffer"));
+  void* pinned = nullptr;
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinned, bytes));
+  const std::unique_ptr<void, cudaError_t (*)(void*)> host(pinned, cudaFreeHost);
+  // Real data, written once: the page tables are touched before the clock starts.
+  std::memset(host.get(), 0x5a, bytes);
   cudaEvent_t begin = nullptr, end = nullptr;
-  // Frees whatever was made, on every path out.
-  auto release = [&] {
-    if (begin != nullptr) cudaEventDestroy(begin);
-    if (end != nullptr) cudaEventDestroy(end);
-    if (stream != nullptr) cudaStreamDestroy(stream);
-    cudaFree(dev);
-    cudaFreeHost(host);
-  };
-  absl::Status status = [&]() -> absl::Status {
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, static_cast<size_t>(t.bytes)));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, static_cast<size_t>(t.bytes)));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
-    // Not zeros: real data, written once (the copy engines do not look at it, but the page
-    // tables are touched before the clock starts).
-    std::memset(host, 0x5a, static_cast<size_t>(t.bytes));
-    for (const bool to_device : {true, false}) {
-      double best = 0;
-      for (int i = 0; i < kRepeats + 1; ++i) {  // the first is a warm-up
-        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(begin, stream));
-        OFFLOAD_CUDA_RETURN_IF_ERROR(to_device
-                                         ? cudaMemcpyAsync(dev, host, static_cast<size_t>(t.bytes),
-                                                           cudaMemcpyHostToDevice, stream)
-                                         : cudaMemcpyAsync(host, dev, static_cast<size_t>(t.bytes),
-                                                           cudaMemcpyDeviceToHost, stream));
-        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end, stream));
-        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end));
-        float ms = 0;
-        OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, begin, end));
-        if (i > 0 && (best == 0 || ms * 1e-3 < best)) best = ms * 1e-3;
-      }
-      (to_device ? t.h2d_s : t.d2h_s) = best;
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
+  const std::unique_ptr<CUevent_st, cudaError_t (*)(cudaEvent_t)> begin_owner(begin,
+                                                                              cudaEventDestroy);
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
+  const std::unique_ptr<CUevent_st, cudaError_t (*)(cudaEvent_t)> end_owner(end, cudaEventDestroy);
+  cudaStream_t stream = nullptr;
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const std::unique_ptr<CUstream_st, cudaError_t (*)(cudaStream_t)> stream_owner(stream,
+                                                                                 cudaStreamDestroy);
+  for (const bool to_device : {true, false}) {
+    double best = 0;
+    for (int i = 0; i < kRepeats + 1; ++i) {  // the first is a warm-up
+      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(begin, stream));
+      OFFLOAD_CUDA_RETURN_IF_ERROR(
+          to_device
+              ? cudaMemcpyAsync(dev.data(), host.get(), bytes, cudaMemcpyHostToDevice, stream)
+              : cudaMemcpyAsync(host.get(), dev.data(), bytes, cudaMemcpyDeviceToHost, stream));
+      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end, stream));
+      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end));
+      float ms = 0;
+      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, begin, end));
+      if (i > 0 && (best == 0 || ms * 1e-3 < best)) best = ms * 1e-3;
     }
-    return absl::OkStatus();
-  }();
-  release();
-  if (!status.ok()) return status;
+    (to_device ? t.h2d_s : t.d2h_s) = best;
+  }
   return t;
 }
 
@@ -620,8 +613,9 @@ void Report(const BenchConfig& b, const Results& r) {
     }
     const std::optional<double> local = r.offload->StepSeconds("inprocess");
     const std::optional<double> served = r.offload->StepSeconds("server");
-    if (local && served)
+    if (local && served) {
       row("gRPC server / in process", absl::StrFormat("%.3fx", *served / *local));
+    }
   }
   if (r.transfer) {
     const TransferResult& t = *r.transfer;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "base/testing/test_util.h"
 #include "gpu_trainer/cuda/runtime/cuda_test_util.h"
 #include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
@@ -24,7 +25,7 @@ TrainerOptions TinyOptions(ComputeDevice device) {
   TrainerOptions o;
   o.device = device;
   o.model = Gpt2Config{256, 64, 2, 2, 64};
-  o.data = testing_util::SourceDir() + "/data/tinyshakespeare.txt";
+  o.data = SourceDir() + "/data/tinyshakespeare.txt";
   o.batch = 4;
   o.seq_len = 64;
   o.steps = 60;
@@ -128,7 +129,6 @@ TEST(TrainerCuda, TwoRanksOverGlooOnOneGpuTrainWhatOneRankTrains) {
   OFFLOAD_SKIP_WITHOUT_CUDA();
   constexpr double kSpread = 30;
   TrainerOptions o = offload::TinyOptions();
-  o.data = testing_util::SourceDir() + "/data/tinyshakespeare.txt";
   o.device = ComputeDevice::kCuda;
   o.pinned_staging_bytes = 1 << 20;
   o.steps = 10;

@@ -28,7 +28,7 @@ namespace offload {
 inline TrainerOptions TinyOptions() {
   TrainerOptions o;
   o.model = Gpt2Config{256, 32, 2, 2, 32};
-  o.data = std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt";
+  o.data = SourceDir() + "/data/tinyshakespeare.txt";
   o.batch = 4;
   o.seq_len = 32;
   o.steps = 40;

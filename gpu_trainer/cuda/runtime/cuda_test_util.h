@@ -7,10 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,18 +34,6 @@
 
 namespace offload {
 namespace testing_util {
-
-// The repository's root, for the tests' data: $OFFLOAD_SOURCE_DIR when set (a bundle run on
-// another machine: scripts/gpu-check --bundle sets it), else the tree this was built from.
-inline std::string SourceDir() {
-  const char* env = std::getenv("OFFLOAD_SOURCE_DIR");
-  if (env != nullptr && env[0] != '\0') return env;
-#ifdef OFFLOAD_SOURCE_DIR
-  return OFFLOAD_SOURCE_DIR;
-#else
-  return ".";
-#endif
-}
 
 // A device array for tests; freed on scope exit.
 template <typename T>
