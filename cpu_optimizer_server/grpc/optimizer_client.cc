@@ -211,11 +211,13 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
 }
 
 absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(float lr, float grad_multiplier, bool skip,
-                                                      void* params_out) {
+                                                      void* params_out,
+                                                      absl::Span<const float> group_lr) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   v1::StepCommit* commit = request_.mutable_commit();
   commit->set_step(step_);
   commit->set_lr(lr);
+  commit->mutable_group_lr()->Assign(group_lr.begin(), group_lr.end());
   commit->set_grad_multiplier(grad_multiplier);
   commit->set_skip(skip);
   done_ = true;

@@ -182,6 +182,8 @@ grpc::Status OptimizerService::Step(
       commit.lr = request.commit().lr();
       commit.grad_multiplier = request.commit().grad_multiplier();
       commit.skip = request.commit().skip();
+      commit.group_lr.assign(request.commit().group_lr().begin(),
+                             request.commit().group_lr().end());
       break;
     } else if (request.has_open()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "`open` sent twice in one stream");

@@ -169,12 +169,14 @@ class OptimizerServiceTest : public ::testing::Test {
     r.mutable_grad()->set_data(std::move(data));
     return r;
   }
-  static v1::StepRequest Commit(uint64_t step, float lr, float gm, bool skip = false) {
+  static v1::StepRequest Commit(uint64_t step, float lr, float gm, bool skip = false,
+                                std::vector<float> group_lr = {}) {
     v1::StepRequest r;
     r.mutable_commit()->set_step(step);
     r.mutable_commit()->set_lr(lr);
     r.mutable_commit()->set_grad_multiplier(gm);
     r.mutable_commit()->set_skip(skip);
+    r.mutable_commit()->mutable_group_lr()->Assign(group_lr.begin(), group_lr.end());
     return r;
   }
 
@@ -324,6 +326,17 @@ TEST_F(OptimizerServiceTest, EveryBadInputIsRefusedAndChangesNothing) {
        {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, head), Commit(2, 1e-3f, 1.0f)}},
       {"no commit", grpc::CANCELLED, {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, all)}},
       {"empty message", grpc::INVALID_ARGUMENT, {Open(kJob, 0, 2), v1::StepRequest()}},
+      // The job has one parameter group (no groups given).
+      {"two group lrs for one group",
+       grpc::INVALID_ARGUMENT,
+       {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, all), Commit(2, 1e-3f, 1.0f, false, {1, 1})}},
+      {"NaN group lr",
+       grpc::INVALID_ARGUMENT,
+       {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, all),
+        Commit(2, 1e-3f, 1.0f, false, {std::nanf("")})}},
+      {"negative group lr on a skipped step",
+       grpc::INVALID_ARGUMENT,
+       {Open(kJob, 0, 2), Grad(0, v1::DTYPE_BF16, all), Commit(2, 1e-3f, 1.0f, true, {-1e-3f})}},
   };
   for (const Case& c : cases) {
     grpc::Status s = RawStep(c.messages);
@@ -342,6 +355,42 @@ TEST_F(OptimizerServiceTest, EveryBadInputIsRefusedAndChangesNothing) {
   bad.set_param_dtype(v1::DTYPE_UNSPECIFIED);
   EXPECT_EQ(client_->CreateJob(bad).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->CreateJob(CreateRequest()).status().code(), absl::StatusCode::kAlreadyExists);
+  // Parameter groups that overlap, leave a gap, have a bad hyper-parameter or are too many: the
+  // refusal names the group, and no job is created.
+  auto with_groups = [&](std::vector<std::pair<uint64_t, uint64_t>> spans) {
+    v1::CreateJobRequest r = CreateRequest();
+    r.set_job_id("grouped");
+    for (auto [offset, length] : spans) {
+      v1::ParamGroup* g = r.add_groups();
+      g->set_offset(offset);
+      g->set_length(length);
+      *g->mutable_adam() = TestAdamW();
+    }
+    return r;
+  };
+  const uint64_t total = kLen0 + kLen1;
+  struct GroupCase {
+    const char* what;
+    v1::CreateJobRequest request;
+    const char* names;
+  };
+  std::vector<GroupCase> group_cases = {
+      {"overlap", with_groups({{0, 1000}, {999, total}}), "groups[1]"},
+      {"gap", with_groups({{0, 1000}, {1001, total}}), "groups[1] starts at 1001"},
+      {"not to the end", with_groups({{0, 1000}, {1000, total - 1001}}), "groups[1]"},
+      {"bad eps", with_groups({{0, 1000}, {1000, total}}), "parameter group 1: adam.eps"},
+      {"65 groups", with_groups(std::vector<std::pair<uint64_t, uint64_t>>(65, {0, 0})),
+       "groups[64]"},
+  };
+  group_cases[3].request.mutable_groups(1)->mutable_adam()->set_eps(0);
+  group_cases[4].request.mutable_groups(64)->set_length(total);
+  for (const GroupCase& c : group_cases) {
+    absl::StatusOr<v1::CreateJobResponse> r = client_->CreateJob(c.request);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.what << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.names), std::string::npos)
+        << c.what << ": " << r.status();
+  }
   std::vector<float> nan_weights(100, 1.0f);
   nan_weights[42] = std::nanf("");
   EXPECT_EQ(

@@ -15,10 +15,12 @@ constexpr int64_t kViewAlignElements = 16;  // 64 bytes of fp32
 
 int64_t AlignUp(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
-absl::Status ValidateAdam(const AdamHyperParams& a) {
-  auto bad = [](const char* field, float value, const char* want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("adam.", field, " is ", value, "; it must be ", want));
+// The hyper-parameters of group `group` (the job's only group when the request had none, so its
+// `adam`); refusals name the group.
+absl::Status ValidateAdam(const AdamHyperParams& a, size_t group) {
+  auto bad = [group](const char* field, float value, const char* want) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter group ", group, ": adam.", field,
+                                                   " is ", value, "; it must be ", want));
   };
   if (!std::isfinite(a.lr) || a.lr < 0) return bad("lr", a.lr, "finite and >= 0");
   if (!std::isfinite(a.beta1) || a.beta1 < 0 || a.beta1 >= 1) {
@@ -34,7 +36,74 @@ absl::Status ValidateAdam(const AdamHyperParams& a) {
   return absl::OkStatus();
 }
 
+// Groups in offset order, not overlapping, at most kMaxParamGroups, together covering every
+// range. Runs before anything is allocated.
+absl::Status ValidateGroups(const std::vector<ParamGroupSpec>& groups,
+                            const std::vector<RangeSpec>& ranges) {
+  if (groups.size() > static_cast<size_t>(kMaxParamGroups)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("groups[", kMaxParamGroups, "] is one too many: ", groups.size(),
+                     " parameter groups, at most ", kMaxParamGroups, " are allowed"));
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const ParamGroupSpec& g = groups[i];
+    if (g.offset < 0 || g.length < 0 || g.offset > (int64_t{1} << 50) ||
+        g.length > (int64_t{1} << 50)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("groups[", i, "] [", g.offset, ", +", g.length, ") is out of bounds"));
+    }
+    OFFLOAD_RETURN_IF_ERROR(ValidateAdam(g.adam, i));
+    if (i == 0) continue;
+    const ParamGroupSpec& prev = groups[i - 1];
+    if (g.offset < prev.offset + prev.length) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("groups[", i, "] [", g.offset, ", ", g.offset + g.length, ") ",
+                       g.offset < prev.offset ? "comes before" : "overlaps", " groups[", i - 1,
+                       "] [", prev.offset, ", ", prev.offset + prev.length,
+                       "): groups must be in offset order and must not overlap"));
+    }
+  }
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    const int64_t end = ranges[r].offset + ranges[r].length;
+    // The first group ending after the range's start, then on while they touch.
+    auto g = std::upper_bound(
+        groups.begin(), groups.end(), ranges[r].offset,
+        [](int64_t at, const ParamGroupSpec& x) { return at < x.offset + x.length; });
+    for (int64_t at = ranges[r].offset; at < end; ++g) {
+      if (g == groups.end() || g->offset > at) {
+        const std::string where =
+            g == groups.end()
+                ? (groups.empty()
+                       ? std::string("there are no groups")
+                       : absl::StrCat("the last group, groups[", groups.size() - 1, "], ends at ",
+                                      groups.back().offset + groups.back().length))
+                : absl::StrCat("groups[", g - groups.begin(), "] starts at ", g->offset);
+        return absl::InvalidArgumentError(absl::StrCat(
+            "element ", at, " of ranges[", r, "] [", ranges[r].offset, ", ", end,
+            ") is in no parameter group (", where, "): the groups must cover every range"));
+      }
+      at = g->offset + g->length;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+ParamGroupSpec DefaultParamGroup(const std::vector<RangeSpec>& ranges,
+                                 const AdamHyperParams& adam) {
+  ParamGroupSpec group;
+  group.adam = adam;
+  if (ranges.empty()) return group;
+  int64_t lo = ranges[0].offset, hi = ranges[0].offset + ranges[0].length;
+  for (const RangeSpec& r : ranges) {
+    lo = std::min(lo, r.offset);
+    hi = std::max(hi, r.offset + r.length);
+  }
+  group.offset = lo;
+  group.length = hi - lo;
+  return group;
+}
 
 absl::Status ValidateJobId(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is empty");
@@ -94,13 +163,13 @@ void ShardStore::ParallelTiles(int64_t begin, int64_t end,
   pool_->Run([&](int t) { ForEachOwnedTile(begin, end, t, n, fn); });
 }
 
-absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& config) {
-  OFFLOAD_RETURN_IF_ERROR(ValidateJobId(config.job_id));
-  if (config.ranges.empty()) return absl::InvalidArgumentError("ranges is empty");
-  if (config.param_dtype == DType::kFp32) {
+absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
+  OFFLOAD_RETURN_IF_ERROR(ValidateJobId(requested.job_id));
+  if (requested.ranges.empty()) return absl::InvalidArgumentError("ranges is empty");
+  if (requested.param_dtype == DType::kFp32) {
     return absl::InvalidArgumentError("param_dtype must be FP16 or BF16");
   }
-  OFFLOAD_RETURN_IF_ERROR(ValidateAdam(config.adam));
+  JobConfig config = requested;
   std::vector<RangeSpec> sorted = config.ranges;
   int64_t total = 0;
   for (size_t i = 0; i < config.ranges.size(); ++i) {
@@ -124,6 +193,9 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& config) {
                        ", ", sorted[i].offset + sorted[i].length, ")"));
     }
   }
+  // After the ranges' own checks, so the groups are checked against sane ranges.
+  if (config.groups.empty()) config.groups = {DefaultParamGroup(config.ranges, config.adam)};
+  OFFLOAD_RETURN_IF_ERROR(ValidateGroups(config.groups, config.ranges));
 
   auto job = std::make_shared<Job>();
   job->config = config;
@@ -149,6 +221,15 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& config) {
     auto range = std::make_unique<RangeState>();
     range->spec = config.ranges[i];
     range->index = static_cast<int>(i);
+    const int64_t range_end = range->spec.offset + range->spec.length;
+    for (size_t g = 0; g < config.groups.size(); ++g) {
+      const int64_t lo = std::max(config.groups[g].offset, range->spec.offset);
+      const int64_t hi = std::min(config.groups[g].offset + config.groups[g].length, range_end);
+      if (lo < hi) {
+        range->group_pieces.push_back(
+            RangeGroupPiece{lo - range->spec.offset, hi - range->spec.offset, static_cast<int>(g)});
+      }
+    }
     const int64_t stride = AlignUp(range->spec.length, kViewAlignElements);
     absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(3 * stride * 4);
     if (!storage.ok()) {

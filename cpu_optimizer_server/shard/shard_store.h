@@ -24,6 +24,7 @@
 #include "cpu_optimizer_server/adam/adam_kernel.h"
 #include "cpu_optimizer_server/shard/interval_set.h"
 #include "cpu_optimizer_server/shard/memory_budget.h"
+#include "cpu_optimizer_server/shard/param_groups.h"
 
 namespace offload {
 
@@ -34,17 +35,41 @@ struct RangeSpec {
   int64_t length = 0;
 };
 
+// Flat elements [offset, offset + length) that share Adam hyper-parameters: one of PyTorch's
+// param_groups. A group may reach beyond this shard's ranges (every shard of a job gets the same
+// list, so a group's index names the same group everywhere, as a commit's group_lr does).
+struct ParamGroupSpec {
+  int64_t offset = 0;
+  int64_t length = 0;
+  AdamHyperParams adam;
+};
+
 struct JobConfig {
   std::string job_id;
   std::vector<RangeSpec> ranges;
+  // Without groups, the job's one group. With groups, unused by the update (JobConfigFromProto
+  // sets it to the first group's, which is what DescribeShard reports).
   AdamHyperParams adam;
   DType param_dtype = DType::kFp16;  // the 16-bit copy sent back: kFp16 or kBf16
+  // In offset order, not overlapping, covering every element of every range, at most
+  // kMaxParamGroups. Empty means one group, `adam`, over all the ranges: CreateJob fills it in,
+  // so a created job's config always has at least one group.
+  std::vector<ParamGroupSpec> groups;
+};
+
+// Where one group meets one range: range-relative elements [begin, end) take the scalars of
+// JobConfig::groups[group]. A range's pieces are in order and tile it exactly.
+struct RangeGroupPiece {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int group = 0;
 };
 
 // One contiguous range of a job on this shard.
 struct RangeState {
   RangeSpec spec;
-  int index = 0;  // position in JobConfig::ranges
+  int index = 0;                              // position in JobConfig::ranges
+  std::vector<RangeGroupPiece> group_pieces;  // fixed at creation
 
   // One mapping carved into three views, each (length,) fp32 and 64-byte aligned.
   HostBuffer storage;
@@ -95,8 +120,8 @@ class ShardStore {
  public:
   ShardStore(const ShardOptions& options, ThreadPool* pool, SimdPath path);
 
-  // Validates the config, reserves and allocates the state (zeros, first-touched by the tile
-  // owners). Returns the bytes held.
+  // Validates the config (its groups included), reserves and allocates the state (zeros,
+  // first-touched by the tile owners). Returns the bytes held; a refused config allocates nothing.
   absl::StatusOr<int64_t> CreateJob(const JobConfig& config);
   absl::Status DropJob(const std::string& job_id);
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
@@ -140,6 +165,10 @@ class ShardStore {
 
 // Validation shared by the store and the service: what a job id may look like.
 absl::Status ValidateJobId(const std::string& job_id);
+
+// The group of a config without groups: `adam` from the first range's first element to the last
+// range's end ({0, 0} without ranges, which CreateJob refuses anyway).
+ParamGroupSpec DefaultParamGroup(const std::vector<RangeSpec>& ranges, const AdamHyperParams& adam);
 
 // Finds the range of `job` that holds all of flat [offset, offset + n); OUT_OF_RANGE otherwise.
 absl::StatusOr<RangeState*> FindRangeFor(const Job& job, int64_t offset, int64_t n);

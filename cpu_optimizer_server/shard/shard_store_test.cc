@@ -1,5 +1,5 @@
 // The shard's rules without gRPC: job creation, loads, step sessions (order, replay, skip,
-// accumulation) and that every refused input leaves the state bit-identical.
+// accumulation), parameter groups, and that every refused input leaves the state bit-identical.
 #include "cpu_optimizer_server/shard/shard_store.h"
 
 #include <gtest/gtest.h>
@@ -9,8 +9,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/state_loader.h"
 #include "cpu_optimizer_server/shard/step_session.h"
+#include "cpu_optimizer_server/shard/wire_convert.h"
 
 namespace offload {
 namespace {
@@ -555,6 +558,279 @@ TEST_F(ShardStoreTest, DroppedJobFailsItsOpenStream) {
             absl::StatusCode::kNotFound);
   session->reset();
   EXPECT_EQ(store_->budget()->used(), 0);
+}
+
+// --- Parameter groups. ---
+
+class ParamGroupTest : public ShardStoreTest {
+ protected:
+  // Range-relative: inside the second tile (and so the second wave, one tile each here), and odd,
+  // so the cut also falls inside a SIMD vector.
+  static constexpr int64_t kCut = kTileElements + 5003;
+
+  // Group A: AdamW with decay; group B: plain Adam without decay, other betas and eps, and no
+  // bias correction.
+  static AdamHyperParams A() {
+    AdamHyperParams a;
+    a.lr = 1e-2f;
+    a.weight_decay = 0.1f;
+    return a;
+  }
+  static AdamHyperParams B() {
+    AdamHyperParams b;
+    b.lr = 3e-3f;
+    b.beta1 = 0.8f;
+    b.beta2 = 0.99f;
+    b.eps = 1e-6f;
+    b.weight_decay = 0.0f;
+    b.adamw = false;
+    b.bias_correction = false;
+    return b;
+  }
+  // The two groups over flat elements, reaching beyond the range on both sides (a shard gets every
+  // group of the job).
+  static std::vector<ParamGroupSpec> TwoGroups() {
+    return {ParamGroupSpec{0, kOffset + kCut, A()},
+            ParamGroupSpec{kOffset + kCut, int64_t{1} << 20, B()}};
+  }
+  static JobConfig Job(const std::string& id, std::vector<RangeSpec> ranges,
+                       std::vector<ParamGroupSpec> groups, AdamHyperParams adam = A()) {
+    JobConfig c;
+    c.job_id = id;
+    c.ranges = std::move(ranges);
+    c.adam = adam;
+    c.groups = std::move(groups);
+    c.param_dtype = DType::kFp16;
+    return c;
+  }
+  // Creates `config` (one range) and loads the master weights weights_[at, at + length).
+  void CreateLoaded(const JobConfig& config, int64_t at) {
+    ASSERT_TRUE(store_->CreateJob(config).ok()) << config.job_id;
+    const RangeSpec& r = config.ranges[0];
+    auto loader = StateLoader::Start(store_.get(), config.job_id);
+    ASSERT_TRUE(loader.ok());
+    ASSERT_TRUE((*loader)
+                    ->AddChunk(StateTensor::kMasterWeights, r.offset, DType::kFp32,
+                               Bytes(weights_.data() + at, r.length * 4))
+                    .ok());
+    ASSERT_TRUE((*loader)->Apply().ok());
+  }
+  RangeState& RangeOf(const std::string& id) { return *(*store_->FindJob(id))->ranges[0]; }
+  // One step of job `id`'s only range, gradients g (its length,) in two chunks cut at `split`.
+  absl::StatusOr<StepOutcome> Step(const std::string& id, uint64_t step, const uint16_t* g,
+                                   int64_t split, const StepCommitArgs& args, VectorSink* sink) {
+    const RangeSpec spec = RangeOf(id).spec;
+    auto session = StepSession::Open(store_.get(), id, 0, step);
+    if (!session.ok()) return session.status();
+    OFFLOAD_RETURN_IF_ERROR((*session)->AddGradients(spec.offset + split, DType::kFp16, false,
+                                                     Bytes(g + split, (spec.length - split) * 2)));
+    OFFLOAD_RETURN_IF_ERROR(
+        (*session)->AddGradients(spec.offset, DType::kFp16, false, Bytes(g, split * 2)));
+    return (*session)->Commit(args, sink);
+  }
+  // The fp32 state of job `id` as ReadState streams it: master weights, then both moments.
+  std::string ReadAll(const std::string& id) {
+    const RangeSpec spec = RangeOf(id).spec;
+    std::string all;
+    for (StateTensor t :
+         {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+      EXPECT_TRUE(store_
+                      ->ReadState(id, t, DType::kFp32, spec.offset, spec.length, 0,
+                                  [&](int64_t, int64_t, const std::string& b) {
+                                    all += b;
+                                    return true;
+                                  })
+                      .ok());
+    }
+    return all;
+  }
+};
+
+// Two groups in one range give, bit for bit, what two jobs over the two pieces with those
+// configs and lrs give: weights, moments and the 16-bit copy, over several steps (one skipped).
+TEST_F(ParamGroupTest, TwoGroupsAreTwoJobsBitForBit) {
+  weights_ = RandomFloats(kLength, 1.0f);
+  CreateLoaded(Job("grouped", {{kOffset, kLength}}, TwoGroups()), 0);
+  CreateLoaded(Job("a", {{kOffset, kCut}}, {}, A()), 0);
+  CreateLoaded(Job("b", {{kOffset + kCut, kLength - kCut}}, {}, B()), kCut);
+  CreateLoaded(Job("all-a", {{kOffset, kLength}}, {}, A()), 0);
+  for (uint64_t step = 1; step <= 5; ++step) {
+    const std::vector<uint16_t> g = RandomFp16(kLength);
+    const bool skip = step == 3;
+    const float lr_a = 1e-2f / step, lr_b = 4e-3f + 1e-4f * step;
+    VectorSink grouped(kOffset, kLength), pieces(kOffset, kLength);
+    StepCommitArgs args{step, 123.0f, 0.5f, skip, {lr_a, lr_b}};
+    absl::StatusOr<StepOutcome> one =
+        Step("grouped", step, g.data(), kLength / 2 + 3, args, &grouped);
+    ASSERT_TRUE(one.ok()) << one.status();
+    ASSERT_TRUE(Step("a", step, g.data(), kCut / 3, {step, lr_a, 0.5f, skip}, &pieces).ok());
+    ASSERT_TRUE(Step("b", step, g.data() + kCut, 7, {step, lr_b, 0.5f, skip}, &pieces).ok());
+    VectorSink all_a(kOffset, kLength);
+    ASSERT_TRUE(Step("all-a", step, g.data(), 5, {step, lr_a, 0.5f, skip}, &all_a).ok());
+    EXPECT_EQ(one->applied, !skip);
+    EXPECT_EQ(std::memcmp(grouped.out().data(), pieces.out().data(), kLength * 2), 0)
+        << "step " << step << " seed " << seed_;
+    const RangeState& r = RangeOf("grouped");
+    const RangeState& a = RangeOf("a");
+    const RangeState& b = RangeOf("b");
+    for (StateTensor t :
+         {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+      ASSERT_EQ(std::memcmp(r.Tensor(t), a.Tensor(t), kCut * 4), 0) << "step " << step;
+      ASSERT_EQ(std::memcmp(r.Tensor(t) + kCut, b.Tensor(t), (kLength - kCut) * 4), 0)
+          << "step " << step;
+    }
+  }
+  // And the groups did differ: group A's config and lr everywhere gives other bits past the cut.
+  EXPECT_EQ(std::memcmp(RangeOf("grouped").param, RangeOf("all-a").param, kCut * 4), 0);
+  EXPECT_NE(std::memcmp(RangeOf("grouped").param + kCut, RangeOf("all-a").param + kCut,
+                        (kLength - kCut) * 4),
+            0);
+}
+
+// One explicit group equal to `adam`, narrow or reaching far beyond the range, with or without
+// group_lr, is the job without groups bit for bit.
+TEST_F(ParamGroupTest, OneGroupEqualToAdamIsNoGroups) {
+  weights_ = RandomFloats(kLength, 1.0f);
+  CreateLoaded(Job("plain", {{kOffset, kLength}}, {}, A()), 0);
+  CreateLoaded(Job("exact", {{kOffset, kLength}}, {{kOffset, kLength, A()}}), 0);
+  CreateLoaded(Job("wide", {{kOffset, kLength}}, {{0, int64_t{1} << 40, A()}}), 0);
+  for (uint64_t step = 1; step <= 3; ++step) {
+    const std::vector<uint16_t> g = RandomFp16(kLength);
+    const float lr = 2e-3f * step;
+    VectorSink plain(kOffset, kLength), exact(kOffset, kLength), wide(kOffset, kLength);
+    ASSERT_TRUE(Step("plain", step, g.data(), 999, {step, lr, 0.5f, false}, &plain).ok());
+    ASSERT_TRUE(Step("exact", step, g.data(), 999, {step, lr, 0.5f, false}, &exact).ok());
+    ASSERT_TRUE(Step("wide", step, g.data(), 999, {step, 0.0f, 0.5f, false, {lr}}, &wide).ok());
+    EXPECT_EQ(plain.out(), exact.out());
+    EXPECT_EQ(plain.out(), wide.out());
+    EXPECT_EQ(ReadAll("plain"), ReadAll("exact"));
+    EXPECT_EQ(ReadAll("plain"), ReadAll("wide"));
+  }
+}
+
+// The default group JobConfigFromProto makes from `adam`, and a request's groups as given.
+TEST_F(ParamGroupTest, WireConfigAlwaysHasGroups) {
+  v1::CreateJobRequest request;
+  request.set_job_id("wire");
+  request.set_param_dtype(v1::DTYPE_BF16);
+  for (int64_t at : {100, 300}) {
+    v1::ParamRange* r = request.add_ranges();
+    r->set_offset(at);
+    r->set_length(100);
+  }
+  *request.mutable_adam() = AdamConfigToProto(A());
+  absl::StatusOr<JobConfig> config = JobConfigFromProto(request);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->groups.size(), 1u);
+  EXPECT_EQ(config->groups[0].offset, 100);
+  EXPECT_EQ(config->groups[0].length, 300);
+  EXPECT_EQ(config->groups[0].adam.weight_decay, 0.1f);
+
+  request.clear_adam();  // unused with groups
+  for (const ParamGroupSpec& g : TwoGroups()) {
+    v1::ParamGroup* group = request.add_groups();
+    group->set_offset(g.offset);
+    group->set_length(g.length);
+    *group->mutable_adam() = AdamConfigToProto(g.adam);
+  }
+  config = JobConfigFromProto(request);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->groups.size(), 2u);
+  EXPECT_EQ(config->groups[1].offset, kOffset + kCut);
+  EXPECT_FALSE(config->groups[1].adam.adamw);
+  EXPECT_FALSE(config->groups[1].adam.bias_correction);
+  EXPECT_EQ(config->adam.weight_decay, 0.1f);  // the first group's
+  request.mutable_groups(1)->mutable_adam()->clear_kind();
+  EXPECT_EQ(JobConfigFromProto(request).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(JobConfigFromProto(request).status().message().find("groups[1].adam.kind"),
+            std::string::npos);
+}
+
+TEST_F(ParamGroupTest, BadGroupsAreRefusedBeforeAnythingIsAllocated) {
+  auto expect = [&](std::vector<ParamGroupSpec> groups, const std::string& names,
+                    const char* what) {
+    const int64_t used = store_->budget()->used();
+    absl::StatusOr<int64_t> r =
+        store_->CreateJob(Job("refused", {{kOffset, kLength}}, std::move(groups)));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << what << ": " << r.status();
+    EXPECT_NE(r.status().message().find(names), std::string::npos) << what << ": " << r.status();
+    EXPECT_EQ(store_->budget()->used(), used) << what;
+    EXPECT_EQ(store_->FindJob("refused").status().code(), absl::StatusCode::kNotFound) << what;
+  };
+  std::vector<ParamGroupSpec> g = TwoGroups();
+  g[1].offset -= 1;
+  expect(g, "groups[1]", "overlap");
+  g = TwoGroups();
+  g[1].offset += 1;
+  g[1].length -= 1;
+  expect(g, "groups[1] starts at", "a gap");
+  g = TwoGroups();
+  g[1].length = kLength - kCut - 1;
+  expect(g, "the last group, groups[1]", "the range's last element in no group");
+  g = TwoGroups();
+  std::swap(g[0], g[1]);
+  expect(g, "groups[1]", "out of order");
+  g = TwoGroups();
+  g[1].adam.eps = 0;
+  expect(g, "parameter group 1: adam.eps", "eps 0");
+  g = TwoGroups();
+  g[0].adam.beta1 = std::nanf("");
+  expect(g, "parameter group 0: adam.beta1", "NaN beta1");
+  g = TwoGroups();
+  g[1].adam.weight_decay = -0.1f;
+  expect(g, "parameter group 1: adam.weight_decay", "negative weight decay");
+  g = TwoGroups();
+  g[0].length = -5;
+  expect(g, "groups[0]", "negative length");
+  g.clear();
+  for (int i = 0; i < kMaxParamGroups + 1; ++i) {
+    g.push_back(ParamGroupSpec{kOffset + i * 100, i == kMaxParamGroups ? kLength : 100, A()});
+  }
+  expect(g, absl::StrCat("groups[", kMaxParamGroups, "]"), "65 groups");
+  g.pop_back();
+  g.back().length = kLength;
+  EXPECT_TRUE(store_->CreateJob(Job("sixty-four", {{kOffset, kLength}}, g)).ok());
+  EXPECT_EQ((*store_->FindJob("sixty-four"))->ranges[0]->group_pieces.size(),
+            static_cast<size_t>(kMaxParamGroups));
+}
+
+TEST_F(ParamGroupTest, BadGroupLrLeavesTheStateBitIdentical) {
+  weights_ = RandomFloats(kLength, 1.0f);
+  CreateLoaded(Job("grouped", {{kOffset, kLength}}, TwoGroups()), 0);
+  const std::vector<uint16_t> g = RandomFp16(kLength);
+  VectorSink warm(kOffset, kLength);
+  ASSERT_TRUE(Step("grouped", 1, g.data(), 5, {1, 0, 0.5f, false, {1e-2f, 1e-3f}}, &warm).ok());
+  const std::string before = ReadAll("grouped");
+  const Snapshot counters = Take(RangeOf("grouped"));
+  struct Case {
+    const char* what;
+    std::vector<float> group_lr;
+    bool skip;
+    const char* names;
+  };
+  const std::vector<Case> cases = {
+      {"one lr for two groups", {1e-3f}, false, "1 values but job grouped has 2"},
+      {"three lrs for two groups", {1e-3f, 1e-3f, 1e-3f}, false, "3 values"},
+      {"NaN lr of group 1", {1e-3f, std::nanf("")}, false, "group_lr[1] (parameter group 1)"},
+      {"negative lr of group 0", {-1e-3f, 1e-3f}, false, "group_lr[0] (parameter group 0)"},
+      {"inf lr of group 1", {1e-3f, INFINITY}, false, "group_lr[1]"},
+      {"checked on a skipped step too", {1e-3f, -1.0f}, true, "group_lr[1]"},
+  };
+  for (const Case& c : cases) {
+    VectorSink sink(kOffset, kLength);
+    absl::StatusOr<StepOutcome> r =
+        Step("grouped", 2, g.data(), 5, {2, 1e-3f, 0.5f, c.skip, c.group_lr}, &sink);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.what << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.names), std::string::npos)
+        << c.what << ": " << r.status();
+    EXPECT_EQ(ReadAll("grouped"), before) << c.what;
+    EXPECT_TRUE(Take(RangeOf("grouped")) == counters) << c.what;
+  }
+  // group_lr given: `lr` is not read (a NaN there is not refused).
+  VectorSink sink(kOffset, kLength);
+  EXPECT_TRUE(
+      Step("grouped", 2, g.data(), 5, {2, std::nanf(""), 0.5f, false, {1e-3f, 0.0f}}, &sink).ok());
 }
 
 }  // namespace

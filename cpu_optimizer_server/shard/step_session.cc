@@ -207,15 +207,24 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
     }
     AdamSpan span;
     span.out_dtype = out_dtype;
+    // [b, e) is cut where a parameter group ends: each piece runs with its group's scalars. The
+    // update is elementwise, so the cut changes no bit (one group: one piece, as before groups).
     auto run = [&](int64_t b, int64_t e, const void* grad, DType grad_dtype) {
-      span.grad = grad;
-      span.grad_dtype = grad_dtype;
-      span.param = r->param + b;
-      span.exp_avg = r->exp_avg + b;
-      span.exp_avg_sq = r->exp_avg_sq + b;
-      span.out = out + (b - base);
-      span.n = e - b;
-      kernel(*update, span);
+      const int grad_size = DTypeSize(grad_dtype);
+      auto g = std::upper_bound(r->group_pieces.begin(), r->group_pieces.end(), b,
+                                [](int64_t pos, const RangeGroupPiece& p) { return pos < p.end; });
+      for (const int64_t first = b; b < e; ++g) {
+        const int64_t ge = std::min(e, g->end);
+        span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
+        span.grad_dtype = grad_dtype;
+        span.param = r->param + b;
+        span.exp_avg = r->exp_avg + b;
+        span.exp_avg_sq = r->exp_avg_sq + b;
+        span.out = out + (b - base);
+        span.n = ge - b;
+        kernel(update[g->group], span);
+        b = ge;
+      }
     };
     if (accumulating_) {
       run(base, hi, r->accumulator + base, DType::kFp32);
@@ -261,9 +270,26 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     return absl::FailedPreconditionError(
         absl::StrCat("commit.step is ", args.step, " but the stream opened step ", step_));
   }
-  if (!std::isfinite(args.lr) || args.lr < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("commit.lr is ", args.lr, "; it must be finite and >= 0"));
+  const std::vector<ParamGroupSpec>& groups = job_->config.groups;
+  if (args.group_lr.empty()) {
+    if (!std::isfinite(args.lr) || args.lr < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("commit.lr is ", args.lr, "; it must be finite and >= 0"));
+    }
+  } else {
+    // With group_lr, `lr` is unused (StepCommit), so only these are checked.
+    if (args.group_lr.size() != groups.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "commit.group_lr has ", args.group_lr.size(), " values but job ", job_->config.job_id,
+          " has ", groups.size(), " parameter groups: send one per group, or none for commit.lr"));
+    }
+    for (size_t i = 0; i < args.group_lr.size(); ++i) {
+      if (!std::isfinite(args.group_lr[i]) || args.group_lr[i] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("commit.group_lr[", i, "] (parameter group ",
+                                                       i, ") is ", args.group_lr[i],
+                                                       "; it must be finite and >= 0"));
+      }
+    }
   }
   // 0 is refused too: it is what an omitted proto3 field reads as, and it would zero the
   // gradients while the moments and the step count still advance.
@@ -305,11 +331,17 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
       std::lock_guard<std::mutex> lock(r->mu);
       t = r->adam_step + 1;
     }
-    const AdamStepScalars scalars = ComputeAdamStepScalars(
-        job_->config.adam, args.lr, static_cast<int64_t>(t), args.grad_multiplier);
+    // One set of scalars per group: its own hyper-parameters and lr, the range's t.
+    std::vector<AdamStepScalars> scalars;
+    scalars.reserve(groups.size());
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const float lr = args.group_lr.empty() ? args.lr : args.group_lr[i];
+      scalars.push_back(ComputeAdamStepScalars(groups[i].adam, lr, static_cast<int64_t>(t),
+                                               args.grad_multiplier));
+    }
     // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
     const auto begin = std::chrono::steady_clock::now();
-    outcome.receiver_gone = !StreamWaves(&scalars, sink);
+    outcome.receiver_gone = !StreamWaves(scalars.data(), sink);
     outcome.applied = true;
     ServerMetrics::Get().StepApplied(
         length, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());

@@ -28,9 +28,12 @@ class ParamSink {
 
 struct StepCommitArgs {
   uint64_t step = 0;
-  float lr = 0;
+  float lr = 0;  // every group's, unless group_lr is given
   float grad_multiplier = 1;
   bool skip = false;
+  // Empty: `lr` for every parameter group of the job. Otherwise one lr per group, in group order
+  // (StepCommit.group_lr).
+  std::vector<float> group_lr;
 };
 
 struct StepOutcome {
@@ -84,7 +87,8 @@ class StepSession {
   absl::Status StartAccumulating();
   // Whether any of data (n,) in dtype is inf or NaN.
   bool AnyNonFinite(const char* data, DType dtype, int64_t n) const;
-  // Streams the 16-bit copy of [0, length) in waves; `update` first applies Adam to each wave.
+  // Streams the 16-bit copy of [0, length) in waves; `update` (one per parameter group of the
+  // job, indexed by group) first applies Adam to each wave, null for a replay.
   bool StreamWaves(const AdamStepScalars* update, ParamSink* sink);
 
   ShardStore* const store_;

@@ -9,15 +9,17 @@
 // (non-OK) operation, and after every operation that is not allowed to touch the state even when
 // it succeeds (open, gradient chunks, the parts of a load before Apply); abort() otherwise.
 //
-// Input: byte 0 configures the shard (memory headroom, SIMD path, 16-bit dtype); then operations,
-// each an opcode byte and its operands (missing bytes read as 0):
+// Input: byte 0 configures the shard (memory headroom, SIMD path, 16-bit dtype, weight decay, two
+// parameter groups cutting range 1 inside a tile); then operations, each an opcode byte and its
+// operands (missing bytes read as 0):
 //   0 open        slot, range (0..2, 3: an index the job lacks), step delta (int8: 0 opens the
 //                 range's next step, -1 its last one, a replay)
 //   1 gradients   slot, flags (bit 0 accumulate, 1 view, 2-3 dtype, 4 a NaN/inf, 5 a ragged byte
 //                 count, 6 offset from 0 instead of from the range), offset (int16), count (u16),
 //                 seed
 //   2 commit      slot, step delta (int8, from the opened step), lr choice, multiplier choice,
-//                 flags (bit 0 skip, bits 1-2 the sink refusing after 0..2 sends or never)
+//                 flags (bit 0 skip, bits 1-2 the sink refusing after 0..2 sends or never, bits
+//                 3-4 group lrs: none, one per group from the lr choices, one too many, a NaN)
 //   3 close       slot (the session ends without a commit)
 //   4 load start  5 load chunk (tensor, flags: bits 0-1 the range the offset is from, the rest as
 //                 for gradients; offset int16, count u16 % 512, seed)
@@ -205,6 +207,14 @@ void Run(const uint8_t* data, size_t size) {
   job.param_dtype = (config & 8) != 0 ? DType::kBf16 : DType::kFp16;
   job.adam.lr = 1e-3f;
   job.adam.weight_decay = (config & 16) != 0 ? 0.1f : 0.0f;
+  if ((config & 32) != 0) {
+    // The second group starts inside range 1's first tile and runs past range 2.
+    AdamHyperParams other = job.adam;
+    other.beta1 = 0.8f;
+    other.eps = 1e-6f;
+    other.adamw = false;
+    job.groups = {ParamGroupSpec{0, 9001, job.adam}, ParamGroupSpec{9001, 9000, other}};
+  }
   if (absl::StatusOr<int64_t> created = store.CreateJob(job); !created.ok()) {
     Fail("cannot create the job: " + created.status().ToString());
   }
@@ -273,10 +283,27 @@ void Run(const uint8_t* data, size_t size) {
         args.step = slot.step + in.I8();
         const float inf = std::numeric_limits<float>::infinity();
         const float nan = std::numeric_limits<float>::quiet_NaN();
-        args.lr = Choice(in.U8(), {1e-3f, 0.0f, 0.1f, -1e-3f, nan, inf, 1e30f});
+        const uint8_t lr_choice = in.U8();
+        args.lr = Choice(lr_choice, {1e-3f, 0.0f, 0.1f, -1e-3f, nan, inf, 1e30f});
         args.grad_multiplier = Choice(in.U8(), {1.0f, 0.5f, 0.0f, -1.0f, nan, inf, 1e-30f});
         const uint8_t flags = in.U8();
         args.skip = (flags & 1) != 0;
+        const int groups = (config & 32) != 0 ? 2 : 1;
+        switch ((flags >> 3) & 3) {
+          case 1:
+            for (int g = 0; g < groups; ++g) {
+              args.group_lr.push_back(Choice(static_cast<uint8_t>(lr_choice >> (4 * g)),
+                                             {1e-3f, 0.0f, 0.1f, -1e-3f, nan, inf, 1e30f}));
+            }
+            break;
+          case 2:
+            args.group_lr.assign(groups + 1, 1e-3f);
+            break;
+          case 3:
+            args.group_lr.assign(groups, 1e-3f);
+            args.group_lr.back() = nan;
+            break;
+        }
         if (slot.session == nullptr) continue;
         CheckingSink sink(kRanges[slot.range], ((flags >> 1) & 3) == 3 ? -1 : (flags >> 1) & 3);
         absl::StatusOr<StepOutcome> outcome = slot.session->Commit(args, &sink);

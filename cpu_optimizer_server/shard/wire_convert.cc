@@ -21,6 +21,32 @@ absl::StatusOr<StateTensor> StateTensorFromProto(v1::StateTensor tensor, const c
   }
 }
 
+namespace {
+
+// `field` names the message in errors: "adam" or "groups[i].adam".
+absl::StatusOr<AdamHyperParams> AdamFromProto(const v1::AdamConfig& a, const std::string& field) {
+  AdamHyperParams adam;
+  switch (a.kind()) {
+    case v1::OPTIMIZER_KIND_ADAM:
+      adam.adamw = false;
+      break;
+    case v1::OPTIMIZER_KIND_ADAMW:
+      adam.adamw = true;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ".kind must be ADAM or ADAMW"));
+  }
+  adam.lr = a.lr();
+  adam.beta1 = a.beta1();
+  adam.beta2 = a.beta2();
+  adam.eps = a.eps();
+  adam.weight_decay = a.weight_decay();
+  adam.bias_correction = !a.disable_bias_correction();
+  return adam;
+}
+
+}  // namespace
+
 absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request) {
   JobConfig config;
   config.job_id = request.job_id();
@@ -33,23 +59,27 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request
     config.ranges.push_back(
         RangeSpec{static_cast<int64_t>(r.offset()), static_cast<int64_t>(r.length())});
   }
-  const v1::AdamConfig& a = request.adam();
-  switch (a.kind()) {
-    case v1::OPTIMIZER_KIND_ADAM:
-      config.adam.adamw = false;
-      break;
-    case v1::OPTIMIZER_KIND_ADAMW:
-      config.adam.adamw = true;
-      break;
-    default:
-      return absl::InvalidArgumentError("adam.kind must be ADAM or ADAMW");
+  if (request.groups_size() == 0) {
+    absl::StatusOr<AdamHyperParams> adam = AdamFromProto(request.adam(), "adam");
+    if (!adam.ok()) return adam.status();
+    config.adam = *adam;
+    config.groups.push_back(DefaultParamGroup(config.ranges, config.adam));
+  } else {
+    // `adam` is unused with groups, so it is not read (it may be left unset). The count is
+    // checked by the store, which names the first group too many.
+    for (int i = 0; i < request.groups_size(); ++i) {
+      const v1::ParamGroup& g = request.groups(i);
+      if (g.offset() > kMax || g.length() > kMax) {
+        return absl::InvalidArgumentError(absl::StrCat("groups[", i, "] is out of bounds"));
+      }
+      absl::StatusOr<AdamHyperParams> adam =
+          AdamFromProto(g.adam(), absl::StrCat("groups[", i, "].adam"));
+      if (!adam.ok()) return adam.status();
+      config.groups.push_back(ParamGroupSpec{static_cast<int64_t>(g.offset()),
+                                             static_cast<int64_t>(g.length()), *adam});
+    }
+    config.adam = config.groups[0].adam;
   }
-  config.adam.lr = a.lr();
-  config.adam.beta1 = a.beta1();
-  config.adam.beta2 = a.beta2();
-  config.adam.eps = a.eps();
-  config.adam.weight_decay = a.weight_decay();
-  config.adam.bias_correction = !a.disable_bias_correction();
   absl::StatusOr<DType> dtype = DTypeFromProto(request.param_dtype(), "param_dtype");
   if (!dtype.ok()) return dtype.status();
   config.param_dtype = *dtype;

@@ -20,7 +20,7 @@
 namespace offload {
 namespace {
 
-constexpr uint64_t kHeaderBytes = 8192;
+constexpr uint64_t kHeaderBytes = kShmHeaderBytes;
 constexpr uint64_t kAlign = 4096;
 
 uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }

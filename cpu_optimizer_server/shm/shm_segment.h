@@ -13,11 +13,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "cpu_optimizer_server/shard/param_groups.h"
 
 namespace offload {
 
 inline constexpr char kShmMagic[4] = {'O', 'F', 'S', 'M'};
-inline constexpr uint32_t kShmVersion = 1;
+// 2: a COMMIT carries per-group learning rates, so ShmCommand grew and the header with it.
+inline constexpr uint32_t kShmVersion = 2;
+// The header's six pages (its command ring is most of them); the areas follow it.
+inline constexpr uint64_t kShmHeaderBytes = 24576;
 inline constexpr int kShmSecretBytes = 32;
 inline constexpr uint32_t kShmRingSize = 64;  // commands in flight
 inline constexpr int kShmMaxChunkSlots = 64;
@@ -42,9 +46,13 @@ struct ShmCommand {
   float lr;        // COMMIT
   float grad_multiplier;
   uint32_t skip;
-  uint32_t reserved;
+  // COMMIT: group_lr[0, group_count) are the lrs of the job's parameter groups; none (0) means
+  // `lr` for every group. The shard refuses a count above kMaxParamGroups.
+  uint32_t group_count;
+  float group_lr[kMaxParamGroups];
 };
-static_assert(sizeof(ShmCommand) == 56, "ShmCommand is part of the segment layout");
+static_assert(sizeof(ShmCommand) == 56 + 4 * kMaxParamGroups,
+              "ShmCommand is part of the segment layout");
 
 // The shard's answer to the last OPEN or COMMIT, or the first error of a step.
 struct ShmReply {
@@ -98,7 +106,7 @@ struct ShmHeader {
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
 static_assert(std::atomic<int64_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(sizeof(std::atomic<uint32_t>) == 4, "a futex word is 32 bits");
-static_assert(sizeof(ShmHeader) <= 8192, "the header fits its two pages");
+static_assert(sizeof(ShmHeader) <= kShmHeaderBytes, "the header fits its pages");
 
 // Where the parts of a segment go.
 struct ShmLayout {

@@ -64,8 +64,8 @@ TEST(ShmSegmentTest, CreateOpenAndValidate) {
   EXPECT_EQ(opened->slot(2)[4095], 9);
 
   // A bad magic or a header that promises more than the file holds is refused.
-  std::vector<char> copy(8192 * 2);
-  std::memcpy(copy.data(), created->header(), 8192);
+  std::vector<char> copy(kShmHeaderBytes * 2);
+  std::memcpy(copy.data(), created->header(), kShmHeaderBytes);
   copy[0] = 'X';
   absl::Status bad = ShmSegment::Validate(copy.data(), created->size());
   EXPECT_EQ(bad.code(), absl::StatusCode::kDataLoss) << bad;
@@ -79,7 +79,7 @@ TEST(ShmSegmentTest, CreateOpenAndValidate) {
   const std::string name = created->name();
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 8192), 0);
+  ASSERT_EQ(ftruncate(fd, kShmHeaderBytes), 0);
   close(fd);
   absl::StatusOr<ShmSegment> truncated = ShmSegment::Open(name);
   EXPECT_EQ(truncated.status().code(), absl::StatusCode::kDataLoss) << truncated.status();

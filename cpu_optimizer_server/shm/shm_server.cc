@@ -134,8 +134,8 @@ grpc::Status ShmServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   layout.chunk_slots = options_.chunk_slots;
   layout.chunk_slot_bytes = options_.chunk_slot_bytes;
   // The segment is memory the shard holds for the trainer: count it like gradients in flight.
-  const int64_t bytes =
-      8192 + spec.length * 4 + int64_t{options_.chunk_slots} * options_.chunk_slot_bytes;
+  const int64_t bytes = static_cast<int64_t>(kShmHeaderBytes) + spec.length * 4 +
+                        int64_t{options_.chunk_slots} * options_.chunk_slot_bytes;
   absl::StatusOr<Reservation> reservation = store_->budget()->Take(
       bytes,
       absl::StrCat("the shm segment of range ", open.range_index(), " of job ", open.job_id()));
@@ -278,6 +278,14 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
         args.lr = cmd.lr;
         args.grad_multiplier = cmd.grad_multiplier;
         args.skip = cmd.skip != 0;
+        // The count comes from memory the trainer writes: bound it before reading the lrs.
+        if (cmd.group_count > static_cast<uint32_t>(kMaxParamGroups)) {
+          fail(seq, absl::InvalidArgumentError(absl::StrCat("commit carries ", cmd.group_count,
+                                                            " group lrs; at most ", kMaxParamGroups,
+                                                            " parameter groups are allowed")));
+          break;
+        }
+        args.group_lr.assign(cmd.group_lr, cmd.group_lr + cmd.group_count);
         ShmParamSink sink(segment);
         absl::StatusOr<StepOutcome> outcome = session->Commit(args, &sink);
         session.reset();

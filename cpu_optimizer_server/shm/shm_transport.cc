@@ -156,10 +156,12 @@ class ShmStepStream final : public StepStream {
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate) override;
   absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
-                                        void* params_out) override;
+                                        void* params_out,
+                                        absl::Span<const float> group_lr = {}) override;
   void* GradientArea() override { return done_ ? nullptr : a_->segment().grad_area(); }
   absl::StatusOr<v1::StepResult> CommitInPlace(float lr, float grad_multiplier, bool skip,
-                                               const ParamWaveFn& on_wave) override;
+                                               const ParamWaveFn& on_wave,
+                                               absl::Span<const float> group_lr = {}) override;
   void Abandon() override {
     if (done_) return;
     ShmCommand cmd{};
@@ -243,18 +245,28 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
 }
 
 absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multiplier, bool skip,
-                                                     void* params_out) {
+                                                     void* params_out,
+                                                     absl::Span<const float> group_lr) {
   char* out = static_cast<char*>(params_out);
-  return CommitInPlace(lr, grad_multiplier, skip,
-                       [out](int64_t begin, int64_t n, const void* params) {
-                         std::memcpy(out + begin * 2, params, n * 2);
-                       });
+  return CommitInPlace(
+      lr, grad_multiplier, skip,
+      [out](int64_t begin, int64_t n, const void* params) {
+        std::memcpy(out + begin * 2, params, n * 2);
+      },
+      group_lr);
 }
 
 // Pushes the COMMIT and hands each wave of parameters to on_wave as it is published.
 absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(float lr, float grad_multiplier,
-                                                            bool skip, const ParamWaveFn& on_wave) {
+                                                            bool skip, const ParamWaveFn& on_wave,
+                                                            absl::Span<const float> group_lr) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
+  // The command has room for kMaxParamGroups lrs, which is all a job can have.
+  if (group_lr.size() > static_cast<size_t>(kMaxParamGroups)) {
+    return absl::InvalidArgumentError(absl::StrCat("commit carries ", group_lr.size(),
+                                                   " group lrs; at most ", kMaxParamGroups,
+                                                   " parameter groups are allowed"));
+  }
   OFFLOAD_RETURN_IF_ERROR(PendingError());
   ShmHeader* h = a_->header();
   const int64_t length = h->range_length;
@@ -266,6 +278,8 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(float lr, float grad
   cmd.lr = lr;
   cmd.grad_multiplier = grad_multiplier;
   cmd.skip = skip;
+  cmd.group_count = static_cast<uint32_t>(group_lr.size());
+  std::copy(group_lr.begin(), group_lr.end(), cmd.group_lr);
   absl::StatusOr<uint32_t> seq = a_->Push(cmd);
   if (!seq.ok()) {
     done_ = true;

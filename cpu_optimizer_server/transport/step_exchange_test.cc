@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -34,6 +35,7 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
+#include "cpu_optimizer_server/shard/wire_convert.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
@@ -209,7 +211,8 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
   // order given, Commit into *params (range length,). Returns the first error of the three.
   absl::StatusOr<v1::StepResult> Exchange(int r, uint64_t step, const std::vector<Chunk>& chunks,
                                           std::vector<uint16_t>* params, bool skip = false,
-                                          float lr = kLr, float grad_multiplier = 1.0f) {
+                                          float lr = kLr, float grad_multiplier = 1.0f,
+                                          absl::Span<const float> group_lr = {}) {
     params->assign(kLengths[r], kSentinel);
     auto stream = transport_->OpenStep(kJob, r, kOffsets[r], kLengths[r], step);
     if (!stream.ok()) return stream.status();
@@ -217,7 +220,7 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
       absl::Status s = (*stream)->SendGradients(c.offset, c.data, c.dtype, c.n, c.accumulate);
       if (!s.ok()) return s;
     }
-    return (*stream)->Commit(lr, grad_multiplier, skip, params->data());
+    return (*stream)->Commit(lr, grad_multiplier, skip, params->data(), group_lr);
   }
 
   // Exchange, retried while the range's lease is still held (ABORTED) by a stream the shard
@@ -514,6 +517,116 @@ TEST_P(StepExchangeTest, NonFiniteGradientIsRefusedAndChangesNothing) {
                 : sent;
   EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
   EXPECT_EQ(StateFingerprint(), state);
+}
+
+// Parameter groups on every plane: the commit's group lrs arrive, and each group's piece of a
+// range runs with its group's hyper-parameters and lr. The inputs are seeded alike for every
+// plane and must give the kernel's bits piece by piece, so every plane sends the same bits.
+TEST_P(StepExchangeTest, ParameterGroupsGetTheirLrsOnEveryPlane) {
+  // Group 0 is the fixture's AdamW. Group 1 starts inside a tile and a wave of range 0 and holds
+  // all of range 1: Adam with L2 decay 0, other betas and eps.
+  constexpr int64_t kCut = 40001;
+  AdamHyperParams other;
+  other.beta1 = 0.85f;
+  other.beta2 = 0.98f;
+  other.eps = 1e-6f;
+  other.weight_decay = 0.0f;
+  other.adamw = false;
+  const AdamHyperParams hps[2] = {hp_, other};
+  const int64_t group_begin[2] = {0, kCut}, group_end[2] = {kCut, kTotal};
+  v1::CreateJobRequest request =
+      MakeCreateJobRequest(kJob, {{0, kLen0}, {kLen0, kLen1}}, hp_, DType::kBf16);
+  for (int k = 0; k < 2; ++k) {
+    v1::ParamGroup* g = request.add_groups();
+    g->set_offset(group_begin[k]);
+    g->set_length(group_end[k] - group_begin[k]);
+    *g->mutable_adam() = AdamConfigToProto(hps[k]);
+  }
+  ASSERT_TRUE(client_->DropJob(kJob).ok());
+  ASSERT_TRUE(client_->CreateJob(request).ok());
+  rng_.seed(20240611);  // the same inputs on every plane
+  ref_p_ = Random(kTotal, 1.0f);
+  ref_m_.assign(kTotal, 0.0f);
+  ref_v_.assign(kTotal, 0.0f);
+  ASSERT_TRUE(
+      client_->LoadState(kJob, v1::STATE_TENSOR_MASTER_WEIGHTS, 0, ref_p_.data(), kTotal).ok());
+  // Range r's update on the local copy, group piece by group piece.
+  auto reference = [&](int r, const uint16_t* g, const float* lrs, uint64_t t, float gm) {
+    std::vector<uint16_t> out(kLengths[r]);
+    for (int k = 0; k < 2; ++k) {
+      const int64_t lo = std::max(kOffsets[r], group_begin[k]);
+      const int64_t hi = std::min(kOffsets[r] + kLengths[r], group_end[k]);
+      if (lo >= hi) continue;
+      AdamSpan span{g + (lo - kOffsets[r]), DType::kBf16,
+                    ref_p_.data() + lo,     ref_m_.data() + lo,
+                    ref_v_.data() + lo,     out.data() + (lo - kOffsets[r]),
+                    DType::kBf16,           hi - lo};
+      GetAdamKernel(BestSimdPath())(
+          ComputeAdamStepScalars(hps[k], lrs[k], static_cast<int64_t>(t), gm), span);
+    }
+    return out;
+  };
+  for (uint64_t step = 1; step <= 3; ++step) {
+    const float lrs[2] = {kLr / step, 2e-4f * step};
+    const float gm = step == 2 ? 0.5f : 1.0f;
+    for (int r = 0; r < 2; ++r) {
+      std::vector<uint16_t> g = Bf16Grads(kLengths[r]), p;
+      // `lr` is unused with group lrs: a NaN there must not matter.
+      auto result = Exchange(r, step, Whole(r, g.data()), &p, false, std::nanf(""), gm, lrs);
+      ASSERT_TRUE(result.ok()) << "step " << step << " range " << r << ": " << result.status();
+      const std::vector<uint16_t> e = reference(r, g.data(), lrs, step, gm);
+      ASSERT_TRUE(p == e) << "step " << step << " range " << r << ": " << FirstDifference(p, e);
+    }
+  }
+  EXPECT_TRUE(MasterWeights() == ref_p_);
+  if (GetParam().kind == "shm") {
+    // The zero-copy commit carries them too.
+    const float lrs[2] = {3e-4f, 7e-4f};
+    const std::vector<uint16_t> g = Bf16Grads(kLen0);
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 4);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    ASSERT_TRUE((*stream)->SendGradients(0, g.data(), DType::kBf16, kLen0).ok());
+    std::vector<uint16_t> p(kLen0, kSentinel);
+    auto r = (*stream)->CommitInPlace(
+        kLr, 1.0f, false,
+        [&](int64_t begin, int64_t n, const void* params) {
+          std::memcpy(p.data() + begin, params, n * 2);
+        },
+        lrs);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const std::vector<uint16_t> e = reference(0, g.data(), lrs, 4, 1.0f);
+    EXPECT_TRUE(p == e) << FirstDifference(p, e);
+  }
+
+  // Refused on every plane, and nothing changes: one lr for two groups, a NaN one, a negative
+  // one, more than any job may have.
+  const uint64_t next = 4;  // range 1's
+  const std::string state = StateFingerprint();
+  const std::vector<uint16_t> g = Bf16Grads(kLen1);
+  struct Case {
+    const char* what;
+    std::vector<float> group_lr;
+    const char* names;
+  };
+  const std::vector<Case> cases = {
+      {"one lr for two groups", {kLr}, "group_lr"},
+      {"NaN lr of group 1", {kLr, std::nanf("")}, "group_lr[1]"},
+      {"negative lr of group 0", {-kLr, kLr}, "group_lr[0]"},
+      {"65 lrs", std::vector<float>(kMaxParamGroups + 1, kLr), "65"},
+  };
+  std::vector<uint16_t> p;
+  for (const Case& c : cases) {
+    absl::StatusOr<v1::StepResult> r;
+    for (int attempt = 0; attempt < 250; ++attempt) {  // the last refusal may still hold the lease
+      r = Exchange(1, next, Whole(1, g.data()), &p, false, kLr, 1.0f, c.group_lr);
+      if (r.status().code() != absl::StatusCode::kAborted) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.what << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), c.names)) << c.what << ": " << r.status();
+    EXPECT_EQ(StateFingerprint(), state) << c.what;
+  }
 }
 
 // Zero-copy (step_transport.h): on shared memory the trainer writes its gradients into the

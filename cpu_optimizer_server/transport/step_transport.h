@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "offload/v1/optimizer.pb.h"
 
@@ -29,9 +30,12 @@ class StepStream {
   virtual absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                                      bool accumulate = false) = 0;
   // Commits and receives the updated 16-bit parameters of the whole range into params_out
-  // (range length,), whose first element is the range's first element.
+  // (range length,), whose first element is the range's first element. group_lr: empty for `lr`
+  // in every parameter group of the job, else one lr per group (StepCommit.group_lr; at most
+  // kMaxParamGroups). Overrides repeat the default, so a call reads the same through any type.
   virtual absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
-                                                void* params_out) = 0;
+                                                void* params_out,
+                                                absl::Span<const float> group_lr = {}) = 0;
   // Ends the step without committing (the shard drops the gradients).
   virtual void Abandon() = 0;
 
@@ -54,7 +58,8 @@ class StepStream {
   // UNIMPLEMENTED elsewhere.
   virtual absl::StatusOr<v1::StepResult> CommitInPlace(float /*lr*/, float /*grad_multiplier*/,
                                                        bool /*skip*/,
-                                                       const ParamWaveFn& /*on_wave*/) {
+                                                       const ParamWaveFn& /*on_wave*/,
+                                                       absl::Span<const float> /*group_lr*/ = {}) {
     return absl::UnimplementedError("this data plane has no zero-copy commit");
   }
 };

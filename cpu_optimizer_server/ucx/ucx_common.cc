@@ -136,12 +136,14 @@ void Worker::Close(ucp_ep_h ep) {
   ucp_request_free(r);
 }
 
-namespace {
-
+// One posted send: what must outlive it.
 struct SendOp {
   Header header;
   std::shared_ptr<Inflight> inflight;
+  std::string payload;  // SendOwned's
 };
+
+namespace {
 
 void OnSent(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<SendOp*>(user_data);
@@ -152,10 +154,21 @@ void OnSent(void* request, ucs_status_t status, void* user_data) {
 
 }  // namespace
 
+absl::Status Worker::SendOwned(ucp_ep_h ep, uint16_t id, const Header& header, std::string payload,
+                               const std::shared_ptr<Inflight>& inflight) {
+  auto* op = new SendOp{header, inflight, std::move(payload)};
+  return Post(ep, id, op, op->payload.data(), op->payload.size(), nullptr);
+}
+
 absl::Status Worker::Send(ucp_ep_h ep, uint16_t id, const Header& header, const void* data,
                           size_t bytes, const std::shared_ptr<Inflight>& inflight, ucp_mem_h memh) {
   // The header must outlive the operation (UCX 1.13 has no COPY_HEADER flag).
-  auto* op = new SendOp{header, inflight};
+  return Post(ep, id, new SendOp{header, inflight, std::string()}, data, bytes, memh);
+}
+
+absl::Status Worker::Post(ucp_ep_h ep, uint16_t id, SendOp* op, const void* data, size_t bytes,
+                          ucp_mem_h memh) {
+  const std::shared_ptr<Inflight> inflight = op->inflight;
   inflight->Add();
   ucp_request_param_t p{};
   p.op_attr_mask =

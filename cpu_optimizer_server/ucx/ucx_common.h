@@ -38,7 +38,7 @@ enum class Kind : uint32_t {
   // trainer -> shard
   kOpen = 1,    // step
   kGrad = 2,    // offset, dtype (v1::DType), accumulate; payload: the gradient bytes
-  kCommit = 3,  // step, lr, grad_multiplier, skip
+  kCommit = 3,  // step, lr, grad_multiplier, skip; payload: the group lrs, fp32 each (or none)
   kAbandon = 4,
   kPing = 5,  // probe round trip
   // shard -> trainer
@@ -102,6 +102,8 @@ class Inflight {
   ucs_status_t error_ = UCS_OK;
 };
 
+struct SendOp;
+
 // A UCP context and one worker, progressed by a thread of its own. The worker is created with
 // UCS_THREAD_MODE_MULTI because the callers' threads post sends and create endpoints while the
 // progress thread runs it; the progress thread sleeps on the worker's event fd between events
@@ -134,10 +136,17 @@ class Worker {
   // stay valid until `inflight` says so. Rendezvous above kRndvThreshold.
   absl::Status Send(ucp_ep_h ep, uint16_t id, const Header& header, const void* data, size_t bytes,
                     const std::shared_ptr<Inflight>& inflight, ucp_mem_h memh = nullptr);
+  // As Send, with a payload the operation owns until it completes, so the caller may return
+  // before it does (a commit's few group lrs).
+  absl::Status SendOwned(ucp_ep_h ep, uint16_t id, const Header& header, std::string payload,
+                         const std::shared_ptr<Inflight>& inflight);
 
  private:
   Worker() = default;
   void Loop();
+  // Posts `op` (owned from here on, freed when the send completes) with its payload.
+  absl::Status Post(ucp_ep_h ep, uint16_t id, SendOp* op, const void* data, size_t bytes,
+                    ucp_mem_h memh);
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;

@@ -28,6 +28,7 @@
 #include "base/grpc_status.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
+#include "cpu_optimizer_server/shard/param_groups.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/step_session.h"
 #include "cpu_optimizer_server/ucx/ucx_common.h"
@@ -356,6 +357,25 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
       args.lr = h.lr;
       args.grad_multiplier = h.grad_multiplier;
       args.skip = h.skip != 0;
+      // The payload is the group lrs. A refusal here ends the step as a refused commit does.
+      absl::Status payload = c->status;
+      if (payload.ok() && c->data.size() % sizeof(float) != 0) {
+        payload = absl::InvalidArgumentError(absl::StrCat(
+            "commit payload of ", c->data.size(), " bytes is not a whole number of fp32 lrs"));
+      } else if (payload.ok() && c->data.size() > kMaxParamGroups * sizeof(float)) {
+        payload = absl::InvalidArgumentError(
+            absl::StrCat("commit carries ", c->data.size() / sizeof(float), " group lrs; at most ",
+                         kMaxParamGroups, " parameter groups are allowed"));
+      }
+      if (!payload.ok()) {
+        session.reset();  // the lease goes before the trainer hears of it
+        ReplyError(s, h, payload);
+        return;
+      }
+      args.group_lr.resize(c->data.size() / sizeof(float));
+      if (!args.group_lr.empty()) {
+        std::memcpy(args.group_lr.data(), c->data.data(), c->data.size());
+      }
       absl::StatusOr<StepOutcome> outcome;
       bool delivered;
       {

@@ -364,7 +364,8 @@ class UcxStepStream final : public StepStream {
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate) override;
   absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
-                                        void* params_out) override;
+                                        void* params_out,
+                                        absl::Span<const float> group_lr = {}) override;
   void Abandon() override;
 
   absl::Status Open();
@@ -455,7 +456,8 @@ absl::Status UcxStepStream::SendGradients(int64_t offset, const void* data, DTyp
 }
 
 absl::StatusOr<v1::StepResult> UcxStepStream::Commit(float lr, float grad_multiplier, bool skip,
-                                                     void* params_out) {
+                                                     void* params_out,
+                                                     absl::Span<const float> group_lr) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   done_ = true;
   OFFLOAD_RETURN_IF_ERROR(ShardError());
@@ -467,8 +469,14 @@ absl::StatusOr<v1::StepResult> UcxStepStream::Commit(float lr, float grad_multip
   h.lr = lr;
   h.grad_multiplier = grad_multiplier;
   h.skip = skip ? 1 : 0;
-  absl::Status s =
-      transport_->worker()->Send(att_->ep, ucx::kToShardAm, h, nullptr, 0, state_->sends);
+  // The group lrs are the payload, owned by the send: a commit that gives up early must not
+  // leave UCX reading the caller's memory.
+  std::string payload;
+  if (!group_lr.empty()) {  // an empty span's data() may be null
+    payload.assign(reinterpret_cast<const char*>(group_lr.data()), group_lr.size() * sizeof(float));
+  }
+  absl::Status s = transport_->worker()->SendOwned(att_->ep, ucx::kToShardAm, h, std::move(payload),
+                                                   state_->sends);
   StreamState* st = state_.get();
   if (s.ok()) {
     s = transport_->Wait(

@@ -42,12 +42,13 @@ InProcessOptimizer::InProcessOptimizer(v1::PartitionMap map, int threads, SimdPa
 InProcessOptimizer::~InProcessOptimizer() { AbortStep(); }
 
 absl::Status InProcessOptimizer::CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
-                                           DType param_dtype) {
+                                           DType param_dtype,
+                                           const std::vector<v1::ParamGroup>& groups) {
   job_id_ = job_id;
   param_dtype_ = param_dtype;
   for (int s = 0; s < num_shards(); ++s) {
     absl::StatusOr<JobConfig> config =
-        JobConfigFromProto(ShardCreateJobRequest(map_, s, job_id, adam, param_dtype));
+        JobConfigFromProto(ShardCreateJobRequest(map_, s, job_id, adam, param_dtype, groups));
     if (!config.ok()) return config.status();
     if (absl::StatusOr<int64_t> bytes = stores_[s]->CreateJob(*config); !bytes.ok()) {
       return bytes.status();
@@ -112,14 +113,16 @@ absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint
 }
 
 absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(float lr, float grad_multiplier,
-                                                              bool skip, uint16_t* partition16) {
+                                                              bool skip, uint16_t* partition16,
+                                                              absl::Span<const float> group_lr) {
   DirectParamSink sink(partition16, partition_offset());
+  const StepCommitArgs args{step_, lr, grad_multiplier, skip,
+                            std::vector<float>(group_lr.begin(), group_lr.end())};
   StepCounters counters;
   absl::Status first;
   for (auto& session : sessions_) {
     if (session == nullptr) continue;  // another rank's slice
-    absl::StatusOr<StepOutcome> outcome =
-        session->Commit(StepCommitArgs{step_, lr, grad_multiplier, skip}, &sink);
+    absl::StatusOr<StepOutcome> outcome = session->Commit(args, &sink);
     if (!outcome.ok()) {
       first.Update(outcome.status());
       continue;

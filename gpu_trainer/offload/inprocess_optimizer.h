@@ -21,8 +21,8 @@ class InProcessOptimizer final : public OptimizerBackend {
   InProcessOptimizer(v1::PartitionMap map, int threads, SimdPath path, bool pin_threads = false);
   ~InProcessOptimizer() override;
 
-  absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
-                         DType param_dtype) override;
+  absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam, DType param_dtype,
+                         const std::vector<v1::ParamGroup>& groups = {}) override;
   absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
                               const StepCounters* steps) override;
   absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
@@ -34,7 +34,8 @@ class InProcessOptimizer final : public OptimizerBackend {
   absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                          bool accumulate) override;
   absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
-                                            uint16_t* partition16) override;
+                                            uint16_t* partition16,
+                                            absl::Span<const float> group_lr) override;
   void AbortSlices() override;
 
   ThreadPool pool_;

@@ -11,7 +11,8 @@ namespace offload {
 
 v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
                                            const std::string& job_id, const v1::AdamConfig& adam,
-                                           DType param_dtype) {
+                                           DType param_dtype,
+                                           const std::vector<v1::ParamGroup>& groups) {
   v1::CreateJobRequest request;
   request.set_job_id(job_id);
   for (const v1::ShardSlice& s : SlicesOfShard(map, shard)) {
@@ -21,6 +22,8 @@ v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shar
   }
   *request.mutable_adam() = adam;
   request.set_param_dtype(DTypeToProto(param_dtype));
+  // All of them on every shard, so a group's index (a commit's group_lr) means one group.
+  request.mutable_groups()->Assign(groups.begin(), groups.end());
   return request;
 }
 
@@ -126,10 +129,12 @@ uint16_t* OptimizerBackend::GradientPlace(int64_t offset, int64_t n) {
 }
 
 absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,
-                                                      uint16_t* partition16) {
+                                                      uint16_t* partition16,
+                                                      absl::Span<const float> group_lr) {
   if (!in_step_) return absl::FailedPreconditionError("Commit outside a step");
   in_step_ = false;
-  absl::StatusOr<StepCounters> counters = CommitSlices(lr, grad_multiplier, skip, partition16);
+  absl::StatusOr<StepCounters> counters =
+      CommitSlices(lr, grad_multiplier, skip, partition16, group_lr);
   if (counters.ok() && counters->completed_step != step_) {
     return absl::DataLossError(
         absl::StrCat("the shards completed step ", counters->completed_step, " for step ", step_));

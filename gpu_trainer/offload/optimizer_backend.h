@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "offload/v1/checkpoint.pb.h"
@@ -46,9 +47,13 @@ class OptimizerBackend {
   }
 
   // Creates the job on every shard with the slices the map gives it. A job of the same id left
-  // on a shard by an earlier run of this trainer is replaced.
+  // on a shard by an earlier run of this trainer is replaced. groups: PyTorch's param_groups
+  // over the flat space (CreateJobRequest.groups: in offset order, covering [0, padded_length),
+  // at most kMaxParamGroups), every shard gets them all; empty for one group, `adam`.
+  // Overrides repeat the default, so a call reads the same through any type.
   virtual absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
-                                 DType param_dtype) = 0;
+                                 DType param_dtype,
+                                 const std::vector<v1::ParamGroup>& groups = {}) = 0;
   // One all-or-nothing load on `shard`; with `steps`, its step counters too (checkpoints).
   virtual absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
                                       const StepCounters* steps) = 0;
@@ -73,9 +78,10 @@ class OptimizerBackend {
                              bool accumulate = false);
   // Applies the step (or skips it) on this rank's slices; their updated 16-bit weights land in
   // partition16 (partition_length,), this rank's partition, unless skipped (flat element i at
-  // partition16[i - partition_offset()]). Returns the step counters after the step.
+  // partition16[i - partition_offset()]). Returns the step counters after the step. group_lr:
+  // empty for `lr` in every parameter group, else one lr per group of CreateJob's groups.
   absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
-                                      uint16_t* partition16);
+                                      uint16_t* partition16, absl::Span<const float> group_lr = {});
   void AbortStep();
 
   // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
@@ -94,9 +100,10 @@ class OptimizerBackend {
   virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                                  bool accumulate) = 0;
   // Commits every open slice, writing partition16 (partition_length,) at each slice's offset
-  // less partition_offset().
+  // less partition_offset(); group_lr as Commit's.
   virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
-                                                    uint16_t* partition16) = 0;
+                                                    uint16_t* partition16,
+                                                    absl::Span<const float> group_lr) = 0;
   virtual void AbortSlices() = 0;
   // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
   // of this backend has one).
@@ -118,10 +125,11 @@ class OptimizerBackend {
   std::atomic<int64_t> in_place_elements_{0};
 };
 
-// The CreateJobRequest of one shard: its slices as ranges, in range_index order.
+// The CreateJobRequest of one shard: its slices as ranges, in range_index order, and every group.
 v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
                                            const std::string& job_id, const v1::AdamConfig& adam,
-                                           DType param_dtype);
+                                           DType param_dtype,
+                                           const std::vector<v1::ParamGroup>& groups = {});
 
 }  // namespace offload
 

@@ -54,11 +54,13 @@ std::string RemoteOptimizer::TransportNames() const {
 RemoteOptimizer::~RemoteOptimizer() { AbortStep(); }
 
 absl::Status RemoteOptimizer::CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
-                                        DType param_dtype) {
+                                        DType param_dtype,
+                                        const std::vector<v1::ParamGroup>& groups) {
   job_id_ = job_id;
   param_dtype_ = param_dtype;
   for (int s = 0; s < num_shards(); ++s) {
-    const v1::CreateJobRequest request = ShardCreateJobRequest(map_, s, job_id, adam, param_dtype);
+    const v1::CreateJobRequest request =
+        ShardCreateJobRequest(map_, s, job_id, adam, param_dtype, groups);
     absl::StatusOr<v1::CreateJobResponse> created = clients_[s]->CreateJob(request);
     if (absl::IsAlreadyExists(created.status())) {
       // Left by an earlier run of this job (a trainer restart): its state is replaced by the
@@ -118,7 +120,8 @@ uint16_t* RemoteOptimizer::SliceGradientArea(int slice) {
 }
 
 absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_multiplier,
-                                                           bool skip, uint16_t* partition16) {
+                                                           bool skip, uint16_t* partition16,
+                                                           absl::Span<const float> group_lr) {
   std::vector<int> open;  // the slices of this rank's step
   for (int i = 0; i < static_cast<int>(streams_.size()); ++i) {
     if (streams_[i] != nullptr) open.push_back(i);
@@ -129,7 +132,7 @@ absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_
   auto commit = [&](int i) {
     const v1::ShardSlice& s = map_.slices(i);
     results[i] = streams_[i]->Commit(lr, grad_multiplier, skip,
-                                     partition16 + (s.offset() - partition_offset()));
+                                     partition16 + (s.offset() - partition_offset()), group_lr);
   };
   std::vector<std::thread> threads;
   for (size_t k = 1; k < open.size(); ++k) threads.emplace_back(commit, open[k]);

@@ -24,6 +24,9 @@ struct GradStats {
 GradStats RoundGradients(const float* grads, int64_t n, DType dtype, uint16_t* out,
                          float scale = 1.0f);
 
+// The same statistics of gradients already rounded: g (n,) fp16 or bf16.
+GradStats MeasureGradients16(const uint16_t* g, int64_t n, DType dtype);
+
 // clip_coef of torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + 1e-6)); 1 when
 // max_norm <= 0 (clipping off).
 float ClipCoefficient(double global_norm, float max_norm);

@@ -6,6 +6,7 @@
 #include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/precision/loss_scaler.h"
 #include "gpu_trainer/precision/lr_schedule.h"
+#include "gpu_trainer/precision/step_policy.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -103,6 +104,54 @@ TEST(GradStats, ClipCoefficientIsTorchs) {
   EXPECT_FLOAT_EQ(ClipCoefficient(0.5, 1.0f), 1.0f);
   EXPECT_FLOAT_EQ(ClipCoefficient(4.0, 1.0f), static_cast<float>(1.0 / (4.0 + 1e-6)));
   EXPECT_FLOAT_EQ(ClipCoefficient(1e9, 0.0f), 1.0f);  // clipping off
+}
+
+TEST(GradStats, MeasuringRoundedGradientsMatchesRoundingThem) {
+  std::vector<float> g = {0.1f, -2.5f, 3e-8f, 1000.0f, -0.333f, 70000.0f};
+  for (DType dtype : {DType::kFp16, DType::kBf16}) {
+    std::vector<uint16_t> out(g.size());
+    const GradStats rounded = RoundGradients(g.data(), 6, dtype, out.data());
+    const GradStats measured = MeasureGradients16(out.data(), 6, dtype);
+    EXPECT_EQ(measured.sum_squares, rounded.sum_squares);
+    EXPECT_EQ(measured.nonfinite, rounded.nonfinite);
+  }
+}
+
+TEST(StepPolicy, FoldsScaleMicroBatchesAndClipIntoOneMultiplier) {
+  StepPolicyOptions options;
+  options.loss_scaling = true;
+  options.micro_batches = 2;
+  options.grad_clip = 1.0f;
+  StepPolicy policy(options);
+  const float scale = policy.loss_scale();  // 2^16
+  // Gradients of norm 4 after unscaling and averaging the two micro-batches.
+  const double norm = 4.0 * scale * 2;
+  const StepDecision d = policy.Decide(GradStats{norm * norm, false});
+  EXPECT_FALSE(d.skip);
+  EXPECT_DOUBLE_EQ(d.grad_norm, 4.0);
+  EXPECT_EQ(d.clip_coef, ClipCoefficient(4.0, 1.0f));
+  EXPECT_EQ(d.grad_multiplier, d.clip_coef / (scale * 2.0f));
+  // A per-step max norm overrides the option; 0 turns clipping off.
+  EXPECT_EQ(policy.Decide(GradStats{norm * norm, false}, 0.0f).clip_coef, 1.0f);
+  EXPECT_EQ(policy.Decide(GradStats{norm * norm, false}, 8.0f).clip_coef, 1.0f);
+  // Deciding changes nothing; finishing a skipped step halves the scale.
+  EXPECT_EQ(policy.loss_scale(), scale);
+  const StepDecision skipped = policy.Decide(GradStats{INFINITY, true});
+  EXPECT_TRUE(skipped.skip);
+  EXPECT_EQ(skipped.clip_coef, 1.0f);  // no clipping by an inf norm
+  EXPECT_EQ(skipped.grad_multiplier, 1.0f / (scale * 2.0f));
+  policy.Finish(skipped);
+  EXPECT_EQ(policy.loss_scale(), scale / 2);
+  EXPECT_EQ(policy.scaler().skipped_steps(), 1u);
+}
+
+TEST(StepPolicy, WithoutLossScalingAnOverflowStillSkips) {
+  StepPolicy policy(StepPolicyOptions{});  // bf16
+  const StepDecision d = policy.Decide(GradStats{NAN, true});
+  EXPECT_TRUE(d.skip);
+  EXPECT_EQ(d.grad_multiplier, 1.0f);
+  policy.Finish(d);
+  EXPECT_EQ(policy.loss_scale(), 1.0f);
 }
 
 }  // namespace

@@ -33,6 +33,19 @@ absl::Status GradientSender::Drain() {
   return error;
 }
 
+void GradientSender::MeasureAs(DType dtype) {
+  std::lock_guard<std::mutex> lock(mu_);
+  measure_ = true;
+  measure_dtype_ = dtype;
+}
+
+GradStats GradientSender::TakeStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  GradStats taken = stats_;
+  stats_ = GradStats{};
+  return taken;
+}
+
 void GradientSender::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -41,9 +54,12 @@ void GradientSender::Loop() {
     const Range range = queue_.front();
     queue_.pop_front();
     const bool failed = !error_.ok();
+    const bool measure = measure_;
     ++in_flight_;
     lock.unlock();
     absl::Status s;
+    GradStats stats;
+    if (!failed && measure) stats = MeasureGradients16(range.src, range.n, measure_dtype_);
     if (!failed) {
       const uint64_t step = step_.load(std::memory_order_relaxed);
       // The wait in the queue is a span of its own: a range is queued as soon as it is final,
@@ -56,6 +72,7 @@ void GradientSender::Loop() {
     }
     lock.lock();
     --in_flight_;
+    stats_.Merge(stats);
     if (!s.ok() && error_.ok()) error_ = s;
     cv_.notify_all();
   }

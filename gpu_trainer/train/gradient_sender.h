@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "gpu_trainer/offload/optimizer_backend.h"
+#include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/train/phase_trace.h"
 
 namespace offload {
@@ -33,6 +34,13 @@ class GradientSender {
   // Waits until everything queued is sent; returns the first error since the last Drain.
   absl::Status Drain();
 
+  // From now on, the statistics (GradStats) of every range sent are summed, its values read as
+  // `dtype`, on this sender's thread: for callers that hand over gradients already rounded (the
+  // C ABI's front ends), so the measure is off backward's path. TakeStats (after Drain) returns
+  // the sum since the last TakeStats and starts a new one.
+  void MeasureAs(DType dtype);
+  GradStats TakeStats();
+
  private:
   void Loop();
 
@@ -52,6 +60,9 @@ class GradientSender {
   int in_flight_ = 0;        // guarded by mu_
   absl::Status error_;       // guarded by mu_
   bool stop_ = false;        // guarded by mu_
+  bool measure_ = false;     // guarded by mu_
+  DType measure_dtype_ = DType::kBf16;
+  GradStats stats_;  // guarded by mu_
   std::thread thread_;
 };
 

@@ -105,7 +105,8 @@ absl::Status CheckResumable(const v1::CheckpointManifest& m, const TrainerOption
 Trainer::Trainer(const TrainerOptions& options, OptimizerBackend* backend)
     : options_(options),
       backend_(backend),
-      scaler_(options.loss_scaler, options.param_dtype == DType::kFp16) {}
+      policy_(StepPolicyOptions{options.loss_scaler, options.param_dtype == DType::kFp16,
+                                options.grad_clip, options.micro_batches}) {}
 
 Trainer::~Trainer() {
   // Local only: a collective here could wait on ranks that are gone.
@@ -341,7 +342,7 @@ absl::StatusOr<std::string> Trainer::Start() {
   if (resuming) {
     const v1::CheckpointManifest& m = manifest;
     OFFLOAD_RETURN_IF_ERROR(sampler_->Restore(m.data()));
-    OFFLOAD_RETURN_IF_ERROR(scaler_.Restore(m.loss_scale()));
+    OFFLOAD_RETURN_IF_ERROR(policy_.Restore(m.loss_scale()));
     step_ = m.step();
     counters_ = StepCounters{m.shard_files(0).completed_step(), m.shard_files(0).adam_step()};
     last_loss_ = m.train_loss();
@@ -458,7 +459,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
   trace_step_.store(step);
   OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   sampler_->Next(inputs_.data(), targets_.data());
-  const float scale = scaler_.scale();
+  const float scale = policy_.loss_scale();
   if (!delayed) {
     OFFLOAD_RETURN_IF_ERROR(backend_->BeginStep(step));
   }
@@ -498,10 +499,11 @@ absl::StatusOr<StepReport> Trainer::Step() {
     return s;
   }
   const float loss = static_cast<float>(agreed[2] / world_size());
-  StepReport report = Report(step, loss, scale, GradStats{agreed[0], agreed[1] > 0});
+  const StepDecision decision = policy_.Decide(GradStats{agreed[0], agreed[1] > 0});
+  StepReport report = Report(step, loss, decision);
   report.stop = agreed[3] > 0;
   report.checkpoint_request = static_cast<uint64_t>(agreed[4]);
-  const float grad_multiplier = GradMultiplier(report);
+  const float grad_multiplier = decision.grad_multiplier;
   if (delayed) {
     pending_skipped_ = report.skipped;
     pending_commit_ = std::async(
@@ -527,7 +529,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
       params_stale_ = true;
     }
   }
-  scaler_.Update(report.skipped);
+  policy_.Finish(decision);
   step_ = step;
   last_loss_ = loss;
   return report;
@@ -603,24 +605,15 @@ std::string Trainer::DescribeZero() const {
                       " bytes of 16-bit weights in all)");
 }
 
-StepReport Trainer::Report(uint64_t step, float loss, float loss_scale,
-                           const GradStats& stats) const {
+StepReport Trainer::Report(uint64_t step, float loss, const StepDecision& decision) const {
   StepReport report;
   report.step = step;
   report.loss = loss;
-  report.loss_scale = loss_scale;
-  report.skipped = stats.nonfinite;
-  // The shards sum the micro-batches' gradients; the step's gradient is their mean.
-  report.grad_norm = std::sqrt(stats.sum_squares) / (loss_scale * options_.micro_batches);
+  report.loss_scale = decision.loss_scale;
+  report.skipped = decision.skip;
+  report.grad_norm = decision.grad_norm;
   report.lr = ScheduledLr(options_.schedule, step);
   return report;
-}
-
-// ARCHITECTURE.md section 1: 1 / (loss_scale * micro_batches) * clip_coef (no clipping on a step
-// the shards skip). The mean over ranks is taken before the gradients are rounded.
-float Trainer::GradMultiplier(const StepReport& report) const {
-  const float clip = report.skipped ? 1.0f : ClipCoefficient(report.grad_norm, options_.grad_clip);
-  return clip / (report.loss_scale * static_cast<float>(options_.micro_batches));
 }
 
 absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool send,
@@ -852,7 +845,7 @@ v1::CheckpointManifest Trainer::Manifest() const {
   m.set_seed(o.seed);
   *m.mutable_partition() = backend_->partition();
   *m.mutable_data() = sampler_->Position();
-  *m.mutable_loss_scale() = scaler_.State();
+  *m.mutable_loss_scale() = policy_.State();
   *m.mutable_adam() = o.adam;
   *m.mutable_schedule() = o.schedule;
   m.set_grad_clip(o.grad_clip);

@@ -26,6 +26,7 @@
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/offload/optimizer_backend.h"
 #include "gpu_trainer/precision/loss_scaler.h"
+#include "gpu_trainer/precision/step_policy.h"
 #include "gpu_trainer/train/gradient_reducer.h"
 #include "gpu_trainer/train/gradient_sender.h"
 #include "gpu_trainer/train/model_runner.h"
@@ -176,7 +177,7 @@ class Trainer {
     if (reducer_ != nullptr) m.used_bytes += reducer_->held_bytes();
     return m;
   }
-  const DynamicLossScaler& loss_scaler() const { return scaler_; }
+  const DynamicLossScaler& loss_scaler() const { return policy_.scaler(); }
   // The 16-bit weights the trainer computes with, (padded_length,); empty under ZeRO-3.
   const std::vector<uint16_t>& weights16() const { return weights16_; }
   // This rank's 16-bit weights that every stage holds, (partition_length,).
@@ -214,9 +215,8 @@ class Trainer {
   // ZeRO-3: the gathers' communicator and the gatherer, the model's source of weights. Collective.
   absl::Status StartGatherer();
   bool stage3() const { return options_.zero_stage == 3; }
-  // What a step reports, from its loss and the statistics of its (global) gradients.
-  StepReport Report(uint64_t step, float loss, float loss_scale, const GradStats& stats) const;
-  float GradMultiplier(const StepReport& report) const;
+  // What a step reports, from its loss and the policy's decision on its (global) gradients.
+  StepReport Report(uint64_t step, float loss, const StepDecision& decision) const;
   // Micro-batch k of the step: forward, backward, and its gradients on their way (sent when
   // `send`, else kept in grads16_ for OpenDelayedStep). Adds its loss to *loss_sum; for a single
   // micro-batch, *stats := its gradients' statistics.
@@ -246,7 +246,7 @@ class Trainer {
   std::unique_ptr<TokenDataset> dataset_;
   TokenSpan train_, val_;
   std::unique_ptr<BatchSampler> sampler_;
-  DynamicLossScaler scaler_;
+  StepPolicy policy_;                         // skip, clip, grad multiplier and the loss scale
   std::unique_ptr<Collectives> single_rank_;  // when options_.collectives is null
   Collectives* collectives_ = nullptr;
   int local_batch_ = 0;  // sequences per micro-batch on this rank

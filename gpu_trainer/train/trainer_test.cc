@@ -481,9 +481,9 @@ class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
   HoldSendsUntilGradientsAreReduced(InProcessOptimizer* inner, const PhaseTrace* trace)
       : OptimizerBackend(inner->partition()), inner_(inner), trace_(trace) {}
 
-  absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
-                         DType param_dtype) override {
-    return inner_->CreateJob(job_id, adam, param_dtype);
+  absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam, DType param_dtype,
+                         const std::vector<v1::ParamGroup>& groups = {}) override {
+    return inner_->CreateJob(job_id, adam, param_dtype, groups);
   }
   absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
                               const StepCounters* steps) override {
@@ -516,9 +516,10 @@ class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
     return inner_->SendGradients(offset, grads, n, accumulate);
   }
   absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
-                                            uint16_t* params16) override {
+                                            uint16_t* params16,
+                                            absl::Span<const float> group_lr) override {
     open_ = false;
-    return inner_->Commit(lr, grad_multiplier, skip, params16);
+    return inner_->Commit(lr, grad_multiplier, skip, params16, group_lr);
   }
   void AbortSlices() override {
     open_ = false;

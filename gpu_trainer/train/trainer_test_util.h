@@ -16,6 +16,7 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "gpu_trainer/collectives/gloo_test_util.h"
+#include "gpu_trainer/offload/local_shards_test_util.h"
 #include "gpu_trainer/offload/optimizer_backend.h"
 #include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
@@ -146,29 +147,6 @@ inline RunResult Train(const TrainerOptions& o, OptimizerBackend* backend, uint6
 inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
-
-// Two optimizer shards served over gRPC on loopback, in this process.
-class LocalShards {
- public:
-  explicit LocalShards(int n) : pool_(ThreadPool::Options{2, false}) {
-    for (int i = 0; i < n; ++i) {
-      stores_.push_back(std::make_unique<ShardStore>(ShardOptions{}, &pool_, BestSimdPath()));
-      ServerOptions options;
-      options.listen_address = "127.0.0.1:0";
-      auto server = OptimizerServer::Start(options, stores_.back().get());
-      EXPECT_TRUE(server.ok()) << server.status();
-      addresses_.push_back(absl::StrCat("127.0.0.1:", (*server)->port()));
-      servers_.push_back(std::move(*server));
-    }
-  }
-  const std::vector<std::string>& addresses() const { return addresses_; }
-
- private:
-  ThreadPool pool_;
-  std::vector<std::unique_ptr<ShardStore>> stores_;
-  std::vector<std::unique_ptr<OptimizerServer>> servers_;
-  std::vector<std::string> addresses_;
-};
 
 // Runs `ranks` ranks of one job on `shards`, each on its own thread with its own collectives
 // (over one in-memory store), shard clients and options (`o` with this rank's collectives):

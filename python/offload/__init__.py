@@ -1,0 +1,14 @@
+"""Offload's Python front end: the optimizer servers behind the interfaces PyTorch users know.
+
+``offload.torch.AdamW`` is a ``torch.optim.Optimizer`` whose fp32 master weights and Adam moments
+live on optimizer servers (``cpu_optimizer_server``), reached through the C ABI of
+``liboffload_c.so`` (``gpu_trainer/capi/offload_c.h``). This package holds no numerics of its
+own: rounding, statistics, the loss scale, skipping and clipping are the C++ side's.
+
+``import offload.torch`` needs torch; ``import offload`` does not.
+"""
+
+from offload._lib import OffloadError, library_path
+
+__all__ = ["OffloadError", "library_path"]
+__version__ = "0.1.0"

@@ -1,0 +1,155 @@
+"""ctypes binding of liboffload_c.so (gpu_trainer/capi/offload_c.h), and where to find it.
+
+The library is looked for, in order: ``$OFFLOAD_LIBRARY`` (a file), ``$OFFLOAD_BUILD_DIR/lib``
+(relative to the repository root unless absolute), the repository's ``build/lib``, then the
+system's library path (an installed ``liboffload_c.so``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+from typing import Optional
+
+ABI_VERSION = 1
+FP16, BF16 = 2, 3
+ADAM, ADAMW = 1, 2
+MASTER, EXP_AVG, EXP_AVG_SQ = 1, 2, 3
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# absl::StatusCode names, for messages.
+_CODES = {1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
+          5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
+          9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
+          13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS", 16: "UNAUTHENTICATED"}
+
+
+class OffloadError(RuntimeError):
+    """A call into liboffload_c failed; ``code`` is the absl::StatusCode."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"{_CODES.get(code, code)}: {message}")
+        self.code = code
+
+
+class Group(ctypes.Structure):
+    _fields_ = [("offset", ctypes.c_uint64), ("length", ctypes.c_uint64),
+                ("kind", ctypes.c_int32), ("lr", ctypes.c_float), ("beta1", ctypes.c_float),
+                ("beta2", ctypes.c_float), ("eps", ctypes.c_float),
+                ("weight_decay", ctypes.c_float)]
+
+
+class Config(ctypes.Structure):
+    _fields_ = [("abi_version", ctypes.c_int32), ("job_id", ctypes.c_char_p),
+                ("num_params", ctypes.c_uint64), ("world_size", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("create_job", ctypes.c_int32),
+                ("dtype", ctypes.c_int32), ("num_groups", ctypes.c_int32),
+                ("groups", ctypes.POINTER(Group)), ("num_shards", ctypes.c_int32),
+                ("shard_addresses", ctypes.POINTER(ctypes.c_char_p)),
+                ("threads", ctypes.c_int32), ("transport", ctypes.c_char_p),
+                ("token", ctypes.c_char_p), ("tls_ca", ctypes.c_char_p),
+                ("tls_cert", ctypes.c_char_p), ("tls_key", ctypes.c_char_p),
+                ("tls_server_name", ctypes.c_char_p), ("call_timeout_seconds", ctypes.c_double),
+                ("loss_scale_init", ctypes.c_float), ("loss_scale_window", ctypes.c_int32),
+                ("grad_clip", ctypes.c_float), ("trace_file", ctypes.c_char_p)]
+
+
+class StepReport(ctypes.Structure):
+    _fields_ = [("step", ctypes.c_uint64), ("skipped", ctypes.c_int32),
+                ("loss_scale", ctypes.c_float), ("next_loss_scale", ctypes.c_float),
+                ("grad_norm", ctypes.c_double), ("clip_coef", ctypes.c_float),
+                ("grad_multiplier", ctypes.c_float), ("adam_step", ctypes.c_uint64),
+                ("skipped_steps", ctypes.c_uint64)]
+
+
+def _build_dir() -> pathlib.Path:
+    build = pathlib.Path(os.environ.get("OFFLOAD_BUILD_DIR", "build"))
+    return build if build.is_absolute() else _REPO / build
+
+
+def library_path() -> str:
+    """The liboffload_c.so this package loads (see the module's docstring for the order)."""
+    explicit = os.environ.get("OFFLOAD_LIBRARY")
+    if explicit:
+        return explicit
+    built = _build_dir() / "lib" / "liboffload_c.so"
+    if built.exists():
+        return str(built)
+    found = ctypes.util.find_library("offload_c")
+    if found:
+        return found
+    raise OffloadError(5, f"liboffload_c.so is not built ({built} is missing) and not installed: "
+                          "run ./scripts/build, or set OFFLOAD_BUILD_DIR or OFFLOAD_LIBRARY")
+
+
+def server_binary() -> str:
+    """The cpu_optimizer_server next to the library in the build tree, else on PATH."""
+    built = _build_dir() / "bin" / "cpu_optimizer_server"
+    if built.exists():
+        return str(built)
+    import shutil
+    found = shutil.which("cpu_optimizer_server")
+    if found:
+        return found
+    raise OffloadError(5, f"cpu_optimizer_server is not built ({built} is missing) and not on "
+                          "PATH: run ./scripts/build, or set OFFLOAD_BUILD_DIR")
+
+
+_lib: Optional[ctypes.CDLL] = None
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library, with every function's signature declared."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    L = ctypes.CDLL(library_path())
+    P = ctypes.c_void_p
+    u64, i32, f32, dbl = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_double
+    fptr = ctypes.POINTER(ctypes.c_float)
+    sigs = {
+        "offload_last_error": (ctypes.c_char_p, []),
+        "offload_abi_version": (i32, []),
+        "offload_create": (i32, [ctypes.POINTER(Config), ctypes.POINTER(P)]),
+        "offload_destroy": (None, [P]),
+        "offload_drop_job": (i32, [P]),
+        "offload_padded_length": (u64, [P]),
+        "offload_partition_offset": (u64, [P]),
+        "offload_partition_length": (u64, [P]),
+        "offload_transport_names": (ctypes.c_char_p, [P]),
+        "offload_load_state": (i32, [P, P, P, P, u64, u64]),
+        "offload_read_state": (i32, [P, i32, u64, u64, P]),
+        "offload_loss_scale": (f32, [P]),
+        "offload_get_scaler": (None, [P, fptr, ctypes.POINTER(ctypes.c_uint32),
+                                      ctypes.POINTER(u64)]),
+        "offload_set_scaler": (i32, [P, f32, ctypes.c_uint32, u64]),
+        "offload_begin_step": (i32, [P, u64]),
+        "offload_in_step": (i32, [P]),
+        "offload_gradient_buffer": (P, [P, u64, u64]),
+        "offload_gradients_ready": (i32, [P, u64, u64, P]),
+        "offload_send_gradients_f32": (i32, [P, u64, P, u64, f32]),
+        "offload_local_stats": (i32, [P, ctypes.POINTER(dbl)]),
+        "offload_commit": (i32, [P, P, fptr, i32, f32, P, ctypes.POINTER(StepReport)]),
+        "offload_preview": (i32, [P, P, f32, ctypes.POINTER(StepReport)]),
+        "offload_abort_step": (None, [P]),
+        "offload_trace_phase": (None, [P, ctypes.c_char_p, u64, dbl, dbl]),
+        "offload_write_trace": (i32, [P]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(L, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    if L.offload_abi_version() != ABI_VERSION:
+        raise OffloadError(9, f"{library_path()} speaks ABI version {L.offload_abi_version()}, "
+                              f"this package {ABI_VERSION}: rebuild one of them")
+    _lib = L
+    return L
+
+
+def check(rc: int) -> None:
+    """Raises OffloadError with the library's message unless rc is 0."""
+    if rc != 0:
+        raise OffloadError(rc, lib().offload_last_error().decode("utf-8", "replace"))

@@ -1,0 +1,101 @@
+"""An optimizer server of this process's own: ``cpu_optimizer_server`` as a child process.
+
+``offload.torch.AdamW(servers=None)`` starts one on 127.0.0.1 with a fresh token (handed over in
+the child's environment, never its argv), reaches it over shared memory, and stops it when the
+optimizer is closed or the interpreter exits. On Linux the child also dies with its parent
+(PR_SET_PDEATHSIG), so a killed training script leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import re
+import secrets
+import select
+import signal
+import subprocess
+import tempfile
+import time
+import weakref
+from typing import List, Optional
+
+from offload._lib import OffloadError, server_binary
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class LocalServer:
+    """One cpu_optimizer_server child; ``address`` and ``token`` reach it."""
+
+    def __init__(self, threads: int = 0, memory_limit_mib: int = 0, start_timeout: float = 60.0,
+                 extra_flags: Optional[List[str]] = None, token: Optional[str] = None):
+        self.token = token or secrets.token_hex(16)
+        self._log = tempfile.NamedTemporaryFile(prefix="offload-server-", suffix=".log",
+                                                delete=False)
+        flags = ["--listen=127.0.0.1:0", f"--threads={threads}", "--ucx=false"]
+        if memory_limit_mib > 0:
+            flags.append(f"--memory_limit_mib={memory_limit_mib}")
+        flags += extra_flags or []
+        env = dict(os.environ, OFFLOAD_TOKEN=self.token)
+        self.process = subprocess.Popen([server_binary()] + flags, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=self._log,
+                                        preexec_fn=_die_with_parent)
+        self._finalizer = weakref.finalize(self, LocalServer._stop, self.process, self._log.name)
+        atexit.register(self._finalizer)
+        self.address = self._wait_for_port(start_timeout)
+
+    def _wait_for_port(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        out = self.process.stdout
+        line = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([out], [], [], 0.1)
+            if ready:
+                chunk = os.read(out.fileno(), 4096)
+                if not chunk:
+                    break
+                line += chunk
+                m = re.search(rb"listening port=(\d+)", line)
+                if m:
+                    return f"127.0.0.1:{int(m.group(1))}"
+            elif self.process.poll() is not None:
+                break
+        self.close()
+        raise OffloadError(14, f"cpu_optimizer_server did not start: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self._log.name, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _stop(process: subprocess.Popen, log: str) -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        try:
+            os.unlink(log)
+        except OSError:
+            pass

@@ -1,0 +1,111 @@
+"""Two ranks with torch.distributed (gloo) train what one rank with the whole batch trains (run by
+CTest as `torch_distributed_test`). Each rank computes its half of the batch; the optimizer sums
+the ranks' gradients in fp32, each rank sends the mean of its partition to the shared server,
+commits it and the partitions are all-gathered.
+
+The two runs differ by the ranks' 16-bit rounding of their own gradients before the mean (one
+rank rounds the whole gradient once). The bound is measured against a noise floor in the same
+test: one rank run again with another loss scale (3 * 2^k instead of 2^k), which rounds every
+fp16 gradient differently once. Two ranks round three times where the floor run rounds once
+differently; independent roundings add in quadrature (sqrt(3) ~ 1.7 in expectation), so the
+bound is 4 floors, leaving room for the maximum over elements of such a walk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from torch_test_util import TinyNet  # noqa: E402
+
+STEPS = 8
+ROWS = 8
+
+
+def train(rank: int, world: int, address: str, token: str, out: str, loss_scale: float,
+          init_file: str) -> None:
+    import offload.torch as otorch
+    group = None
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world)
+        group = dist.group.WORLD
+    torch.manual_seed(5)
+    model = TinyNet(31, 20, 45)
+    opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=torch.float16,
+                       servers=[address], token=token, loss_scale=loss_scale,
+                       job_id=f"dist-{world}-{int(loss_scale)}", process_group=group,
+                       bucket_elements=500, threads=1)
+    rows = ROWS // world
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 31, (ROWS, 6), generator=g)[rank * rows:(rank + 1) * rows]
+        opt.zero_grad()
+        logits = model(x)
+        # The mean over this rank's rows; the optimizer averages the ranks.
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 31),
+                                                 x[:, 1:].reshape(-1))
+        opt.backward(loss)
+        opt.step()
+    if rank == 0:
+        torch.save(opt.master_weights(), out)
+    opt.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+class TwoRanks(unittest.TestCase):
+
+    def test_two_ranks_train_what_one_rank_trains(self) -> None:
+        from offload.server import LocalServer
+        server = LocalServer(threads=1)
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                def run(world: int, scale: float) -> torch.Tensor:
+                    out = os.path.join(d, f"w{world}-{int(scale)}.pt")
+                    init = os.path.join(d, f"init-{world}-{int(scale)}")
+                    procs = [subprocess.Popen(
+                        [sys.executable, __file__, "--rank", str(r), "--world", str(world),
+                         "--address", server.address, "--out", out, "--loss_scale", str(scale),
+                         "--init", init], env=dict(os.environ, OFFLOAD_TOKEN=server.token))
+                        for r in range(world)]
+                    for p in procs:
+                        self.assertEqual(p.wait(timeout=300), 0)
+                    return torch.load(out)
+
+                one = run(1, 1024.0)
+                floor = (run(1, 3 * 1024.0) - one).abs().max().item()
+                two = run(2, 1024.0)
+                diff = (two - one).abs().max().item()
+                self.assertGreater(floor, 0.0)
+                print(f"two ranks vs one: max |diff| {diff:.3e}, floor {floor:.3e}")
+                self.assertLessEqual(diff, 4 * floor, f"two ranks {diff}, floor {floor}")
+                self.assertGreater(diff, 0.0)  # the ranks really ran their own halves
+        finally:
+            server.close()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=-1)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--address")
+    ap.add_argument("--out")
+    ap.add_argument("--loss_scale", type=float, default=1024.0)
+    ap.add_argument("--init")
+    args, rest = ap.parse_known_args()
+    if args.rank >= 0:
+        train(args.rank, args.world, args.address, os.environ["OFFLOAD_TOKEN"], args.out,
+              args.loss_scale, args.init)
+    else:
+        unittest.main(argv=[sys.argv[0]] + rest)

@@ -1,0 +1,37 @@
+"""What the python/ tests share: a tiny model that computes in fp32 on 16-bit weights, and whether
+a process is alive."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class TinyNet(torch.nn.Module):
+    """(B, T) tokens -> (B, T, vocab) logits: an embedding and two linears. It computes in fp32 on
+    its 16-bit weights (CPU torch 1.13 has no fp16 matmul), as the C++ CPU backend does, so the
+    gradients reach the parameters rounded to their 16-bit type."""
+
+    def __init__(self, vocab: int, width: int, hidden: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = torch.tanh) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.fc1 = torch.nn.Linear(width, hidden)
+        self.fc2 = torch.nn.Linear(hidden, vocab)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        h = F.linear(F.embedding(x, self.emb.weight.float()), self.fc1.weight.float(),
+                     self.fc1.bias.float())
+        return F.linear(self.activation(h), self.fc2.weight.float(), self.fc2.bias.float())
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

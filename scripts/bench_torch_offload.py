@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""bench_torch_offload: offload.torch.AdamW against torch's own optimizer, in one run.
+
+A GPT of about 100M parameters (examples/torch_gpt.py's, 12 layers of 832 channels by default)
+is timed three ways on the same batches:
+  torch   fp32 parameters, torch.optim.AdamW(foreach=True): the in-process CPU optimizer;
+  offload the same model under offload.torch.AdamW (bf16 parameters, one local
+          cpu_optimizer_server over shared memory), gradients leaving during backward;
+  bare    the same flat space committed through the C library alone (begin, the whole partition's
+          gradients, commit), as the C++ trainer drives its optimizer backend: what the front end
+          adds is offload's step minus (its forward+backward without hooks + bare).
+It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
+
+    PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import offload.torch as otorch  # noqa: E402
+from offload import _lib  # noqa: E402
+from torch_gpt import GPT  # noqa: E402
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--channels", type=int, default=832)
+    ap.add_argument("--heads", type=int, default=13)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch's threads (Debian's torch takes one per physical core); the "
+                    "local server takes every core")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    base = GPT(context=args.seq, layers=args.layers, heads=args.heads, channels=args.channels)
+    n = sum(p.numel() for p in base.parameters())
+    x = torch.randint(0, 256, (args.batch, args.seq))
+    y = torch.randint(0, 256, (args.batch, args.seq))
+
+    def loss_of(model):
+        return F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
+
+    # torch: fp32 parameters, the in-process foreach AdamW.
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, foreach=True)
+    loss_of(ref).backward()
+    torch_opt_s = timed(ref_opt.step, args.steps, args.warmup)
+
+    def torch_step():
+        ref_opt.zero_grad()
+        loss_of(ref).backward()
+        ref_opt.step()
+    torch_step_s = timed(torch_step, args.steps, args.warmup)
+    del ref, ref_opt
+
+    # offload: bf16 parameters, one local server over shared memory.
+    model = copy.deepcopy(base)
+    opt = otorch.AdamW(model.parameters(), lr=1e-4)
+
+    def fwd_bwd():
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+    opt_times = []
+    step_times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        fwd_bwd()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            step_times.append(t2 - t0)
+            opt_times.append(t2 - t1)
+    offload_step_s = statistics.median(step_times)
+    offload_opt_s = statistics.median(opt_times)
+    transport = opt.transport
+
+    # The same forward and backward without the optimizer's hooks, for the front end's share.
+    plain = copy.deepcopy(base).to(torch.bfloat16)
+
+    def plain_fwd_bwd():
+        for p in plain.parameters():
+            p.grad = None
+        loss_of(plain).backward()
+    plain_s = timed(plain_fwd_bwd, args.steps, args.warmup)
+
+    # bare: the library alone on the optimizer's own job (as the C++ trainer's backend is driven).
+    L = _lib.lib()
+    h = opt._handle
+    host = torch.zeros(opt.padded_length, dtype=torch.bfloat16)
+    lrs = (ctypes.c_float * 1)(1e-4)
+    report = _lib.StepReport()
+
+    def bare():
+        _lib.check(L.offload_begin_step(h, opt._step + 1))
+        ptr = L.offload_gradient_buffer(h, 0, opt.padded_length)
+        ctypes.memset(ptr, 0, 2 * opt.padded_length)
+        _lib.check(L.offload_gradients_ready(h, 0, opt.padded_length, ptr))
+        _lib.check(L.offload_commit(h, None, lrs, 1, -1.0, ctypes.c_void_p(host.data_ptr()),
+                                    ctypes.byref(report)))
+        opt._step += 1
+    bare_s = timed(bare, args.steps, args.warmup)
+    opt.close()
+
+    print(f"torch_offload model=gpt params={n} layers={args.layers} channels={args.channels} "
+          f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} plane={transport}")
+    print(f"optimizer step  torch_foreach_fp32_s={torch_opt_s:.4f} offload_step_s={offload_opt_s:.4f}"
+          f" speedup={torch_opt_s / offload_opt_s:.2f}x (target >= 10x)")
+    print(f"whole step      torch_fp32_s={torch_step_s:.4f} offload_bf16_s={offload_step_s:.4f}"
+          f" speedup={torch_step_s / offload_step_s:.2f}x")
+    print(f"front end       offload_step_s={offload_step_s:.4f} fwd_bwd_bf16_s={plain_s:.4f} "
+          f"bare_commit_s={bare_s:.4f} cost={offload_step_s / (plain_s + bare_s):.3f}x of "
+          "fwd+bwd+bare (target <= 1.2x)")
+
+
+if __name__ == "__main__":
+    main()
