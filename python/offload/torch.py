@@ -16,6 +16,7 @@ own step policy. This file only moves tensors and calls the library.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 import secrets
@@ -30,7 +31,7 @@ from offload import _lib
 from offload._lib import OffloadError, check
 from offload.server import LocalServer
 
-__all__ = ["AdamW", "Adam", "OffloadError"]
+__all__ = ["AdamW", "Adam", "OffloadError", "save_safetensors"]
 
 _DTYPES = {torch.float16: _lib.FP16, torch.bfloat16: _lib.BF16}
 # The hyper-parameters fixed when the job is created on the servers; lr may change every step.
@@ -614,3 +615,51 @@ class Adam(AdamW):
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
                  **kwargs: Any):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+
+
+def save_safetensors(model: torch.nn.Module, path: str) -> None:
+    """Writes the model's state_dict (its 16-bit weights as trained) as a safetensors file, the
+    format Hugging Face and gpu_trainer --init_from read. Written atomically: a temporary file,
+    fsync, then a rename, so a crash leaves the old file or the new one. Tied tensors (one
+    Parameter under two names) are written under each name."""
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name here")
+        tensors[name] = t.detach().to("cpu").contiguous()
+    header: Dict[str, Any] = {}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for name in sorted(tensors):
+                t = tensors[name]
+                # Through a same-size integer view: numpy has no bfloat16.
+                view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+                f.write(t.view(view[t.element_size()]).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)

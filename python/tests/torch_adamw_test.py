@@ -242,6 +242,34 @@ class SameBitsAsTorch(unittest.TestCase):
             self.assertLessEqual(abs(ours - theirs), bound * theirs + 1e-12)
 
 
+class Export(unittest.TestCase):
+
+    def test_save_safetensors_writes_the_trained_16_bit_weights(self) -> None:
+        import json
+        import tempfile
+        model = make_model()
+        opt = otorch.AdamW(groups_of(model), lr=LR, betas=BETAS, eps=EPS, servers="inprocess")
+        try:
+            train_offload(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), 0)
+        finally:
+            opt.close()
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "model.safetensors")
+            otorch.save_safetensors(model, path)
+            data = open(path, "rb").read()
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + size])
+        body = data[8 + size:]
+        self.assertEqual(set(header), set(model.state_dict()))
+        for name, t in model.state_dict().items():
+            entry = header[name]
+            self.assertEqual(entry["dtype"], "BF16")
+            self.assertEqual(entry["shape"], list(t.shape))
+            lo, hi = entry["data_offsets"]
+            got = torch.frombuffer(bytearray(body[lo:hi]), dtype=torch.bfloat16).view(t.shape)
+            self.assertTrue(torch.equal(got.view(torch.int16), t.view(torch.int16)), name)
+
+
 class Overlap(unittest.TestCase):
 
     def test_gradients_leave_before_backward_ends(self) -> None:
