@@ -403,6 +403,8 @@ void offload_get_scaler(const OffloadOptimizer* opt, float* scale, uint32_t* cle
 int32_t offload_set_scaler(OffloadOptimizer* opt, float scale, uint32_t clean_steps,
                            uint64_t skipped_steps) {
   return Guard([&] {
+    // The open step's gradients were computed with the current scale.
+    if (opt->in_step) return absl::FailedPreconditionError("a step is open");
     offload::v1::LossScaleState s;
     s.set_scale(scale);
     s.set_clean_steps(clean_steps);
@@ -479,10 +481,15 @@ int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const
 int32_t offload_local_stats(OffloadOptimizer* opt, double out[2]) {
   return Guard([&] {
     if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
-    absl::Status sent = offload::TakeStats(opt);
+    // A failed send dropped gradients: the step cannot be committed, and Drain reports an error
+    // once, so the step ends here rather than fail later with a less telling error.
+    if (absl::Status sent = offload::TakeStats(opt); !sent.ok()) {
+      offload::AbortStep(opt);
+      return sent;
+    }
     out[0] = opt->step_stats.sum_squares;
     out[1] = opt->step_stats.nonfinite ? 1.0 : 0.0;
-    return sent;
+    return absl::OkStatus();
   });
 }
 
@@ -500,7 +507,10 @@ int32_t offload_preview(OffloadOptimizer* opt, const double* global_stats, float
   return Guard([&] {
     if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
     if (report == nullptr) return absl::InvalidArgumentError("null report");
-    if (absl::Status sent = offload::TakeStats(opt); !sent.ok()) return sent;
+    if (absl::Status sent = offload::TakeStats(opt); !sent.ok()) {
+      offload::AbortStep(opt);  // as offload_local_stats
+      return sent;
+    }
     const offload::GradStats stats = global_stats != nullptr
                                          ? offload::GradStats{global_stats[0], global_stats[1] > 0}
                                          : opt->step_stats;

@@ -133,7 +133,7 @@ float offload_loss_scale(const OffloadOptimizer* opt);
 void offload_get_scaler(const OffloadOptimizer* opt, float* scale, uint32_t* clean_steps,
                         uint64_t* skipped_steps);
 int32_t offload_set_scaler(OffloadOptimizer* opt, float scale, uint32_t clean_steps,
-                           uint64_t skipped_steps);
+                           uint64_t skipped_steps); /* refused while a step is open */
 
 /* One step: offload_begin_step, then for every element of this rank's partition exactly once
  * (from any thread) offload_gradient_buffer + writing the 16-bit gradients there +
@@ -160,7 +160,8 @@ int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const
                                    uint64_t n, float scale);
 /* Waits until every queued gradient is sent; out[0] = sum of squares, out[1] = 1 if any was inf
  * or NaN, over this rank's gradients (still multiplied by the loss scale). W > 1: sum them over
- * ranks and pass the sums to offload_commit. */
+ * ranks and pass the sums to offload_commit. A send that failed ends the step (nothing applied)
+ * and its error is returned, here or from offload_preview / offload_commit. */
 int32_t offload_local_stats(OffloadOptimizer* opt, double out[2]);
 /* Decides the step by the policy from `global_stats` (null: this rank's own), with max_grad_norm
  * (< 0: the config's grad_clip) and one lr per group (group_lr, num_groups of them), commits it

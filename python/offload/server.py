@@ -3,7 +3,9 @@
 ``offload.torch.AdamW(servers=None)`` starts one on 127.0.0.1 with a fresh token (handed over in
 the child's environment, never its argv), reaches it over shared memory, and stops it when the
 optimizer is closed or the interpreter exits. On Linux the child also dies with its parent
-(PR_SET_PDEATHSIG), so a killed training script leaves no server behind.
+(PR_SET_PDEATHSIG), so a killed training script leaves no server behind. The signal follows the
+thread that started the server: build the optimizer on a thread that lives as long as training
+(the main thread, as scripts do).
 """
 
 from __future__ import annotations
@@ -19,16 +21,22 @@ import subprocess
 import tempfile
 import time
 import weakref
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from offload._lib import OffloadError, server_binary
 
 _PR_SET_PDEATHSIG = 1
+# Looked up here, in the parent: the forked child of a threaded process (torch, OpenMP) must not
+# dlopen before exec.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    def run() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    return run
 
 
 class LocalServer:
@@ -46,7 +54,7 @@ class LocalServer:
         env = dict(os.environ, OFFLOAD_TOKEN=self.token)
         self.process = subprocess.Popen([server_binary()] + flags, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=self._log,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=_die_with_parent(os.getpid()))
         self._finalizer = weakref.finalize(self, LocalServer._stop, self.process, self._log.name)
         atexit.register(self._finalizer)
         self.address = self._wait_for_port(start_timeout)

@@ -149,6 +149,11 @@ class AdamW(torch.optim.Optimizer):
             *[a.encode() for a in servers_list])
         if job_id is None:
             job_id = f"torch-{os.getpid()}-{secrets.token_hex(4)}"
+            if self._world > 1:  # rank 0's name, for the job the others join
+                import torch.distributed as dist
+                names = [job_id]
+                dist.broadcast_object_list(names, src=self._src0(), group=self._group)
+                job_id = names[0]
         enc = lambda s: s.encode() if s else None  # noqa: E731
         config = _lib.Config(
             abi_version=_lib.ABI_VERSION, job_id=job_id.encode(), num_params=self.num_params,
@@ -162,12 +167,14 @@ class AdamW(torch.optim.Optimizer):
             trace_file=enc(trace_file))
         L = _lib.lib()
         handle = ctypes.c_void_p()
-        if self._rank == 0:
-            check(L.offload_create(ctypes.byref(config), ctypes.byref(handle)))
-        if self._world > 1:
-            self._barrier()  # rank 0 created the job; the others join it
-            if self._rank != 0:
-                check(L.offload_create(ctypes.byref(config), ctypes.byref(handle)))
+        # Rank 0 creates the job, then the others join it; every rank learns whether all did.
+        rc = L.offload_create(ctypes.byref(config), ctypes.byref(handle)) if self._rank == 0 else 0
+        error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+        self._agree(rc, error, "creating the job")
+        if self._rank != 0:
+            rc = L.offload_create(ctypes.byref(config), ctypes.byref(handle))
+            error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+        self._agree(rc, error, "joining the job")
         self._handle = handle
         self._finalizer = weakref.finalize(self, AdamW._release, L, handle, self._rank == 0,
                                            self._server)
@@ -192,11 +199,14 @@ class AdamW(torch.optim.Optimizer):
             for p, off in zip(self._params, self._offsets):
                 p.data = self._flat16[off:off + p.numel()].view(p.shape)
                 p.grad = None
-        if self._rank == 0:
-            check(L.offload_load_state(handle, _ptr(master), None, None, 0, 0))
-        if self._world > 1:
-            self._barrier()
+        rc = L.offload_load_state(handle, _ptr(master), None, None, 0, 0) if self._rank == 0 else 0
+        error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+        self._agree(rc, error, "loading the master weights")
         del master
+        if self._world > 1:
+            # The servers hold rank 0's values: every rank computes with them (as DDP does).
+            import torch.distributed as dist
+            dist.broadcast(self._flat16.view(torch.int32), src=self._src0(), group=self._group)
 
         self._sent = [False] * len(self._params)
         self._gradients_done = False
@@ -205,6 +215,30 @@ class AdamW(torch.optim.Optimizer):
         self._hooks = [p.register_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
 
     # ----------------------------------------------------------------------------- set-up
+
+    def _src0(self) -> int:
+        """The global rank of the group's rank 0 (what torch.distributed's src= names)."""
+        import torch.distributed as dist
+        if self._group is None or self._group == dist.group.WORLD:
+            return 0
+        get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+        return get(self._group, 0)
+
+    def _agree(self, rc: int, error: str, what: str) -> None:
+        """Raises on every rank when any rank's rc is not 0 (one rank's failure must not leave
+        the others waiting in a collective); with one rank, raises this rank's error."""
+        if self._world == 1:
+            if rc:
+                raise OffloadError(rc, error)
+            return
+        import torch.distributed as dist
+        codes = [0] * self._world
+        dist.all_gather_object(codes, (rc, error), group=self._group)
+        if rc:
+            raise OffloadError(rc, error)
+        for r, (code, message) in enumerate(codes):
+            if code:
+                raise RuntimeError(f"rank {r} failed {what}: {_lib.OffloadError(code, message)}")
 
     def _servers(self, servers: Any, token: Optional[str], threads: int) -> Tuple[List[str], Optional[str]]:
         if servers is None:
@@ -215,6 +249,9 @@ class AdamW(torch.optim.Optimizer):
             return [self._server.address], self._server.token
         if isinstance(servers, str):
             if servers == "inprocess":
+                if self._world > 1:
+                    raise ValueError("servers='inprocess' is one process's engine: several ranks "
+                                     "need running servers")
                 return [], None
             servers = [servers]
         servers = list(servers)
@@ -241,12 +278,20 @@ class AdamW(torch.optim.Optimizer):
             server.close()
 
     def close(self) -> None:
-        """Drops the job on the servers (rank 0) and stops the local server, if any."""
+        """Drops the job on the servers (rank 0) and stops the local server, if any. The
+        optimizer cannot be used afterwards."""
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer()
+        self._handle = None
+
+    def _live(self) -> ctypes.c_void_p:
+        """The library's optimizer; an error once closed."""
+        if not self._handle:
+            raise RuntimeError("this offload.torch optimizer was closed")
+        return self._handle
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -255,12 +300,18 @@ class AdamW(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- gradients
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        # A weak reference: the model's parameters must not keep the optimizer (its job, its
+        # server) alive, and a collected or closed optimizer's hooks do nothing.
+        ref = weakref.ref(self)
+
         def hook(grad: torch.Tensor) -> None:
-            self._on_gradient(index, grad)
+            opt = ref()
+            if opt is not None and opt._handle:
+                opt._on_gradient(index, grad)
         return hook
 
     def _begin_step(self) -> None:
-        if not _lib.lib().offload_in_step(self._handle):
+        if not _lib.lib().offload_in_step(self._live()):
             check(_lib.lib().offload_begin_step(self._handle, self._step + 1))
 
     def _on_gradient(self, index: int, grad: torch.Tensor) -> None:
@@ -381,7 +432,8 @@ class AdamW(torch.optim.Optimizer):
                 + "; build a new optimizer for a changed model")
 
     def _abort(self) -> None:
-        _lib.lib().offload_abort_step(self._handle)
+        if self._handle:
+            _lib.lib().offload_abort_step(self._handle)
         self._gradients_done = False
         self._sent = [False] * len(self._params)
         self._pending = []
@@ -393,14 +445,14 @@ class AdamW(torch.optim.Optimizer):
         """As torch's; gradients already on their way in an unfinished step are dropped too
         (nothing is applied), so a failed backward can be retried."""
         with self._lock:
-            if self._handle and _lib.lib().offload_in_step(self._handle):
+            if _lib.lib().offload_in_step(self._live()):
                 self._abort()
         super().zero_grad(set_to_none=set_to_none)
 
     @property
     def loss_scale(self) -> float:
         """The scale to multiply the next loss by (1 for bf16)."""
-        return float(_lib.lib().offload_loss_scale(self._handle))
+        return float(_lib.lib().offload_loss_scale(self._live()))
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """loss.backward() at the current loss scale (what fp16 needs; bf16's scale is 1)."""
@@ -423,22 +475,29 @@ class AdamW(torch.optim.Optimizer):
         local = (ctypes.c_double * 2)()
         check(_lib.lib().offload_local_stats(self._handle, local))
         import torch.distributed as dist
-        t = torch.tensor([local[0], local[1]], dtype=torch.float64)
+        # On the parameters' device: NCCL reduces device tensors only.
+        device = self.device if dist.get_backend(self._group) == "nccl" else "cpu"
+        t = torch.tensor([local[0], local[1]], dtype=torch.float64, device=device)
         dist.all_reduce(t, group=self._group)
+        t = t.cpu()
         return (ctypes.c_double * 2)(float(t[0]), float(t[1]))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ for this optimizer's parameters: returns the global norm
         of this step's (unscaled) gradients and clips them by max_norm in the coming step()."""
         with self._lock:
-            for i in range(len(self._params)):
-                self._check_param(i)
-            self._begin_step()
-            self._finish_gradients()
-            report = _lib.StepReport()
-            stats = self._global_stats()
-            check(_lib.lib().offload_preview(self._handle, stats, float(max_norm),
-                                             ctypes.byref(report)))
+            try:
+                for i in range(len(self._params)):
+                    self._check_param(i)
+                self._begin_step()
+                self._finish_gradients()
+                report = _lib.StepReport()
+                stats = self._global_stats()
+                check(_lib.lib().offload_preview(self._handle, stats, float(max_norm),
+                                                 ctypes.byref(report)))
+            except BaseException:
+                self._abort()
+                raise
         self._step_max_norm = float(max_norm)
         return torch.tensor(report.grad_norm if not report.skipped else math.inf)
 
@@ -449,6 +508,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         L = _lib.lib()
+        self._live()
         begin = time.monotonic()
         with self._lock:
             try:
@@ -463,15 +523,16 @@ class AdamW(torch.optim.Optimizer):
             lrs = (ctypes.c_float * len(self.param_groups))(
                 *[float(g["lr"]) for g in self.param_groups])
             max_norm = self._step_max_norm if self._step_max_norm is not None else -1.0
-            self._step_max_norm = None
             report = _lib.StepReport()
             rc = L.offload_commit(self._handle, stats, lrs, len(lrs), max_norm,
                                   _ptr(self._host16), ctypes.byref(report))
-            self._sent = [False] * len(self._params)
-            self._gradients_done = False
-            self._pending = []
-            self._pending_elements = 0
-            check(rc)
+            error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+            # Whatever happened, this step is over on both sides (a commit refused before it
+            # reached the shards leaves the library's step open: it ends here, nothing applied).
+            self._abort()
+            if rc == 0:
+                self._step_max_norm = None
+            self._agree(rc, error, "committing the step")
         self._trace("step", begin)
         self._step = int(report.step)
         if not report.skipped:
@@ -497,7 +558,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _read(self, tensor: int) -> torch.Tensor:
         out = torch.empty(self.padded_length, dtype=torch.float32)
-        check(_lib.lib().offload_read_state(self._handle, tensor, 0, self.padded_length,
+        check(_lib.lib().offload_read_state(self._live(), tensor, 0, self.padded_length,
                                             _ptr(out)))
         return out
 
@@ -509,7 +570,7 @@ class AdamW(torch.optim.Optimizer):
         """torch's layout (per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``) plus each
         parameter's fp32 ``master`` and an ``offload`` entry (counters, loss scale)."""
         with self._lock:
-            if _lib.lib().offload_in_step(self._handle):
+            if _lib.lib().offload_in_step(self._live()):
                 raise RuntimeError("state_dict() between backward() and step(): finish the step")
             master, m, v = (self._read(t) for t in (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ))
         scale = ctypes.c_float()
@@ -586,15 +647,24 @@ class AdamW(torch.optim.Optimizer):
                 buf[off:off + t.numel()].copy_(t.reshape(-1))
         L = _lib.lib()
         with self._lock:
-            self._abort()
-            if self._rank == 0:
-                check(L.offload_load_state(self._handle, _ptr(flat["master"]),
-                                           _ptr(flat["exp_avg"]), _ptr(flat["exp_avg_sq"]),
-                                           int(meta["completed_step"]), int(meta["adam_step"])))
+            self._live()
+            self._abort()  # the state replaces whatever the open step would have applied
+            old = (ctypes.c_float(), ctypes.c_uint32(), ctypes.c_uint64())
+            L.offload_get_scaler(self._handle, *(ctypes.byref(v) for v in old))
+            # The scaler first: it checks its values, and is put back if the shards refuse.
             check(L.offload_set_scaler(self._handle, float(meta["loss_scale"]),
                                        int(meta["clean_steps"]), int(meta["skipped_steps"])))
-        if self._world > 1:
-            self._barrier()
+            rc = 0
+            if self._rank == 0:
+                rc = L.offload_load_state(self._handle, _ptr(flat["master"]),
+                                          _ptr(flat["exp_avg"]), _ptr(flat["exp_avg_sq"]),
+                                          int(meta["completed_step"]), int(meta["adam_step"]))
+            error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+            try:
+                self._agree(rc, error, "loading the state")
+            except BaseException:
+                L.offload_set_scaler(self._handle, old[0].value, old[1].value, old[2].value)
+                raise
         self._step = int(meta["completed_step"])
         self._adam_step0 = int(meta["adam_step"])
         self.last_report = None

@@ -40,11 +40,12 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
         group = dist.group.WORLD
-    torch.manual_seed(5)
+    # Each rank its own initial values: the servers take rank 0's, and every rank computes with
+    # those (the optimizer broadcasts them, as DDP does).
+    torch.manual_seed(5 + rank)
     model = TinyNet(31, 20, 45)
     opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=torch.float16,
-                       servers=[address], token=token, loss_scale=loss_scale,
-                       job_id=f"dist-{world}-{int(loss_scale)}", process_group=group,
+                       servers=[address], token=token, loss_scale=loss_scale, process_group=group,
                        bucket_elements=500, threads=1)
     rows = ROWS // world
     for step in range(STEPS):

@@ -158,6 +158,53 @@ class Failures(unittest.TestCase):
             opt.close()
             other.close()
 
+    def test_a_refused_commit_ends_the_step_and_training_goes_on(self) -> None:
+        model = small_model()
+        opt = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
+        try:
+            backward(model, opt)
+            opt.step()
+            before = opt.master_weights()
+            opt.param_groups[0]["lr"] = float("nan")  # a scheduler gone wrong
+            opt.zero_grad()
+            backward(model, opt)
+            with self.assertRaisesRegex(OffloadError, "lr of parameter group 0"):
+                opt.step()
+            self.assertTrue(torch.equal(opt.master_weights(), before))
+            opt.param_groups[0]["lr"] = 1e-3
+            opt.zero_grad()
+            backward(model, opt)
+            opt.step()
+            self.assertEqual(opt.last_report["step"], 2)
+        finally:
+            opt.close()
+
+    def test_a_closed_optimizer_says_so(self) -> None:
+        model = small_model()
+        opt = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
+        opt.close()
+        for use in (opt.step, opt.state_dict, opt.master_weights, lambda: opt.loss_scale):
+            with self.assertRaisesRegex(RuntimeError, "closed"):
+                use()
+        # Its hooks are gone: the model trains on with plain torch.
+        model(torch.arange(4).view(1, 4)).float().sum().backward()
+
+    def test_an_optimizer_nobody_holds_lets_go_of_its_model(self) -> None:
+        import gc
+        model = small_model()
+        opt = otorch.AdamW(model.parameters(), lr=1e-3, threads=1)
+        pid = opt._server.pid
+        del opt
+        gc.collect()
+        # Collected: its job dropped and its server stopped; its hooks on the model do nothing.
+        self.assertFalse(alive(pid))
+        second = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
+        try:
+            backward(model, second)
+            second.step()
+        finally:
+            second.close()
+
     def test_gradient_accumulation_says_it_is_not_supported(self) -> None:
         model = small_model()
         opt = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
