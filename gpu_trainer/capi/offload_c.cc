@@ -185,10 +185,15 @@ absl::Status Create(const OffloadConfig* c, OffloadOptimizer** out) {
   return absl::OkStatus();
 }
 
-bool InPartition(const OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
+// What every gradient entry point checks first: an open step, and [offset, offset + n) inside
+// this rank's partition.
+absl::Status CheckGradientRange(const OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
+  if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
   const uint64_t lo = opt->backend->partition_offset();
   const uint64_t hi = lo + opt->backend->partition_length();
-  return n > 0 && offset >= lo && offset <= hi && n <= hi - offset;
+  if (n > 0 && offset >= lo && offset <= hi && n <= hi - offset) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat("gradients [", offset, ", ", offset + n,
+                                            ") are not inside this rank's partition"));
 }
 
 // Where [offset, offset + n) is written: the plane's place, else the library's buffer.
@@ -430,11 +435,7 @@ int32_t offload_in_step(const OffloadOptimizer* opt) { return opt->in_step ? 1 :
 uint16_t* offload_gradient_buffer(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
   uint16_t* buffer = nullptr;
   Guard([&] {
-    if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
-    if (!offload::InPartition(opt, offset, n)) {
-      return absl::OutOfRangeError(absl::StrCat("gradients [", offset, ", ", offset + n,
-                                                ") are not inside this rank's partition"));
-    }
+    if (absl::Status s = offload::CheckGradientRange(opt, offset, n); !s.ok()) return s;
     buffer = offload::GradientBuffer(opt, offset, n);
     return absl::OkStatus();
   });
@@ -444,11 +445,7 @@ uint16_t* offload_gradient_buffer(OffloadOptimizer* opt, uint64_t offset, uint64
 int32_t offload_gradients_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t n,
                                 const uint16_t* where) {
   return Guard([&] {
-    if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
-    if (!offload::InPartition(opt, offset, n)) {
-      return absl::OutOfRangeError(absl::StrCat("gradients [", offset, ", ", offset + n,
-                                                ") are not inside this rank's partition"));
-    }
+    if (absl::Status s = offload::CheckGradientRange(opt, offset, n); !s.ok()) return s;
     const uint16_t* buffer = offload::GradientBuffer(opt, offset, n);
     if (where != nullptr && where != buffer) {
       // Pieces written into different places (two shards' segments, or a segment and the
@@ -466,14 +463,14 @@ int32_t offload_gradients_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t
 int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const float* grads,
                                    uint64_t n, float scale) {
   return Guard([&] {
-    if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
-    if (grads == nullptr || !offload::InPartition(opt, offset, n)) {
-      return absl::OutOfRangeError(absl::StrCat("gradients [", offset, ", ", offset + n,
-                                                ") are not inside this rank's partition"));
-    }
+    if (absl::Status s = offload::CheckGradientRange(opt, offset, n); !s.ok()) return s;
+    if (grads == nullptr) return absl::InvalidArgumentError("null grads");
     uint16_t* buffer = offload::GradientBuffer(opt, offset, n);
-    offload::RoundGradients(grads, static_cast<int64_t>(n), opt->dtype, buffer, scale);
-    opt->sender->Enqueue(static_cast<int64_t>(offset), static_cast<int64_t>(n), false, buffer);
+    // The rounding pass measures what it writes: the sender need not read it again.
+    const offload::GradStats stats =
+        offload::RoundGradients(grads, static_cast<int64_t>(n), opt->dtype, buffer, scale);
+    opt->sender->Enqueue(static_cast<int64_t>(offset), static_cast<int64_t>(n), false, buffer,
+                         &stats);
     return absl::OkStatus();
   });
 }

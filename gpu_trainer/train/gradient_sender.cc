@@ -15,12 +15,14 @@ GradientSender::~GradientSender() {
   thread_.join();
 }
 
-void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate, const uint16_t* src) {
+void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate, const uint16_t* src,
+                             const GradStats* known) {
   if (n <= 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(Range{offset, n, accumulate, src != nullptr ? src : grads16_ + offset,
-                           PhaseTrace::Clock::now()});
+                           PhaseTrace::Clock::now(), known != nullptr,
+                           known != nullptr ? *known : GradStats{}});
   }
   cv_.notify_all();
 }
@@ -58,8 +60,10 @@ void GradientSender::Loop() {
     ++in_flight_;
     lock.unlock();
     absl::Status s;
-    GradStats stats;
-    if (!failed && measure) stats = MeasureGradients16(range.src, range.n, measure_dtype_);
+    GradStats stats = range.stats;
+    if (!failed && measure && !range.known) {
+      stats = MeasureGradients16(range.src, range.n, measure_dtype_);
+    }
     if (!failed) {
       const uint64_t step = step_.load(std::memory_order_relaxed);
       // The wait in the queue is a span of its own: a range is queued as soon as it is final,

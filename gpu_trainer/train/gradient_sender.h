@@ -29,8 +29,10 @@ class GradientSender {
   // Queues flat elements [offset, offset + n), found at `src` (n,), or at grads16 + offset when
   // null (src is the backend's GradientPlace when they were written there: sent without a copy);
   // accumulate as OptimizerBackend::SendGradients. After an error, later ranges are dropped. May
-  // be called from any thread.
-  void Enqueue(int64_t offset, int64_t n, bool accumulate = false, const uint16_t* src = nullptr);
+  // be called from any thread. `known`: the range's statistics, where the caller measured them
+  // already (rounding them, RoundGradients): summed as they are instead of measured again.
+  void Enqueue(int64_t offset, int64_t n, bool accumulate = false, const uint16_t* src = nullptr,
+               const GradStats* known = nullptr);
   // Waits until everything queued is sent; returns the first error since the last Drain.
   absl::Status Drain();
 
@@ -55,6 +57,8 @@ class GradientSender {
     bool accumulate;
     const uint16_t* src;  // (n,)
     PhaseTrace::Clock::time_point queued;
+    bool known;  // stats holds the range's statistics
+    GradStats stats;
   };
   std::deque<Range> queue_;  // guarded by mu_
   int in_flight_ = 0;        // guarded by mu_

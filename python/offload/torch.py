@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -102,6 +102,7 @@ class AdamW(torch.optim.Optimizer):
         self._handle: Optional[ctypes.c_void_p] = None
         self._server: Optional[LocalServer] = None
         self._step = 0  # steps committed (the servers' completed_step)
+        self._adam_step = 0  # of them, updates applied (the t of bias correction)
         self.last_report: Optional[Dict[str, float]] = None
 
         self._world, self._rank, self._group = 1, 0, process_group
@@ -482,17 +483,26 @@ class AdamW(torch.optim.Optimizer):
         t = t.cpu()
         return (ctypes.c_double * 2)(float(t[0]), float(t[1]))
 
+    def _gradients_out(self) -> Optional[ctypes.Array]:
+        """Every gradient of the step on its way, and the statistics to decide it by (summed
+        over the ranks; None with one rank). Any failure ends the step, nothing applied."""
+        try:
+            for i in range(len(self._params)):
+                self._check_param(i)
+            self._begin_step()
+            self._finish_gradients()
+            return self._global_stats()
+        except BaseException:
+            self._abort()
+            raise
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ for this optimizer's parameters: returns the global norm
         of this step's (unscaled) gradients and clips them by max_norm in the coming step()."""
         with self._lock:
+            stats = self._gradients_out()
+            report = _lib.StepReport()
             try:
-                for i in range(len(self._params)):
-                    self._check_param(i)
-                self._begin_step()
-                self._finish_gradients()
-                report = _lib.StepReport()
-                stats = self._global_stats()
                 check(_lib.lib().offload_preview(self._handle, stats, float(max_norm),
                                                  ctypes.byref(report)))
             except BaseException:
@@ -511,15 +521,7 @@ class AdamW(torch.optim.Optimizer):
         self._live()
         begin = time.monotonic()
         with self._lock:
-            try:
-                for i in range(len(self._params)):
-                    self._check_param(i)
-                self._begin_step()
-                self._finish_gradients()
-                stats = self._global_stats()
-            except BaseException:
-                self._abort()
-                raise
+            stats = self._gradients_out()
             lrs = (ctypes.c_float * len(self.param_groups))(
                 *[float(g["lr"]) for g in self.param_groups])
             max_norm = self._step_max_norm if self._step_max_norm is not None else -1.0
@@ -535,6 +537,7 @@ class AdamW(torch.optim.Optimizer):
             self._agree(rc, error, "committing the step")
         self._trace("step", begin)
         self._step = int(report.step)
+        self._adam_step = int(report.adam_step)
         if not report.skipped:
             self._gather_weights()
         self.last_report = {f: getattr(report, f) for f, _ in _lib.StepReport._fields_}
@@ -578,7 +581,7 @@ class AdamW(torch.optim.Optimizer):
         skipped = ctypes.c_uint64()
         _lib.lib().offload_get_scaler(self._handle, ctypes.byref(scale), ctypes.byref(clean),
                                       ctypes.byref(skipped))
-        adam_step = int(self.last_report["adam_step"]) if self.last_report else self._adam_step0
+        adam_step = self._adam_step
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for i, (p, off) in enumerate(zip(self._params, self._offsets)):
             n = p.numel()
@@ -598,8 +601,6 @@ class AdamW(torch.optim.Optimizer):
                             "completed_step": self._step, "adam_step": adam_step,
                             "loss_scale": float(scale.value), "clean_steps": int(clean.value),
                             "skipped_steps": int(skipped.value)}}
-
-    _adam_step0 = 0
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() returned: the servers' state, counters and loss scale, the
@@ -666,7 +667,7 @@ class AdamW(torch.optim.Optimizer):
                 L.offload_set_scaler(self._handle, old[0].value, old[1].value, old[2].value)
                 raise
         self._step = int(meta["completed_step"])
-        self._adam_step0 = int(meta["adam_step"])
+        self._adam_step = int(meta["adam_step"])
         self.last_report = None
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
