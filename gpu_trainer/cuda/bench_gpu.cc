@@ -39,6 +39,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/dtype.h"
@@ -57,10 +58,13 @@
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 #include "gpu_trainer/cuda/runtime/cuda_device.h"
 #include "gpu_trainer/cuda/runtime/device_buffer.h"
+#include "gpu_trainer/cuda/runtime/pinned_staging.h"
+#include "gpu_trainer/cuda/runtime/transfer_schedule.h"
 #include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/precision/lr_schedule.h"
+#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/train/trainer.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/param_layout.h"
@@ -72,9 +76,16 @@
 #define OFFLOAD_SOURCE_DIR "."
 #endif
 
-ABSL_FLAG(std::string, model, "gpt2-124m",
-          "gpt2-124m (vocab 50257, context 1024, 12 layers, 12 heads, 768 channels) or demo "
-          "(vocab 256, 4 layers, 4 heads, 128 channels, context --seq_len)");
+ABSL_FLAG(std::string, model, "gpt2-124m,gpt2-xl",
+          "comma-separated models, each measured GPU-resident and offloaded: gpt2-124m (vocab "
+          "50257, context 1024, 12 layers, 12 heads, 768 channels), gpt2-xl (48 layers, 25 heads, "
+          "1600 channels) or demo (vocab 256, 4 layers, 4 heads, 128 channels, context "
+          "--seq_len)");
+ABSL_FLAG(int, xl_steps, 6, "timed steps per configuration of gpt2-xl (its steps take ~10x)");
+ABSL_FLAG(int, xl_warmup, 2, "untimed steps first, gpt2-xl");
+ABSL_FLAG(std::string, trace_dir, "",
+          "write each offload row's Chrome trace (forward, backward, each host <-> device "
+          "transfer, the commit) to DIR/MODEL_ROW.json; the overlap lines are printed either way");
 ABSL_FLAG(int, batch, 8, "sequences per step");
 ABSL_FLAG(int, seq_len, 1024, "tokens per sequence");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16 or fp16: weights, activations and gradients");
@@ -86,6 +97,9 @@ ABSL_FLAG(double, peak_tflops, 0,
           "count, clock and architecture");
 ABSL_FLAG(bool, offload, true, "also time the offload rows (the Trainer with CPU optimizers)");
 ABSL_FLAG(int, shards, 1, "optimizer shards on loopback for the offload=server* rows");
+ABSL_FLAG(bool, grpc_row_all_models, false,
+          "time the gRPC shard row for every model, not only the first (a gpt2-xl step moves "
+          "3 GB each way through protobuf)");
 ABSL_FLAG(std::string, data, std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt",
           "training text of the offload rows (bytes, vocab 256: fits any vocab)");
 ABSL_FLAG(double, plan_memory_gib, 0,
@@ -149,20 +163,24 @@ v1::LrSchedule BenchSchedule() {
   return s;
 }
 
-absl::StatusOr<BenchConfig> ConfigFromFlags() {
+absl::StatusOr<BenchConfig> ModelConfig(const std::string& name) {
   BenchConfig b;
-  b.model_name = absl::GetFlag(FLAGS_model);
+  b.model_name = name;
   b.batch = absl::GetFlag(FLAGS_batch);
   b.seq_len = absl::GetFlag(FLAGS_seq_len);
   b.steps = absl::GetFlag(FLAGS_steps);
   b.warmup = absl::GetFlag(FLAGS_warmup);
   if (b.model_name == "gpt2-124m") {
     b.model = Gpt2Config{50257, 1024, 12, 12, 768};
+  } else if (b.model_name == "gpt2-xl") {
+    b.model = Gpt2Config{50257, 1024, 48, 25, 1600};
+    b.steps = absl::GetFlag(FLAGS_xl_steps);
+    b.warmup = absl::GetFlag(FLAGS_xl_warmup);
   } else if (b.model_name == "demo") {
     b.model = Gpt2Config{256, b.seq_len, 4, 4, 128};
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--model must be gpt2-124m or demo, not '", b.model_name, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--model takes gpt2-124m, gpt2-xl or demo, comma-separated; not '", b.model_name, "'"));
   }
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   if (dtype == "bf16") {
@@ -199,6 +217,16 @@ absl::StatusOr<BenchConfig> ConfigFromFlags() {
   return b;
 }
 
+// Every model of --model, in order, each checked before anything runs.
+absl::StatusOr<std::vector<BenchConfig>> ConfigsFromFlags() {
+  std::vector<BenchConfig> configs;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_model), ',')) {
+    OFFLOAD_ASSIGN_OR_RETURN(BenchConfig b, ModelConfig(std::string(name)));
+    configs.push_back(b);
+  }
+  return configs;
+}
+
 // A value for a key=value line: no spaces, so a line splits on whitespace.
 std::string Token(const std::string& s) { return absl::StrReplaceAll(s, {{" ", "_"}}); }
 
@@ -212,6 +240,7 @@ struct GpuResult {
   float first_loss = 0, last_loss = 0;
   int skipped = 0;
   int64_t model_bytes = 0, optimizer_bytes = 0;
+  std::string attention;  // which attention ran (Gpt2Cuda::attention_path)
 };
 
 absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, double peak_flops) {
@@ -235,6 +264,7 @@ absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, doubl
   GpuResult r;
   r.params = n;
   r.model_bytes = m.device_bytes();
+  r.attention = m.attention_path();
   r.optimizer_bytes = (*adamw)->device_bytes();
 
   // A few batches of random tokens (B, T), made before the clock starts and used in turn.
@@ -308,9 +338,23 @@ TrainerOptions OffloadOptions(const BenchConfig& b, int device) {
   return o;
 }
 
-// Seconds per training step after the warm-up steps (bench_trainer's TimeSteps).
-absl::StatusOr<double> TimeTrainerSteps(const TrainerOptions& o, const BenchConfig& b,
-                                        OptimizerBackend* backend, const char* what) {
+// One offload configuration: where the optimizer runs, over which data plane, with or without
+// the delayed parameter update.
+struct OffloadRow {
+  std::string name;  // the machine-readable line's offload=NAME
+  std::string what;  // the table's words
+  double step_s = 0;
+  // Of the last step's transfer time (the trace's d2h_gradients and h2d_weights spans, queued to
+  // landed), the share that ran while backward, and forward, computed.
+  double d2h_in_backward = 0, h2d_in_forward = 0;
+};
+
+// Seconds per training step after the warm-up steps (bench_trainer's TimeSteps), and how the last
+// step's transfers overlapped its compute, from a trace of every step.
+absl::Status TimeTrainerSteps(TrainerOptions o, const BenchConfig& b, OptimizerBackend* backend,
+                              OffloadRow* row) {
+  PhaseTrace trace;
+  o.trace = &trace;
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o, backend));
   if (absl::StatusOr<std::string> s = trainer->Start(); !s.ok()) return s.status();
   absl::Time start = absl::Now();
@@ -318,21 +362,24 @@ absl::StatusOr<double> TimeTrainerSteps(const TrainerOptions& o, const BenchConf
     if (i == b.warmup) start = absl::Now();
     absl::StatusOr<StepReport> r = trainer->Step();
     if (!r.ok()) return r.status();
-    std::fprintf(stderr, "bench_gpu: offload %s step %d/%d loss %.4f%s\n", what, i + 1,
-                 b.warmup + b.steps, r->loss, r->skipped ? " (overflow: skipped)" : "");
+    std::fprintf(stderr, "bench_gpu: %s offload %s step %d/%d loss %.4f%s\n", b.model_name.c_str(),
+                 row->name.c_str(), i + 1, b.warmup + b.steps, r->loss,
+                 r->skipped ? " (overflow: skipped)" : "");
   }
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start) / b.steps;
-  OFFLOAD_RETURN_IF_ERROR(backend->DropJob());
-  return seconds;
+  row->step_s = absl::ToDoubleSeconds(absl::Now() - start) / b.steps;
+  trainer.reset();  // every transfer landed and recorded
+  const std::vector<PhaseTrace::Event> events = trace.Events();
+  const auto last = static_cast<uint64_t>(b.warmup + b.steps);
+  row->d2h_in_backward = OverlapFraction(events, "d2h_gradients", "backward", last);
+  row->h2d_in_forward = OverlapFraction(events, "h2d_weights", "forward", last);
+  if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
+    const std::string path = absl::StrCat(dir, "/", b.model_name, "_", row->name, ".json");
+    if (absl::Status written = trace.WriteChromeTrace(path); !written.ok()) {
+      std::fprintf(stderr, "bench_gpu: trace %s: %s\n", path.c_str(), written.ToString().c_str());
+    }
+  }
+  return backend->DropJob();
 }
-
-// One offload configuration: where the optimizer runs, over which data plane, with or without
-// the delayed parameter update.
-struct OffloadRow {
-  std::string name;  // the machine-readable line's offload=NAME
-  std::string what;  // the table's words
-  double step_s = 0;
-};
 
 struct OffloadResult {
   int64_t params = 0;
@@ -350,7 +397,7 @@ struct OffloadResult {
 // then DPU), then behind --shards OptimizerServers on loopback in this process, over gRPC and
 // over shared memory (synchronous, then DPU). DPU rows time only delayed steps: their warm-up is
 // the bench's.
-absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
+absl::Status RunOffload(const BenchConfig& b, int device, bool grpc_row, OffloadResult* out) {
   TrainerOptions sync = OffloadOptions(b, device);
   TrainerOptions dpu = sync;
   dpu.dpu = true;
@@ -362,8 +409,9 @@ absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
 
   auto time_row = [&](const TrainerOptions& o, OptimizerBackend* backend, const std::string& name,
                       const std::string& what) -> absl::Status {
-    OFFLOAD_ASSIGN_OR_RETURN(double seconds, TimeTrainerSteps(o, b, backend, name.c_str()));
-    out->rows.push_back(OffloadRow{name, what, seconds});
+    OffloadRow row{name, what};
+    OFFLOAD_RETURN_IF_ERROR(TimeTrainerSteps(o, b, backend, &row));
+    out->rows.push_back(row);
     return absl::OkStatus();
   };
   {
@@ -401,6 +449,7 @@ absl::Status RunOffload(const BenchConfig& b, int device, OffloadResult* out) {
         ServerRow{TransportChoice::kShm, &sync, "server_shm", absl::StrCat(n, ", shared memory")},
         ServerRow{TransportChoice::kShm, &dpu, "server_shm_dpu",
                   absl::StrCat(n, ", shared memory, DPU")}}) {
+    if (row.transport == TransportChoice::kGrpc && !grpc_row) continue;
     absl::StatusOr<std::unique_ptr<RemoteOptimizer>> remote =
         RemoteOptimizer::Connect(*map, addresses, ClientOptions{}, row.transport);
     if (!remote.ok()) return remote.status();
@@ -458,6 +507,82 @@ absl::StatusOr<TransferResult> RunTransfers(int64_t step_bytes_each_way) {
     }
     (to_device ? t.h2d_s : t.d2h_s) = best;
   }
+  return t;
+}
+
+// The offload step's own transfers of one model at full size, outside a step: its 16-bit weights
+// up unit by unit and its gradients down range by range (transfer_schedule.h) through the staging
+// classes the model uses, from and into registered (page-locked) host buffers as the trainer's
+// are, and through the pinned ring from pageable ones for comparison. Wall time from the first
+// copy queued to the last landed, best of a few.
+struct PipelineTransfer {
+  std::string model;
+  int64_t bytes = 0;                      // each way
+  double h2d_s = 0, d2h_s = 0;            // registered: cudaMemcpyAsync in place
+  double ring_h2d_s = 0, ring_d2h_s = 0;  // pageable: through the pinned ring
+  std::string registered_error;           // why registration failed, if it did
+};
+
+absl::StatusOr<PipelineTransfer> RunPipelineTransfers(const BenchConfig& b) {
+  PipelineTransfer t;
+  t.model = b.model_name;
+  const std::vector<FlatRange> units = ForwardWeightUnits(b.model);
+  const int64_t n = Gpt2NumParams(b.model);
+  t.bytes = 2 * n;
+  DeviceBuffer dev;
+  OFFLOAD_RETURN_IF_ERROR(dev.Allocate(static_cast<size_t>(t.bytes), "the transfer rows' weights"));
+  auto* device16 = static_cast<uint16_t*>(dev.data());
+  std::vector<uint16_t> registered(n, 0x3c00), pageable(n, 0x3c00);
+  if (const cudaError_t e = cudaHostRegister(registered.data(), static_cast<size_t>(t.bytes),
+                                             cudaHostRegisterDefault);
+      e != cudaSuccess) {
+    cudaGetLastError();
+    t.registered_error = cudaGetErrorString(e);
+  }
+  const bool direct = t.registered_error.empty();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<HostToDeviceStaging> h2d,
+                           HostToDeviceStaging::Create(StagingOptions{}));
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceToHostStaging> d2h,
+                           DeviceToHostStaging::Create(StagingOptions{}));
+  std::vector<cudaEvent_t> arrived(units.size(), nullptr);
+  for (cudaEvent_t& e : arrived) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  auto seconds_up = [&](uint16_t* host, bool in_place) -> absl::StatusOr<double> {
+    const absl::Time start = absl::Now();
+    for (size_t u = 0; u < units.size(); ++u) {
+      OFFLOAD_RETURN_IF_ERROR(h2d->Copy(device16 + units[u].offset, host + units[u].offset,
+                                        2 * units[u].n, arrived[u], in_place));
+    }
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d->stream()));
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  };
+  auto seconds_down = [&](uint16_t* host, bool in_place) -> absl::StatusOr<double> {
+    const absl::Time start = absl::Now();
+    for (auto it = units.rbegin(); it != units.rend(); ++it) {  // backward's order
+      d2h->Copy(host + it->offset, device16 + it->offset, 2 * it->n, nullptr, nullptr, in_place);
+    }
+    OFFLOAD_RETURN_IF_ERROR(d2h->Drain());
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  };
+  constexpr int kRepeats = 3;
+  auto best = [&](auto&& run, uint16_t* host, bool in_place, double* out) -> absl::Status {
+    for (int i = 0; i < kRepeats + 1; ++i) {  // the first is a warm-up
+      OFFLOAD_ASSIGN_OR_RETURN(double seconds, run(host, in_place));
+      if (i > 0 && (*out == 0 || seconds < *out)) *out = seconds;
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status;
+  if (direct) {
+    status.Update(best(seconds_up, registered.data(), true, &t.h2d_s));
+    status.Update(best(seconds_down, registered.data(), true, &t.d2h_s));
+  }
+  status.Update(best(seconds_up, pageable.data(), false, &t.ring_h2d_s));
+  status.Update(best(seconds_down, pageable.data(), false, &t.ring_d2h_s));
+  for (cudaEvent_t e : arrived) cudaEventDestroy(e);
+  if (direct) cudaHostUnregister(registered.data());
+  if (!status.ok()) return status;
   return t;
 }
 
@@ -563,11 +688,20 @@ HostRow RunHostRow(const std::string& name, const Gpt2Config& c, DType dtype) {
   return row;
 }
 
+// What one model of --model measured, or why it stopped.
+struct ModelRun {
+  BenchConfig b;
+  std::optional<GpuResult> gpu;
+  std::optional<OffloadResult> offload;
+  std::optional<PipelineTransfer> pipeline;
+  std::string error;  // empty if every row ran
+};
+
 struct Results {
   std::optional<CudaDeviceInfo> device;
   double peak_flops = 0;
-  std::optional<GpuResult> gpu;
-  std::optional<OffloadResult> offload;
+  std::string peak_source;
+  std::vector<ModelRun> models;
   std::optional<TransferResult> transfer;
   std::optional<PlanResult> plan;
   std::vector<HostRow> host;
@@ -575,53 +709,89 @@ struct Results {
 
 std::string Billions(int64_t n) { return absl::StrFormat("%.2fB", static_cast<double>(n) / 1e9); }
 
-// The table, then the machine-readable lines: always last, always in this order.
-void Report(const BenchConfig& b, const Results& r) {
-  const std::string dtype(DTypeName(b.dtype));
+double Gbps(int64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
+
+void ReportModel(const Results& r, const ModelRun& m) {
+  const BenchConfig& b = m.b;
   auto row = [](const std::string& what, const std::string& value) {
     std::printf("  %-34s %s\n", what.c_str(), value.c_str());
   };
-  std::printf("\n");
-  if (r.gpu || r.offload) {
-    std::printf("bench_gpu: %s %s, batch %d x %d tokens, %d timed steps after %d warm-up\n",
-                b.model_name.c_str(), dtype.c_str(), b.batch, b.seq_len, b.steps, b.warmup);
-  }
-  if (r.device) row("device", DescribeCudaDevice(*r.device));
-  if (r.gpu) {
-    row("params", absl::StrCat(r.gpu->params));
-    row("GPU-resident step", absl::StrFormat("%.4f s", r.gpu->step_s));
-    row("GPU-resident tokens/s", absl::StrFormat("%.0f", r.gpu->tokens_per_s));
-    row("MFU", r.peak_flops > 0 ? absl::StrFormat("%.1f%% of %.0f TFLOP/s", 100 * r.gpu->mfu,
-                                                  r.peak_flops / 1e12)
+  std::printf("bench_gpu: %s %s, batch %d x %d tokens, %d timed steps after %d warm-up\n",
+              b.model_name.c_str(), std::string(DTypeName(b.dtype)).c_str(), b.batch, b.seq_len,
+              b.steps, b.warmup);
+  if (m.gpu) {
+    const GpuResult& g = *m.gpu;
+    row("params", absl::StrCat(g.params));
+    row("attention", g.attention);
+    row("GPU-resident step", absl::StrFormat("%.4f s", g.step_s));
+    row("GPU-resident tokens/s", absl::StrFormat("%.0f", g.tokens_per_s));
+    row("MFU", r.peak_flops > 0 ? absl::StrFormat("%.1f%% of %.1f TFLOP/s (%s)", 100 * g.mfu,
+                                                  r.peak_flops / 1e12, r.peak_source)
                                 : std::string("peak unknown for this GPU: pass --peak_tflops"));
-    row("loss first / last", absl::StrFormat("%.4f / %.4f", r.gpu->first_loss, r.gpu->last_loss));
-    row("skipped (fp16 overflow)", absl::StrCat(r.gpu->skipped));
+    if (r.peak_flops > 0) {
+      row("MFU formula",
+          absl::StrFormat("%.4g FLOP/token (6 x matmul weights + 12 L T C) x %.0f tokens/s / "
+                          "%.1f TFLOP/s",
+                          Gpt2FlopsPerToken(b.model, b.seq_len), g.tokens_per_s,
+                          r.peak_flops / 1e12));
+    }
+    row("loss first / last", absl::StrFormat("%.4f / %.4f", g.first_loss, g.last_loss));
+    row("skipped (fp16 overflow)", absl::StrCat(g.skipped));
     row("GPU memory: model + optimizer",
-        absl::StrFormat("%.2f + %.2f GiB", r.gpu->model_bytes / 1073741824.0,
-                        r.gpu->optimizer_bytes / 1073741824.0));
+        absl::StrFormat("%.2f + %.2f GiB", g.model_bytes / 1073741824.0,
+                        g.optimizer_bytes / 1073741824.0));
   }
-  if (r.gpu && r.peak_flops > 0) {
-    row("MFU formula",
-        absl::StrFormat("%.4g FLOP/token (6 x matmul weights + 12 L T C) x tokens/s / peak",
-                        Gpt2FlopsPerToken(b.model, b.seq_len)));
-  }
-  if (r.offload) {
-    for (const OffloadRow& o : r.offload->rows) {
+  if (m.offload) {
+    for (const OffloadRow& o : m.offload->rows) {
       row(absl::StrCat("offload step, ", o.what),
-          r.gpu ? absl::StrFormat("%.4f s (%.3fx GPU-resident)", o.step_s, o.step_s / r.gpu->step_s)
+          m.gpu ? absl::StrFormat("%.4f s (%.3fx GPU-resident)", o.step_s, o.step_s / m.gpu->step_s)
                 : absl::StrFormat("%.4f s", o.step_s));
-    }
-    const std::optional<double> local = r.offload->StepSeconds("inprocess");
-    const std::optional<double> served = r.offload->StepSeconds("server");
-    if (local && served) {
-      row("gRPC server / in process", absl::StrFormat("%.3fx", *served / *local));
+      row("  transfers inside compute",
+          absl::StrFormat("%.0f%% of gradients' D2H in backward, %.0f%% of weights' H2D in "
+                          "forward",
+                          100 * o.d2h_in_backward, 100 * o.h2d_in_forward));
     }
   }
+  if (m.pipeline) {
+    const PipelineTransfer& p = *m.pipeline;
+    if (!p.registered_error.empty()) {
+      row("transfers, registered", absl::StrCat("not measured: ", p.registered_error));
+    } else {
+      row("transfers, registered memory",
+          absl::StrFormat("%.0f MB: H2D %.1f GB/s, D2H %.1f GB/s", p.bytes / 1e6,
+                          Gbps(p.bytes, p.h2d_s), Gbps(p.bytes, p.d2h_s)));
+    }
+    row("transfers, pinned ring (pageable)",
+        absl::StrFormat("H2D %.1f GB/s, D2H %.1f GB/s", Gbps(p.bytes, p.ring_h2d_s),
+                        Gbps(p.bytes, p.ring_d2h_s)));
+    if (r.transfer && p.registered_error.empty()) {
+      const TransferResult& t = *r.transfer;
+      row("  / the pinned bound", absl::StrFormat("H2D %.2f, D2H %.2f (target >= 0.80)",
+                                                  Gbps(p.bytes, p.h2d_s) / Gbps(t.bytes, t.h2d_s),
+                                                  Gbps(p.bytes, p.d2h_s) / Gbps(t.bytes, t.d2h_s)));
+    }
+  }
+  if (!m.error.empty()) row("stopped", m.error);
+  std::printf("\n");
+}
+
+// The table, then the machine-readable lines: always last, always in this order.
+void Report(const Results& r) {
+  auto row = [](const std::string& what, const std::string& value) {
+    std::printf("  %-34s %s\n", what.c_str(), value.c_str());
+  };
+  const DType dtype_of_run = r.models.empty() ? DType::kBf16 : r.models.front().b.dtype;
+  const std::string dtype(DTypeName(dtype_of_run));
+  std::printf("\n");
+  if (r.device) {
+    std::printf("bench_gpu: %s\n\n", DescribeCudaDevice(*r.device).c_str());
+  }
+  for (const ModelRun& m : r.models) ReportModel(r, m);
   if (r.transfer) {
     const TransferResult& t = *r.transfer;
     row("pinned H2D / D2H (cudaMemcpyAsync)",
-        absl::StrFormat("%.1f / %.1f GB/s (%lld MiB copies)", t.bytes / t.h2d_s / 1e9,
-                        t.bytes / t.d2h_s / 1e9, static_cast<long long>(t.bytes >> 20)));
+        absl::StrFormat("%.1f / %.1f GB/s (%lld MiB copies)", Gbps(t.bytes, t.h2d_s),
+                        Gbps(t.bytes, t.d2h_s), static_cast<long long>(t.bytes >> 20)));
     row("a step's transfers at that bound",
         absl::StrFormat("%.0f MB each way: %.2f ms in, %.2f ms out", t.step_bytes_each_way / 1e6,
                         1e3 * t.step_bytes_each_way * t.h2d_s / t.bytes,
@@ -665,32 +835,55 @@ void Report(const BenchConfig& b, const Results& r) {
 
   if (r.device) {
     const CudaDeviceInfo& d = *r.device;
-    std::printf("gpu device=%d name=%s sm=%d%d sms=%d memory_gib=%.1f peak_tflops=%.1f\n",
+    std::printf("gpu device=%d name=%s sm=%d%d sms=%d memory_gib=%.1f peak_tflops=%.1f peak=%s\n",
                 d.ordinal, Token(d.name).c_str(), d.compute_major, d.compute_minor, d.sm_count,
-                d.total_bytes / 1073741824.0, r.peak_flops / 1e12);
+                d.total_bytes / 1073741824.0, r.peak_flops / 1e12, Token(r.peak_source).c_str());
   }
-  if (r.gpu) {
-    std::printf(
-        "gpu model=%s dtype=%s tokens_per_s=%.0f mfu=%.4f step_s=%.5f batch=%d seq_len=%d "
-        "params=%lld skipped=%d\n",
-        b.model_name.c_str(), dtype.c_str(), r.gpu->tokens_per_s, r.gpu->mfu, r.gpu->step_s,
-        b.batch, b.seq_len, static_cast<long long>(r.gpu->params), r.gpu->skipped);
-  }
-  if (r.offload) {
-    for (const OffloadRow& o : r.offload->rows) {
+  for (const ModelRun& m : r.models) {
+    const BenchConfig& b = m.b;
+    if (m.gpu) {
       std::printf(
-          "gpu offload=%s params=%lld step_s=%.5f vs_gpu=%.3f model=%s dtype=%s batch=%d "
-          "seq_len=%d shards=%d\n",
-          o.name.c_str(), static_cast<long long>(r.offload->params), o.step_s,
-          r.gpu ? o.step_s / r.gpu->step_s : 0.0, b.model_name.c_str(), dtype.c_str(), b.batch,
-          b.seq_len, o.name.rfind("server", 0) == 0 ? absl::GetFlag(FLAGS_shards) : 0);
+          "gpu model=%s dtype=%s tokens_per_s=%.0f mfu=%.4f step_s=%.5f batch=%d seq_len=%d "
+          "params=%lld skipped=%d attention=%s flops_per_token=%.6g peak_tflops=%.1f\n",
+          b.model_name.c_str(), dtype.c_str(), m.gpu->tokens_per_s, m.gpu->mfu, m.gpu->step_s,
+          b.batch, b.seq_len, static_cast<long long>(m.gpu->params), m.gpu->skipped,
+          Token(m.gpu->attention).c_str(), Gpt2FlopsPerToken(b.model, b.seq_len),
+          r.peak_flops / 1e12);
     }
-    const std::optional<double> local = r.offload->StepSeconds("inprocess");
-    const std::optional<double> served = r.offload->StepSeconds("server");
-    if (local && served && r.gpu) {
+    if (m.offload) {
+      for (const OffloadRow& o : m.offload->rows) {
+        std::printf(
+            "gpu offload=%s params=%lld step_s=%.5f vs_gpu=%.3f model=%s dtype=%s batch=%d "
+            "seq_len=%d shards=%d d2h_in_backward=%.3f h2d_in_forward=%.3f\n",
+            o.name.c_str(), static_cast<long long>(m.offload->params), o.step_s,
+            m.gpu ? o.step_s / m.gpu->step_s : 0.0, b.model_name.c_str(), dtype.c_str(), b.batch,
+            b.seq_len, o.name.rfind("server", 0) == 0 ? absl::GetFlag(FLAGS_shards) : 0,
+            o.d2h_in_backward, o.h2d_in_forward);
+      }
+      const std::optional<double> local = m.offload->StepSeconds("inprocess");
+      const std::optional<double> served = m.offload->StepSeconds("server");
+      if (local && served && m.gpu) {
+        std::printf(
+            "gpu offload_ratio model=%s server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f "
+            "server_vs_gpu=%.3f\n",
+            b.model_name.c_str(), *served / *local, *local / m.gpu->step_s,
+            *served / m.gpu->step_s);
+      }
+    }
+    if (m.pipeline && r.transfer) {
+      const PipelineTransfer& p = *m.pipeline;
+      const TransferResult& t = *r.transfer;
       std::printf(
-          "gpu offload_ratio server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f server_vs_gpu=%.3f\n",
-          *served / *local, *local / r.gpu->step_s, *served / r.gpu->step_s);
+          "gpu pipeline model=%s bytes=%lld h2d_gbps=%.2f d2h_gbps=%.2f ring_h2d_gbps=%.2f "
+          "ring_d2h_gbps=%.2f h2d_vs_bound=%.3f d2h_vs_bound=%.3f registered=%s\n",
+          b.model_name.c_str(), static_cast<long long>(p.bytes), Gbps(p.bytes, p.h2d_s),
+          Gbps(p.bytes, p.d2h_s), Gbps(p.bytes, p.ring_h2d_s), Gbps(p.bytes, p.ring_d2h_s),
+          Gbps(p.bytes, p.h2d_s) / Gbps(t.bytes, t.h2d_s),
+          Gbps(p.bytes, p.d2h_s) / Gbps(t.bytes, t.d2h_s),
+          p.registered_error.empty() ? "yes" : Token(p.registered_error).c_str());
+    }
+    if (!m.error.empty()) {
+      std::printf("gpu error model=%s what=%s\n", b.model_name.c_str(), Token(m.error).c_str());
     }
   }
   if (r.transfer) {
@@ -698,7 +891,7 @@ void Report(const BenchConfig& b, const Results& r) {
     std::printf(
         "gpu transfer bytes=%lld h2d_gbps=%.2f d2h_gbps=%.2f step_bytes_each_way=%lld "
         "step_h2d_floor_s=%.5f step_d2h_floor_s=%.5f\n",
-        static_cast<long long>(t.bytes), t.bytes / t.h2d_s / 1e9, t.bytes / t.d2h_s / 1e9,
+        static_cast<long long>(t.bytes), Gbps(t.bytes, t.h2d_s), Gbps(t.bytes, t.d2h_s),
         static_cast<long long>(t.step_bytes_each_way), t.step_bytes_each_way * t.h2d_s / t.bytes,
         t.step_bytes_each_way * t.d2h_s / t.bytes);
   }
@@ -734,19 +927,19 @@ void Report(const BenchConfig& b, const Results& r) {
   std::fflush(stdout);
 }
 
-int Fail(const BenchConfig& b, const Results& r, const char* what, const absl::Status& status) {
-  Report(b, r);  // what was measured before the failure still counts
+int Fail(const Results& r, const char* what, const absl::Status& status) {
+  Report(r);  // what was measured before the failure still counts
   std::fprintf(stderr, "bench_gpu: %s: %s\n", what, status.ToString().c_str());
   return 1;
 }
 
 int Run() {
-  absl::StatusOr<BenchConfig> config = ConfigFromFlags();
-  if (!config.ok()) {
-    std::fprintf(stderr, "bench_gpu: %s\n", std::string(config.status().message()).c_str());
+  absl::StatusOr<std::vector<BenchConfig>> configs = ConfigsFromFlags();
+  if (!configs.ok()) {
+    std::fprintf(stderr, "bench_gpu: %s\n", std::string(configs.status().message()).c_str());
     return 2;
   }
-  const BenchConfig& b = *config;
+  const DType dtype = configs->front().dtype;
   Results r;
   const double plan_gib = absl::GetFlag(FLAGS_plan_memory_gib);
 
@@ -755,16 +948,16 @@ int Run() {
          {std::pair<std::string, Gpt2Config>{"gpt2-124m", Gpt2Config{50257, 1024, 12, 12, 768}},
           std::pair<std::string, Gpt2Config>{"gpt2-xl", Gpt2Config{50257, 1024, 48, 25, 1600}}}) {
       std::fprintf(stderr, "bench_gpu: host Adam for %s\n", name.c_str());
-      r.host.push_back(RunHostRow(name, model, b.dtype));
+      r.host.push_back(RunHostRow(name, model, dtype));
     }
   }
   if (absl::Status available = CudaDeviceAvailable(); !available.ok()) {
     if (plan_gib > 0) {
-      absl::StatusOr<PlanResult> plan = RunPlan(plan_gib, b.dtype);
-      if (!plan.ok()) return Fail(b, r, "planner", plan.status());
+      absl::StatusOr<PlanResult> plan = RunPlan(plan_gib, dtype);
+      if (!plan.ok()) return Fail(r, "planner", plan.status());
       r.plan = *plan;
     }
-    if (plan_gib > 0 || !r.host.empty()) Report(b, r);
+    if (plan_gib > 0 || !r.host.empty()) Report(r);
     std::printf("bench_gpu: no GPU, nothing to measure: %s\n",
                 std::string(available.message()).c_str());
     return absl::GetFlag(FLAGS_allow_no_gpu) ? 0 : 1;
@@ -772,36 +965,65 @@ int Run() {
 
   const int device = absl::GetFlag(FLAGS_device);
   absl::StatusOr<CudaDeviceInfo> info = UseCudaDevice(device);
-  if (!info.ok()) return Fail(b, r, "device", info.status());
+  if (!info.ok()) return Fail(r, "device", info.status());
   r.device = *info;
-  r.peak_flops = absl::GetFlag(FLAGS_peak_tflops) > 0 ? absl::GetFlag(FLAGS_peak_tflops) * 1e12
-                                                      : info->peak_bf16_flops;
+  if (absl::GetFlag(FLAGS_peak_tflops) > 0) {
+    r.peak_flops = absl::GetFlag(FLAGS_peak_tflops) * 1e12;
+    r.peak_source = "--peak_tflops";
+  } else {
+    r.peak_flops = info->peak_bf16_flops;
+    r.peak_source = info->peak_source;
+  }
   std::fprintf(stderr, "bench_gpu: %s\n", DescribeCudaDevice(*info).c_str());
 
-  absl::StatusOr<GpuResult> gpu = RunGpuResident(b, device, r.peak_flops);
-  if (!gpu.ok()) return Fail(b, r, "GPU-resident training", gpu.status());
-  r.gpu = *gpu;
-
-  if (absl::GetFlag(FLAGS_offload)) {
-    OffloadResult offload;
-    const absl::Status s = RunOffload(b, device, &offload);
-    r.offload = offload;
-    if (!s.ok()) return Fail(b, r, "offload training", s);
-  }
-
   {
-    absl::StatusOr<TransferResult> transfer =
-        RunTransfers(static_cast<int64_t>(DTypeSize(b.dtype)) * r.gpu->params);
-    if (!transfer.ok()) return Fail(b, r, "transfers", transfer.status());
+    absl::StatusOr<TransferResult> transfer = RunTransfers(static_cast<int64_t>(DTypeSize(dtype)) *
+                                                           Gpt2NumParams(configs->front().model));
+    if (!transfer.ok()) return Fail(r, "transfers", transfer.status());
     r.transfer = *transfer;
   }
 
+  // Each model on its own: one that does not fit or fails leaves the others' rows standing.
+  bool failed = false;
+  for (size_t i = 0; i < configs->size(); ++i) {
+    ModelRun& m = r.models.emplace_back();
+    m.b = (*configs)[i];
+    absl::Status status;
+    if (absl::StatusOr<GpuResult> gpu = RunGpuResident(m.b, device, r.peak_flops); gpu.ok()) {
+      m.gpu = *gpu;
+    } else {
+      status =
+          absl::Status(gpu.status().code(), absl::StrCat("GPU-resident: ", gpu.status().message()));
+    }
+    if (status.ok() && absl::GetFlag(FLAGS_offload)) {
+      OffloadResult offload;
+      const absl::Status s =
+          RunOffload(m.b, device, i == 0 || absl::GetFlag(FLAGS_grpc_row_all_models), &offload);
+      m.offload = offload;
+      if (!s.ok()) status = absl::Status(s.code(), absl::StrCat("offload: ", s.message()));
+    }
+    if (status.ok()) {
+      absl::StatusOr<PipelineTransfer> pipeline = RunPipelineTransfers(m.b);
+      if (pipeline.ok()) {
+        m.pipeline = *pipeline;
+      } else {
+        status = absl::Status(pipeline.status().code(),
+                              absl::StrCat("transfers: ", pipeline.status().message()));
+      }
+    }
+    if (!status.ok()) {
+      m.error = std::string(status.message());
+      failed = true;
+      std::fprintf(stderr, "bench_gpu: %s: %s\n", m.b.model_name.c_str(), m.error.c_str());
+    }
+  }
+
   absl::StatusOr<PlanResult> plan =
-      RunPlan(plan_gib > 0 ? plan_gib : info->total_bytes / 1073741824.0, b.dtype);
-  if (!plan.ok()) return Fail(b, r, "planner", plan.status());
+      RunPlan(plan_gib > 0 ? plan_gib : info->total_bytes / 1073741824.0, dtype);
+  if (!plan.ok()) return Fail(r, "planner", plan.status());
   r.plan = *plan;
-  Report(b, r);
-  return 0;
+  Report(r);
+  return failed ? 1 : 0;
 }
 
 }  // namespace

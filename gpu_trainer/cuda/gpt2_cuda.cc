@@ -9,6 +9,7 @@
 #include "gpu_trainer/cuda/blas/attention.h"
 #include "gpu_trainer/cuda/blas/gemm.h"
 #include "gpu_trainer/cuda/blas/matmul.h"
+#include "gpu_trainer/cuda/gpt2_cuda_attention.h"
 #include "gpu_trainer/cuda/gpt2_cuda_buffers.h"
 #include "gpu_trainer/cuda/kernels/convert.h"
 #include "gpu_trainer/cuda/kernels/crossentropy.h"
@@ -21,7 +22,9 @@
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
 #include "gpu_trainer/cuda/runtime/cuda_device.h"
 #include "gpu_trainer/cuda/runtime/device_buffer.h"
+#include "gpu_trainer/cuda/runtime/host_ranges.h"
 #include "gpu_trainer/cuda/runtime/storage_type.h"
+#include "gpu_trainer/cuda/runtime/transfer_schedule.h"
 #include "model_spec/param_layout.h"
 
 namespace offload {
@@ -42,13 +45,19 @@ class Gpt2Cuda::Impl {
                                         int T) = 0;
   virtual absl::StatusOr<CudaGradStats> Backward(
       float loss_scale, uint16_t* host_grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) = 0;
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& place) = 0;
+  virtual absl::Status RegisterHostMemory(void* p, int64_t bytes) = 0;
+  virtual absl::Status UnregisterHostMemory(void* p) = 0;
+  virtual bool IsRegistered(const void* p, int64_t bytes) const = 0;
+  virtual void set_transfer_observer(TransferObserver observer) = 0;
   virtual absl::Status CopyGradsToHost(float* grads) = 0;
   virtual absl::Status CopyLogitsToHost(int b, int t, float* logits) = 0;
   virtual int64_t device_bytes() const = 0;
   virtual void* params() const = 0;
   virtual void* grads() const = 0;
   virtual cudaStream_t stream() const = 0;
+  virtual const char* attention_path() const = 0;
 };
 
 namespace {
@@ -68,7 +77,16 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
                                 int Tn) override;
   absl::StatusOr<CudaGradStats> Backward(
       float loss_scale, uint16_t* host_grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) override;
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& place) override;
+  absl::Status RegisterHostMemory(void* p, int64_t bytes) override;
+  absl::Status UnregisterHostMemory(void* p) override;
+  bool IsRegistered(const void* p, int64_t bytes) const override {
+    return registered_.Contains(p, bytes);
+  }
+  void set_transfer_observer(TransferObserver observer) override {
+    observer_ = std::move(observer);
+  }
   absl::Status CopyGradsToHost(float* grads) override;
   absl::Status CopyLogitsToHost(int b, int t, float* logits) override;
   int64_t device_bytes() const override {
@@ -78,6 +96,7 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   void* params() const override { return params_; }
   void* grads() const override { return grads_; }
   cudaStream_t stream() const override { return stream_; }
+  const char* attention_path() const override { return attention_.path(); }
 
  private:
   const T* w(int index) const { return params_ + offsets_[index]; }
@@ -87,6 +106,9 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   absl::Status BlockForward(int l, int B, int Tn);
   // Where block l's saved activations live: l, or 0 under activation checkpointing.
   int64_t Slot(int l) const { return options_.activation_checkpointing ? 0 : l; }
+  // Before the forward's first kernel that reads weight unit `unit` (transfer_schedule.h): the
+  // compute stream waits for the unit's upload, if one is pending.
+  absl::Status WaitForWeights(int unit);
 
   const Gpt2Config c_;
   const int max_batch_;
@@ -100,14 +122,20 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   T* grads_ = nullptr;   // (n,)
   Gpt2CudaActivations<T> a_{};
   std::unique_ptr<CublasLt> lt_;
+  // cuDNN's fused attention or the reference, chosen in Init.
+  Gpt2CudaAttention<T> attention_;
   cudaStream_t stream_ = nullptr;  // compute
   // Transfers, 16-bit modes only: gradients out and weights in, each on a stream of its own.
   std::unique_ptr<DeviceToHostStaging> d2h_;
   std::unique_ptr<HostToDeviceStaging> h2d_;
-  cudaEvent_t weights_arrived_ = nullptr;  // on the H2D stream after an upload
-  cudaEvent_t compute_idle_ = nullptr;     // on the compute stream before an upload
-  bool weights_pending_ = false;           // the next Forward waits for weights_arrived_
-  std::vector<cudaEvent_t> range_done_;    // (L + 2,) a gradient range is final on the GPU
+  std::vector<FlatRange> weight_units_;     // (L + 2,) ForwardWeightUnits
+  std::vector<FlatRange> gradient_ranges_;  // (L + 2,) BackwardGradientRanges
+  std::vector<cudaEvent_t> unit_arrived_;   // (L + 2,) on the H2D stream after a unit's upload
+  cudaEvent_t compute_idle_ = nullptr;      // on the compute stream before an upload
+  bool weights_pending_ = false;            // the next Forward waits for unit_arrived_
+  std::vector<cudaEvent_t> range_done_;     // (L + 2,) a gradient range is final on the GPU
+  HostRanges registered_;                   // host memory page-locked by RegisterHostMemory
+  TransferObserver observer_;               // may be empty
 
   // The last Forward's batch, on the host: the encoder backward groups it by token.
   std::vector<int32_t> inputs_;  // (B, T)
@@ -123,7 +151,8 @@ Gpt2CudaImpl<T>::~Gpt2CudaImpl() {
   d2h_.reset();  // joins the copy thread before the events it may wait on go away
   h2d_.reset();
   for (cudaEvent_t e : range_done_) cudaEventDestroy(e);
-  if (weights_arrived_ != nullptr) cudaEventDestroy(weights_arrived_);
+  for (cudaEvent_t e : unit_arrived_) cudaEventDestroy(e);
+  for (const void* p : registered_.Starts()) cudaHostUnregister(const_cast<void*>(p));
   if (compute_idle_ != nullptr) cudaEventDestroy(compute_idle_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -132,11 +161,18 @@ template <typename T>
 absl::Status Gpt2CudaImpl<T>::Init() {
   for (const ParamTensor& t : Gpt2ParamLayout(c_)) offsets_.push_back(t.offset);
   n_ = Gpt2NumParams(c_);
+  weight_units_ = ForwardWeightUnits(c_);
+  gradient_ranges_ = BackwardGradientRanges(c_);
+  // The attention decides what the activations hold (cuDNN's statistics and workspace, or the
+  // reference's softmax), so it is chosen, and cuDNN's plans for (max_batch, max_seq) made and
+  // their workspace known, before the plan and the carve.
+  OFFLOAD_RETURN_IF_ERROR(attention_.Init(options_.attention, c_, max_batch_, max_seq_,
+                                          options_.activation_checkpointing));
   // Check the whole plan against free memory first, so a model that cannot fit fails with the
   // full picture rather than at whichever allocation happens to run out.
-  const CudaMemoryPlan plan =
-      PlanGpt2CudaMemory(c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false, {},
-                         options_.activation_checkpointing);
+  const CudaMemoryPlan plan = PlanGpt2CudaMemory(
+      c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false, {},
+      options_.activation_checkpointing, /*gradient_bucket_elements=*/0, attention_.memory());
   size_t free_bytes = 0, total_bytes = 0;
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   const int64_t need = plan.total_bytes() - plan.reserved_bytes;
@@ -155,8 +191,9 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   grads_ = static_cast<T*>(grads_mem_.data());
   OFFLOAD_RETURN_IF_ERROR(acts_mem_.Allocate(plan.activation_bytes, "activations"));
   BufferCarver carver(acts_mem_.data());
-  CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_,
-                           options_.activation_checkpointing);
+  CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_, options_.activation_checkpointing,
+                           attention_.memory());
+  attention_.Bind(a_);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params_, 0, n_ * sizeof(T), nullptr));
 
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<CublasLt> lt, CublasLt::Create(kCublasWorkspaceBytes));
@@ -166,7 +203,10 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   for (cudaEvent_t& e : range_done_) {
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
-  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&weights_arrived_, cudaEventDisableTiming));
+  unit_arrived_.assign(weight_units_.size(), nullptr);
+  for (cudaEvent_t& e : unit_arrived_) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&compute_idle_, cudaEventDisableTiming));
   if constexpr (!std::is_same_v<T, float>) {
     absl::StatusOr<std::unique_ptr<DeviceToHostStaging>> d2h =
@@ -218,8 +258,35 @@ absl::Status Gpt2CudaImpl<T>::UploadWeights16(const uint16_t* w16) {
     // The copy may not overwrite weights that kernels already queued still read.
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(compute_idle_, stream_));
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(h2d_->stream(), compute_idle_, 0));
-    OFFLOAD_RETURN_IF_ERROR(h2d_->Copy(params_, w16, n_ * sizeof(T), weights_arrived_));
-    weights_pending_ = true;
+    const auto queued = std::chrono::steady_clock::now();
+    weights_pending_ = true;  // a unit queued before an error below must still be waited for
+    for (size_t u = 0; u < weight_units_.size(); ++u) {
+      const FlatRange& unit = weight_units_[u];
+      const int64_t bytes = unit.n * static_cast<int64_t>(sizeof(T));
+      const uint16_t* src = w16 + unit.offset;
+      OFFLOAD_RETURN_IF_ERROR(h2d_->Copy(params_ + unit.offset, src, bytes, unit_arrived_[u],
+                                         registered_.Contains(src, bytes)));
+      if (observer_) {
+        // Seen to land by a host callback behind the copy on the H2D stream; it owns its note.
+        struct Landed {
+          TransferObserver* observer;
+          int unit;
+          std::chrono::steady_clock::time_point queued;
+        };
+        auto* note = new Landed{&observer_, static_cast<int>(u), queued};
+        const cudaError_t error = cudaLaunchHostFunc(
+            h2d_->stream(),
+            [](void* arg) {
+              std::unique_ptr<Landed> n(static_cast<Landed*>(arg));
+              (*n->observer)("h2d_weights", n->unit, n->queued, std::chrono::steady_clock::now());
+            },
+            note);
+        if (error != cudaSuccess) {
+          delete note;
+          OFFLOAD_CUDA_RETURN_IF_ERROR(error);
+        }
+      }
+    }
     return absl::OkStatus();
   }
 }
@@ -262,14 +329,15 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
     OFFLOAD_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(a.targets, targets, BT * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   }
-  if (weights_pending_) {
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, weights_arrived_, 0));
-    weights_pending_ = false;
-  }
-
+  OFFLOAD_RETURN_IF_ERROR(WaitForWeights(0));
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       EncoderForward<T>(a.encoded, a.inputs, w(kWte), w(kWpe), B, Tn, C, s));
-  for (int l = 0; l < L; l++) OFFLOAD_RETURN_IF_ERROR(BlockForward(l, B, Tn));
+  for (int l = 0; l < L; l++) {
+    OFFLOAD_RETURN_IF_ERROR(WaitForWeights(WeightUnitBefore(l)));
+    OFFLOAD_RETURN_IF_ERROR(BlockForward(l, B, Tn));
+  }
+  OFFLOAD_RETURN_IF_ERROR(WaitForWeights(L + 1));
+  weights_pending_ = false;  // every unit waited for: a recompute in backward reads them freely
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       LayerNormForward<T>(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3 + (L - 1) * BTC,
                           w(LnfWeightIndex(L)), w(LnfBiasIndex(L)), N, C, s));
@@ -291,10 +359,50 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
 }
 
 template <typename T>
+absl::Status Gpt2CudaImpl<T>::WaitForWeights(int unit) {
+  if (!weights_pending_) return absl::OkStatus();
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, unit_arrived_[unit], 0));
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::RegisterHostMemory(void* p, int64_t bytes) {
+  if (p == nullptr || bytes <= 0) {
+    return absl::InvalidArgumentError("Gpt2Cuda::RegisterHostMemory: an empty range");
+  }
+  if (!registered_.Add(p, bytes)) {
+    return absl::AlreadyExistsError(
+        "Gpt2Cuda::RegisterHostMemory: the range overlaps memory registered already");
+  }
+  const cudaError_t error =
+      cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterDefault);
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the ring still works
+    registered_.Remove(p);
+    return CudaErrorStatus(error, "cudaHostRegister", __FILE__, __LINE__);
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::UnregisterHostMemory(void* p) {
+  if (!registered_.Remove(p)) {
+    return absl::NotFoundError(
+        "Gpt2Cuda::UnregisterHostMemory: not the start of a registered range");
+  }
+  // No transfer may still read or write it.
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (h2d_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d_->stream()));
+  if (d2h_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d2h_->stream()));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaHostUnregister(p));
+  return absl::OkStatus();
+}
+
+template <typename T>
 absl::Status Gpt2CudaImpl<T>::BlockForward(int l, int B, int Tn) {
-  const int NH = c_.num_heads, C = c_.channels;
+  const int C = c_.channels;
   const int N = B * Tn;
-  const int64_t BT = N, BTC = BT * C, BHTT = BT * NH * Tn;
+  const int64_t BT = N, BTC = BT * C;
   const Gpt2CudaActivations<T>& a = a_;
   cudaStream_t s = stream_;
   const int64_t i = Slot(l);
@@ -305,7 +413,6 @@ absl::Status Gpt2CudaImpl<T>::BlockForward(int l, int B, int Tn) {
   float* ln1_rstd = a.ln1_rstd + i * BT;                                 // (B, T)
   T* qkv = a.qkv + i * 3 * BTC;                                          // (B, T, 3C)
   T* atty = a.atty + i * BTC;                                            // (B, T, C)
-  T* att = a.att + i * BHTT;                                             // (B, NH, T, T)
   T* residual2 = a.residual2 + i * BTC;                                  // (B, T, C)
   T* ln2 = a.ln2 + i * BTC;                                              // (B, T, C)
   float* ln2_mean = a.ln2_mean + i * BT;                                 // (B, T)
@@ -318,16 +425,17 @@ absl::Status Gpt2CudaImpl<T>::BlockForward(int l, int B, int Tn) {
                                                    bw(kLn1Weight), bw(kLn1Bias), N, C, s));
   OFFLOAD_RETURN_IF_ERROR(
       MatmulForward<T>(*lt_, qkv, ln1, bw(kAttnWeight), bw(kAttnBias), N, C, 3 * C, s));
-  OFFLOAD_RETURN_IF_ERROR(
-      AttentionForward<T>(*lt_, atty, att, a.attn_scratch, qkv, B, Tn, C, NH, s));
+  // Saves what its backward needs in slot i (gpt2_cuda_attention.h).
+  OFFLOAD_RETURN_IF_ERROR(attention_.Forward(*lt_, i, atty, qkv, B, Tn, s));
   OFFLOAD_RETURN_IF_ERROR(
       MatmulForward<T>(*lt_, a.proj, atty, bw(kAttnProjWeight), bw(kAttnProjBias), N, C, C, s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual2, residual, a.proj, BTC, s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormForward<T>(ln2, ln2_mean, ln2_rstd, residual2,
                                                    bw(kLn2Weight), bw(kLn2Bias), N, C, s));
-  OFFLOAD_RETURN_IF_ERROR(
-      MatmulForward<T>(*lt_, fch, ln2, bw(kFcWeight), bw(kFcBias), N, C, 4 * C, s));
-  OFFLOAD_CUDA_RETURN_IF_ERROR(GeluForward<T>(fch_gelu, fch, 4 * BTC, s));
+  // fch = ln2 @ W + b and fch_gelu = gelu(fch): one product with the GELU epilogue (fch its aux
+  // matrix) under fused_epilogues, else the product and the GELU kernel.
+  OFFLOAD_RETURN_IF_ERROR(MatmulGeluForward<T>(*lt_, fch_gelu, fch, ln2, bw(kFcWeight), bw(kFcBias),
+                                               N, C, 4 * C, options_.fused_epilogues, s));
   OFFLOAD_RETURN_IF_ERROR(
       MatmulForward<T>(*lt_, a.proj, fch_gelu, bw(kFcProjWeight), bw(kFcProjBias), N, 4 * C, C, s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(ResidualForward<T>(residual3, residual2, a.proj, BTC, s));
@@ -337,7 +445,8 @@ absl::Status Gpt2CudaImpl<T>::BlockForward(int l, int B, int Tn) {
 template <typename T>
 absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
     float loss_scale, uint16_t* host_grads16,
-    const std::function<void(int64_t offset, int64_t n)>& on_ready) {
+    const std::function<void(int64_t offset, int64_t n)>& on_ready,
+    const std::function<uint16_t*(int64_t offset, int64_t n)>& place) {
   if (!have_targets_) {
     return absl::FailedPreconditionError(
         "Gpt2Cuda::Backward: needs a preceding Forward with targets");
@@ -353,25 +462,37 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   // The logits become their gradient below, so a second Backward needs a new Forward.
   have_targets_ = false;
   const int B = B_, Tn = T_;
-  const int L = c_.num_layers, NH = c_.num_heads, C = c_.channels, V = c_.vocab_size;
+  const int L = c_.num_layers, C = c_.channels, V = c_.vocab_size;
   const int N = B * Tn;
-  const int64_t BT = N, BTC = BT * C, BHTT = BT * NH * Tn, Vp = PaddedVocab(V);
+  const int64_t BT = N, BTC = BT * C, Vp = PaddedVocab(V);
   const Gpt2CudaActivations<T>& a = a_;
   cudaStream_t s = stream_;
 
-  // Range i of the backward order is final on the GPU: send it on, off the compute stream.
+  // Range i of the backward order (transfer_schedule.h) is final on the GPU: send it on, off the
+  // compute stream, into its place or host_grads16; straight there where that is registered.
   int range = 0;
-  auto ready = [&](int64_t begin, int64_t end) -> absl::Status {
+  auto ready = [&]() -> absl::Status {
     const int index = range++;
+    const int64_t begin = gradient_ranges_[index].offset, end = gradient_ranges_[index].end();
     if (host_grads16 == nullptr) {
       if (on_ready) on_ready(begin, end - begin);
       return absl::OkStatus();
     }
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(range_done_[index], s));
+    uint16_t* dst = place ? place(begin, end - begin) : nullptr;
+    if (dst == nullptr) dst = host_grads16 + begin;
+    const int64_t bytes = (end - begin) * static_cast<int64_t>(sizeof(T));
     std::function<void()> done;
-    if (on_ready) done = [&on_ready, begin, end] { on_ready(begin, end - begin); };
-    d2h_->Copy(host_grads16 + begin, grads_ + begin, (end - begin) * sizeof(T), range_done_[index],
-               std::move(done));
+    if (on_ready || observer_) {
+      done = [this, &on_ready, begin, end, index, queued = std::chrono::steady_clock::now()] {
+        if (observer_) {
+          observer_("d2h_gradients", index, queued, std::chrono::steady_clock::now());
+        }
+        if (on_ready) on_ready(begin, end - begin);
+      };
+    }
+    d2h_->Copy(dst, grads_ + begin, bytes, range_done_[index], std::move(done),
+               registered_.Contains(dst, bytes));
     return absl::OkStatus();
   };
   // Whatever happens below, no copy may outlive this call: they write into host_grads16.
@@ -393,7 +514,7 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(
       a.dresidual, dw(LnfWeightIndex(L)), dw(LnfBiasIndex(L)), a.fscratch, dlnf,
       a.residual3 + (L - 1) * BTC, w(LnfWeightIndex(L)), a.lnf_mean, a.lnf_rstd, N, C, s));
-  OFFLOAD_RETURN_IF_ERROR(ready(offsets_[LnfWeightIndex(L)], n_));
+  OFFLOAD_RETURN_IF_ERROR(ready());  // ln_f
 
   for (int l = L - 1; l >= 0; l--) {
     // Checkpointing: the last block's activations are still those Forward left.
@@ -409,7 +530,6 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
     const float* ln1_rstd = a.ln1_rstd + i * BT;                           // (B, T)
     const T* qkv = a.qkv + i * 3 * BTC;                                    // (B, T, 3C)
     const T* atty = a.atty + i * BTC;                                      // (B, T, C)
-    const T* att = a.att + i * BHTT;                                       // (B, NH, T, T)
     const T* residual2 = a.residual2 + i * BTC;                            // (B, T, C)
     const T* ln2 = a.ln2 + i * BTC;                                        // (B, T, C)
     const float* ln2_mean = a.ln2_mean + i * BT;                           // (B, T)
@@ -419,29 +539,29 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
 
     // a.dresidual holds d loss / d residual3; the two LayerNorm backwards add the branches'
     // shares into it in place, as in Gpt2Cpu::Backward.
-    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dfch, dbw(kFcProjWeight), dbw(kFcProjBias),
-                                              a.fscratch, a.dresidual, fch_gelu, bw(kFcProjWeight),
-                                              N, 4 * C, C, s));
-    OFFLOAD_CUDA_RETURN_IF_ERROR(GeluBackward<T>(a.dfch, fch, a.dfch, 4 * BTC, s));
-    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dln, dbw(kFcWeight), dbw(kFcBias), a.fscratch,
+    // c_proj's backward goes on through the GELU: a.dfch = d fch, and fc's bias gradient with it
+    // (the DGELU_BGRAD epilogue under fused_epilogues, else GeluBackward and BiasGrad); fc's own
+    // backward then has no bias gradient left to do.
+    const bool fused = options_.fused_epilogues;
+    OFFLOAD_RETURN_IF_ERROR(MatmulGeluBackward<T>(
+        *lt_, a.dfch, dbw(kFcBias), dbw(kFcProjWeight), dbw(kFcProjBias), a.fscratch, a.dresidual,
+        fch_gelu, fch, bw(kFcProjWeight), N, 4 * C, C, fused, s));
+    OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dln, dbw(kFcWeight), nullptr, a.fscratch,
                                               a.dfch, ln2, bw(kFcWeight), N, C, 4 * C, s));
     OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(a.dresidual, dbw(kLn2Weight), dbw(kLn2Bias),
                                                       a.fscratch, a.dln, residual2, bw(kLn2Weight),
                                                       ln2_mean, ln2_rstd, N, C, s));
     OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.datty, dbw(kAttnProjWeight),
                                               dbw(kAttnProjBias), a.fscratch, a.dresidual, atty,
-                                              bw(kAttnProjWeight), N, C, C, s));
-    OFFLOAD_RETURN_IF_ERROR(
-        AttentionBackward<T>(*lt_, a.dqkv, a.attn_scratch, a.datty, qkv, att, B, Tn, C, NH, s));
+                                              bw(kAttnProjWeight), N, C, C, s, fused));
+    OFFLOAD_RETURN_IF_ERROR(attention_.Backward(*lt_, i, a.dqkv, a.datty, qkv, atty, B, Tn, s));
     OFFLOAD_RETURN_IF_ERROR(MatmulBackward<T>(*lt_, a.dln, dbw(kAttnWeight), dbw(kAttnBias),
                                               a.fscratch, a.dqkv, ln1, bw(kAttnWeight), N, C, 3 * C,
-                                              s));
+                                              s, fused));
     OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(a.dresidual, dbw(kLn1Weight), dbw(kLn1Bias),
                                                       a.fscratch, a.dln, residual, bw(kLn1Weight),
                                                       ln1_mean, ln1_rstd, N, C, s));
-    OFFLOAD_RETURN_IF_ERROR(
-        ready(offsets_[BlockIndex(l, kLn1Weight)],
-              offsets_[l + 1 < L ? BlockIndex(l + 1, kLn1Weight) : LnfWeightIndex(L)]));
+    OFFLOAD_RETURN_IF_ERROR(ready());  // block l
   }
 
   BuildTokenBuckets(inputs_.data(), BT, &buckets_);
@@ -457,7 +577,7 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   OFFLOAD_CUDA_RETURN_IF_ERROR(EncoderBackward<T>(dw(kWte), dw(kWpe), a.dresidual, a.bucket_tokens,
                                                   a.bucket_offsets, a.bucket_positions, num_buckets,
                                                   B, Tn, c_.context_length, C, s));
-  OFFLOAD_RETURN_IF_ERROR(ready(0, offsets_[BlockIndex(0, kLn1Weight)]));
+  OFFLOAD_RETURN_IF_ERROR(ready());  // the embeddings
 
   // The statistics of exactly the values that leave, over the whole partition.
   GradNormResult result{};
@@ -542,8 +662,19 @@ absl::StatusOr<float> Gpt2Cuda::Forward(const int32_t* inputs, const int32_t* ta
 }
 absl::StatusOr<CudaGradStats> Gpt2Cuda::Backward(
     float loss_scale, uint16_t* host_grads16,
-    const std::function<void(int64_t offset, int64_t n)>& on_ready) {
-  return impl_->Backward(loss_scale, host_grads16, on_ready);
+    const std::function<void(int64_t offset, int64_t n)>& on_ready,
+    const std::function<uint16_t*(int64_t offset, int64_t n)>& place) {
+  return impl_->Backward(loss_scale, host_grads16, on_ready, place);
+}
+absl::Status Gpt2Cuda::RegisterHostMemory(void* p, int64_t bytes) {
+  return impl_->RegisterHostMemory(p, bytes);
+}
+absl::Status Gpt2Cuda::UnregisterHostMemory(void* p) { return impl_->UnregisterHostMemory(p); }
+bool Gpt2Cuda::IsRegisteredHostMemory(const void* p, int64_t bytes) const {
+  return impl_->IsRegistered(p, bytes);
+}
+void Gpt2Cuda::set_transfer_observer(TransferObserver observer) {
+  impl_->set_transfer_observer(std::move(observer));
 }
 absl::Status Gpt2Cuda::CopyGradsToHost(float* grads) { return impl_->CopyGradsToHost(grads); }
 absl::Status Gpt2Cuda::CopyLogitsToHost(int b, int t, float* logits) {
@@ -552,5 +683,6 @@ absl::Status Gpt2Cuda::CopyLogitsToHost(int b, int t, float* logits) {
 void* Gpt2Cuda::device_params() const { return impl_->params(); }
 void* Gpt2Cuda::device_grads() const { return impl_->grads(); }
 cudaStream_t Gpt2Cuda::compute_stream() const { return impl_->stream(); }
+const char* Gpt2Cuda::attention_path() const { return impl_->attention_path(); }
 
 }  // namespace offload

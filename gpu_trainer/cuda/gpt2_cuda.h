@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
+#include "gpu_trainer/cuda/cudnn/attention_kind.h"
 #include "gpu_trainer/cuda/runtime/pinned_staging.h"
 #include "model_spec/gpt2_config.h"
 
@@ -30,9 +32,26 @@ struct CudaModelOptions {
   StagingOptions staging;  // per direction
   // As Gpt2Cpu's: keep each block's input only, recompute the block's forward in backward.
   bool activation_checkpointing = false;
+  // The MLP's first product with cuBLASLt's GELU epilogue (fch and fch_gelu from one call), the
+  // GELU's backward and fc's bias gradient from c_proj's dinp product, and the other bias
+  // gradients from their weight-gradient products (blas/matmul.h). 16-bit modes only, where
+  // cuBLASLt offers them; false, or fp32, runs the separate GELU and bias-gradient kernels.
+  bool fused_epilogues = true;
+  // Causal attention through cuDNN's fused flash attention (loaded at run time; 16-bit only)
+  // or the reference of blas/attention.h. kAuto: cuDNN where it loads and takes the model's
+  // shape, else the reference; Create logs one line saying which and why (attention_path()).
+  AttentionKind attention = AttentionKind::kAuto;
 };
 
 // What leaves with the gradients: computed on the GPU over the 16-bit values that are sent.
+// Told of every host <-> device transfer of the offload step once it has landed, for the trace:
+// what ("h2d_weights" or "d2h_gradients"), which unit or range (transfer_schedule.h's order), when
+// it was queued and when it was seen to land. Runs on the copy thread or a CUDA callback thread:
+// it must be quick and call no CUDA function.
+using TransferObserver =
+    std::function<void(const char* what, int index, std::chrono::steady_clock::time_point queued,
+                       std::chrono::steady_clock::time_point landed)>;
+
 struct CudaGradStats {
   double sum_squares = 0;  // still multiplied by the loss scale
   bool nonfinite = false;
@@ -56,10 +75,23 @@ class Gpt2Cuda {
 
   // params (num_params,) fp32 in layout order, rounded to the storage type on the GPU.
   absl::Status SetParams(const float* params);
-  // w16 (num_params,) in the model's 16-bit dtype, through the host-to-device ring; the next
-  // Forward waits for it on the GPU, not on the host. Call it between a Backward and the next
-  // Forward, never between a Forward and its Backward. FailedPrecondition in fp32 mode.
+  // w16 (num_params,) in the model's 16-bit dtype, through the host-to-device ring (or straight
+  // from w16 where it is registered memory), unit by unit in the order the forward reads them
+  // (transfer_schedule.h); the next Forward waits for each unit on the GPU just before its first
+  // kernel that reads it, not on the host, so the upload overlaps the forward. Call it between a
+  // Backward and the next Forward, never between a Forward and its Backward. w16 must not change
+  // until that Forward returns. FailedPrecondition in fp32 mode.
   absl::Status UploadWeights16(const uint16_t* w16);
+
+  // Page-locks [p, p + bytes) of host memory (cudaHostRegister) so that transfers to and from it
+  // skip the pinned ring: the trainer's weight and gradient buffers, a shared-memory segment's
+  // gradient area. An error (the memory cannot be locked) changes nothing and the transfers keep
+  // using the ring. Unregister before the memory goes away; the model unregisters what is left
+  // when it is destroyed.
+  absl::Status RegisterHostMemory(void* p, int64_t bytes);
+  absl::Status UnregisterHostMemory(void* p);
+  bool IsRegisteredHostMemory(const void* p, int64_t bytes) const;
+  void set_transfer_observer(TransferObserver observer);
 
   // inputs, targets (B, T) on the host, as Gpt2Cpu::Forward; returns the mean loss (0 without
   // targets). Token ids out of range -> InvalidArgument, nothing computed.
@@ -71,9 +103,13 @@ class Gpt2Cuda {
   // thread once the range is there, in the ranges and order of Gpt2Cpu::Backward. Without
   // host_grads16, on_ready runs on the calling thread when the range's kernels are queued, not
   // computed. Returns after every range has arrived, with the statistics of the gradients.
+  // place(offset, n), when given, may name another destination of a range (n,) than
+  // host_grads16 + offset (a shared-memory segment's gradient area, so nothing is copied again on
+  // the host), or return null for host_grads16; a registered destination is written directly.
   absl::StatusOr<CudaGradStats> Backward(
       float loss_scale, uint16_t* host_grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready);
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& place = nullptr);
 
   // grads (num_params,) fp32 widened from the device gradients (tests).
   absl::Status CopyGradsToHost(float* grads);
@@ -85,6 +121,8 @@ class Gpt2Cuda {
   void* device_params() const;
   void* device_grads() const;
   cudaStream_t compute_stream() const;
+  // The attention Create chose: "cudnn" or "reference".
+  const char* attention_path() const;
 
   class Impl;  // per storage type, in gpt2_cuda.cc
 

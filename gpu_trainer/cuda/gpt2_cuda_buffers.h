@@ -9,6 +9,8 @@
 
 #include "gpu_trainer/cuda/blas/attention.h"
 #include "gpu_trainer/cuda/blas/matmul.h"
+#include "gpu_trainer/cuda/cudnn/attention_kind.h"
+#include "gpu_trainer/cuda/cudnn/sdpa_graph.h"
 #include "gpu_trainer/cuda/kernels/grad_norm.h"
 #include "gpu_trainer/cuda/kernels/layernorm.h"
 #include "gpu_trainer/cuda/runtime/device_buffer.h"
@@ -31,13 +33,14 @@ struct Gpt2CudaActivations {
   float* ln1_rstd;  // (L, B, T)
   T* qkv;           // (L, B, T, 3C)
   T* atty;          // (L, B, T, C)
-  T* att;           // (L, B, NH, T, T)
+  T* att;           // (L, B, NH, T, T) reference attention only, else null
+  float* att_lse;   // (L, SdpaStatsLayerFloats) cuDNN's softmax statistics only, else null
   T* residual2;     // (L, B, T, C)
   T* ln2;           // (L, B, T, C)
   float* ln2_mean;  // (L, B, T)
   float* ln2_rstd;  // (L, B, T)
-  T* fch;           // (L, B, T, 4C)
-  T* fch_gelu;      // (L, B, T, 4C)
+  T* fch;           // (L, B, T, 4C) also the GELU epilogue's aux (T, ld 4C)
+  T* fch_gelu;      // (L, B, T, 4C) c_proj's input: kept when fused too
   T* residual3;     // (L, B, T, C)
   T* lnf;           // (B, T, C)
   float* lnf_mean;  // (B, T)
@@ -47,12 +50,14 @@ struct Gpt2CudaActivations {
   float* lse;       // (B, T) log-sum-exp of each logit row
   // Scratch and activation gradients, one layer's worth (Backward walks a layer at a time).
   T* proj;                    // (B, T, C) a c_proj output before its residual add
-  T* attn_scratch;            // AttentionScratchElems
+  T* attn_scratch;            // AttentionScratchElems, reference attention only
+  void* cudnn_workspace;      // cudnn_bytes, cuDNN attention only
+  int64_t cudnn_bytes;        // of cudnn_workspace, the plans' need at (max_batch, max_seq)
   T* dresidual;               // (B, T, C)
   T* dln;                     // (B, T, C) dlnf, dln2, dln1 in turn
   T* dqkv;                    // (B, T, 3C)
   T* datty;                   // (B, T, C)
-  T* dfch;                    // (B, T, 4C) d fch_gelu, then d fch in place
+  T* dfch;                    // (B, T, 4C) d fch (unfused: d fch_gelu first, in place)
   float* fscratch;            // the largest reduction scratch of the backward kernels
   double* norm_scratch;       // GradNormScratchDoubles
   GradNormResult* norm;       // (1,)
@@ -65,7 +70,8 @@ struct Gpt2CudaActivations {
 
 template <typename T>
 void CarveGpt2CudaActivations(const Gpt2Config& c, int B, int Tn, BufferCarver& carver,
-                              Gpt2CudaActivations<T>* a, bool activation_checkpointing = false) {
+                              Gpt2CudaActivations<T>* a, bool activation_checkpointing = false,
+                              const AttentionMemory& attention = {}) {
   const int64_t L = c.num_layers, C = c.channels, NH = c.num_heads;
   const int64_t Ls = activation_checkpointing ? 1 : L;  // layers of saved activations
   const int64_t BT = int64_t{B} * Tn;
@@ -75,7 +81,9 @@ void CarveGpt2CudaActivations(const Gpt2Config& c, int B, int Tn, BufferCarver& 
   a->ln1_rstd = carver.Take<float>(Ls * BT);
   a->qkv = carver.Take<T>(Ls * BT * 3 * C);
   a->atty = carver.Take<T>(Ls * BT * C);
-  a->att = carver.Take<T>(Ls * B * NH * Tn * Tn);
+  a->att = attention.fused ? nullptr : carver.Take<T>(Ls * B * NH * Tn * Tn);
+  a->att_lse =
+      attention.fused ? carver.Take<float>(Ls * SdpaStatsLayerFloats(B, c.num_heads, Tn)) : nullptr;
   a->residual2 = carver.Take<T>(Ls * BT * C);
   a->ln2 = carver.Take<T>(Ls * BT * C);
   a->ln2_mean = carver.Take<float>(Ls * BT);
@@ -90,7 +98,17 @@ void CarveGpt2CudaActivations(const Gpt2Config& c, int B, int Tn, BufferCarver& 
   a->losses = carver.Take<float>(BT);
   a->lse = carver.Take<float>(BT);
   a->proj = carver.Take<T>(BT * C);
-  a->attn_scratch = carver.Take<T>(AttentionScratchElems(B, Tn, c.channels, c.num_heads));
+  a->attn_scratch = attention.fused
+                        ? nullptr
+                        : carver.Take<T>(AttentionScratchElems(B, Tn, c.channels, c.num_heads));
+  a->cudnn_bytes = 0;
+  if (attention.fused) {
+    a->cudnn_bytes =
+        attention.cudnn_workspace_bytes >= 0
+            ? attention.cudnn_workspace_bytes
+            : SdpaLayout(B, Tn, c.channels, c.num_heads).BackwardWorkspace(0).total_bytes;
+  }
+  a->cudnn_workspace = attention.fused ? carver.Take<char>(a->cudnn_bytes) : nullptr;
   a->dresidual = carver.Take<T>(BT * C);
   a->dln = carver.Take<T>(BT * C);
   a->dqkv = carver.Take<T>(BT * 3 * C);

@@ -8,14 +8,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/logging.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
 #include "gpu_trainer/cuda/optim/gpu_adamw.h"
 #include "gpu_trainer/cuda/runtime/cuda_test_util.h"
+#include "gpu_trainer/cuda/runtime/transfer_schedule.h"
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/model/model_test_util.h"
 #include "gtest/gtest.h"
@@ -40,16 +46,16 @@ struct CpuResult {
   std::vector<float> grads;
 };
 
-CpuResult CpuReference(const Gpt2Config& c, const std::vector<float>& params,
-                       const std::vector<int32_t>& inputs, const std::vector<int32_t>& targets,
-                       float loss_scale) {
+CpuResult CpuReferenceAt(const Gpt2Config& c, const std::vector<float>& params,
+                         const std::vector<int32_t>& inputs, const std::vector<int32_t>& targets,
+                         float loss_scale, int B, int T) {
   auto model = Gpt2Cpu::Create(c, kBatch, kSeq, CpuKernelSet::kNaive);
   EXPECT_TRUE(model.ok()) << model.status();
   CpuResult r;
   r.grads.assign(params.size(), 0.0f);
-  auto loss = (*model)->Forward(params.data(), inputs.data(), targets.data(), kBatch, kSeq);
+  auto loss = (*model)->Forward(params.data(), inputs.data(), targets.data(), B, T);
   EXPECT_TRUE(loss.ok()) << loss.status();
-  r.loss = *loss;
+  r.loss = loss.value_or(NAN);
   EXPECT_TRUE((*model)->Backward(params.data(), loss_scale, r.grads.data(), nullptr).ok());
   return r;
 }
@@ -100,6 +106,93 @@ class Gpt2CudaParity : public ::testing::TestWithParam<DType> {};
 constexpr double kSpread = 10;
 constexpr int kFloorDraws = 3;
 
+// What a GPU run must match: the CPU reference at (B, T), and the floors above, from kFloorDraws
+// draws seeded from floor_seed. The loss is a mean over n = B T tokens in fp32: any order of that
+// sum may move it by 2 (n - 1) u (Higham 4.2), which the fp32 case's floor could otherwise fall
+// below.
+struct ParityReference {
+  CpuResult ref;
+  double loss_floor = 0;
+  std::vector<double> grad_floor;  // per tensor of Gpt2ParamLayout
+};
+
+ParityReference MeasureParityReference(const Gpt2Config& c, DType dtype,
+                                       const std::vector<float>& params,
+                                       const std::vector<int32_t>& inputs,
+                                       const std::vector<int32_t>& targets, float loss_scale, int B,
+                                       int T, uint64_t floor_seed) {
+  ParityReference p;
+  p.ref = CpuReferenceAt(c, params, inputs, targets, loss_scale, B, T);
+  const std::vector<ParamTensor> layout = Gpt2ParamLayout(c);
+  p.loss_floor = 2.0 * (B * T - 1) * 0x1p-24;
+  p.grad_floor.assign(layout.size(), 0.0);
+  for (int draw = 0; draw < kFloorDraws; ++draw) {
+    const CpuResult moved =
+        CpuReferenceAt(c, OneRoundingApart(params, UnitRoundoff(dtype), floor_seed + draw), inputs,
+                       targets, loss_scale, B, T);
+    p.loss_floor =
+        std::max(p.loss_floor, std::fabs(double{moved.loss} - p.ref.loss) / std::fabs(p.ref.loss));
+    for (size_t k = 0; k < layout.size(); ++k) {
+      const ParamTensor& t = layout[k];
+      p.grad_floor[k] = std::max(
+          p.grad_floor[k],
+          MaxRelError(moved.grads.data() + t.offset, p.ref.grads.data() + t.offset, t.numel));
+    }
+  }
+  return p;
+}
+
+struct CudaRun {
+  float loss = NAN;
+  std::vector<float> grads;  // (num_params,)
+  CudaGradStats stats;
+};
+
+// One forward and backward of `m` at (B, T), its loss and every gradient widened to fp32.
+CudaRun ForwardBackward(Gpt2Cuda& m, const std::vector<int32_t>& inputs,
+                        const std::vector<int32_t>& targets, float loss_scale, int B, int T) {
+  CudaRun r;
+  auto loss = m.Forward(inputs.data(), targets.data(), B, T);
+  EXPECT_TRUE(loss.ok()) << loss.status();
+  r.loss = loss.value_or(NAN);
+  auto stats = m.Backward(loss_scale, nullptr, nullptr);
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  if (stats.ok()) r.stats = *stats;
+  r.grads.assign(m.num_params(), NAN);
+  EXPECT_TRUE(m.CopyGradsToHost(r.grads.data()).ok());
+  return r;
+}
+
+// The loss and every gradient tensor of `got` within kSpread floors of the reference; each margin
+// printed (as "margin WHAT ..." lines, which the GPU logs keep), with `beside`'s error (another
+// path of the same model, e.g. the unfused one) next to it where given.
+void ExpectWithinFloors(const std::string& what, const Gpt2Config& c, const ParityReference& p,
+                        const CudaRun& got, const CudaRun* beside = nullptr) {
+  auto loss_err = [&](const CudaRun& r) {
+    return std::fabs(double{r.loss} - p.ref.loss) / std::fabs(p.ref.loss);
+  };
+  std::printf("margin %s loss err=%.3e%s floor=%.3e floors=%.1f bound=%.0f floors\n", what.c_str(),
+              loss_err(got),
+              beside ? absl::StrFormat(" (beside %.3e)", loss_err(*beside)).c_str() : "",
+              p.loss_floor, loss_err(got) / p.loss_floor, kSpread);
+  EXPECT_LE(loss_err(got), kSpread * p.loss_floor) << what;
+  EXPECT_FALSE(got.stats.nonfinite) << what;
+  const std::vector<ParamTensor> layout = Gpt2ParamLayout(c);
+  ASSERT_EQ(got.grads.size(), p.ref.grads.size()) << what;
+  for (size_t k = 0; k < layout.size(); ++k) {
+    const ParamTensor& t = layout[k];
+    auto err = [&](const CudaRun& r) {
+      return MaxRelError(r.grads.data() + t.offset, p.ref.grads.data() + t.offset, t.numel);
+    };
+    ASSERT_GT(p.grad_floor[k], 0.0) << t.name << ": a floor of zero would demand the same bits";
+    EXPECT_LE(err(got), kSpread * p.grad_floor[k]) << t.name << " " << what;
+    std::printf("margin %s %s err=%.3e%s floor=%.3e floors=%.1f bound=%.0f floors\n", what.c_str(),
+                t.name.c_str(), err(got),
+                beside ? absl::StrFormat(" (beside %.3e)", err(*beside)).c_str() : "",
+                p.grad_floor[k], err(got) / p.grad_floor[k], kSpread);
+  }
+}
+
 TEST_P(Gpt2CudaParity, LossAndGradientsMatchTheCpuBackend) {
   OFFLOAD_SKIP_WITHOUT_CUDA();
   const DType dtype = GetParam();
@@ -109,64 +202,62 @@ TEST_P(Gpt2CudaParity, LossAndGradientsMatchTheCpuBackend) {
   const std::vector<int32_t> inputs = RandomTokens(kBatch * kSeq, c.vocab_size, 12);
   const std::vector<int32_t> targets = RandomTokens(kBatch * kSeq, c.vocab_size, 13);
   const float loss_scale = dtype == DType::kFp16 ? 1024.0f : 1.0f;
-  const CpuResult ref = CpuReference(c, params, inputs, targets, loss_scale);
-  const std::vector<ParamTensor> layout = Gpt2ParamLayout(c);
-
-  // The floors. The loss is a mean over n = B T tokens in fp32: any order of that sum may move it
-  // by 2 (n - 1) u (Higham 4.2), which the fp32 case's floor could otherwise fall below.
-  double loss_floor = 2.0 * (kBatch * kSeq - 1) * 0x1p-24;
-  std::vector<double> grad_floor(layout.size(), 0.0);
-  for (int draw = 0; draw < kFloorDraws; ++draw) {
-    const CpuResult moved = CpuReference(
-        c, OneRoundingApart(params, UnitRoundoff(dtype), 14 + draw), inputs, targets, loss_scale);
-    loss_floor =
-        std::max(loss_floor, std::fabs(double{moved.loss} - ref.loss) / std::fabs(ref.loss));
-    for (size_t k = 0; k < layout.size(); ++k) {
-      const ParamTensor& t = layout[k];
-      grad_floor[k] = std::max(grad_floor[k], MaxRelError(moved.grads.data() + t.offset,
-                                                          ref.grads.data() + t.offset, t.numel));
-    }
-  }
+  const ParityReference p =
+      MeasureParityReference(c, dtype, params, inputs, targets, loss_scale, kBatch, kSeq, 14);
 
   CudaModelOptions options;
   options.dtype = dtype;
   auto model = Gpt2Cuda::Create(c, kBatch, kSeq, options);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->SetParams(params.data()).ok());
-  auto loss = (*model)->Forward(inputs.data(), targets.data(), kBatch, kSeq);
-  ASSERT_TRUE(loss.ok()) << loss.status();
-  const double loss_err = std::fabs(*loss - ref.loss) / std::fabs(ref.loss);
-  std::printf("margin %s loss err=%.3e floor=%.3e floors=%.1f bound=%.0f floors\n", name.c_str(),
-              loss_err, loss_floor, loss_err / loss_floor, kSpread);
-  EXPECT_LE(loss_err, kSpread * loss_floor) << name;
-  auto stats = (*model)->Backward(loss_scale, nullptr, nullptr);
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  EXPECT_FALSE(stats->nonfinite);
-  std::vector<float> grads(params.size());
-  ASSERT_TRUE((*model)->CopyGradsToHost(grads.data()).ok());
-  for (size_t k = 0; k < layout.size(); ++k) {
-    const ParamTensor& t = layout[k];
-    const double err = MaxRelError(grads.data() + t.offset, ref.grads.data() + t.offset, t.numel);
-    ASSERT_GT(grad_floor[k], 0.0) << t.name << ": a floor of zero would demand the same bits";
-    EXPECT_LE(err, kSpread * grad_floor[k]) << t.name << " " << name;
-    RecordProperty(t.name, Sci(err));
-    std::printf("margin %s %s err=%.3e floor=%.3e floors=%.1f bound=%.0f floors\n", name.c_str(),
-                t.name.c_str(), err, grad_floor[k], err / grad_floor[k], kSpread);
-  }
+  const CudaRun got = ForwardBackward(**model, inputs, targets, loss_scale, kBatch, kSeq);
+  ExpectWithinFloors(name, c, p, got);
   // The statistics are those of the stored gradients.
   double sum_squares = 0;
-  for (float g : grads) sum_squares += double{g} * g;
-  EXPECT_NEAR(stats->sum_squares, sum_squares, 1e-6 * sum_squares);
+  for (float g : got.grads) sum_squares += double{g} * g;
+  EXPECT_NEAR(got.stats.sum_squares, sum_squares, 1e-6 * sum_squares);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllStorageTypes, Gpt2CudaParity,
                          ::testing::Values(DType::kFp32, DType::kFp16, DType::kBf16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
-struct CudaRun {
-  float loss = 0;
-  std::vector<float> grads;  // (num_params,)
-};
+// The fused cuBLASLt epilogues (CudaModelOptions::fused_epilogues: the MLP's GELU in its first
+// product, the GELU's backward and the bias gradients in the backward products) against the CPU
+// backend, in the 16-bit modes that use them, with Gpt2CudaParity's floors and bound; the unfused
+// model (the reference path) runs too and is printed beside it, so a GPU log shows what fusing
+// changed per tensor.
+class Gpt2CudaEpilogueParity : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Gpt2CudaEpilogueParity, FusedEpiloguesMatchTheCpuBackend) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  const DType dtype = GetParam();
+  const std::string name(DTypeName(dtype));
+  const Gpt2Config c = SmallConfig();
+  const std::vector<float> params = RoundParams(PerturbedParams(c, 31), dtype);
+  const std::vector<int32_t> inputs = RandomTokens(kBatch * kSeq, c.vocab_size, 32);
+  const std::vector<int32_t> targets = RandomTokens(kBatch * kSeq, c.vocab_size, 33);
+  const float loss_scale = dtype == DType::kFp16 ? 1024.0f : 1.0f;
+  const ParityReference p =
+      MeasureParityReference(c, dtype, params, inputs, targets, loss_scale, kBatch, kSeq, 34);
+  auto run = [&](bool fused) -> CudaRun {
+    CudaModelOptions options;
+    options.dtype = dtype;
+    options.fused_epilogues = fused;
+    auto model = Gpt2Cuda::Create(c, kBatch, kSeq, options);
+    EXPECT_TRUE(model.ok()) << model.status();
+    if (!model.ok()) return CudaRun{};
+    EXPECT_TRUE((*model)->SetParams(params.data()).ok());
+    return ForwardBackward(**model, inputs, targets, loss_scale, kBatch, kSeq);
+  };
+  const CudaRun fused = run(true);
+  const CudaRun unfused = run(false);
+  ExpectWithinFloors(name + " fused (beside: unfused)", c, p, fused, &unfused);
+}
+
+INSTANTIATE_TEST_SUITE_P(SixteenBit, Gpt2CudaEpilogueParity,
+                         ::testing::Values(DType::kFp16, DType::kBf16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 CudaRun RunCuda(const Gpt2Config& c, DType dtype, bool checkpointing,
                 const std::vector<float>& params, const std::vector<int32_t>& inputs,
@@ -176,16 +267,9 @@ CudaRun RunCuda(const Gpt2Config& c, DType dtype, bool checkpointing,
   options.activation_checkpointing = checkpointing;
   auto model = Gpt2Cuda::Create(c, kBatch, kSeq, options);
   EXPECT_TRUE(model.ok()) << model.status();
-  CudaRun r;
-  if (!model.ok()) return r;
+  if (!model.ok()) return CudaRun{};
   EXPECT_TRUE((*model)->SetParams(params.data()).ok());
-  auto loss = (*model)->Forward(inputs.data(), targets.data(), kBatch, kSeq);
-  EXPECT_TRUE(loss.ok()) << loss.status();
-  r.loss = loss.value_or(NAN);
-  EXPECT_TRUE((*model)->Backward(loss_scale, nullptr, nullptr).ok());
-  r.grads.assign(params.size(), 0.0f);
-  EXPECT_TRUE((*model)->CopyGradsToHost(r.grads.data()).ok());
-  return r;
+  return ForwardBackward(**model, inputs, targets, loss_scale, kBatch, kSeq);
 }
 
 double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -383,6 +467,243 @@ TEST(Gpt2Cuda, TrainsWithTheGpuAdamW) {
   }
   EXPECT_NEAR(first, std::log(static_cast<float>(c.vocab_size)), 0.5f);
   EXPECT_LT(last, 0.5f * first) << "first " << first << " last " << last;
+}
+
+// ---- The offload pipeline (ARCHITECTURE.md section 6): weights up unit by unit in forward order,
+// gradients down range by range, straight into registered host memory where it is registered.
+// scripts/gpu-check runs these as their own line (*Pipeline*).
+
+// Rounds to the model's bf16 and back: the weights a 16-bit upload carries.
+std::vector<uint16_t> Bf16Weights(const std::vector<float>& params) {
+  std::vector<uint16_t> w(params.size());
+  for (size_t i = 0; i < params.size(); ++i) w[i] = FloatToBf16(params[i]);
+  return w;
+}
+
+// The same forward through the three ways weights arrive: SetParams (fp32 rounded on the GPU),
+// the unit-by-unit upload through the pinned ring, and the same upload read in place from
+// registered memory. The weights are the same bits each way, and the kernels the same, so the
+// losses are the same bits: a unit the forward did not wait for would show as another loss.
+TEST(Gpt2CudaPipeline, LayerByLayerUploadGivesTheLossOfTheWholeWeights) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  const Gpt2Config c = Gpt2Config{101, 40, 4, 3, 48};
+  const std::vector<float> params = RoundParams(PerturbedParams(c, 31), DType::kBf16);
+  const std::vector<int32_t> inputs = RandomTokens(kBatch * kSeq, c.vocab_size, 32);
+  const std::vector<int32_t> targets = RandomTokens(kBatch * kSeq, c.vocab_size, 33);
+  CudaModelOptions options;
+  options.dtype = DType::kBf16;
+  options.staging.budget_bytes = 2 * 4096;  // slots reused within a unit
+  options.staging.chunk_bytes = 4096;
+  // The reference attention: deterministic whatever the shape, so equal bits mean equal inputs.
+  options.attention = AttentionKind::kReference;
+  auto model = Gpt2Cuda::Create(c, kBatch, kSeq, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  Gpt2Cuda& m = **model;
+  std::mutex mu;
+  std::vector<std::pair<std::string, int>> landed;
+  m.set_transfer_observer([&](const char* what, int index, auto, auto) {
+    std::lock_guard<std::mutex> lock(mu);
+    landed.emplace_back(what, index);
+  });
+
+  ASSERT_TRUE(m.SetParams(params.data()).ok());
+  absl::StatusOr<float> whole = m.Forward(inputs.data(), targets.data(), kBatch, kSeq);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+
+  // Zeros first, so that a unit left behind computes on zeros, far from the whole loss.
+  const std::vector<float> zeros(params.size(), 0.0f);
+  const std::vector<uint16_t> w16 = Bf16Weights(params);
+  ASSERT_TRUE(m.SetParams(zeros.data()).ok());
+  ASSERT_TRUE(m.UploadWeights16(w16.data()).ok());
+  absl::StatusOr<float> ring = m.Forward(inputs.data(), targets.data(), kBatch, kSeq);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  EXPECT_EQ(*ring, *whole);
+
+  std::vector<uint16_t> pinned = w16;
+  ASSERT_TRUE(m.RegisterHostMemory(pinned.data(), static_cast<int64_t>(pinned.size()) * 2).ok());
+  EXPECT_TRUE(m.IsRegisteredHostMemory(pinned.data() + 5, 10));
+  ASSERT_TRUE(m.SetParams(zeros.data()).ok());
+  ASSERT_TRUE(m.UploadWeights16(pinned.data()).ok());
+  absl::StatusOr<float> direct = m.Forward(inputs.data(), targets.data(), kBatch, kSeq);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  EXPECT_EQ(*direct, *whole);
+  EXPECT_TRUE(m.UnregisterHostMemory(pinned.data()).ok());
+
+  // Each upload reported every unit, in forward order.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the last host callbacks have run
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(landed.size(), 2u * (c.num_layers + 2));
+  for (size_t i = 0; i < landed.size(); ++i) {
+    EXPECT_EQ(landed[i].first, "h2d_weights");
+    EXPECT_EQ(landed[i].second, static_cast<int>(i % (c.num_layers + 2)));
+  }
+}
+
+// Gradients through the ring, straight into registered memory, and into places of their own
+// (every other range elsewhere, as a shared-memory segment's area would take them): the same
+// bits land each way, in the schedule's ranges and order.
+TEST(Gpt2CudaPipeline, RegisteredAndPlacedGradientsAreTheRingsBits) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  const Gpt2Config c = SmallConfig();
+  const std::vector<float> params = PerturbedParams(c, 41);
+  const std::vector<int32_t> inputs = RandomTokens(kBatch * kSeq, c.vocab_size, 42);
+  CudaModelOptions options;
+  options.dtype = DType::kBf16;
+  options.staging.budget_bytes = 2 * 4096;
+  options.staging.chunk_bytes = 4096;
+  // The reference attention: its backward is deterministic, so three runs give the same bits
+  // (cuDNN's may accumulate dQ with atomics).
+  options.attention = AttentionKind::kReference;
+  auto model = Gpt2Cuda::Create(c, kBatch, kSeq, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  Gpt2Cuda& m = **model;
+  ASSERT_TRUE(m.SetParams(params.data()).ok());
+  const int64_t n = m.num_params();
+  const std::vector<FlatRange> schedule = BackwardGradientRanges(c);
+
+  struct Landing {
+    std::vector<uint16_t> grads;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+  };
+  auto backward = [&](uint16_t* host, const std::function<uint16_t*(int64_t, int64_t)>& place) {
+    Landing out;
+    EXPECT_TRUE(m.Forward(inputs.data(), inputs.data(), kBatch, kSeq).ok());
+    std::mutex mu;
+    auto stats = m.Backward(
+        1.0f, host,
+        [&](int64_t offset, int64_t count) {
+          std::lock_guard<std::mutex> lock(mu);
+          out.ranges.emplace_back(offset, count);
+        },
+        place);
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return out;
+  };
+  std::vector<uint16_t> ring(n, 0xffff);
+  Landing through_ring = backward(ring.data(), nullptr);
+  through_ring.grads = ring;
+
+  std::vector<uint16_t> registered(n, 0xffff);
+  ASSERT_TRUE(m.RegisterHostMemory(registered.data(), n * 2).ok());
+  EXPECT_EQ(m.RegisterHostMemory(registered.data() + 8, 16).code(),
+            absl::StatusCode::kAlreadyExists);
+  Landing direct = backward(registered.data(), nullptr);
+  EXPECT_EQ(registered, ring);
+
+  std::vector<uint16_t> elsewhere(n, 0xffff);  // the odd ranges' places, registered too
+  ASSERT_TRUE(m.RegisterHostMemory(elsewhere.data(), n * 2).ok());
+  std::vector<uint16_t> rest(n, 0xffff);  // the even ranges, through the ring
+  int asked = 0;
+  Landing placed = backward(rest.data(), [&](int64_t offset, int64_t count) -> uint16_t* {
+    EXPECT_EQ(offset, schedule[asked].offset);
+    EXPECT_EQ(count, schedule[asked].n);
+    return asked++ % 2 == 1 ? elsewhere.data() + offset : nullptr;
+  });
+  for (size_t r = 0; r < schedule.size(); ++r) {
+    const std::vector<uint16_t>& where = r % 2 == 1 ? elsewhere : rest;
+    for (int64_t i = schedule[r].offset; i < schedule[r].end(); ++i) {
+      ASSERT_EQ(where[i], ring[i]) << "range " << r << " element " << i;
+    }
+  }
+  EXPECT_TRUE(m.UnregisterHostMemory(elsewhere.data()).ok());
+  EXPECT_TRUE(m.UnregisterHostMemory(registered.data()).ok());
+  EXPECT_EQ(m.UnregisterHostMemory(registered.data()).code(), absl::StatusCode::kNotFound);
+
+  for (const Landing* l : {&through_ring, &direct, &placed}) {
+    ASSERT_EQ(l->ranges.size(), schedule.size());
+    for (size_t r = 0; r < schedule.size(); ++r) {
+      EXPECT_EQ(l->ranges[r], std::make_pair(schedule[r].offset, schedule[r].n));
+    }
+  }
+}
+
+// cuDNN's fused flash attention (CudaModelOptions::attention = kCudnn) in the whole model against
+// the CPU backend, with Gpt2CudaParity's floors and bound, the reference attention's model run
+// and printed beside it. Then, on the same cuDNN model (carved for (kBatch, kSeq)), a smaller
+// batch (its own plans, its statistics packed by its own shape) and a single-token batch, which
+// cuDNN's backward does not take, so that batch runs the reference attention in buffers the
+// model allocates for it. Names hold "Cudnn" for --gtest_filter=*Cudnn*.
+class Gpt2CudaCudnnParity : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Gpt2CudaCudnnParity, CudnnAttentionMatchesTheCpuBackend) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  const DType dtype = GetParam();
+  const std::string name(DTypeName(dtype));
+  // SmallConfig's odd vocabulary and context with GPT-2's head size, 64 (the kernel tests in
+  // cudnn/cudnn_attention_test.cc cover 16 and 32).
+  const Gpt2Config c = Gpt2Config{101, 40, 2, 2, 128};
+  const std::vector<float> params = RoundParams(PerturbedParams(c, 71), dtype);
+  const std::vector<int32_t> inputs = RandomTokens(kBatch * kSeq, c.vocab_size, 72);
+  const std::vector<int32_t> targets = RandomTokens(kBatch * kSeq, c.vocab_size, 73);
+  const float loss_scale = dtype == DType::kFp16 ? 1024.0f : 1.0f;
+
+  CudaModelOptions options;
+  options.dtype = dtype;
+  options.attention = AttentionKind::kCudnn;
+  auto cudnn = Gpt2Cuda::Create(c, kBatch, kSeq, options);
+  if (!cudnn.ok() && absl::StrContains(cudnn.status().message(), "cuDNN not found")) {
+    GTEST_SKIP() << cudnn.status();
+  }
+  ASSERT_TRUE(cudnn.ok()) << cudnn.status();
+  EXPECT_STREQ((*cudnn)->attention_path(), "cudnn");
+  options.attention = AttentionKind::kReference;
+  auto reference = Gpt2Cuda::Create(c, kBatch, kSeq, options);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_STREQ((*reference)->attention_path(), "reference");
+  ASSERT_TRUE((*cudnn)->SetParams(params.data()).ok());
+  ASSERT_TRUE((*reference)->SetParams(params.data()).ok());
+
+  // The full batch, a smaller one, and one token (the reference's fallback on the cuDNN model).
+  const std::pair<int, int> batches[] = {{kBatch, kSeq}, {2, 9}, {1, 1}};
+  for (const auto& [B, T] : batches) {
+    SCOPED_TRACE(::testing::Message() << name << " B=" << B << " T=" << T);
+    const ParityReference p =
+        MeasureParityReference(c, dtype, params, inputs, targets, loss_scale, B, T, 74);
+    const CudaRun got = ForwardBackward(**cudnn, inputs, targets, loss_scale, B, T);
+    const CudaRun base = ForwardBackward(**reference, inputs, targets, loss_scale, B, T);
+    ExpectWithinFloors(absl::StrCat(name, " B=", B, " T=", T, " cudnn (beside: reference)"), c, p,
+                       got, &base);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(SixteenBit, Gpt2CudaCudnnParity,
+                         ::testing::Values(DType::kFp16, DType::kBf16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST(Gpt2CudaCudnn, Fp32RunsTheReference) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  CudaModelOptions options;
+  options.dtype = DType::kFp32;
+  auto model = Gpt2Cuda::Create(SmallConfig(), kBatch, kSeq, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_STREQ((*model)->attention_path(), "reference");
+  options.attention = AttentionKind::kCudnn;
+  EXPECT_EQ(Gpt2Cuda::Create(SmallConfig(), kBatch, kSeq, options).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// Without cuDNN the default model runs the reference and its one log line says why, and a model
+// that requires cuDNN is refused. In a child process (a fresh one, re-executed: the parent's
+// cuDNN may already be loaded), with OFFLOAD_CUDNN_LIBRARY pointing nowhere.
+TEST(Gpt2CudaCudnn, MissingCudnnRunsTheReferenceAndSaysSo) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("OFFLOAD_CUDNN_LIBRARY", "/nonexistent/libcudnn.so.9", 1);
+        FLAGS_logtostderr = true;
+        FLAGS_minloglevel = 0;
+        CudaModelOptions options;
+        options.dtype = DType::kBf16;
+        auto model = Gpt2Cuda::Create(SmallConfig(), kBatch, kSeq, options);
+        bool ok = model.ok() && std::string((*model)->attention_path()) == "reference";
+        options.attention = AttentionKind::kCudnn;
+        auto required = Gpt2Cuda::Create(SmallConfig(), kBatch, kSeq, options);
+        ok = ok && required.status().code() == absl::StatusCode::kFailedPrecondition;
+        std::fprintf(stderr, "child: %s\n", ok ? "as expected" : "NOT as expected");
+        std::exit(ok ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "attention: reference \\(cuDNN not found");
 }
 
 }  // namespace

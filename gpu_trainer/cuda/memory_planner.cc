@@ -22,7 +22,8 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
                                   bool gpu_optimizer, const ParamPlacement& placement,
-                                  bool activation_checkpointing, int64_t gradient_bucket_elements) {
+                                  bool activation_checkpointing, int64_t gradient_bucket_elements,
+                                  const AttentionMemory& attention) {
   const int64_t n = Gpt2NumParams(config);
   const int64_t size = DTypeSize(dtype);
   CudaMemoryPlan plan;
@@ -35,7 +36,7 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
     using Storage = decltype(zero);
     Gpt2CudaActivations<Storage> views;
     BufferCarver carver(nullptr);
-    CarveGpt2CudaActivations(config, B, T, carver, &views, activation_checkpointing);
+    CarveGpt2CudaActivations(config, B, T, carver, &views, activation_checkpointing, attention);
     return static_cast<int64_t>(carver.bytes());
   });
   plan.optimizer_bytes = gpu_optimizer ? 3 * n * int64_t{sizeof(float)} : 0;

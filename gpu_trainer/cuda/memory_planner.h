@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
+#include "gpu_trainer/cuda/cudnn/attention_kind.h"
 #include "model_spec/gpt2_config.h"
 
 namespace offload {
@@ -54,10 +55,14 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 // today); otherwise it holds three buckets of that many 16-bit gradients (one being written, one
 // on its way out, one waiting), each leaving as backward finishes it: a plan for the bucketed
 // gradients the CUDA backend does not have yet.
+// attention: which attention's buffers the activations hold (attention_kind.h); by default
+// cuDNN's fused attention with the workspace estimated from the shape, what a 16-bit model runs
+// on the H100. The model passes the attention it chose and its plans' real workspace.
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
                                   bool gpu_optimizer, const ParamPlacement& placement = {},
                                   bool activation_checkpointing = false,
-                                  int64_t gradient_bucket_elements = 0);
+                                  int64_t gradient_bucket_elements = 0,
+                                  const AttentionMemory& attention = {});
 
 // What the host holds for a job on one GPU. With offload: the shards' fp32 master weights and both
 // Adam moments (12 bytes a parameter), the trainer's 16-bit host copies of the weights it uploads

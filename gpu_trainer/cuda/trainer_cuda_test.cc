@@ -68,6 +68,14 @@ std::vector<float> TrainLosses(const TrainerOptions& o, int steps, std::string* 
   return losses;
 }
 
+// The root mean square over the steps of each loss's difference from `cpu`'s, relative to it: so
+// that one step whose two losses happen to agree does not make a floor.
+double RmsRelativeDifference(const std::vector<float>& losses, const std::vector<float>& cpu) {
+  double sum = 0;
+  for (size_t s = 0; s < cpu.size(); ++s) sum += std::pow((losses[s] - cpu[s]) / cpu[s], 2);
+  return std::sqrt(sum / static_cast<double>(cpu.size()));
+}
+
 TEST(TrainerCuda, TrainsAndTracksTheCpuBackend) {
   OFFLOAD_SKIP_WITHOUT_CUDA();
   std::string sample;
@@ -89,12 +97,7 @@ TEST(TrainerCuda, TrainsAndTracksTheCpuBackend) {
   ASSERT_EQ(gpu.size(), 60u);
   ASSERT_EQ(cpu.size(), 60u);
   ASSERT_EQ(floor_run.size(), 60u);
-  double err2 = 0, floor2 = 0;
-  for (size_t s = 0; s < cpu.size(); ++s) {
-    err2 += std::pow((gpu[s] - cpu[s]) / cpu[s], 2);
-    floor2 += std::pow((floor_run[s] - cpu[s]) / cpu[s], 2);
-  }
-  const double err = std::sqrt(err2 / 60), floor = std::sqrt(floor2 / 60);
+  const double err = RmsRelativeDifference(gpu, cpu), floor = RmsRelativeDifference(floor_run, cpu);
   for (const int s : {0, 59}) {
     std::printf("margin trainer step %d loss gpu %.5f cpu %.5f cpu_fp16 %.5f\n", s + 1, gpu[s],
                 cpu[s], floor_run[s]);
@@ -157,6 +160,71 @@ TEST(TrainerCuda, TwoRanksOverGlooOnOneGpuTrainWhatOneRankTrains) {
   ASSERT_GT(floor, 0.0) << "a floor of zero would demand bit-identical runs";
   EXPECT_LE(d, kSpread * floor);
   EXPECT_LT(alone[0].losses.back(), alone[0].losses.front());
+}
+
+// The delayed parameter update on the CUDA backend (scripts/gpu-check's *Dpu* line): after its
+// synchronous warm-up, each step computes on the weights of two commits ago while the last
+// commit runs. It tracks the CPU backend's delayed run on the same data as the synchronous runs
+// track each other (TrainsAndTracksTheCpuBackend's floor and bound, same reasoning), and learns.
+TEST(TrainerCudaDpu, DelayedUpdateTracksTheCpuBackendsDelayedUpdate) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  constexpr double kSpread = 15;
+  auto delayed = [](TrainerOptions o) {
+    o.dpu = true;
+    o.dpu_warmup_steps = 5;
+    return o;
+  };
+  const std::vector<float> gpu =
+      TrainLosses(delayed(TinyOptions(ComputeDevice::kCuda)), 60, nullptr);
+  const std::vector<float> cpu =
+      TrainLosses(delayed(TinyOptions(ComputeDevice::kCpu)), 60, nullptr);
+  TrainerOptions fp16 = delayed(TinyOptions(ComputeDevice::kCpu));
+  fp16.param_dtype = DType::kFp16;
+  fp16.loss_scaler.init_scale = 1024.0f;
+  const std::vector<float> floor_run = TrainLosses(fp16, 60, nullptr);
+  ASSERT_EQ(gpu.size(), 60u);
+  ASSERT_EQ(cpu.size(), 60u);
+  ASSERT_EQ(floor_run.size(), 60u);
+  const double err = RmsRelativeDifference(gpu, cpu), floor = RmsRelativeDifference(floor_run, cpu);
+  std::printf("margin trainer dpu losses rms err=%.3e floor=%.3e floors=%.1f bound=%.0f floors\n",
+              err, floor, err / floor, kSpread);
+  ASSERT_GT(floor, 0.0);
+  EXPECT_LE(err, kSpread * floor);
+  EXPECT_LT(gpu.back(), gpu.front() - 1.0f);
+}
+
+// The CUDA step through one optimizer server over shared memory (scripts/gpu-check's *Pipeline*
+// line): each gradient range lands from the device straight in the segment's gradient area and
+// is sent from there, and the run is the in-process run's: the same Adam on the same gradients,
+// only the way they travel differs. Bit for bit where two in-process runs agree bit for bit; where
+// the GPU's kernels are not deterministic (cuDNN's attention backward may accumulate with
+// atomics), within twice what two in-process runs differ by.
+TEST(TrainerCudaPipeline, ShmServerTakesGradientsInPlaceAndTrainsTheInProcessRun) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  TrainerOptions o = TinyOptions(ComputeDevice::kCuda);
+  o.steps = 8;
+  o.schedule.set_total_steps(8);
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(o.model), 1, 1);
+  ASSERT_TRUE(map.ok());
+  InProcessOptimizer in_process(*map, 2, BestSimdPath());
+  const RunResult local = Train(o, &in_process, 8);
+  InProcessOptimizer in_process_again(*map, 2, BestSimdPath());
+  const RunResult again = Train(o, &in_process_again, 8);
+  LocalShards shards(1);
+  const std::vector<RunResult> served = TrainRanks(o, shards, 1, 8, false, TransportChoice::kShm);
+  ASSERT_EQ(served.size(), 1u);
+  ASSERT_EQ(local.losses.size(), 8u);
+  const double floor = RelativeDistance(again.master, local.master);
+  const double d = RelativeDistance(served[0].master, local.master);
+  std::printf("margin pipeline shm vs in process: weights %.3e, in process twice %.3e\n", d, floor);
+  if (floor == 0) {
+    EXPECT_EQ(served[0].losses, local.losses);
+    EXPECT_EQ(served[0].weights16, local.weights16);
+  } else {
+    EXPECT_LE(d, 2 * floor);
+  }
+  // Every parameter of every step went out from its place, none through a host copy.
+  EXPECT_GE(served[0].in_place_elements, 8 * Gpt2NumParams(o.model));
 }
 
 }  // namespace

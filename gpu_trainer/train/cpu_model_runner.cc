@@ -67,7 +67,8 @@ class CpuModelRunner final : public ModelRunner {
 
   absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& /*place: grads16 only*/) override {
     // The trainer takes the fp32 path (BackwardFp32 into its own buffer), so this one is sized
     // only if the 16-bit path is used.
     if (grads_.empty()) grads_.assign(model_->num_params(), 0.0f);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu_trainer/train/model_runner.h"
+#include "gpu_trainer/train/phase_trace.h"
 
 #ifdef OFFLOAD_HAVE_CUDA
 #include "base/status_macros.h"
@@ -42,12 +43,34 @@ class CudaModelRunner final : public ModelRunner {
 
   absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
-    OFFLOAD_ASSIGN_OR_RETURN(CudaGradStats stats, model_->Backward(loss_scale, grads16, on_ready));
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& place) override {
+    OFFLOAD_ASSIGN_OR_RETURN(CudaGradStats stats,
+                             model_->Backward(loss_scale, grads16, on_ready, place));
     GradStats out;
     out.sum_squares = stats.sum_squares;
     out.nonfinite = stats.nonfinite;
     return out;
+  }
+
+  bool writes_gradient_places() const override { return true; }
+
+  absl::Status RegisterHostMemory(void* p, int64_t bytes) override {
+    return model_->RegisterHostMemory(p, bytes);
+  }
+  absl::Status UnregisterHostMemory(void* p) override { return model_->UnregisterHostMemory(p); }
+
+  void set_trace(PhaseTrace* trace, std::function<uint64_t()> step) override {
+    if (trace == nullptr) {
+      model_->set_transfer_observer(nullptr);
+      return;
+    }
+    model_->set_transfer_observer(
+        [trace, step = std::move(step)](const char* what, int /*index*/,
+                                        std::chrono::steady_clock::time_point queued,
+                                        std::chrono::steady_clock::time_point landed) {
+          trace->Record(what, step(), queued, landed);
+        });
   }
 
   absl::Status Logits(int t, float* logits) override {

@@ -219,6 +219,35 @@ TEST(DataParallel, GradientsWrittenIntoSharedMemoryTrainWhatGrpcTrains) {
   }
 }
 
+// One rank whose gradients are 16-bit on the device (the CUDA backend's W=1 path, no reducer):
+// each range is written by the runner straight into its place in the shard's segment (where the
+// CUDA backend's device-to-host copy lands it) and sent from there, and the run is the copying
+// gRPC plane's bit for bit. Two shards, so a range that straddles their cut goes the copying way
+// in the same run; with DPU the warm-up's steps go in place and the delayed ones (their step not
+// yet open during backward) the copying way.
+TEST(DataParallel, OneRankOfSixteenBitGradientsLandsThemInSharedMemory) {
+  for (const bool dpu : {false, true}) {
+    TrainerOptions o = WithSixteenBitGradients(dpu ? DpuOptions() : TinyOptions());
+    o.steps = 8;
+    o.schedule.set_total_steps(8);
+    LocalShards grpc_shards(2), shm_shards(2);
+    std::vector<RunResult> grpc = TrainRanks(o, grpc_shards, 1, 8);
+    std::vector<RunResult> shm =
+        TrainRanks(o, shm_shards, 1, 8, /*checkpoint_at_end=*/false, TransportChoice::kShm);
+    ASSERT_EQ(shm.size(), 1u);
+    std::printf("dpu=%d: sent %lld of 8 x %zu gradients in place\n", dpu,
+                static_cast<long long>(shm[0].in_place_elements), shm[0].partition16.size());
+    EXPECT_TRUE(SameBits(shm[0].master, grpc[0].master)) << "dpu=" << dpu;
+    EXPECT_EQ(shm[0].losses, grpc[0].losses) << "dpu=" << dpu;
+    EXPECT_EQ(grpc[0].in_place_elements, 0);
+    EXPECT_GT(shm[0].in_place_elements, 0) << "dpu=" << dpu;
+    if (!dpu) {
+      // All but the ranges that straddle the two shards' cut, and the padding.
+      EXPECT_GT(shm[0].in_place_elements, 8 * static_cast<int64_t>(shm[0].partition16.size()) / 2);
+    }
+  }
+}
+
 // The delayed update and gradient accumulation compose with the ranks: W=2 with DPU after a
 // warm-up of 4 and 2 micro-batches trains what W=1 with the same settings trains, up to the order
 // of the sums again (each micro-batch's pieces are added in fp32 before the one rounding).

@@ -15,6 +15,7 @@
 #include "base/dtype.h"
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/precision/grad_stats.h"
+#include "gpu_trainer/train/phase_trace.h"
 #include "model_spec/gpt2_config.h"
 
 namespace offload {
@@ -42,10 +43,26 @@ class ModelRunner {
                                         int T) = 0;
   // grads16 (num_params,) := the 16-bit gradients of loss * loss_scale. on_ready(offset, n) runs
   // once each range of Gpt2Cpu::Backward's order is final in grads16, maybe on another thread.
-  // Returns the statistics of the values written.
+  // Returns the statistics of the values written. place(offset, n), where given, may name
+  // another destination for a range than grads16 + offset (a shared-memory segment's gradient
+  // area: OptimizerBackend::GradientPlace), null for grads16; a backend that writes there calls
+  // on_ready with the same (offset, n) and must be asked place again for where it went.
   virtual absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) = 0;
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& place = nullptr) = 0;
+  // Whether Backward writes ranges where `place` says (the CUDA backend), not only to grads16.
+  virtual bool writes_gradient_places() const { return false; }
+  // Page-locks host memory that the weights are uploaded from or the gradients land in, so the
+  // transfers skip the pinned ring (the CUDA backend; elsewhere a no-op). An error changes
+  // nothing: the ring still carries them. Unregister before the memory is freed.
+  virtual absl::Status RegisterHostMemory(void* /*p*/, int64_t /*bytes*/) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status UnregisterHostMemory(void* /*p*/) { return absl::OkStatus(); }
+  // Records each host <-> device transfer in `trace` (not owned; may be null) under the step
+  // `step()` returns (the CUDA backend: "h2d_weights", "d2h_gradients" spans).
+  virtual void set_trace(PhaseTrace* /*trace*/, std::function<uint64_t()> /*step*/) {}
   // Where gradients are fp32 where they are computed (the CPU backend): the fp32 gradients of
   // loss * loss_scale into `grads`, unit by unit in backward order (Gpt2GradSink). The
   // data-parallel trainer reduces them across ranks bucket by bucket before they are rounded to

@@ -29,6 +29,20 @@ std::vector<PhaseTrace::Event> PhaseTrace::Events() const {
   return events_;
 }
 
+double OverlapFraction(const std::vector<PhaseTrace::Event>& events, const std::string& span,
+                       const std::string& within, uint64_t step) {
+  double total = 0, inside = 0;
+  for (const PhaseTrace::Event& s : events) {
+    if (s.name != span || s.step != step) continue;
+    total += s.end_us - s.begin_us;
+    for (const PhaseTrace::Event& w : events) {
+      if (w.name != within || w.step != step) continue;
+      inside += std::max(0.0, std::min(s.end_us, w.end_us) - std::max(s.begin_us, w.begin_us));
+    }
+  }
+  return total > 0 ? inside / total : 0.0;
+}
+
 absl::Status PhaseTrace::WriteChromeTrace(const std::string& path) const {
   std::string json = "[\n";
   const std::vector<Event> events = Events();

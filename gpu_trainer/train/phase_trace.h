@@ -44,6 +44,13 @@ class PhaseTrace {
   std::vector<std::size_t> thread_hashes_;  // guarded by mu_; index = Event::thread
 };
 
+// Of the time the events named `span` of `step` took, the share that fell inside events named
+// `within` of the same step (which must not overlap each other): e.g. how much of the gradients'
+// device-to-host copies ran while backward still computed. 0 when there is no `span` event or it
+// took no time.
+double OverlapFraction(const std::vector<PhaseTrace::Event>& events, const std::string& span,
+                       const std::string& within, uint64_t step);
+
 // Adds a phase's duration to the offload_trainer_phase_seconds histogram (trainer_metrics.cc).
 void ObservePhaseSeconds(const char* phase, double seconds);
 

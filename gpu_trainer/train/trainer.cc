@@ -114,6 +114,27 @@ Trainer::~Trainer() {
   reducer_.reset();
   sender_.reset();
   backend_->AbortStep();
+  if (runner_ != nullptr) {
+    for (void* p : registered_host_) runner_->UnregisterHostMemory(p).IgnoreError();
+  }
+}
+
+void Trainer::RegisterGradientAreas() {
+  for (const v1::ShardSlice& slice : backend_->partition().slices()) {
+    const auto offset = static_cast<int64_t>(slice.offset());
+    const auto n = static_cast<int64_t>(slice.length());
+    if (offset < backend_->partition_offset() ||
+        offset + n > backend_->partition_offset() + backend_->partition_length()) {
+      continue;  // another rank's
+    }
+    uint16_t* area = backend_->GradientPlace(offset, n);
+    if (area == nullptr || std::find(registered_host_.begin(), registered_host_.end(), area) !=
+                               registered_host_.end()) {
+      continue;
+    }
+    // A refusal leaves the ring to carry the gradients; nothing else changes.
+    if (runner_->RegisterHostMemory(area, n * 2).ok()) registered_host_.push_back(area);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
@@ -221,6 +242,16 @@ absl::Status Trainer::Init() {
   if (o.micro_batches > 1) acc32_.assign(backend_->partition_length(), 0.0f);
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
+  // The CUDA backend uploads from and downloads into these directly once they are page-locked;
+  // where that is refused, its pinned ring carries them as before.
+  for (std::vector<uint16_t>* buffer : {&weights16_, &next_weights16_, &grads16_}) {
+    if (buffer->empty()) continue;
+    if (runner_->RegisterHostMemory(buffer->data(), static_cast<int64_t>(buffer->size()) * 2)
+            .ok()) {
+      registered_host_.push_back(buffer->data());
+    }
+  }
+  runner_->set_trace(o.trace, [this] { return trace_step_.load(); });
   sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
   // fp32 gradients go to the reducer unit by unit; a backend with 16-bit ones and other ranks
   // to meet (the CUDA backend over gloo) hands it each range once it is on the host.
@@ -677,10 +708,23 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     TracePhase phase(o.trace, "wait_reduce", step);
     backward = reducer_->Finish();
   } else {
+    // One rank, 16-bit gradients from the device: each range lands in its place on the data plane
+    // where it has one (zero-copy shared memory) and is sent from there.
+    const bool placed = send && o.micro_batches == 1 && runner_->writes_gradient_places();
+    if (placed) RegisterGradientAreas();
     TracePhase phase(o.trace, "backward", step);
-    backward = runner_->Backward(loss_scale, grads16_.data(), [this](int64_t offset, int64_t n) {
-      OnGradientsRounded(offset, n);
-    });
+    std::function<uint16_t*(int64_t, int64_t)> place;
+    if (placed) {
+      place = [this](int64_t offset, int64_t n) { return backend_->GradientPlace(offset, n); };
+    }
+    backward = runner_->Backward(
+        loss_scale, grads16_.data(),
+        [this, placed](int64_t offset, int64_t n) {
+          // The same place the runner was given: the step is open until Commit, which waits for
+          // backward to finish.
+          OnGradientsRounded(offset, n, placed ? backend_->GradientPlace(offset, n) : nullptr);
+        },
+        place);
     const int64_t n = runner_->num_params();
     if (backward.ok()) OnGradientsRounded(n, static_cast<int64_t>(grads16_.size()) - n);
   }

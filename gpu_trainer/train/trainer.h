@@ -274,6 +274,12 @@ class Trainer {
   bool pending_skipped_ = false;
   std::vector<uint16_t> next_weights16_;  // (padded,)
   bool next_ready_ = false;
+  // Host memory page-locked through the runner (the CUDA backend's direct transfers): the buffers
+  // above and the data plane's gradient areas, unregistered before any of them goes away.
+  std::vector<void*> registered_host_;
+  // Registers each gradient area of this rank's open slices not registered yet (the shared-memory
+  // plane's, where the CUDA backend's gradients then land without a host copy).
+  void RegisterGradientAreas();
   uint64_t step_ = 0;
   StepCounters counters_;
   float last_loss_ = 0;

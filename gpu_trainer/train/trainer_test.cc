@@ -540,6 +540,25 @@ class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
   bool gave_up_ = false;
 };
 
+// The share of one span's time that falls inside another's, by hand: the bench's overlap figures
+// (bench_gpu: how much of a step's transfers ran while forward or backward computed).
+TEST(TrainerTrace, OverlapFractionCountsTheTimeInside) {
+  auto at = [](const char* name, uint64_t step, double begin, double end) {
+    return PhaseTrace::Event{name, step, 0, begin, end};
+  };
+  const std::vector<PhaseTrace::Event> events = {
+      at("backward", 1, 10, 20), at("d2h", 1, 12, 14),  // all inside
+      at("d2h", 1, 18, 24),                             // 2 of 6 inside
+      at("d2h", 2, 0, 100),                             // another step
+      at("forward", 1, 30, 32),  at("forward", 1, 34, 36),
+      at("h2d", 1, 31, 35),  // 1 + 1 of 4 inside the two forwards
+  };
+  EXPECT_DOUBLE_EQ(OverlapFraction(events, "d2h", "backward", 1), 4.0 / 8.0);
+  EXPECT_DOUBLE_EQ(OverlapFraction(events, "h2d", "forward", 1), 2.0 / 4.0);
+  EXPECT_DOUBLE_EQ(OverlapFraction(events, "d2h", "backward", 2), 0.0);  // no backward there
+  EXPECT_DOUBLE_EQ(OverlapFraction(events, "missing", "backward", 1), 0.0);
+}
+
 // The point of streaming gradients layer by layer: backward hands each layer's gradients on as
 // they are final (to the reducer thread, which rounds them and queues them for the sender) and
 // goes on without waiting for the wire. When those threads get a core is up to the scheduler (on

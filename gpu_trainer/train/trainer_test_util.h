@@ -73,11 +73,20 @@ class SixteenBitGradientsRunner final : public ModelRunner {
                                 int T) override {
     return cpu_->Forward(inputs, targets, B, T);
   }
+  // Each range is written to grads16 and then, as the CUDA backend's copy would land it, to its
+  // place where `place` names one.
   absl::StatusOr<GradStats> Backward(
       float loss_scale, uint16_t* grads16,
-      const std::function<void(int64_t offset, int64_t n)>& on_ready) override {
-    return cpu_->Backward(loss_scale, grads16, on_ready);
+      const std::function<void(int64_t offset, int64_t n)>& on_ready,
+      const std::function<uint16_t*(int64_t offset, int64_t n)>& place) override {
+    return cpu_->Backward(loss_scale, grads16, [&](int64_t offset, int64_t n) {
+      if (uint16_t* p = place ? place(offset, n) : nullptr; p != nullptr) {
+        std::memcpy(p, grads16 + offset, static_cast<size_t>(n) * 2);
+      }
+      if (on_ready) on_ready(offset, n);
+    });
   }
+  bool writes_gradient_places() const override { return true; }
   absl::Status Logits(int t, float* logits) override { return cpu_->Logits(t, logits); }
   DeviceMemory Memory() const override { return cpu_->Memory(); }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -49,10 +50,10 @@ template <typename T>
 std::string Describe(const GemmSpec& s) {
   return absl::StrFormat(
       "%s gemm op(A)%s (%d x %d) @ op(B)%s (%d x %d) -> C (%d x %d), lda=%d ldb=%d ldc=%d, "
-      "batch=%d strides a=%d b=%d c=%d, alpha=%g beta=%g, bias=%s",
+      "batch=%d strides a=%d b=%d c=%d, alpha=%g beta=%g, bias=%s, epilogue %s (aux_ld=%d)",
       TypeName<T>(), s.trans_a ? "=A^T" : "=A", s.m, s.k, s.trans_b ? "=B^T" : "=B", s.k, s.n, s.m,
       s.n, s.lda, s.ldb, s.ldc, s.batch, s.stride_a, s.stride_b, s.stride_c, s.alpha, s.beta,
-      s.bias != nullptr ? "yes" : "no");
+      s.bias != nullptr ? "yes" : "no", GemmEpilogueName(EffectiveEpilogue(s)), s.aux_ld);
 }
 
 }  // namespace
@@ -65,6 +66,10 @@ struct GemmPlan {
   cublasLtMatmulPreference_t pref = nullptr;
 
   cublasLtMatmulAlgo_t algo = {};
+  // False when cuBLASLt has no algorithm for the plan's fused epilogue: kept, so that every later
+  // product of the key is answered Unimplemented at once instead of asking the heuristic again.
+  bool supported = true;
+  const char* refusal = "";  // why not, for the message: a cublasStatus_t's name
 
   GemmPlan() = default;
   GemmPlan(const GemmPlan&) = delete;
@@ -110,7 +115,40 @@ absl::Status CheckSpec(const GemmSpec& s) {
   if (s.batch > 1 && (s.stride_a < 0 || s.stride_b < 0 || s.stride_c < 0)) {
     return absl::InvalidArgumentError("negative batch stride");
   }
+  if (const char* why = CheckEpilogue(s); why != nullptr) return absl::InvalidArgumentError(why);
   return absl::OkStatus();
+}
+
+// The epilogue's pointers on the plan's descriptor: before the heuristic (which reads them for
+// their alignment only) and again before every product.
+absl::Status SetEpiloguePointers(cublasLtMatmulDesc_t op, const GemmSpec& spec) {
+  const GemmEpilogue epilogue = EffectiveEpilogue(spec);
+  if (epilogue == GemmEpilogue::kDefault) return absl::OkStatus();
+  // One attribute holds the bias going in (forward) or its gradient coming out (backward).
+  const void* bias = spec.bias != nullptr ? spec.bias : spec.bias_grad;
+  OFFLOAD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (spec.aux != nullptr) {
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &spec.aux, sizeof(spec.aux)));
+  }
+  return absl::OkStatus();
+}
+
+cublasLtEpilogue_t CublasEpilogue(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::kDefault:
+      return CUBLASLT_EPILOGUE_DEFAULT;
+    case GemmEpilogue::kBias:
+      return CUBLASLT_EPILOGUE_BIAS;
+    case GemmEpilogue::kGeluAuxBias:
+      return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case GemmEpilogue::kDGeluBGrad:
+      return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case GemmEpilogue::kBGradA:
+      return CUBLASLT_EPILOGUE_BGRADA;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
 }  // namespace
@@ -165,18 +203,28 @@ absl::StatusOr<std::unique_ptr<GemmPlan>> MakePlan(CublasLt& lt, const GemmSpec&
       cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
   OFFLOAD_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
-  if (key.bias) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  // The epilogues (gemm_spec.h). cublasLt.h's rules, which CheckEpilogue has checked: the bias
+  // and the bias gradient have D's type outside the int8 and fp8 kernels, and so has the GELU
+  // aux matrix (EPILOGUE_AUX_DATA_TYPE left at its default, -1: D's type; setting it is only
+  // for fp8); the aux leading dimension is a multiple of 8, at least m.
+  if (key.epilogue != GemmEpilogue::kDefault) {
+    const cublasLtEpilogue_t epilogue = CublasEpilogue(key.epilogue);
     OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    // The pointer is set again before every product (Gemm); this one is only for the heuristic.
-    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-        d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &spec.bias, sizeof(spec.bias)));
-    // cublasLt.h: outside the int8 and fp8 kernels the bias has the type of D, which is T
-    // here (the default, -1, means the same; said explicitly so it never depends on it).
+    // The pointers are set again before every product (Gemm); these are for the heuristic.
+    OFFLOAD_RETURN_IF_ERROR(SetEpiloguePointers(d.op, spec));
+  }
+  if (key.epilogue == GemmEpilogue::kBias || key.epilogue == GemmEpilogue::kGeluAuxBias) {
+    // The bias going in has the type of D, which is T here (the default, -1, means the same;
+    // said explicitly so it never depends on it).
     const int32_t bias_type = kType;
     OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
+  if (key.aux_ld > 0) {
+    const int64_t aux_ld = key.aux_ld;
+    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        d.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
   }
 
   // Stored (column-major) shapes: op(A) is (m, k), so A is (k, m) when transposed.
@@ -219,6 +267,19 @@ absl::StatusOr<std::unique_ptr<GemmPlan>> MakePlan(CublasLt& lt, const GemmSpec&
                                                       1, &heuristic, &found);
     if (heuristic_status == CUBLAS_STATUS_SUCCESS && found > 0) break;
   }
+  if ((heuristic_status != CUBLAS_STATUS_SUCCESS || found == 0) && IsFusedEpilogue(key.epilogue)) {
+    // Not every type and layout has kernels for every epilogue: the caller runs the unfused
+    // kernels instead. The plan is kept, marked, so the heuristic is asked once per key.
+    plan->supported = false;
+    plan->refusal = heuristic_status != CUBLAS_STATUS_SUCCESS
+                        ? cublasGetStatusName(heuristic_status)
+                        : "no algorithm found";
+    // Once per key: a run that meant to fuse should be able to tell that it did not.
+    std::fprintf(stderr,
+                 "offload gemm: cuBLASLt offers no algorithm (%s) for %s; unfused instead\n",
+                 plan->refusal, Describe<T>(spec).c_str());
+    return plan;
+  }
   if (heuristic_status != CUBLAS_STATUS_SUCCESS || found == 0) {
     return absl::InternalError(absl::StrFormat(
         "cuBLASLt found no algorithm (%s) for %s; alignments a=%u b=%u c=%u bytes, workspace %u "
@@ -228,6 +289,14 @@ absl::StatusOr<std::unique_ptr<GemmPlan>> MakePlan(CublasLt& lt, const GemmSpec&
   }
   d.algo = heuristic.algo;
   return plan;
+}
+
+// What a product whose fused epilogue cuBLASLt does not offer returns.
+template <typename T>
+absl::Status EpilogueUnsupported(const GemmSpec& spec, const char* why) {
+  return absl::UnimplementedError(absl::StrCat("cuBLASLt offers no algorithm (", why, ") for the ",
+                                               GemmEpilogueName(EffectiveEpilogue(spec)),
+                                               " epilogue of ", Describe<T>(spec)));
 }
 
 }  // namespace
@@ -244,15 +313,23 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
     OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<GemmPlan> made, MakePlan<T>(lt, spec, key));
     plan = lt.AddPlan(key, std::move(made));
   }
-  if (key.bias) {
-    OFFLOAD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-        plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &spec.bias, sizeof(spec.bias)));
+  if (!plan->supported) {
+    lt.CountEpilogueRefused();
+    return EpilogueUnsupported<T>(spec, plan->refusal);
   }
+  OFFLOAD_RETURN_IF_ERROR(SetEpiloguePointers(plan->op, spec));
   const float alpha = spec.alpha;
   const float beta = spec.beta;
   const cublasStatus_t status = cublasLtMatmul(
       lt.handle(), plan->op, &alpha, spec.a, plan->a, spec.b, plan->b, &beta, spec.c, plan->c,
       spec.c, plan->c, &plan->algo, lt.workspace(), lt.workspace_bytes(), stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED && IsFusedEpilogue(key.epilogue)) {
+    // Refused before anything ran: as if the heuristic had found nothing.
+    plan->supported = false;
+    plan->refusal = "cublasLtMatmul refused the heuristic's algorithm: CUBLAS_STATUS_NOT_SUPPORTED";
+    lt.CountEpilogueRefused();
+    return EpilogueUnsupported<T>(spec, plan->refusal);
+  }
   if (status != CUBLAS_STATUS_SUCCESS) {
     const absl::Status s = CublasErrorStatus(status, "cublasLtMatmul", __FILE__, __LINE__);
     return absl::Status(s.code(), absl::StrCat(s.message(), " for ", Describe<T>(spec)));

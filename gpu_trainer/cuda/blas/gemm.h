@@ -1,7 +1,8 @@
 // Every matrix product of the CUDA backend goes through one cuBLASLt call with fp32 compute and
 // fp32 scale (CUBLAS_COMPUTE_32F: no TF32 shortcut, so the fp32 mode is a true fp32 reference),
-// storage type T for A, B and C, an optional bias epilogue, and strided batches. The product is
-// described by a GemmSpec (gemm_spec.h); its plan is made once per shape and reused.
+// storage type T for A, B and C, an optional epilogue (a bias, or the fused GELU and bias-gradient
+// epilogues of the MLP: GemmEpilogue), and strided batches. The product is described by a
+// GemmSpec (gemm_spec.h); its plan is made once per shape and epilogue and reused.
 #ifndef OFFLOAD_GPU_TRAINER_CUDA_BLAS_GEMM_H_
 #define OFFLOAD_GPU_TRAINER_CUDA_BLAS_GEMM_H_
 
@@ -42,15 +43,24 @@ class CublasLt {
   GemmPlan* AddPlan(const GemmPlanKey& key, std::unique_ptr<GemmPlan> plan);
   // Plans made so far (heuristic queries run), for the tests and the bench.
   int64_t plans_made() const { return static_cast<int64_t>(plans_.size()); }
+  // Products Gemm answered Unimplemented because cuBLASLt offers no algorithm for their fused
+  // epilogue (each then ran unfused): the tests check that the fused path really ran.
+  int64_t epilogues_refused() const { return epilogues_refused_; }
+  void CountEpilogueRefused() { ++epilogues_refused_; }
 
  private:
   CublasLt() = default;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  int64_t epilogues_refused_ = 0;
   absl::flat_hash_map<GemmPlanKey, std::unique_ptr<GemmPlan>> plans_;
 };
 
+// Queues the product of `spec` on `stream`. InvalidArgument for a bad spec (CheckEpilogue's
+// rules included); Unimplemented, with nothing queued, when the spec asks for a fused epilogue
+// (IsFusedEpilogue) that cuBLASLt offers no algorithm for on this GPU, type and layout: the
+// caller then runs the unfused kernels (matmul.cc does).
 template <typename T>
 absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream);
 

@@ -12,6 +12,38 @@
 
 namespace offload {
 
+// What cuBLASLt does to the product before it is stored (cublasLtEpilogue_t), for the fused
+// products of the GPT-2 MLP (matmul.h). Column-major terms: D is (m, n), "rows" are its m.
+//   kDefault      D = alpha op(A) op(B) + beta C; with a non-null bias it is kBias.
+//   kBias         D = alpha op(A) op(B) + beta C + bias (m,) added to every column.
+//   kGeluAuxBias  P = op(A) op(B) + bias; aux = P (rounded to T), D = gelu(P) (tanh form).
+//   kDGeluBGrad   G = op(A) op(B); D = gelu'(aux) * G; bias_grad (m,) = the row sums of D.
+//   kBGradA       D = op(A) op(B); bias_grad (m,) = the row sums of op(A) (over k).
+// The epilogues after kBias take alpha = 1, beta = 0 and a single matrix (CheckEpilogue).
+enum class GemmEpilogue : int {
+  kDefault = 0,
+  kBias = 1,
+  kGeluAuxBias = 2,
+  kDGeluBGrad = 3,
+  kBGradA = 4,
+};
+
+inline const char* GemmEpilogueName(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::kDefault:
+      return "default";
+    case GemmEpilogue::kBias:
+      return "bias";
+    case GemmEpilogue::kGeluAuxBias:
+      return "gelu_aux_bias";
+    case GemmEpilogue::kDGeluBGrad:
+      return "dgelu_bgrad";
+    case GemmEpilogue::kBGradA:
+      return "bgrada";
+  }
+  return "?";
+}
+
 // C = alpha * op(A) @ op(B) + beta * C (+ bias), column-major as cuBLAS defines it: op(A) is
 // (m, k), op(B) is (k, n), C is (m, n). A row-major (R, S) matrix is a column-major (S, R) one,
 // which is how the row-major wrappers of matmul.h and attention.cu call Gemm.
@@ -30,7 +62,57 @@ struct GemmSpec {
   float beta = 0.0f;
   int batch = 1;  // strided batches: matrix i at a + i * stride_a elements, etc.
   int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  // A fused epilogue (GemmEpilogue above); kDefault with a bias is kBias.
+  GemmEpilogue epilogue = GemmEpilogue::kDefault;
+  void* bias_grad = nullptr;  // (m,) in T: written by kDGeluBGrad and kBGradA
+  void* aux = nullptr;        // (m, n) in T, leading dimension aux_ld: the pre-GELU values,
+  int64_t aux_ld = 0;         // written by kGeluAuxBias, read by kDGeluBGrad
 };
+
+// The epilogue a spec runs: its own, or kBias for a plain product given a bias.
+inline GemmEpilogue EffectiveEpilogue(const GemmSpec& s) {
+  if (s.epilogue == GemmEpilogue::kDefault && s.bias != nullptr) return GemmEpilogue::kBias;
+  return s.epilogue;
+}
+
+// The epilogues cuBLASLt may decline for a shape, type or layout (no algorithm from its
+// heuristic): Gemm then returns Unimplemented and the caller runs the unfused kernels.
+inline bool IsFusedEpilogue(GemmEpilogue e) {
+  return e == GemmEpilogue::kGeluAuxBias || e == GemmEpilogue::kDGeluBGrad ||
+         e == GemmEpilogue::kBGradA;
+}
+
+// Why `s`'s epilogue cannot run (a static string), or nullptr when it can. cublasLt.h: the GELU
+// aux matrix's leading dimension must be a multiple of 8 and at least the rows of D; aux and
+// the bias gradient have D's type (the default of their data type attributes). Beyond that, this
+// backend's own limits: one matrix, alpha 1 and beta 0 (the GELU of alpha AB + beta C is no
+// product of the model), and neither input nor output pointers that the epilogue does not use.
+inline const char* CheckEpilogue(const GemmSpec& s) {
+  const GemmEpilogue e = EffectiveEpilogue(s);
+  if (e == GemmEpilogue::kDefault || e == GemmEpilogue::kBias) {
+    if (s.bias_grad != nullptr || s.aux != nullptr) return "bias_grad or aux without an epilogue";
+    return nullptr;
+  }
+  if (s.batch != 1) return "a fused epilogue needs batch == 1";
+  if (s.alpha != 1.0f || s.beta != 0.0f) return "a fused epilogue needs alpha == 1, beta == 0";
+  const bool gelu = e == GemmEpilogue::kGeluAuxBias || e == GemmEpilogue::kDGeluBGrad;
+  if (gelu) {
+    if (s.aux == nullptr) return "the GELU epilogues need the aux matrix";
+    if (s.aux_ld < s.m || s.aux_ld % 8 != 0) {
+      return "aux_ld must be >= m and a multiple of 8 (cublasLt.h)";
+    }
+  } else if (s.aux != nullptr) {
+    return "aux given to an epilogue without GELU";
+  }
+  if (e == GemmEpilogue::kGeluAuxBias) {
+    if (s.bias == nullptr) return "kGeluAuxBias needs the bias";
+    if (s.bias_grad != nullptr) return "kGeluAuxBias writes no bias gradient";
+  } else {
+    if (s.bias_grad == nullptr) return "the gradient epilogues need bias_grad";
+    if (s.bias != nullptr) return "the gradient epilogues add no bias";
+  }
+  return nullptr;
+}
 
 // The largest power of two (up to 256, cuBLASLt's default assumption) dividing the address of
 // every matrix of the batch. The heuristic assumes 256-byte aligned operands unless told
@@ -45,8 +127,10 @@ inline uint32_t AlignmentBytes(const void* p, int64_t stride_elems, size_t elem_
 }
 
 // Products with equal keys share one plan: the same storage type, shapes, leading dimensions,
-// batching, bias epilogue and operand alignments. The pointers, alpha and beta are given to each
-// call (the bias pointer is set on the plan's descriptor per call).
+// batching, epilogue (with its aux leading dimension) and operand alignments, the bias's and
+// aux's included: the heuristic reads their pointers to learn how aligned they are. The
+// pointers, alpha and beta are given to each call (the bias, bias gradient and aux pointers are
+// set on the plan's descriptor per call).
 struct GemmPlanKey {
   int type = 0;  // the storage type's cudaDataType_t
   bool trans_a = false, trans_b = false;
@@ -54,12 +138,14 @@ struct GemmPlanKey {
   int64_t lda = 0, ldb = 0, ldc = 0;
   int batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // 0 unless batch > 1
-  bool bias = false;
+  GemmEpilogue epilogue = GemmEpilogue::kDefault;    // EffectiveEpilogue
+  int64_t aux_ld = 0;                                // 0 without aux
   uint32_t align_a = 0, align_b = 0, align_c = 0;
+  uint32_t align_bias = 0, align_aux = 0;  // 0 without them
 
   auto Tie() const {
     return std::tie(type, trans_a, trans_b, m, n, k, lda, ldb, ldc, batch, stride_a, stride_b,
-                    stride_c, bias, align_a, align_b, align_c);
+                    stride_c, epilogue, aux_ld, align_a, align_b, align_c, align_bias, align_aux);
   }
   friend bool operator==(const GemmPlanKey& x, const GemmPlanKey& y) { return x.Tie() == y.Tie(); }
   template <typename H>
@@ -87,7 +173,14 @@ inline GemmPlanKey MakeGemmPlanKey(const GemmSpec& spec, int type, size_t elem_b
     key.stride_b = spec.stride_b;
     key.stride_c = spec.stride_c;
   }
-  key.bias = spec.bias != nullptr;
+  key.epilogue = EffectiveEpilogue(spec);
+  // The bias vector in or the bias gradient out: one pointer attribute, one alignment.
+  const void* bias = spec.bias != nullptr ? spec.bias : spec.bias_grad;
+  if (bias != nullptr) key.align_bias = AlignmentBytes(bias, 0, elem_bytes, 1);
+  if (spec.aux != nullptr) {
+    key.aux_ld = spec.aux_ld;
+    key.align_aux = AlignmentBytes(spec.aux, 0, elem_bytes, 1);
+  }
   key.align_a = AlignmentBytes(spec.a, spec.stride_a, elem_bytes, spec.batch);
   key.align_b = AlignmentBytes(spec.b, spec.stride_b, elem_bytes, spec.batch);
   key.align_c = AlignmentBytes(spec.c, spec.stride_c, elem_bytes, spec.batch);

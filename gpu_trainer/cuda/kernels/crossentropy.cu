@@ -1,7 +1,7 @@
 // Softmax cross-entropy over rows of up to ~50k logits: one block per row, each thread striding
-// over the vocabulary, fp32 block reductions. Two reads of the row in the forward (max, then
-// sum of exponentials) and one read-write pass in the backward; a row is at most ~100 KB, so
-// the second read comes from L2.
+// over the vocabulary in 16-byte vectors (vector_access.h), fp32 block reductions. Two reads of the
+// row in the forward (max, then sum of exponentials) and one read-write pass in the backward; a row
+// is at most ~100 KB, so the second read comes from L2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "gpu_trainer/cuda/kernels/crossentropy.h"
+#include "gpu_trainer/cuda/kernels/vector_access.h"
 #include "gpu_trainer/cuda/runtime/cuda_dtype.cuh"
 
 namespace offload {
@@ -53,11 +54,31 @@ __global__ void CrossEntropyForwardKernel(float* losses, float* lse, const T* lo
   const int64_t row = blockIdx.x;
   const T* logits_row = logits + row * ld;  // (V,) valid of (ld,)
 
+  // 16-byte vectors when the row starts aligned (vector_access.h): the max is the same either
+  // way, the sum of exponentials is added in another order (fp32).
+  namespace va = vector_access;
+  using Vec = Packed128<T>;
+  const va::VectorSplit split = va::SplitVectors(V, Vec::kSize, va::IsAligned16(logits_row));
+  const va::Stride threads = va::LaneStride(threadIdx.x, blockDim.x);
   float maxval = -INFINITY;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) maxval = fmaxf(maxval, ToFloat(logits_row[v]));
+  va::ForEachShare(
+      split, V, threads,
+      [&](int64_t v) {
+        const Vec x = Vec::Load(logits_row + v);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) maxval = fmaxf(maxval, ToFloat(x[j]));
+      },
+      [&](int64_t v) { maxval = fmaxf(maxval, ToFloat(logits_row[v])); });
   maxval = BlockMax(maxval, shared);
   float sum = 0.0f;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(ToFloat(logits_row[v]) - maxval);
+  va::ForEachShare(
+      split, V, threads,
+      [&](int64_t v) {
+        const Vec x = Vec::Load(logits_row + v);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) sum += expf(ToFloat(x[j]) - maxval);
+      },
+      [&](int64_t v) { sum += expf(ToFloat(logits_row[v]) - maxval); });
   sum = BlockSum(sum, shared);
 
   if (threadIdx.x == 0) {
@@ -78,14 +99,26 @@ __global__ void CrossEntropyBackwardKernel(T* logits, const float* lse, const in
   T* row_ptr = logits + row * ld;  // (ld,): V logits, then padding
   const float row_lse = lse[row];
   const int32_t target = targets[row];
-  for (int64_t v = threadIdx.x; v < ld; v += blockDim.x) {
-    float grad = 0.0f;  // the padding columns get 0 so the head backward may read whole rows
-    if (v < V) {
-      const float prob = expf(ToFloat(row_ptr[v]) - row_lse);
-      grad = (prob - (v == target ? 1.0f : 0.0f)) * dloss;
-    }
-    row_ptr[v] = FromFloat<T>(grad);
-  }
+  // The padding columns get 0 so the head backward may read whole rows.
+  auto grad = [&](int64_t v, T logit) {
+    if (v >= V) return FromFloat<T>(0.0f);
+    const float prob = expf(ToFloat(logit) - row_lse);
+    return FromFloat<T>((prob - (v == target ? 1.0f : 0.0f)) * dloss);
+  };
+  // The whole padded row in 16-byte vectors when it starts aligned (vector_access.h); every
+  // element's arithmetic as with single elements, so the same bits.
+  namespace va = vector_access;
+  using Vec = Packed128<T>;
+  va::ForEachShare(
+      va::SplitVectors(ld, Vec::kSize, va::IsAligned16(row_ptr)), ld,
+      va::LaneStride(threadIdx.x, blockDim.x),
+      [&](int64_t v) {
+        Vec x = Vec::Load(row_ptr + v);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) x[j] = grad(v + j, x[j]);
+        x.Store(row_ptr + v);
+      },
+      [&](int64_t v) { row_ptr[v] = grad(v, row_ptr[v]); });
 }
 
 }  // namespace

@@ -458,6 +458,141 @@ TYPED_TEST(ElementwiseKernelsTest, ResidualForwardMatchesCpuAndMayAliasAnInput) 
 }
 
 // ---------------------------------------------------------------------------------------------
+// 16-byte vector loads (kernels/vector_access.h): the same data placed k elements past a 16-byte
+// boundary. k = 0 takes the vector path (with a scalar tail when n is not a multiple of the
+// width), any other k the scalar path; the elementwise kernels must give the same bits either
+// way, and the k = 0 result must match the CPU.
+
+// `values` on the device starting `offset` elements into an allocation (16-byte aligned at 0).
+template <typename T>
+struct Shifted {
+  std::unique_ptr<DeviceArray<T>> array;
+  int offset;
+  T* get() const { return array->get() + offset; }
+};
+
+template <typename T>
+Shifted<T> UploadShifted(const std::vector<float>& values, int offset) {
+  std::vector<float> padded(offset + values.size(), 0.0f);
+  std::copy(values.begin(), values.end(), padded.begin() + offset);
+  return {Upload<T>(padded), offset};
+}
+
+constexpr int64_t kVectorLengths[] = {1, 7, 8, 9, 15, 1000, 1003, 4099};
+constexpr int kVectorOffsets[] = {0, 1, 3};
+
+TYPED_TEST(ElementwiseKernelsTest, GeluVectorAndScalarPathsGiveTheSameBits) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  using T = TypeParam;
+  for (const int64_t n : kVectorLengths) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const std::vector<float> inp = RoundTo<T>(RandomVector(n, 91, 6.0f));
+    const std::vector<float> dout = RoundTo<T>(RandomVector(n, 92));
+    std::vector<float> want_out(n), want_dinp(n);
+    NaiveKernels().gelu_forward(want_out.data(), inp.data(), n);
+    NaiveKernels().gelu_backward(want_dinp.data(), inp.data(), dout.data(), n);
+    std::vector<std::vector<T>> outs, dinps;
+    for (const int offset : kVectorOffsets) {
+      const Shifted<T> d_inp = UploadShifted<T>(inp, offset);
+      const Shifted<T> d_dout = UploadShifted<T>(dout, offset);
+      const Shifted<T> d_out = UploadShifted<T>(std::vector<float>(n, 0.0f), offset);
+      const Shifted<T> d_dinp = UploadShifted<T>(std::vector<float>(n, 0.0f), offset);
+      OFFLOAD_ASSERT_CUDA_OK(GeluForward<T>(d_out.get(), d_inp.get(), n, 0));
+      OFFLOAD_ASSERT_CUDA_OK(GeluBackward<T>(d_dinp.get(), d_inp.get(), d_dout.get(), n, 0));
+      OFFLOAD_ASSERT_DEVICE_OK();
+      outs.push_back(DownloadRaw(d_out.get(), n));
+      dinps.push_back(DownloadRaw(d_dinp.get(), n));
+      if (offset == 0) {
+        EXPECT_LE(MaxRelError(Download(d_out.get(), n), want_out), KernelTolerance<T>());
+        EXPECT_LE(MaxRelError(Download(d_dinp.get(), n), want_dinp), KernelTolerance<T>());
+      }
+    }
+    for (size_t k = 1; k < outs.size(); ++k) {
+      EXPECT_EQ(FirstBitDifference(outs[k], outs[0]), -1) << "offset " << kVectorOffsets[k];
+      EXPECT_EQ(FirstBitDifference(dinps[k], dinps[0]), -1) << "offset " << kVectorOffsets[k];
+    }
+  }
+}
+
+TYPED_TEST(ElementwiseKernelsTest, ResidualVectorAndScalarPathsGiveTheSameBits) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  using T = TypeParam;
+  for (const int64_t n : kVectorLengths) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const std::vector<float> a = RoundTo<T>(RandomVector(n, 93));
+    const std::vector<float> b = RoundTo<T>(RandomVector(n, 94));
+    std::vector<float> want(n);
+    NaiveKernels().residual_forward(want.data(), a.data(), b.data(), n);
+    std::vector<std::vector<T>> outs;
+    for (const int offset : kVectorOffsets) {
+      const Shifted<T> d_a = UploadShifted<T>(a, offset);
+      const Shifted<T> d_b = UploadShifted<T>(b, offset);
+      const Shifted<T> d_out = UploadShifted<T>(std::vector<float>(n, 0.0f), offset);
+      OFFLOAD_ASSERT_CUDA_OK(ResidualForward<T>(d_out.get(), d_a.get(), d_b.get(), n, 0));
+      OFFLOAD_ASSERT_DEVICE_OK();
+      outs.push_back(DownloadRaw(d_out.get(), n));
+      if (offset == 0) {
+        EXPECT_LE(MaxRelError(Download(d_out.get(), n), want), KernelTolerance<T>());
+      }
+    }
+    for (size_t k = 1; k < outs.size(); ++k) {
+      EXPECT_EQ(FirstBitDifference(outs[k], outs[0]), -1) << "offset " << kVectorOffsets[k];
+    }
+  }
+}
+
+// LayerNorm's rows sum in another order on the vector path, so the two paths may differ in the
+// statistics' last bits: each is held to the CPU within the kernel tolerances instead. Rows of
+// 768 are all aligned at offset 0, all unaligned at offset 1; rows of 771 alternate.
+TYPED_TEST(ElementwiseKernelsTest, LayerNormVectorAndScalarRowsMatchCpu) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  using T = TypeParam;
+  for (const RowsCols shape : {RowsCols{9, 768}, RowsCols{9, 771}, RowsCols{3, 5}}) {
+    const int N = shape.N, C = shape.C;
+    const int64_t nc = int64_t{N} * C;
+    const std::vector<float> inp = RoundTo<T>(LayerNormInput(N, C, 95));
+    const std::vector<float> weight = RoundTo<T>(LayerNormWeight(C, 96));
+    const std::vector<float> bias = RoundTo<T>(RandomVector(C, 97));
+    const std::vector<float> dout = RoundTo<T>(RandomVector(nc, 98));
+    const std::vector<float> dinp0 = RoundTo<T>(RandomVector(nc, 99));
+    std::vector<float> want_out(nc), want_mean(N), want_rstd(N);
+    NaiveKernels().layernorm_forward(want_out.data(), want_mean.data(), want_rstd.data(),
+                                     inp.data(), weight.data(), bias.data(), 1, N, C);
+    std::vector<float> want_dinp = dinp0, want_dweight(C, 0.0f), want_dbias(C, 0.0f);
+    NaiveKernels().layernorm_backward(want_dinp.data(), want_dweight.data(), want_dbias.data(),
+                                      dout.data(), inp.data(), weight.data(), want_mean.data(),
+                                      want_rstd.data(), 1, N, C);
+    auto d_weight = Upload<T>(weight);
+    auto d_bias = Upload<T>(bias);
+    auto d_mean_ref = UploadRaw(want_mean);
+    auto d_rstd_ref = UploadRaw(want_rstd);
+    for (const int offset : kVectorOffsets) {
+      SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C << " offset=" << offset);
+      const Shifted<T> d_inp = UploadShifted<T>(inp, offset);
+      const Shifted<T> d_out = UploadShifted<T>(std::vector<float>(nc, 0.0f), offset);
+      const Shifted<T> d_dout = UploadShifted<T>(dout, offset);
+      const Shifted<T> d_dinp = UploadShifted<T>(dinp0, offset);
+      DeviceArray<float> d_mean(N), d_rstd(N);
+      OFFLOAD_ASSERT_CUDA_OK(LayerNormForward<T>(d_out.get(), d_mean.get(), d_rstd.get(),
+                                                 d_inp.get(), d_weight->get(), d_bias->get(), N, C,
+                                                 0));
+      DeviceArray<T> d_dweight(C), d_dbias(C);
+      DeviceArray<float> scratch(LayerNormBackwardScratchFloats(N, C));
+      OFFLOAD_ASSERT_CUDA_OK(LayerNormBackward<T>(
+          d_dinp.get(), d_dweight.get(), d_dbias.get(), scratch.get(), d_dout.get(), d_inp.get(),
+          d_weight->get(), d_mean_ref->get(), d_rstd_ref->get(), N, C, 0));
+      OFFLOAD_ASSERT_DEVICE_OK();
+      const double out_err = MaxRelError(Download(d_out.get(), nc), want_out);
+      EXPECT_LE(out_err, KernelTolerance<T>()) << Sci(out_err);
+      EXPECT_LE(MaxRelError(Download(d_mean.get(), N), want_mean), kStatsTolerance);
+      EXPECT_LE(MaxRelError(Download(d_rstd.get(), N), want_rstd), kStatsTolerance);
+      const double dinp_err = MaxRelError(Download(d_dinp.get(), nc), want_dinp);
+      EXPECT_LE(dinp_err, KernelTolerance<T>()) << Sci(dinp_err);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Bias gradient.
 
 TYPED_TEST(ElementwiseKernelsTest, BiasGradIsColumnSumAndDeterministic) {

@@ -6,6 +6,7 @@
 
 #include "gpu_trainer/cuda/kernels/column_partials.cuh"
 #include "gpu_trainer/cuda/kernels/layernorm.h"
+#include "gpu_trainer/cuda/kernels/vector_access.h"
 #include "gpu_trainer/cuda/runtime/cuda_dtype.cuh"
 
 namespace offload {
@@ -14,28 +15,74 @@ namespace {
 constexpr float kEps = 1e-5f;
 constexpr int kWarpsPerBlock = 4;
 
+// The rows below are read and written in 16-byte vectors where the row's pointers (and weight
+// and bias) are aligned, one element at a time otherwise and for each row's tail
+// (vector_access.h). Lane l takes vectors l, l + 32, ..., so each lane's partial sums run over
+// other elements, in another order, than with one element per lane per step: the row
+// statistics may differ from the scalar kernel's in their last bits (fp32 sums; the parity tests'
+// tolerances are far wider); the per-element arithmetic is unchanged.
+
 // One warp per row; mean and the biased variance in two passes, as the CPU reference.
 template <typename T>
 __global__ void LayerNormForwardKernel(T* out, float* mean, float* rstd, const T* inp,
                                        const T* weight, const T* bias, int N, int C) {
+  namespace va = vector_access;
+  using Vec = Packed128<T>;
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (row >= N) return;  // uniform over the warp, so the shuffles below see all 32 lanes
   const T* x = inp + int64_t{row} * C;  // (C,)
+  T* out_row = out + int64_t{row} * C;  // (C,)
+  // The same for every lane of the warp (one row), so the lanes never diverge on it.
+  const va::VectorSplit split =
+      va::SplitVectors(C, Vec::kSize,
+                       va::IsAligned16(x) && va::IsAligned16(out_row) && va::IsAligned16(weight) &&
+                           va::IsAligned16(bias));
+  const va::Stride lanes = va::LaneStride(lane, 32);
   float sum = 0.0f;
-  for (int c = lane; c < C; c += 32) sum += ToFloat(x[c]);
+  va::ForEachShare(
+      split, C, lanes,
+      [&](int64_t c) {
+        const Vec xv = Vec::Load(x + c);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) sum += ToFloat(xv[j]);
+      },
+      [&](int64_t c) { sum += ToFloat(x[c]); });
   const float m = WarpSum(sum) / C;
   float sum_sq = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float shifted = ToFloat(x[c]) - m;
-    sum_sq += shifted * shifted;
-  }
+  va::ForEachShare(
+      split, C, lanes,
+      [&](int64_t c) {
+        const Vec xv = Vec::Load(x + c);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) {
+          const float shifted = ToFloat(xv[j]) - m;
+          sum_sq += shifted * shifted;
+        }
+      },
+      [&](int64_t c) {
+        const float shifted = ToFloat(x[c]) - m;
+        sum_sq += shifted * shifted;
+      });
   const float v = WarpSum(sum_sq) / C;
   const float s = 1.0f / sqrtf(v + kEps);
-  T* out_row = out + int64_t{row} * C;  // (C,)
-  for (int c = lane; c < C; c += 32) {
-    out_row[c] = FromFloat<T>((s * (ToFloat(x[c]) - m)) * ToFloat(weight[c]) + ToFloat(bias[c]));
-  }
+  va::ForEachShare(
+      split, C, lanes,
+      [&](int64_t c) {
+        const Vec xv = Vec::Load(x + c);
+        const Vec wv = Vec::Load(weight + c);
+        const Vec bv = Vec::Load(bias + c);
+        Vec o;
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) {
+          o[j] = FromFloat<T>((s * (ToFloat(xv[j]) - m)) * ToFloat(wv[j]) + ToFloat(bv[j]));
+        }
+        o.Store(out_row + c);
+      },
+      [&](int64_t c) {
+        out_row[c] =
+            FromFloat<T>((s * (ToFloat(x[c]) - m)) * ToFloat(weight[c]) + ToFloat(bias[c]));
+      });
   if (lane == 0) {
     mean[row] = m;
     rstd[row] = s;
@@ -46,6 +93,8 @@ __global__ void LayerNormForwardKernel(T* out, float* mean, float* rstd, const T
 template <typename T>
 __global__ void LayerNormBackwardDinpKernel(T* dinp, const T* dout, const T* inp, const T* weight,
                                             const float* mean, const float* rstd, int N, int C) {
+  namespace va = vector_access;
+  using Vec = Packed128<T>;
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (row >= N) return;                         // uniform over the warp
@@ -54,22 +103,57 @@ __global__ void LayerNormBackwardDinpKernel(T* dinp, const T* dout, const T* inp
   T* dinp_row = dinp + int64_t{row} * C;        // (C,)
   const float m = mean[row];
   const float s = rstd[row];
+  const va::VectorSplit split =
+      va::SplitVectors(C, Vec::kSize,
+                       va::IsAligned16(dout_row) && va::IsAligned16(inp_row) &&
+                           va::IsAligned16(dinp_row) && va::IsAligned16(weight));
+  const va::Stride lanes = va::LaneStride(lane, 32);
   float dnorm_sum = 0.0f;
   float dnorm_norm_sum = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float norm = (ToFloat(inp_row[c]) - m) * s;
-    const float dnorm = ToFloat(weight[c]) * ToFloat(dout_row[c]);
+  auto accumulate = [&](float x, float w, float d) {
+    const float norm = (x - m) * s;
+    const float dnorm = w * d;
     dnorm_sum += dnorm;
     dnorm_norm_sum += dnorm * norm;
-  }
+  };
+  va::ForEachShare(
+      split, C, lanes,
+      [&](int64_t c) {
+        const Vec xv = Vec::Load(inp_row + c);
+        const Vec wv = Vec::Load(weight + c);
+        const Vec dv = Vec::Load(dout_row + c);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) {
+          accumulate(ToFloat(xv[j]), ToFloat(wv[j]), ToFloat(dv[j]));
+        }
+      },
+      [&](int64_t c) {
+        accumulate(ToFloat(inp_row[c]), ToFloat(weight[c]), ToFloat(dout_row[c]));
+      });
   const float dnorm_mean = WarpSum(dnorm_sum) / C;
   const float dnorm_norm_mean = WarpSum(dnorm_norm_sum) / C;
-  for (int c = lane; c < C; c += 32) {
-    const float norm = (ToFloat(inp_row[c]) - m) * s;
-    const float dnorm = ToFloat(weight[c]) * ToFloat(dout_row[c]);
-    const float d = (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
-    dinp_row[c] = FromFloat<T>(ToFloat(dinp_row[c]) + d);
-  }
+  auto updated = [&](float dinp_old, float x, float w, float d) {
+    const float norm = (x - m) * s;
+    const float dnorm = w * d;
+    return FromFloat<T>(dinp_old + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
+  };
+  va::ForEachShare(
+      split, C, lanes,
+      [&](int64_t c) {
+        const Vec xv = Vec::Load(inp_row + c);
+        const Vec wv = Vec::Load(weight + c);
+        const Vec dv = Vec::Load(dout_row + c);
+        Vec g = Vec::Load(dinp_row + c);
+#pragma unroll
+        for (int j = 0; j < Vec::kSize; ++j) {
+          g[j] = updated(ToFloat(g[j]), ToFloat(xv[j]), ToFloat(wv[j]), ToFloat(dv[j]));
+        }
+        g.Store(dinp_row + c);
+      },
+      [&](int64_t c) {
+        dinp_row[c] = updated(ToFloat(dinp_row[c]), ToFloat(inp_row[c]), ToFloat(weight[c]),
+                              ToFloat(dout_row[c]));
+      });
 }
 
 // grid (column tiles, row chunks); partials (num_chunks, 2, C): dweight's sums, then dbias's.

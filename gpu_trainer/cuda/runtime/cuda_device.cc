@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "gpu_trainer/cuda/runtime/cuda_check.h"
+#include "gpu_trainer/cuda/runtime/peak_flops.h"
 
 namespace offload {
 
@@ -52,20 +53,18 @@ absl::StatusOr<CudaDeviceInfo> UseCudaDevice(int ordinal) {
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   info.free_bytes = static_cast<int64_t>(free_bytes);
   info.total_bytes = static_cast<int64_t>(total_bytes);
-  // Dense FMA per SM per clock on 16-bit tensor cores; 2 flops each.
-  int fma_per_sm_clock = 0;
-  if (prop.major == 8 && prop.minor == 0) fma_per_sm_clock = 1024;  // A100
-  if (prop.major == 8 && prop.minor > 0) fma_per_sm_clock = 512;    // GA10x / Ada consumer
-  if (prop.major == 9) fma_per_sm_clock = 2048;                     // H100 / H200
-  info.peak_bf16_flops = 2.0 * fma_per_sm_clock * info.sm_count * (info.clock_khz * 1e3);
+  const PeakFlops peak =
+      Bf16PeakFlops(info.name, prop.major, prop.minor, info.sm_count, info.clock_khz);
+  info.peak_bf16_flops = peak.flops;
+  info.peak_source = peak.source;
   return info;
 }
 
 std::string DescribeCudaDevice(const CudaDeviceInfo& info) {
-  return absl::StrFormat("%s (sm_%d%d, %d SMs, %.0f MHz, %.1f GiB, peak bf16 %.0f TFLOP/s)",
+  return absl::StrFormat("%s (sm_%d%d, %d SMs, %.0f MHz, %.1f GiB, peak bf16 %.0f TFLOP/s, %s)",
                          info.name, info.compute_major, info.compute_minor, info.sm_count,
                          info.clock_khz / 1e3, info.total_bytes / 1073741824.0,
-                         info.peak_bf16_flops / 1e12);
+                         info.peak_bf16_flops / 1e12, info.peak_source);
 }
 
 }  // namespace offload

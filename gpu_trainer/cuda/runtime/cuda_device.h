@@ -21,10 +21,11 @@ struct CudaDeviceInfo {
   int64_t clock_khz = 0;  // peak SM clock
   int64_t total_bytes = 0;
   int64_t free_bytes = 0;
-  // Dense 16-bit tensor-core peak from SM count, clock and the architecture's per-SM rate
-  // (sm_80: 1024 FMA/clock, sm_90: 2048); 0 when the architecture is not in the table. MFU
-  // is measured against this unless the user passes the datasheet number.
+  // Dense 16-bit tensor-core peak (peak_flops.h): the datasheet's for a part it names, else
+  // estimated from SM count, clock and architecture; 0 when unknown. MFU is measured against it
+  // unless the user passes another.
   double peak_bf16_flops = 0;
+  std::string peak_source;
 };
 
 // OK when a CUDA device can run our kernels; Unavailable with the driver's reason otherwise

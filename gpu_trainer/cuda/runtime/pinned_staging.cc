@@ -46,9 +46,9 @@ absl::StatusOr<std::unique_ptr<DeviceToHostStaging>> DeviceToHostStaging::Create
   d.num_slots_ = static_cast<int>(options.budget_bytes / options.chunk_bytes);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&d.stream_, cudaStreamNonBlocking));
   OFFLOAD_RETURN_IF_ERROR(AllocatePinned(d.chunk_bytes_ * d.num_slots_, &d.pinned_));
-  d.slots_.resize(d.num_slots_);
-  for (int i = 0; i < d.num_slots_; ++i) {
-    d.slots_[i].buffer = d.pinned_ + i * d.chunk_bytes_;
+  d.slots_.resize(d.num_slots_ + kDirectSlots);
+  for (int i = 0; i < d.num_slots_ + kDirectSlots; ++i) {
+    if (i < d.num_slots_) d.slots_[i].buffer = d.pinned_ + i * d.chunk_bytes_;
     OFFLOAD_CUDA_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&d.slots_[i].copied, cudaEventDisableTiming));
   }
@@ -72,11 +72,11 @@ DeviceToHostStaging::~DeviceToHostStaging() {
 }
 
 void DeviceToHostStaging::Copy(void* dst, const void* src, int64_t bytes, cudaEvent_t after,
-                               std::function<void()> done) {
+                               std::function<void()> done, bool direct) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(Request{static_cast<char*>(dst), static_cast<const char*>(src), bytes, after,
-                             std::move(done)});
+                             std::move(done), direct});
     ++pending_;
   }
   cv_.notify_all();
@@ -95,7 +95,7 @@ absl::Status DeviceToHostStaging::Retire(Slot& slot) {
   const cudaError_t error = cudaEventSynchronize(slot.copied);
   if (error != cudaSuccess) {
     status = CudaErrorStatus(error, "cudaEventSynchronize(slot)", __FILE__, __LINE__);
-  } else {
+  } else if (slot.buffer != nullptr) {  // a direct copy is already where it goes
     std::memcpy(slot.dst, slot.buffer, static_cast<size_t>(slot.bytes));
   }
   std::function<void()> done = std::move(slot.done);
@@ -110,6 +110,7 @@ void DeviceToHostStaging::Loop() {
   cudaSetDevice(device_);
   std::deque<int> in_flight;  // slot indices in submission order
   int next_slot = 0;
+  int next_direct = 0;  // of the direct slots, [num_slots_, num_slots_ + kDirectSlots)
   auto finish = [&](const absl::Status& status, bool request_done) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!status.ok() && error_.ok()) error_ = status;
@@ -150,12 +151,18 @@ void DeviceToHostStaging::Loop() {
       finish(status, /*request_done=*/true);
       continue;
     }
-    for (int64_t offset = 0; offset < request.bytes; offset += chunk_bytes_) {
-      const int64_t n = std::min(chunk_bytes_, request.bytes - offset);
-      Slot& slot = slots_[next_slot];
-      if (slot.dst != nullptr) retire_oldest();  // round robin: the busy slot is the oldest
-      cudaError_t error = cudaMemcpyAsync(slot.buffer, request.src + offset, static_cast<size_t>(n),
-                                          cudaMemcpyDeviceToHost, stream_);
+    // A direct request is one chunk of its whole size, copied straight to its destination.
+    const int64_t chunk = request.direct ? request.bytes : chunk_bytes_;
+    for (int64_t offset = 0; offset < request.bytes; offset += chunk) {
+      const int64_t n = std::min(chunk, request.bytes - offset);
+      const int index = request.direct ? num_slots_ + next_direct : next_slot;
+      Slot& slot = slots_[index];
+      // Round robin within each kind; with both kinds in flight the busy slot need not be the
+      // oldest, so retire in order until it is free.
+      while (slot.dst != nullptr) retire_oldest();
+      cudaError_t error =
+          cudaMemcpyAsync(request.direct ? request.dst : slot.buffer, request.src + offset,
+                          static_cast<size_t>(n), cudaMemcpyDeviceToHost, stream_);
       if (error == cudaSuccess) error = cudaEventRecord(slot.copied, stream_);
       if (error != cudaSuccess) cudaGetLastError();
       slot.dst = request.dst + offset;
@@ -173,8 +180,12 @@ void DeviceToHostStaging::Loop() {
         if (slot.request_last) break;
         continue;
       }
-      in_flight.push_back(next_slot);
-      next_slot = (next_slot + 1) % num_slots_;
+      in_flight.push_back(index);
+      if (request.direct) {
+        next_direct = (next_direct + 1) % kDirectSlots;
+      } else {
+        next_slot = (next_slot + 1) % num_slots_;
+      }
     }
   }
 }
@@ -205,7 +216,13 @@ HostToDeviceStaging::~HostToDeviceStaging() {
 }
 
 absl::Status HostToDeviceStaging::Copy(void* dst, const void* src, int64_t bytes,
-                                       cudaEvent_t done_event) {
+                                       cudaEvent_t done_event, bool direct) {
+  if (direct) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_event, stream_));
+    return absl::OkStatus();
+  }
   for (int64_t offset = 0; offset < bytes; offset += chunk_bytes_) {
     const int64_t n = std::min(chunk_bytes_, bytes - offset);
     char* slot = pinned_ + next_slot_ * chunk_bytes_;

@@ -39,9 +39,11 @@ class DeviceToHostStaging {
 
   // Copies `bytes` from device `src` to pageable host `dst` once `after` (an event recorded on
   // the compute stream after src was written; may be nullptr) has fired. `src` must not change
-  // until `done` runs.
+  // until `done` runs. direct: `dst` is page-locked (cudaHostRegister'd or cudaHostAlloc'd), so
+  // one cudaMemcpyAsync lands the bytes there, with no slot and no host memcpy; it still queues
+  // and finishes in submission order with the others.
   void Copy(void* dst, const void* src, int64_t bytes, cudaEvent_t after,
-            std::function<void()> done);
+            std::function<void()> done, bool direct = false);
   // Waits for every submitted copy; returns the first CUDA error since the last Drain.
   absl::Status Drain();
 
@@ -55,7 +57,9 @@ class DeviceToHostStaging {
     int64_t bytes;
     cudaEvent_t after;
     std::function<void()> done;
+    bool direct;
   };
+  // A pinned slot, or (buffer null) a direct copy's place in the order of retirement.
   struct Slot {
     char* buffer = nullptr;
     cudaEvent_t copied = nullptr;  // fires when the device -> slot copy is done
@@ -68,8 +72,11 @@ class DeviceToHostStaging {
   void Loop();
   absl::Status Retire(Slot& slot);
 
+  // Direct copies in flight at once before the oldest must land.
+  static constexpr int kDirectSlots = 16;
+
   int64_t chunk_bytes_ = 0;
-  int num_slots_ = 0;
+  int num_slots_ = 0;  // pinned ones; slots_ holds kDirectSlots direct ones after them
   char* pinned_ = nullptr;
   std::vector<Slot> slots_;
   cudaStream_t stream_ = nullptr;
@@ -94,8 +101,10 @@ class HostToDeviceStaging {
   ~HostToDeviceStaging();
 
   // Copies `bytes` from pageable host `src` to device `dst`; `done_event` fires on stream() when
-  // all of it has arrived.
-  absl::Status Copy(void* dst, const void* src, int64_t bytes, cudaEvent_t done_event);
+  // all of it has arrived. direct: `src` is page-locked, so one cudaMemcpyAsync reads it in place
+  // (it must then not change until done_event fires).
+  absl::Status Copy(void* dst, const void* src, int64_t bytes, cudaEvent_t done_event,
+                    bool direct = false);
 
   cudaStream_t stream() const { return stream_; }
 

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# scripts/gpu-check runs for the first time on a lent GPU, with minutes to spare: this runs it here
+# against a fake bundle (a fake nvidia-smi, GPU test binaries that print gtest's lines, a bench_gpu
+# that prints the machine-readable lines) and checks what it decides: each path of the CUDA
+# backend is its own run, so one crashing path hides nothing; a path with no tests, a skipped
+# test, or the reference attention on a GPU is a failure; the summary reads each model's rows.
+#
+#   bash tests/gpu_check_test.sh REPO_ROOT
+set -euo pipefail
+repo=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "gpu_check_test: FAIL: $*"; exit 1; }
+
+mkdir -p "$work/fakebin" "$work/bundle/bin" "$work/bundle/lib"
+cat > "$work/fakebin/nvidia-smi" <<'SMI'
+#!/usr/bin/env bash
+case "$*" in
+  -L) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-fake)" ;;
+  *) echo "NVIDIA H100 80GB HBM3, 580.00, 81559 MiB" ;;
+esac
+SMI
+# python3 without torch: the front end's check reports itself failed, as on a machine without it.
+cat > "$work/fakebin/python3" <<'PY'
+#!/usr/bin/env bash
+exit 1
+PY
+chmod +x "$work/fakebin/nvidia-smi" "$work/fakebin/python3"
+echo 'export FAKE_BUNDLE=1' > "$work/bundle/env"
+
+# A GPU test binary: one test per path, named as the real ones are; a path given in CRASH aborts
+# its run (as a segfault in code meeting a GPU for the first time would).
+make_test_binary() {
+  cat > "$work/bundle/bin/$1" <<'BIN'
+#!/usr/bin/env bash
+filter=${1#--gtest_filter=}
+name=$(basename "$0")
+tests=("Gpt2CudaCudnnParity.bf16" "EpilogueTest.GeluAux" "VectorAccess.Layernorm"
+       "Gpt2CudaPipeline.Upload" "TrainerCudaDpu.Tracks" "Gpt2CudaParity.fp16")
+match() {  # a gtest filter of one positive or one negative list of *X* patterns
+  local t=$1 f=$2 neg=0 p
+  [ "${f:0:1}" = - ] && { neg=1; f=${f:1}; }
+  IFS=: read -ra pats <<< "$f"
+  for p in "${pats[@]}"; do
+    # shellcheck disable=SC2053
+    [[ $t == $p ]] && return $neg
+  done
+  return $((1 - neg))
+}
+n=0
+for t in "${tests[@]}"; do
+  match "$t" "$filter" || continue
+  if [ -n "${CRASH:-}" ] && [[ $t == *$CRASH* ]]; then echo "[ RUN      ] $t"; exit 139; fi
+  echo "[       OK ] $t (1 ms)"
+  n=$((n + 1))
+done
+echo "[  PASSED  ] $n tests."
+BIN
+  chmod +x "$work/bundle/bin/$1"
+}
+make_test_binary cuda_kernels_test
+make_test_binary gpt2_cuda_test
+cat > "$work/bundle/bin/bench_gpu" <<'BENCH'
+#!/usr/bin/env bash
+attention=${FAKE_ATTENTION:-cudnn}
+cat <<LINES
+gpu device=0 name=NVIDIA_H100_80GB_HBM3 sm=90 sms=132 memory_gib=79.2 peak_tflops=989.4 peak=datasheet_H100_SXM
+gpu model=gpt2-124m dtype=bf16 tokens_per_s=400000 mfu=0.4600 step_s=0.02000 batch=8 seq_len=1024 params=124439808 skipped=0 attention=$attention flops_per_token=1e9 peak_tflops=989.4
+gpu offload=inprocess_dpu params=124439808 step_s=0.02200 vs_gpu=1.100 model=gpt2-124m dtype=bf16 batch=8 seq_len=1024 shards=0 d2h_in_backward=0.900 h2d_in_forward=0.800
+gpu offload=server_shm_dpu params=124439808 step_s=0.02300 vs_gpu=1.150 model=gpt2-124m dtype=bf16 batch=8 seq_len=1024 shards=1 d2h_in_backward=0.910 h2d_in_forward=0.810
+gpu pipeline model=gpt2-124m bytes=248879616 h2d_gbps=50.00 d2h_gbps=49.00 ring_h2d_gbps=20.00 ring_d2h_gbps=10.00 h2d_vs_bound=0.904 d2h_vs_bound=0.886 registered=yes
+gpu model=gpt2-xl dtype=bf16 tokens_per_s=40000 mfu=0.4000 step_s=0.20000 batch=8 seq_len=1024 params=1557611200 skipped=0 attention=cudnn flops_per_token=1e10 peak_tflops=989.4
+gpu offload=inprocess_dpu params=1557611200 step_s=0.60000 vs_gpu=3.000 model=gpt2-xl dtype=bf16 batch=8 seq_len=1024 shards=0 d2h_in_backward=0.700 h2d_in_forward=0.600
+gpu transfer bytes=268435456 h2d_gbps=55.30 d2h_gbps=55.28 step_bytes_each_way=248879616 step_h2d_floor_s=0.00450 step_d2h_floor_s=0.00450
+LINES
+BENCH
+chmod +x "$work/bundle/bin/bench_gpu"
+
+run() {  # run LOGDIR [ENV=VALUE...]: gpu-check's output; its exit status in $work/rc
+  local logs=$1
+  shift
+  local rc=0
+  env PATH="$work/fakebin:$PATH" GPU_CHECK_LOGS="$logs" "$@" \
+    bash "$repo/scripts/gpu-check" --bundle="$work/bundle" > "$logs.out" 2>&1 || rc=$?
+  echo "$rc" > "$work/rc"
+  cat "$logs.out"
+}
+
+# Every path passes; only the front end (no torch here) fails the check.
+out=$(run "$work/logs1")
+for p in cudnn_attention epilogues vector_loads pipeline dpu other; do
+  grep -q "^gpu-check: tests $p: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
+    fail "path $p not reported as 2 passed: $out"
+done
+grep -q "torch front end: python3 has no torch with CUDA" <<< "$out" || fail "front end: $out"
+[ "$(cat "$work/rc")" = 1 ] || fail "no torch must fail the check"
+grep -qE '^ +MFU \(target >= 45% for gpt2\) +46\.0%$' <<< "$out" || fail "gpt2 MFU row: $out"
+grep -qE '^ +  / GPU-resident \(<= 1\.20\) +1\.150$' <<< "$out" || fail "gpt2 shm DPU ratio: $out"
+grep -qE '^ +  / GPU-resident \(<= 1\.15\) +3\.000$' <<< "$out" || fail "xl in-process DPU: $out"
+grep -qE '^ +transfers / pinned bound \(>= 0\.8\) +H2D 0\.904, D2H 0\.886$' <<< "$out" ||
+  fail "transfer ratio row: $out"
+[ -d "$work/logs1/traces" ] || fail "no trace directory for the bench"
+
+# A crash in the cuDNN path: that path fails, every other path still runs and passes.
+out=$(run "$work/logs2" CRASH=Cudnn)
+grep -q "^gpu-check: tests cudnn_attention: 0 passed, 0 skipped, 0 failed: FAILED$" <<< "$out" ||
+  fail "a crashing path must fail: $out"
+for p in epilogues vector_loads pipeline dpu other; do
+  grep -q "^gpu-check: tests $p: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
+    fail "path $p hidden by the crash: $out"
+done
+grep -q "exit 139" <<< "$out" || fail "the crash's exit status is not reported: $out"
+
+# The reference attention on a GPU is a failure, named.
+out=$(run "$work/logs3" FAKE_ATTENTION=reference)
+grep -q "gpt2-124m ran attention=reference, not cudnn" <<< "$out" || fail "reference: $out"
+
+echo "gpu_check_test: ok"
