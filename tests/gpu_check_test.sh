@@ -51,6 +51,7 @@ n=0
 for t in "${tests[@]}"; do
   match "$t" "$filter" || continue
   if [ -n "${CRASH:-}" ] && [[ $t == *$CRASH* ]]; then echo "[ RUN      ] $t"; exit 139; fi
+  if [ -n "${HANG:-}" ] && [[ $t == *$HANG* ]]; then echo "[ RUN      ] $t"; exec sleep 60; fi
   echo "[       OK ] $t (1 ms)"
   n=$((n + 1))
 done
@@ -62,15 +63,19 @@ make_test_binary cuda_kernels_test
 make_test_binary gpt2_cuda_test
 cat > "$work/bundle/bin/bench_gpu" <<'BENCH'
 #!/usr/bin/env bash
+# As the real one: the lines of the model --model names (gpu-check runs one process per model).
 attention=${FAKE_ATTENTION:-cudnn}
-cat <<LINES
+model=
+for a in "$@"; do case "$a" in --model=*) model=${a#--model=} ;; esac; done
+[ -n "$model" ] || { echo "fake bench_gpu: no --model" >&2; exit 2; }
+cat <<LINES | grep -E "model=$model |^gpu (device|transfer)"
 gpu device=0 name=NVIDIA_H100_80GB_HBM3 sm=90 sms=132 memory_gib=79.2 peak_tflops=989.4 peak=datasheet_H100_SXM
 gpu model=gpt2-124m dtype=bf16 tokens_per_s=400000 mfu=0.4600 step_s=0.02000 batch=8 seq_len=1024 params=124439808 skipped=0 attention=$attention flops_per_token=1e9 peak_tflops=989.4
-gpu offload=inprocess_dpu params=124439808 step_s=0.02200 vs_gpu=1.100 model=gpt2-124m dtype=bf16 batch=8 seq_len=1024 shards=0 d2h_in_backward=0.900 h2d_in_forward=0.800
-gpu offload=server_shm_dpu params=124439808 step_s=0.02300 vs_gpu=1.150 model=gpt2-124m dtype=bf16 batch=8 seq_len=1024 shards=1 d2h_in_backward=0.910 h2d_in_forward=0.810
+gpu offload=inprocess_dpu params=124439808 step_s=0.02200 vs_gpu=1.100 model=gpt2-124m dtype=bf16 batch=8 seq_len=1024 shards=0 d2h_exposed_s=0.00010 h2d_in_forward=0.800
+gpu offload=server_shm_dpu params=124439808 step_s=0.02300 vs_gpu=1.150 model=gpt2-124m dtype=bf16 batch=8 seq_len=1024 shards=1 d2h_exposed_s=0.00020 h2d_in_forward=0.810
 gpu pipeline model=gpt2-124m bytes=248879616 h2d_gbps=50.00 d2h_gbps=49.00 ring_h2d_gbps=20.00 ring_d2h_gbps=10.00 h2d_vs_bound=0.904 d2h_vs_bound=0.886 registered=yes
 gpu model=gpt2-xl dtype=bf16 tokens_per_s=40000 mfu=0.4000 step_s=0.20000 batch=8 seq_len=1024 params=1557611200 skipped=0 attention=cudnn flops_per_token=1e10 peak_tflops=989.4
-gpu offload=inprocess_dpu params=1557611200 step_s=0.60000 vs_gpu=3.000 model=gpt2-xl dtype=bf16 batch=8 seq_len=1024 shards=0 d2h_in_backward=0.700 h2d_in_forward=0.600
+gpu offload=inprocess_dpu params=1557611200 step_s=0.60000 vs_gpu=3.000 model=gpt2-xl dtype=bf16 batch=8 seq_len=1024 shards=0 d2h_exposed_s=0.00300 h2d_in_forward=0.600
 gpu transfer bytes=268435456 h2d_gbps=55.30 d2h_gbps=55.28 step_bytes_each_way=248879616 step_h2d_floor_s=0.00450 step_d2h_floor_s=0.00450
 LINES
 BENCH
@@ -99,6 +104,8 @@ grep -qE '^ +  / GPU-resident \(<= 1\.20\) +1\.150$' <<< "$out" || fail "gpt2 sh
 grep -qE '^ +  / GPU-resident \(<= 1\.15\) +3\.000$' <<< "$out" || fail "xl in-process DPU: $out"
 grep -qE '^ +transfers / pinned bound \(>= 0\.8\) +H2D 0\.904, D2H 0\.886$' <<< "$out" ||
   fail "transfer ratio row: $out"
+grep -qE '^ +  D2H s after bwd, H2D in fwd +0\.00020 / 0\.810$' <<< "$out" || fail "overlap row: $out"
+[ "$(grep -c '^gpu device=' "$work/logs1/bench_gpu.log")" = 2 ] || fail "one bench process per model"
 [ -d "$work/logs1/traces" ] || fail "no trace directory for the bench"
 
 # A crash in the cuDNN path: that path fails, every other path still runs and passes.
@@ -110,6 +117,14 @@ for p in epilogues vector_loads pipeline dpu other; do
     fail "path $p hidden by the crash: $out"
 done
 grep -q "exit 139" <<< "$out" || fail "the crash's exit status is not reported: $out"
+
+# A hang in the pipeline path costs that run its time limit, and nothing else.
+out=$(run "$work/logs4" HANG=Pipeline GPU_CHECK_TEST_TIMEOUT=2)
+grep -q "^gpu-check: tests pipeline: 0 passed, 0 skipped, 0 failed: FAILED$" <<< "$out" ||
+  fail "a hanging path must fail: $out"
+grep -q "^gpu-check: tests dpu: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
+  fail "the paths after the hang must still run: $out"
+grep -q "timed out after 2s" "$work/logs4/gpt2_cuda_test_pipeline.log" || fail "timeout not logged"
 
 # The reference attention on a GPU is a failure, named.
 out=$(run "$work/logs3" FAKE_ATTENTION=reference)

@@ -58,6 +58,9 @@ class Attachment {
   Attachment(std::string address, const ShmOptions& options, absl::Duration call_timeout)
       : address_(std::move(address)), options_(options), call_timeout_(call_timeout) {}
 
+  // Unique among the attachments of this process, never 0 (StepStream::GradientAreaId).
+  uint64_t id() const { return id_; }
+
   absl::Status Start(OptimizerClient* control, const v1::AttachOpen& open) {
     link_ = std::make_unique<AttachClient>(
         control, absl::StrCat("the shm Attach stream of shard ", control->options().address));
@@ -145,6 +148,12 @@ class Attachment {
   std::atomic<bool> broken_{false};
   std::atomic<bool> busy_{false};  // a step stream is in flight
   uint32_t head_ = 0;              // commands pushed
+  const uint64_t id_ = NextId();
+
+  static uint64_t NextId() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1);
+  }
 };
 
 class ShmStepStream final : public StepStream {
@@ -159,6 +168,7 @@ class ShmStepStream final : public StepStream {
                                         void* params_out,
                                         absl::Span<const float> group_lr = {}) override;
   void* GradientArea() override { return done_ ? nullptr : a_->segment().grad_area(); }
+  uint64_t GradientAreaId() override { return done_ ? 0 : a_->id(); }
   absl::StatusOr<v1::StepResult> CommitInPlace(float lr, float grad_multiplier, bool skip,
                                                const ParamWaveFn& on_wave,
                                                absl::Span<const float> group_lr = {}) override;

@@ -46,6 +46,10 @@ class StepStream {
   // SendGradients is called is what the shard takes, and it must not change until the commit
   // returns or the step ends. Valid until then; accumulate chunks still travel by copy.
   virtual void* GradientArea() { return nullptr; }
+  // Which memory GradientArea() points into: another value means other memory, even at the same
+  // address (a segment mapped again after its shard came back), so that a caller that page-locked
+  // the old one (cudaHostRegister) knows to lock the new one. 0 where there is no area.
+  virtual uint64_t GradientAreaId() { return 0; }
 
   // Receives wave k of a zero-copy commit: n 16-bit parameters of range-relative elements
   // [begin, begin + n), at `params` in the plane's memory, valid until the next OpenStep of the

@@ -1,7 +1,9 @@
 #include "gpu_trainer/cuda/gpt2_cuda.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -51,6 +53,7 @@ class Gpt2Cuda::Impl {
   virtual absl::Status UnregisterHostMemory(void* p) = 0;
   virtual bool IsRegistered(const void* p, int64_t bytes) const = 0;
   virtual void set_transfer_observer(TransferObserver observer) = 0;
+  virtual void set_upload_delay_for_testing(std::chrono::milliseconds delay) = 0;
   virtual absl::Status CopyGradsToHost(float* grads) = 0;
   virtual absl::Status CopyLogitsToHost(int b, int t, float* logits) = 0;
   virtual int64_t device_bytes() const = 0;
@@ -87,6 +90,9 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   void set_transfer_observer(TransferObserver observer) override {
     observer_ = std::move(observer);
   }
+  void set_upload_delay_for_testing(std::chrono::milliseconds delay) override {
+    upload_delay_ = delay;
+  }
   absl::Status CopyGradsToHost(float* grads) override;
   absl::Status CopyLogitsToHost(int b, int t, float* logits) override;
   int64_t device_bytes() const override {
@@ -109,6 +115,9 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   // Before the forward's first kernel that reads weight unit `unit` (transfer_schedule.h): the
   // compute stream waits for the unit's upload, if one is pending.
   absl::Status WaitForWeights(int unit);
+  // With an observer, after a Forward that waited for a timed upload has synchronised: the
+  // upload's span and the forward's own on the GPU, as "h2d_weights" and "forward_gpu".
+  void ReportUpload();
 
   const Gpt2Config c_;
   const int max_batch_;
@@ -136,6 +145,12 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   std::vector<cudaEvent_t> range_done_;     // (L + 2,) a gradient range is final on the GPU
   HostRanges registered_;                   // host memory page-locked by RegisterHostMemory
   TransferObserver observer_;               // may be empty
+  // With an observer: timing events of the last upload on the H2D stream, and of the forward that
+  // waits for it on the compute stream, read back once that forward has synchronised.
+  cudaEvent_t upload_begin_ = nullptr, upload_end_ = nullptr;
+  cudaEvent_t forward_begin_ = nullptr, forward_end_ = nullptr;
+  bool upload_timed_ = false;  // the next Forward reports the upload's and its own GPU spans
+  std::chrono::milliseconds upload_delay_{0};  // set_upload_delay_for_testing
 
   // The last Forward's batch, on the host: the encoder backward groups it by token.
   std::vector<int32_t> inputs_;  // (B, T)
@@ -152,6 +167,9 @@ Gpt2CudaImpl<T>::~Gpt2CudaImpl() {
   h2d_.reset();
   for (cudaEvent_t e : range_done_) cudaEventDestroy(e);
   for (cudaEvent_t e : unit_arrived_) cudaEventDestroy(e);
+  for (cudaEvent_t e : {upload_begin_, upload_end_, forward_begin_, forward_end_}) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
   for (const void* p : registered_.Starts()) cudaHostUnregister(const_cast<void*>(p));
   if (compute_idle_ != nullptr) cudaEventDestroy(compute_idle_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -208,6 +226,9 @@ absl::Status Gpt2CudaImpl<T>::Init() {
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&compute_idle_, cudaEventDisableTiming));
+  for (cudaEvent_t* e : {&upload_begin_, &upload_end_, &forward_begin_, &forward_end_}) {
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(e));  // timed: read back by ReportUpload
+  }
   if constexpr (!std::is_same_v<T, float>) {
     absl::StatusOr<std::unique_ptr<DeviceToHostStaging>> d2h =
         DeviceToHostStaging::Create(options_.staging);
@@ -258,34 +279,36 @@ absl::Status Gpt2CudaImpl<T>::UploadWeights16(const uint16_t* w16) {
     // The copy may not overwrite weights that kernels already queued still read.
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(compute_idle_, stream_));
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(h2d_->stream(), compute_idle_, 0));
-    const auto queued = std::chrono::steady_clock::now();
     weights_pending_ = true;  // a unit queued before an error below must still be waited for
+    upload_timed_ = false;
+    if (observer_) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_begin_, h2d_->stream()));
     for (size_t u = 0; u < weight_units_.size(); ++u) {
       const FlatRange& unit = weight_units_[u];
       const int64_t bytes = unit.n * static_cast<int64_t>(sizeof(T));
       const uint16_t* src = w16 + unit.offset;
       OFFLOAD_RETURN_IF_ERROR(h2d_->Copy(params_ + unit.offset, src, bytes, unit_arrived_[u],
                                          registered_.Contains(src, bytes)));
-      if (observer_) {
-        // Seen to land by a host callback behind the copy on the H2D stream; it owns its note.
-        struct Landed {
-          TransferObserver* observer;
-          int unit;
-          std::chrono::steady_clock::time_point queued;
-        };
-        auto* note = new Landed{&observer_, static_cast<int>(u), queued};
+      if (u == 0 && upload_delay_.count() > 0) {
+        // The tests' late units: the H2D stream sleeps on a host callback after the embeddings,
+        // so a forward that did not wait for each unit would read the weights before them.
+        auto* ms = new std::chrono::milliseconds(upload_delay_);
         const cudaError_t error = cudaLaunchHostFunc(
             h2d_->stream(),
             [](void* arg) {
-              std::unique_ptr<Landed> n(static_cast<Landed*>(arg));
-              (*n->observer)("h2d_weights", n->unit, n->queued, std::chrono::steady_clock::now());
+              std::unique_ptr<std::chrono::milliseconds> delay(
+                  static_cast<std::chrono::milliseconds*>(arg));
+              std::this_thread::sleep_for(*delay);
             },
-            note);
+            ms);
         if (error != cudaSuccess) {
-          delete note;
+          delete ms;
           OFFLOAD_CUDA_RETURN_IF_ERROR(error);
         }
       }
+    }
+    if (observer_) {
+      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_end_, h2d_->stream()));
+      upload_timed_ = true;
     }
     return absl::OkStatus();
   }
@@ -329,6 +352,9 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
     OFFLOAD_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(a.targets, targets, BT * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   }
+  const bool timed = upload_timed_ && weights_pending_ && observer_;
+  upload_timed_ = false;
+  if (timed) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(forward_begin_, s));
   OFFLOAD_RETURN_IF_ERROR(WaitForWeights(0));
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       EncoderForward<T>(a.encoded, a.inputs, w(kWte), w(kWpe), B, Tn, C, s));
@@ -343,19 +369,41 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
                           w(LnfWeightIndex(L)), w(LnfBiasIndex(L)), N, C, s));
   OFFLOAD_RETURN_IF_ERROR(TiedHeadForward<T>(*lt_, a.logits, Vp, a.lnf, w(kWte), N, C, V, s));
   if (targets == nullptr) {
+    if (timed) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(forward_end_, s));
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    if (timed) ReportUpload();
     return 0.0f;
   }
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       CrossEntropyForward<T>(a.losses, a.lse, a.logits, Vp, a.targets, N, V, s));
+  if (timed) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(forward_end_, s));
   std::vector<float> losses(BT);  // (B, T)
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(losses.data(), a.losses, BT * sizeof(float), cudaMemcpyDeviceToHost, s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  if (timed) ReportUpload();
   double sum = 0.0;  // double, in a fixed order, as the CPU backend
   for (float x : losses) sum += x;
   have_targets_ = true;
   return static_cast<float>(sum / BT);
+}
+
+template <typename T>
+void Gpt2CudaImpl<T>::ReportUpload() {
+  // The GPU's clock, placed on the host's: forward_end_ fired just before the synchronisation
+  // that returned now, so a GPU time x maps to now - (forward_end - x).
+  const auto now = std::chrono::steady_clock::now();
+  auto host = [&](cudaEvent_t x) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, x, forward_end_) != cudaSuccess) {
+      cudaGetLastError();
+      ms = 0;
+    }
+    return now - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double, std::milli>(ms));
+  };
+  observer_("h2d_weights", -1, host(upload_begin_), host(upload_end_));
+  observer_("forward_gpu", -1, host(forward_begin_), now);
 }
 
 template <typename T>
@@ -386,14 +434,18 @@ absl::Status Gpt2CudaImpl<T>::RegisterHostMemory(void* p, int64_t bytes) {
 
 template <typename T>
 absl::Status Gpt2CudaImpl<T>::UnregisterHostMemory(void* p) {
+  if (!registered_.Contains(p, 0)) {
+    return absl::NotFoundError(
+        "Gpt2Cuda::UnregisterHostMemory: not the start of a registered range");
+  }
+  // No transfer may still read or write it; only then is it forgotten and unlocked.
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (h2d_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d_->stream()));
+  if (d2h_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d2h_->stream()));
   if (!registered_.Remove(p)) {
     return absl::NotFoundError(
         "Gpt2Cuda::UnregisterHostMemory: not the start of a registered range");
   }
-  // No transfer may still read or write it.
-  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  if (h2d_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d_->stream()));
-  if (d2h_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d2h_->stream()));
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaHostUnregister(p));
   return absl::OkStatus();
 }
@@ -587,8 +639,12 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
       cudaMemcpyAsync(&result, a.norm, sizeof(result), cudaMemcpyDeviceToHost, s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   if (drain_on_exit.d2h != nullptr) {
+    // From here the GPU has computed everything: what the gradients' copies still take is the
+    // part of them backward did not hide ("d2h_exposed").
+    const auto computed = std::chrono::steady_clock::now();
     drain_on_exit.d2h = nullptr;
     OFFLOAD_RETURN_IF_ERROR(d2h_->Drain());
+    if (observer_) observer_("d2h_exposed", -1, computed, std::chrono::steady_clock::now());
   }
   return CudaGradStats{result.sum_squares, result.nonfinite != 0};
 }
@@ -675,6 +731,9 @@ bool Gpt2Cuda::IsRegisteredHostMemory(const void* p, int64_t bytes) const {
 }
 void Gpt2Cuda::set_transfer_observer(TransferObserver observer) {
   impl_->set_transfer_observer(std::move(observer));
+}
+void Gpt2Cuda::set_upload_delay_for_testing(std::chrono::milliseconds delay) {
+  impl_->set_upload_delay_for_testing(delay);
 }
 absl::Status Gpt2Cuda::CopyGradsToHost(float* grads) { return impl_->CopyGradsToHost(grads); }
 absl::Status Gpt2Cuda::CopyLogitsToHost(int b, int t, float* logits) {

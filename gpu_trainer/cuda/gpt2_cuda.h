@@ -44,10 +44,13 @@ struct CudaModelOptions {
 };
 
 // What leaves with the gradients: computed on the GPU over the 16-bit values that are sent.
-// Told of every host <-> device transfer of the offload step once it has landed, for the trace:
-// what ("h2d_weights" or "d2h_gradients"), which unit or range (transfer_schedule.h's order), when
-// it was queued and when it was seen to land. Runs on the copy thread or a CUDA callback thread:
-// it must be quick and call no CUDA function.
+// Told of the offload step's transfers, for the trace, on the host's clock: "d2h_gradients" as
+// each gradient range lands (index: the range, transfer_schedule.h's order; from when it was
+// queued), "d2h_exposed" once per backward (from when the GPU finished computing to when the last
+// range landed: what backward did not hide), and after a Forward that waited for an upload,
+// "h2d_weights" (the upload on the GPU, first unit queued to last landed) and "forward_gpu" (that
+// forward on the GPU), index -1, from CUDA timing events. Runs on the copy thread or the calling
+// thread: it must be quick and call no CUDA function.
 using TransferObserver =
     std::function<void(const char* what, int index, std::chrono::steady_clock::time_point queued,
                        std::chrono::steady_clock::time_point landed)>;
@@ -92,6 +95,9 @@ class Gpt2Cuda {
   absl::Status UnregisterHostMemory(void* p);
   bool IsRegisteredHostMemory(const void* p, int64_t bytes) const;
   void set_transfer_observer(TransferObserver observer);
+  // Tests: each later UploadWeights16 holds its units after the first for `delay` on the H2D
+  // stream, so a forward that did not wait for each unit would compute on stale weights.
+  void set_upload_delay_for_testing(std::chrono::milliseconds delay);
 
   // inputs, targets (B, T) on the host, as Gpt2Cpu::Forward; returns the mean loss (0 without
   // targets). Token ids out of range -> InvalidArgument, nothing computed.

@@ -5,6 +5,7 @@
 #include "gpu_trainer/cuda/gpt2_cuda.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -483,7 +484,10 @@ std::vector<uint16_t> Bf16Weights(const std::vector<float>& params) {
 // The same forward through the three ways weights arrive: SetParams (fp32 rounded on the GPU),
 // the unit-by-unit upload through the pinned ring, and the same upload read in place from
 // registered memory. The weights are the same bits each way, and the kernels the same, so the
-// losses are the same bits: a unit the forward did not wait for would show as another loss.
+// losses are the same bits. Every upload here holds its units after the embeddings for 50 ms on
+// the H2D stream (set_upload_delay_for_testing), and the weights it replaces are zeros: a block
+// the forward did not wait for would compute on zeros, far from the whole loss. The observer sees
+// each upload on the GPU's clock, overlapping the forward that waited for it.
 TEST(Gpt2CudaPipeline, LayerByLayerUploadGivesTheLossOfTheWholeWeights) {
   OFFLOAD_SKIP_WITHOUT_CUDA();
   const Gpt2Config c = Gpt2Config{101, 40, 4, 3, 48};
@@ -499,18 +503,23 @@ TEST(Gpt2CudaPipeline, LayerByLayerUploadGivesTheLossOfTheWholeWeights) {
   auto model = Gpt2Cuda::Create(c, kBatch, kSeq, options);
   ASSERT_TRUE(model.ok()) << model.status();
   Gpt2Cuda& m = **model;
+  constexpr auto kDelay = std::chrono::milliseconds(50);
+  m.set_upload_delay_for_testing(kDelay);
+  struct Span {
+    std::string what;
+    std::chrono::steady_clock::time_point begin, end;
+  };
   std::mutex mu;
-  std::vector<std::pair<std::string, int>> landed;
-  m.set_transfer_observer([&](const char* what, int index, auto, auto) {
+  std::vector<Span> spans;
+  m.set_transfer_observer([&](const char* what, int, auto begin, auto end) {
     std::lock_guard<std::mutex> lock(mu);
-    landed.emplace_back(what, index);
+    spans.push_back(Span{what, begin, end});
   });
 
   ASSERT_TRUE(m.SetParams(params.data()).ok());
   absl::StatusOr<float> whole = m.Forward(inputs.data(), targets.data(), kBatch, kSeq);
   ASSERT_TRUE(whole.ok()) << whole.status();
 
-  // Zeros first, so that a unit left behind computes on zeros, far from the whole loss.
   const std::vector<float> zeros(params.size(), 0.0f);
   const std::vector<uint16_t> w16 = Bf16Weights(params);
   ASSERT_TRUE(m.SetParams(zeros.data()).ok());
@@ -529,14 +538,20 @@ TEST(Gpt2CudaPipeline, LayerByLayerUploadGivesTheLossOfTheWholeWeights) {
   EXPECT_EQ(*direct, *whole);
   EXPECT_TRUE(m.UnregisterHostMemory(pinned.data()).ok());
 
-  // Each upload reported every unit, in forward order.
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the last host callbacks have run
+  // Per upload: its span, then its forward's, and the upload took the delay at least. The direct
+  // one returns at once, so its forward was already on the GPU, waiting, while the held units
+  // were on their way (the ring's blocks the host until its last slots are queued).
   std::lock_guard<std::mutex> lock(mu);
-  ASSERT_EQ(landed.size(), 2u * (c.num_layers + 2));
-  for (size_t i = 0; i < landed.size(); ++i) {
-    EXPECT_EQ(landed[i].first, "h2d_weights");
-    EXPECT_EQ(landed[i].second, static_cast<int>(i % (c.num_layers + 2)));
+  ASSERT_EQ(spans.size(), 4u);
+  for (int k = 0; k < 2; ++k) {
+    const Span& upload = spans[2 * k];
+    const Span& forward = spans[2 * k + 1];
+    EXPECT_EQ(upload.what, "h2d_weights");
+    EXPECT_EQ(forward.what, "forward_gpu");
+    EXPECT_GE(upload.end - upload.begin, kDelay) << "upload " << k;
+    EXPECT_GE(forward.end, upload.end) << "upload " << k;
   }
+  EXPECT_LT(spans[3].begin, spans[2].end) << "the direct upload did not overlap its forward";
 }
 
 // Gradients through the ring, straight into registered memory, and into places of their own

@@ -114,18 +114,30 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
   return absl::OkStatus();
 }
 
-uint16_t* OptimizerBackend::GradientPlace(int64_t offset, int64_t n) {
+int OptimizerBackend::PlaceSlice(int64_t offset, int64_t n) const {
   if (!in_step_ || n <= 0 || offset < partition_offset() ||
       offset + n > partition_offset() + partition_length()) {
-    return nullptr;
+    return -1;
   }
   auto it = FirstSliceEndingAfter(offset);
   if (it == map_.slices().end() || static_cast<int64_t>(it->offset()) > offset ||
       offset + n > static_cast<int64_t>(it->offset() + it->length())) {
-    return nullptr;  // not all in one slice
+    return -1;  // not all in one slice
   }
-  uint16_t* area = SliceGradientArea(static_cast<int>(it - map_.slices().begin()));
-  return area == nullptr ? nullptr : area + (offset - static_cast<int64_t>(it->offset()));
+  return static_cast<int>(it - map_.slices().begin());
+}
+
+uint16_t* OptimizerBackend::GradientPlace(int64_t offset, int64_t n) {
+  const int slice = PlaceSlice(offset, n);
+  if (slice < 0) return nullptr;
+  uint16_t* area = SliceGradientArea(slice);
+  return area == nullptr ? nullptr
+                         : area + (offset - static_cast<int64_t>(map_.slices(slice).offset()));
+}
+
+uint64_t OptimizerBackend::GradientPlaceId(int64_t offset, int64_t n) {
+  const int slice = PlaceSlice(offset, n);
+  return slice < 0 || SliceGradientArea(slice) == nullptr ? 0 : SliceGradientAreaId(slice);
 }
 
 absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,

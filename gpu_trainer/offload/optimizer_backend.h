@@ -90,6 +90,9 @@ class OptimizerBackend {
   // a place. Only between BeginStep and Commit, for elements not yet sent; nothing may be written
   // there once Commit is called. The shard validates what it finds there as any chunk.
   uint16_t* GradientPlace(int64_t offset, int64_t n);
+  // Which memory that place is in (StepStream::GradientAreaId): another value for the same address
+  // means other memory. 0 where GradientPlace is null.
+  uint64_t GradientPlaceId(int64_t offset, int64_t n);
   // Elements sent from their place (no copy) since construction.
   int64_t in_place_elements() const { return in_place_elements_.load(); }
 
@@ -108,6 +111,7 @@ class OptimizerBackend {
   // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
   // of this backend has one).
   virtual uint16_t* SliceGradientArea(int /*slice*/) { return nullptr; }
+  virtual uint64_t SliceGradientAreaId(int /*slice*/) { return 0; }
   DType grad_dtype() const { return param_dtype_; }
 
   v1::PartitionMap map_;
@@ -118,6 +122,9 @@ class OptimizerBackend {
   using SliceIterator = google::protobuf::RepeatedPtrField<v1::ShardSlice>::const_iterator;
   // The first slice of the map that ends after flat element `offset`.
   SliceIterator FirstSliceEndingAfter(int64_t offset) const;
+  // The slice that holds all of [offset, offset + n) of this rank's partition in an open step,
+  // or -1.
+  int PlaceSlice(int64_t offset, int64_t n) const;
 
   int rank_ = 0;
   bool in_step_ = false;

@@ -119,6 +119,13 @@ uint16_t* RemoteOptimizer::SliceGradientArea(int slice) {
   return static_cast<uint16_t*>(streams_[slice]->GradientArea());
 }
 
+uint64_t RemoteOptimizer::SliceGradientAreaId(int slice) {
+  if (slice < 0 || slice >= static_cast<int>(streams_.size()) || streams_[slice] == nullptr) {
+    return 0;
+  }
+  return streams_[slice]->GradientAreaId();
+}
+
 absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_multiplier,
                                                            bool skip, uint16_t* partition16,
                                                            absl::Span<const float> group_lr) {

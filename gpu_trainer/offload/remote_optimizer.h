@@ -43,6 +43,7 @@ class RemoteOptimizer final : public OptimizerBackend {
                                             absl::Span<const float> group_lr) override;
   void AbortSlices() override;
   uint16_t* SliceGradientArea(int slice) override;
+  uint64_t SliceGradientAreaId(int slice) override;
 
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<OptimizerClient>> clients_;         // one per shard

@@ -85,11 +85,9 @@ class CudaModelRunner final : public ModelRunner {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config& config,
-                                                                   int max_batch, int max_seq,
-                                                                   DType dtype, int device,
-                                                                   int64_t pinned_staging_bytes,
-                                                                   bool activation_checkpointing) {
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
+    const Gpt2Config& config, int max_batch, int max_seq, DType dtype, int device,
+    int64_t pinned_staging_bytes, bool activation_checkpointing, bool reference_attention) {
   if (dtype != DType::kFp16 && dtype != DType::kBf16) {
     return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
   }
@@ -99,6 +97,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
   options.device = device;
   options.staging.budget_bytes = pinned_staging_bytes;
   options.activation_checkpointing = activation_checkpointing;
+  if (reference_attention) options.attention = AttentionKind::kReference;
   options.staging.chunk_bytes =
       std::min<int64_t>(options.staging.chunk_bytes, pinned_staging_bytes / 2);
   absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
@@ -111,7 +110,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Con
 #else
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config&, int, int,
-                                                                   DType, int, int64_t, bool) {
+                                                                   DType, int, int64_t, bool,
+                                                                   bool) {
   return absl::UnimplementedError(
       "this build has no CUDA backend (nvcc was not found when it was configured; see "
       "OFFLOAD_CUDA in the README)");

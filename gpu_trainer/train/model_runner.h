@@ -91,9 +91,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(
     bool activation_checkpointing = false);
 
 // Unavailable without a GPU; Unimplemented in a build without the CUDA backend.
+// reference_attention: the reference attention even where cuDNN's fused one would run (tests that
+// compare runs bit for bit: cuDNN's backward may accumulate with atomics).
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
     const Gpt2Config& config, int max_batch, int max_seq, DType dtype, int device,
-    int64_t pinned_staging_bytes, bool activation_checkpointing = false);
+    int64_t pinned_staging_bytes, bool activation_checkpointing = false,
+    bool reference_attention = false);
 
 }  // namespace offload
 

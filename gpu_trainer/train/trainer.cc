@@ -116,6 +116,9 @@ Trainer::~Trainer() {
   backend_->AbortStep();
   if (runner_ != nullptr) {
     for (void* p : registered_host_) runner_->UnregisterHostMemory(p).IgnoreError();
+    for (const GradientArea& a : gradient_areas_) {
+      if (a.locked) runner_->UnregisterHostMemory(a.p).IgnoreError();
+    }
   }
 }
 
@@ -128,12 +131,19 @@ void Trainer::RegisterGradientAreas() {
       continue;  // another rank's
     }
     uint16_t* area = backend_->GradientPlace(offset, n);
-    if (area == nullptr || std::find(registered_host_.begin(), registered_host_.end(), area) !=
-                               registered_host_.end()) {
-      continue;
+    const uint64_t id = backend_->GradientPlaceId(offset, n);
+    if (area == nullptr || id == 0) continue;
+    auto same = std::find_if(gradient_areas_.begin(), gradient_areas_.end(),
+                             [&](const GradientArea& a) { return a.p == area; });
+    if (same != gradient_areas_.end()) {
+      if (same->id == id) continue;  // seen: locked, or refused and left to the ring
+      // Other memory at the same address (the segment mapped again): the old lock goes first.
+      if (same->locked) runner_->UnregisterHostMemory(same->p).IgnoreError();
+      gradient_areas_.erase(same);
     }
     // A refusal leaves the ring to carry the gradients; nothing else changes.
-    if (runner_->RegisterHostMemory(area, n * 2).ok()) registered_host_.push_back(area);
+    const bool locked = runner_->RegisterHostMemory(area, n * 2).ok();
+    gradient_areas_.push_back(GradientArea{area, n * 2, id, locked});
   }
 }
 
@@ -715,14 +725,29 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     TracePhase phase(o.trace, "backward", step);
     std::function<uint16_t*(int64_t, int64_t)> place;
     if (placed) {
-      place = [this](int64_t offset, int64_t n) { return backend_->GradientPlace(offset, n); };
+      {
+        std::lock_guard<std::mutex> lock(placed_mu_);
+        placed_.clear();
+      }
+      place = [this](int64_t offset, int64_t n) {
+        uint16_t* p = backend_->GradientPlace(offset, n);
+        std::lock_guard<std::mutex> lock(placed_mu_);
+        placed_.emplace_back(offset, p);
+        return p;
+      };
     }
     backward = runner_->Backward(
         loss_scale, grads16_.data(),
         [this, placed](int64_t offset, int64_t n) {
-          // The same place the runner was given: the step is open until Commit, which waits for
-          // backward to finish.
-          OnGradientsRounded(offset, n, placed ? backend_->GradientPlace(offset, n) : nullptr);
+          // Sent from where the runner put it, as it was told when it asked.
+          const uint16_t* from = nullptr;
+          if (placed) {
+            std::lock_guard<std::mutex> lock(placed_mu_);
+            for (const auto& [at, p] : placed_) {
+              if (at == offset) from = p;
+            }
+          }
+          OnGradientsRounded(offset, n, from);
         },
         place);
     const int64_t n = runner_->num_params();

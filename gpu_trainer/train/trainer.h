@@ -14,7 +14,9 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -275,11 +277,24 @@ class Trainer {
   std::vector<uint16_t> next_weights16_;  // (padded,)
   bool next_ready_ = false;
   // Host memory page-locked through the runner (the CUDA backend's direct transfers): the buffers
-  // above and the data plane's gradient areas, unregistered before any of them goes away.
+  // above, unregistered before any of them goes away.
   std::vector<void*> registered_host_;
-  // Registers each gradient area of this rank's open slices not registered yet (the shared-memory
-  // plane's, where the CUDA backend's gradients then land without a host copy).
+  // The data plane's gradient areas (shared memory), where the CUDA backend's gradients land
+  // without a host copy: each seen once per area id, locked or refused (then left to the ring).
+  struct GradientArea {
+    void* p = nullptr;
+    int64_t bytes = 0;
+    uint64_t id = 0;
+    bool locked = false;
+  };
+  std::vector<GradientArea> gradient_areas_;
+  // Registers each gradient area of this rank's open slices not seen yet; one whose memory
+  // changed under the same address (another area id) is unlocked first, then locked again.
   void RegisterGradientAreas();
+  // One rank's placed backward: where each range went (offset -> place), written when the runner
+  // asks and read when it lands, so the place is asked for once.
+  std::mutex placed_mu_;
+  std::vector<std::pair<int64_t, const uint16_t*>> placed_;  // guarded by placed_mu_
   uint64_t step_ = 0;
   StepCounters counters_;
   float last_loss_ = 0;

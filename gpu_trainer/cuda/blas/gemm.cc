@@ -323,10 +323,16 @@ absl::Status Gemm(CublasLt& lt, const GemmSpec& spec, cudaStream_t stream) {
   const cublasStatus_t status = cublasLtMatmul(
       lt.handle(), plan->op, &alpha, spec.a, plan->a, spec.b, plan->b, &beta, spec.c, plan->c,
       spec.c, plan->c, &plan->algo, lt.workspace(), lt.workspace_bytes(), stream);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED && IsFusedEpilogue(key.epilogue)) {
-    // Refused before anything ran: as if the heuristic had found nothing.
+  if ((status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) &&
+      IsFusedEpilogue(key.epilogue)) {
+    // Refused before anything ran: as if the heuristic had found nothing. cuBLASLt answers an
+    // epilogue combination it does not take with either status, depending on the version.
     plan->supported = false;
-    plan->refusal = "cublasLtMatmul refused the heuristic's algorithm: CUBLAS_STATUS_NOT_SUPPORTED";
+    plan->refusal = status == CUBLAS_STATUS_NOT_SUPPORTED
+                        ? "cublasLtMatmul refused the heuristic's algorithm: "
+                          "CUBLAS_STATUS_NOT_SUPPORTED"
+                        : "cublasLtMatmul refused the heuristic's algorithm: "
+                          "CUBLAS_STATUS_INVALID_VALUE";
     lt.CountEpilogueRefused();
     return EpilogueUnsupported<T>(spec, plan->refusal);
   }

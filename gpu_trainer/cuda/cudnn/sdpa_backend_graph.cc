@@ -330,8 +330,10 @@ absl::Status BuildBackward(GraphBuilder& g, const SdpaLayout& s, cudnnDataType_t
   OFFLOAD_RETURN_IF_ERROR(g.Matmul(ds_t, q, dk));
 
   // dQ = dS K: K as (B, NH, T, hs) again, a reshape of KT; accumulated in fp32, then written
-  // in the storage type.
-  OFFLOAD_ASSIGN_OR_RETURN(Desc k, g.Virtual(s.Qkv(1), io));
+  // in the storage type. The reshaped K is fp32, as the frontend's is (its reshape leaves the
+  // type unset, and a virtual tensor then takes the graph's intermediate type): dQ's product has
+  // both operands in fp32, the pattern the fused backward engines match.
+  OFFLOAD_ASSIGN_OR_RETURN(Desc k, g.Virtual(s.Qkv(1), kF32));
   OFFLOAD_RETURN_IF_ERROR(g.Reshape(kt, k));
   OFFLOAD_RETURN_IF_ERROR(g.Matmul(ds, k, dq_accum));
   return g.Unary(CUDNN_POINTWISE_IDENTITY, dq_accum, dq);
