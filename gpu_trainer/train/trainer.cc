@@ -5,6 +5,8 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
@@ -115,8 +117,7 @@ Trainer::~Trainer() {
   sender_.reset();
   backend_->AbortStep();
   if (runner_ != nullptr) {
-    for (void* p : registered_host_) runner_->UnregisterHostMemory(p).IgnoreError();
-    for (const GradientArea& a : gradient_areas_) {
+    for (const HostArea& a : host_areas_) {
       if (a.locked) runner_->UnregisterHostMemory(a.p).IgnoreError();
     }
   }
@@ -133,17 +134,16 @@ void Trainer::RegisterGradientAreas() {
     uint16_t* area = backend_->GradientPlace(offset, n);
     const uint64_t id = backend_->GradientPlaceId(offset, n);
     if (area == nullptr || id == 0) continue;
-    auto same = std::find_if(gradient_areas_.begin(), gradient_areas_.end(),
-                             [&](const GradientArea& a) { return a.p == area; });
-    if (same != gradient_areas_.end()) {
+    auto same = std::find_if(host_areas_.begin(), host_areas_.end(),
+                             [&](const HostArea& a) { return a.p == area; });
+    if (same != host_areas_.end()) {
       if (same->id == id) continue;  // seen: locked, or refused and left to the ring
       // Other memory at the same address (the segment mapped again): the old lock goes first.
       if (same->locked) runner_->UnregisterHostMemory(same->p).IgnoreError();
-      gradient_areas_.erase(same);
+      host_areas_.erase(same);
     }
     // A refusal leaves the ring to carry the gradients; nothing else changes.
-    const bool locked = runner_->RegisterHostMemory(area, n * 2).ok();
-    gradient_areas_.push_back(GradientArea{area, n * 2, id, locked});
+    host_areas_.push_back(HostArea{area, id, runner_->RegisterHostMemory(area, n * 2).ok()});
   }
 }
 
@@ -256,10 +256,10 @@ absl::Status Trainer::Init() {
   // where that is refused, its pinned ring carries them as before.
   for (std::vector<uint16_t>* buffer : {&weights16_, &next_weights16_, &grads16_}) {
     if (buffer->empty()) continue;
-    if (runner_->RegisterHostMemory(buffer->data(), static_cast<int64_t>(buffer->size()) * 2)
-            .ok()) {
-      registered_host_.push_back(buffer->data());
-    }
+    host_areas_.push_back(HostArea{
+        buffer->data(), 0,
+        runner_->RegisterHostMemory(buffer->data(), static_cast<int64_t>(buffer->size()) * 2)
+            .ok()});
   }
   runner_->set_trace(o.trace, [this] { return trace_step_.load(); });
   sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
@@ -723,27 +723,26 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     const bool placed = send && o.micro_batches == 1 && runner_->writes_gradient_places();
     if (placed) RegisterGradientAreas();
     TracePhase phase(o.trace, "backward", step);
+    // Where each range went (offset, place), recorded when the runner asks and read when the range
+    // lands (on the copy thread), so the place is asked for once; Backward returns after the last.
+    std::mutex placed_mu;
+    std::vector<std::pair<int64_t, const uint16_t*>> placed_at;  // guarded by placed_mu
     std::function<uint16_t*(int64_t, int64_t)> place;
     if (placed) {
-      {
-        std::lock_guard<std::mutex> lock(placed_mu_);
-        placed_.clear();
-      }
-      place = [this](int64_t offset, int64_t n) {
+      place = [&](int64_t offset, int64_t n) {
         uint16_t* p = backend_->GradientPlace(offset, n);
-        std::lock_guard<std::mutex> lock(placed_mu_);
-        placed_.emplace_back(offset, p);
+        std::lock_guard<std::mutex> lock(placed_mu);
+        placed_at.emplace_back(offset, p);
         return p;
       };
     }
     backward = runner_->Backward(
         loss_scale, grads16_.data(),
-        [this, placed](int64_t offset, int64_t n) {
-          // Sent from where the runner put it, as it was told when it asked.
+        [&](int64_t offset, int64_t n) {
           const uint16_t* from = nullptr;
-          if (placed) {
-            std::lock_guard<std::mutex> lock(placed_mu_);
-            for (const auto& [at, p] : placed_) {
+          {
+            std::lock_guard<std::mutex> lock(placed_mu);
+            for (const auto& [at, p] : placed_at) {
               if (at == offset) from = p;
             }
           }

@@ -14,9 +14,7 @@
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -276,25 +274,19 @@ class Trainer {
   bool pending_skipped_ = false;
   std::vector<uint16_t> next_weights16_;  // (padded,)
   bool next_ready_ = false;
-  // Host memory page-locked through the runner (the CUDA backend's direct transfers): the buffers
-  // above, unregistered before any of them goes away.
-  std::vector<void*> registered_host_;
-  // The data plane's gradient areas (shared memory), where the CUDA backend's gradients land
-  // without a host copy: each seen once per area id, locked or refused (then left to the ring).
-  struct GradientArea {
+  // Host memory offered to the runner for page-locking (the CUDA backend's direct transfers): the
+  // buffers above (area id 0) and the data plane's gradient areas (shared memory, where the CUDA
+  // backend's gradients land without a host copy), each seen once per area id, locked or refused
+  // (then left to the pinned ring); the locked ones are unlocked before any of them goes away.
+  struct HostArea {
     void* p = nullptr;
-    int64_t bytes = 0;
     uint64_t id = 0;
     bool locked = false;
   };
-  std::vector<GradientArea> gradient_areas_;
+  std::vector<HostArea> host_areas_;
   // Registers each gradient area of this rank's open slices not seen yet; one whose memory
   // changed under the same address (another area id) is unlocked first, then locked again.
   void RegisterGradientAreas();
-  // One rank's placed backward: where each range went (offset -> place), written when the runner
-  // asks and read when it lands, so the place is asked for once.
-  std::mutex placed_mu_;
-  std::vector<std::pair<int64_t, const uint16_t*>> placed_;  // guarded by placed_mu_
   uint64_t step_ = 0;
   StepCounters counters_;
   float last_loss_ = 0;
