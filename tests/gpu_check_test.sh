@@ -3,7 +3,8 @@
 # against a fake bundle (a fake nvidia-smi, GPU test binaries that print gtest's lines, a bench_gpu
 # that prints the machine-readable lines) and checks what it decides: each path of the CUDA
 # backend is its own run, so one crashing path hides nothing; a path with no tests, a skipped
-# test, or the reference attention on a GPU is a failure; the summary reads each model's rows.
+# test, or the reference attention on a GPU is a failure; the summary reads each model's rows;
+# the largest models train in a run of their own, whose failure or hang fails only that line.
 #
 #   bash tests/gpu_check_test.sh REPO_ROOT
 set -euo pipefail
@@ -36,7 +37,8 @@ make_test_binary() {
 filter=${1#--gtest_filter=}
 name=$(basename "$0")
 tests=("Gpt2CudaCudnnParity.bf16" "EpilogueTest.GeluAux" "VectorAccess.Layernorm"
-       "Gpt2CudaPipeline.Upload" "TrainerCudaDpu.Tracks" "Gpt2CudaParity.fp16")
+       "Gpt2CudaPipeline.Upload" "TrainerCudaDpu.Tracks" "Gpt2CudaGradientBuckets.Flat"
+       "TrainerCudaParamWindow.Stage2Bits" "Gpt2CudaParity.fp16")
 match() {  # a gtest filter of one positive or one negative list of *X* patterns
   local t=$1 f=$2 neg=0 p
   [ "${f:0:1}" = - ] && { neg=1; f=${f:1}; }
@@ -63,10 +65,29 @@ make_test_binary cuda_kernels_test
 make_test_binary gpt2_cuda_test
 cat > "$work/bundle/bin/bench_gpu" <<'BENCH'
 #!/usr/bin/env bash
-# As the real one: the lines of the model --model names (gpu-check runs one process per model).
+# As the real one: the lines of the model --model names (gpu-check runs one process per model),
+# or with --largest_only only the largest models' (FAKE_LARGEST=oom: the offload side ran out of
+# memory at every try; hang: it never ends).
 attention=${FAKE_ATTENTION:-cudnn}
 model=
-for a in "$@"; do case "$a" in --model=*) model=${a#--model=} ;; esac; done
+for a in "$@"; do
+  case "$a" in
+    --model=*) model=${a#--model=} ;;
+    --largest_only)
+      echo "gpu device=0 name=NVIDIA_H100_80GB_HBM3 sm=90 sms=132 memory_gib=79.2 peak_tflops=989.4 peak=datasheet_H100_SXM"
+      case "${FAKE_LARGEST:-}" in
+        hang) exec sleep 60 ;;
+        oom)
+          echo "gpu largest side=offload error=cannot_allocate planned_model=L259_C1600_H12_V50257_T1024"
+          echo "gpu largest side=gpu_only params=5254103040 layers=6 channels=8192 heads=64 step_s=0.90000 tflops=36.10 peak_device_gib=75.10 planned_device_gib=76.20 binds=gpu planned_layers=6 tries=1 batch=1 seq_len=1024 dtype=bf16 device_free_gib=78.6 host_gib=96.0"
+          exit 1 ;;
+      esac
+      echo "gpu largest side=offload params=6413788800 layers=206 channels=1600 heads=12 step_s=3.20000 tflops=12.30 peak_device_gib=30.10 planned_device_gib=31.00 binds=host planned_layers=206 tries=1 batch=1 seq_len=1024 dtype=bf16 device_free_gib=78.6 host_gib=96.0"
+      echo "gpu largest side=gpu_only params=5254103040 layers=6 channels=8192 heads=64 step_s=0.90000 tflops=36.10 peak_device_gib=75.10 planned_device_gib=76.20 binds=gpu planned_layers=6 tries=1 batch=1 seq_len=1024 dtype=bf16 device_free_gib=78.6 host_gib=96.0"
+      echo "gpu largest ratio=1.221"
+      exit 0 ;;
+  esac
+done
 [ -n "$model" ] || { echo "fake bench_gpu: no --model" >&2; exit 2; }
 cat <<LINES | grep -E "model=$model |^gpu (device|transfer)"
 gpu device=0 name=NVIDIA_H100_80GB_HBM3 sm=90 sms=132 memory_gib=79.2 peak_tflops=989.4 peak=datasheet_H100_SXM
@@ -93,7 +114,7 @@ run() {  # run LOGDIR [ENV=VALUE...]: gpu-check's output; its exit status in $wo
 
 # Every path passes; only the front end (no torch here) fails the check.
 out=$(run "$work/logs1")
-for p in cudnn_attention epilogues vector_loads pipeline dpu other; do
+for p in cudnn_attention epilogues vector_loads pipeline dpu gradient_buckets param_window other; do
   grep -q "^gpu-check: tests $p: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
     fail "path $p not reported as 2 passed: $out"
 done
@@ -106,28 +127,45 @@ grep -qE '^ +transfers / pinned bound \(>= 0\.8\) +H2D 0\.904, D2H 0\.886$' <<< 
   fail "transfer ratio row: $out"
 grep -qE '^ +  D2H s after bwd, H2D in fwd +0\.00020 / 0\.810$' <<< "$out" || fail "overlap row: $out"
 [ "$(grep -c '^gpu device=' "$work/logs1/bench_gpu.log")" = 2 ] || fail "one bench process per model"
+grep -q '^gpu-check: largest: ok$' <<< "$out" || fail "largest run: $out"
+grep -qE '^ +largest trained, offload +6413788800 \(L206 C1600\), 3\.20000 s, 12\.30 TFLOP/s, device 30\.10 of 31\.00 GiB planned, binds host$' <<< "$out" ||
+  fail "largest offload row: $out"
+grep -qE '^ +largest trained, GPU only +5254103040 \(L6 C8192\), ' <<< "$out" || fail "largest GPU-only row: $out"
+grep -qE '^ +  size ratio trained \(target >= 8\) +1\.221$' <<< "$out" || fail "largest ratio row: $out"
+[ -s "$work/logs1/bench_gpu_largest.log" ] || fail "no log of the largest run"
 [ -d "$work/logs1/traces" ] || fail "no trace directory for the bench"
 
 # A crash in the cuDNN path: that path fails, every other path still runs and passes.
 out=$(run "$work/logs2" CRASH=Cudnn)
 grep -q "^gpu-check: tests cudnn_attention: 0 passed, 0 skipped, 0 failed: FAILED$" <<< "$out" ||
   fail "a crashing path must fail: $out"
-for p in epilogues vector_loads pipeline dpu other; do
+for p in epilogues vector_loads pipeline dpu gradient_buckets param_window other; do
   grep -q "^gpu-check: tests $p: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
     fail "path $p hidden by the crash: $out"
 done
 grep -q "exit 139" <<< "$out" || fail "the crash's exit status is not reported: $out"
 
-# A hang in the pipeline path costs that run its time limit, and nothing else.
-out=$(run "$work/logs4" HANG=Pipeline GPU_CHECK_TEST_TIMEOUT=2)
+# A hang in the pipeline path costs that run its time limit, and nothing else; so does one in the
+# largest run.
+out=$(run "$work/logs4" HANG=Pipeline GPU_CHECK_TEST_TIMEOUT=2 FAKE_LARGEST=hang \
+  GPU_CHECK_LARGEST_TIMEOUT=2)
 grep -q "^gpu-check: tests pipeline: 0 passed, 0 skipped, 0 failed: FAILED$" <<< "$out" ||
   fail "a hanging path must fail: $out"
 grep -q "^gpu-check: tests dpu: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
   fail "the paths after the hang must still run: $out"
 grep -q "timed out after 2s" "$work/logs4/gpt2_cuda_test_pipeline.log" || fail "timeout not logged"
+grep -q '^gpu-check: largest: exit 124: timed out: FAILED' <<< "$out" || fail "a hanging largest run: $out"
+grep -qE '^ +MFU \(target >= 45% for gpt2\) +46\.0%$' <<< "$out" || fail "rows after the hang: $out"
 
-# The reference attention on a GPU is a failure, named.
-out=$(run "$work/logs3" FAKE_ATTENTION=reference)
+# The reference attention on a GPU is a failure, named; a largest run out of memory at every try
+# fails that line only, and its error is in the summary.
+out=$(run "$work/logs3" FAKE_ATTENTION=reference FAKE_LARGEST=oom)
 grep -q "gpt2-124m ran attention=reference, not cudnn" <<< "$out" || fail "reference: $out"
+grep -q '^gpu-check: largest: exit 1: FAILED' <<< "$out" || fail "a failed largest run: $out"
+grep -qE '^ +largest trained, offload +error: cannot_allocate$' <<< "$out" || fail "largest error: $out"
+grep -qE '^ +largest trained, GPU only +5254103040 ' <<< "$out" || fail "the other side: $out"
+grep -qE '^ +  size ratio trained \(target >= 8\) +n/a$' <<< "$out" || fail "no ratio: $out"
+grep -q "^gpu-check: tests other: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
+  fail "the tests must stand: $out"
 
 echo "gpu_check_test: ok"

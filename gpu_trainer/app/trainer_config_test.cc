@@ -117,7 +117,7 @@ TEST(TrainerConfig, CollectivesAreGlooOrNcclAndNcclNeedsCuda) {
   o = TrainerOptionsFromFlags();
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->collective_library, CollectiveLibrary::kNccl);
-  // One CUDA rank needs no collectives; more are refused until NCCL is in the gradient path.
+  // One CUDA rank needs no collectives; more are refused until the program connects NCCL.
   EXPECT_TRUE(CheckCollectiveLibrary(ComputeDevice::kCuda, CollectiveLibrary::kNccl, 1).ok());
   absl::Status two = CheckCollectiveLibrary(ComputeDevice::kCuda, CollectiveLibrary::kNccl, 2);
   EXPECT_EQ(two.code(), absl::StatusCode::kUnimplemented);

@@ -13,6 +13,12 @@
 //      on every core the process may use, pinned; and the bytes a step moves each way. Needs no
 //      GPU (--host_rows=false skips it); a model whose state does not fit the host is skipped
 //      saying so.
+//   5. With --largest (--largest_only: nothing else), the largest models of (3) trained: the
+//      planner's largest for this GPU's free memory and the host's, with offload (activation
+//      checkpointing, gradient buckets, the optimizer in process) and GPU-only (activation
+//      checkpointing, GpuAdamW), each a few steps, with a few fewer layers where one runs out of
+//      memory; step time, model TFLOP/s, the device's peak use against the plan, and the ratio
+//      of their sizes.
 //
 // Progress goes to stderr. stdout ends with a table and then one machine-readable line per
 // result, "gpu <kind> key=value ..." with no spaces inside values (scripts/gpu-check parses
@@ -36,6 +42,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
@@ -113,19 +120,32 @@ ABSL_FLAG(bool, host_rows, true,
           "also measure the host's share of an offload step (Adam vs the memory roofline) for "
           "gpt2-124m and gpt2-xl; needs no GPU");
 ABSL_FLAG(int, plan_window_layers, 2,
-          "blocks of the parameter window in the planner's ZeRO-3 rows (a plan: the CUDA backend "
-          "runs stage 2 only)");
+          "blocks of the parameter window in the planner's ZeRO-3 rows");
 ABSL_FLAG(int, plan_ranks, 8, "GPUs of the planner's ZeRO-3 row, one rank each");
 ABSL_FLAG(double, plan_host_gib, 0,
           "host memory the planner's rows must fit too (the shards' fp32 state, the trainer's "
           "16-bit copies, the pinned rings), GiB; 0: no host limit");
 ABSL_FLAG(double, plan_gradient_bucket_mb, 0,
-          "plan the gradients as three buckets of this many MiB of 16-bit values on the GPU, each "
-          "leaving as backward finishes it (a plan: the CUDA backend keeps every gradient); 0: "
+          "plan the gradients in buckets of at least this many MiB of 16-bit values, each leaving "
+          "as backward finishes it (the GPU holds the embeddings' bucket and two others); 0: "
           "every gradient on the GPU");
 ABSL_FLAG(bool, plan_activation_checkpointing, false,
           "plan every row with activation checkpointing (each block's input kept, the block "
           "recomputed in backward)");
+ABSL_FLAG(bool, largest, false,
+          "also train the largest GPT-2-shaped model the planner finds for this GPU's free "
+          "memory and the host's, with offload (activation checkpointing, gradient buckets, the "
+          "optimizer in process) and GPU-only (activation checkpointing, GpuAdamW), and print "
+          "both and the ratio of their sizes");
+ABSL_FLAG(bool, largest_only, false,
+          "the --largest rows and nothing else: no per-model, transfer, planner or host rows");
+ABSL_FLAG(int, largest_steps, 10, "timed steps of each --largest model, after one warm-up");
+ABSL_FLAG(int, largest_batch, 1, "micro-batch of the --largest models");
+ABSL_FLAG(int, largest_seq_len, 1024, "sequence length (and context) of the --largest models");
+ABSL_FLAG(double, largest_host_gib, 0,
+          "host memory of the --largest models, GiB; 0: what the host has available "
+          "(MemAvailable). The planner gets 4/5 of it: the trainer's start-up holds an fp32 copy "
+          "of the weights (4 bytes a parameter) beside the 16 the planner counts");
 
 namespace offload {
 namespace {
@@ -141,6 +161,7 @@ struct BenchConfig {
   int seq_len = 0;
   int steps = 0;
   int warmup = 0;
+  bool activation_checkpointing = false;  // both the GPU-resident and the offload rows
 };
 
 // The hyper-parameters of both the GPU-resident optimizer and the offloaded one (bench_trainer's).
@@ -215,6 +236,12 @@ absl::StatusOr<BenchConfig> ModelConfig(const std::string& name) {
     return absl::InvalidArgumentError(
         "--plan_memory_gib and --peak_tflops must be >= 0, --plan_batch and --plan_seq_len >= 1");
   }
+  if (absl::GetFlag(FLAGS_largest_steps) < 1 || absl::GetFlag(FLAGS_largest_batch) < 1 ||
+      absl::GetFlag(FLAGS_largest_seq_len) < 1 || absl::GetFlag(FLAGS_largest_host_gib) < 0) {
+    return absl::InvalidArgumentError(
+        "--largest_steps, --largest_batch and --largest_seq_len must be >= 1, --largest_host_gib "
+        ">= 0");
+  }
   return b;
 }
 
@@ -241,32 +268,47 @@ struct GpuResult {
   float first_loss = 0, last_loss = 0;
   int skipped = 0;
   int64_t model_bytes = 0, optimizer_bytes = 0;
-  std::string attention;  // which attention ran (Gpt2Cuda::attention_path)
+  int64_t peak_device_bytes = 0;  // SampleDeviceBytes after the set-up and after each step
+  std::string attention;          // which attention ran (Gpt2Cuda::attention_path)
 };
+
+// Folds what the device has in use now (total - free: this process's and any other's) into
+// *peak.
+void SampleDeviceBytes(int64_t* peak) {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  *peak = std::max(*peak, static_cast<int64_t>(total_bytes - free_bytes));
+}
 
 absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, double peak_flops) {
   CudaModelOptions options;
   options.dtype = b.dtype;
   options.device = device;
+  options.activation_checkpointing = b.activation_checkpointing;
   absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
       Gpt2Cuda::Create(b.model, b.batch, b.seq_len, options);
   if (!model.ok()) return model.status();
   Gpt2Cuda& m = **model;
   const int64_t n = m.num_params();
-  absl::StatusOr<std::unique_ptr<GpuAdamW>> adamw =
-      GpuAdamW::Create(n, b.dtype, BenchAdam(), m.compute_stream());
-  if (!adamw.ok()) return adamw.status();
+  std::unique_ptr<GpuAdamW> adamw;
   {
     std::vector<float> params(n);  // (num_params,) fp32, the GPT-2 initialisation
     InitGpt2Params(b.model, kSeed, params.data());
+    // SetParams goes through a transient fp32 copy on the device (4 bytes a parameter): before
+    // the optimizer's 12 bytes a parameter, not on top of them, so the planner's largest fits.
     OFFLOAD_RETURN_IF_ERROR(m.SetParams(params.data()));
-    OFFLOAD_RETURN_IF_ERROR((*adamw)->Init(params.data()));
+    OFFLOAD_ASSIGN_OR_RETURN(adamw, GpuAdamW::Create(n, b.dtype, BenchAdam(), m.compute_stream()));
+    OFFLOAD_RETURN_IF_ERROR(adamw->Init(params.data()));
   }
   GpuResult r;
   r.params = n;
   r.model_bytes = m.device_bytes();
   r.attention = m.attention_path();
-  r.optimizer_bytes = (*adamw)->device_bytes();
+  r.optimizer_bytes = adamw->device_bytes();
+  SampleDeviceBytes(&r.peak_device_bytes);
 
   // A few batches of random tokens (B, T), made before the clock starts and used in turn.
   constexpr int kBatches = 4;
@@ -302,15 +344,16 @@ absl::StatusOr<GpuResult> RunGpuResident(const BenchConfig& b, int device, doubl
     OFFLOAD_ASSIGN_OR_RETURN(CudaGradStats stats, m.Backward(loss_scale, nullptr, nullptr));
     const double norm = std::sqrt(stats.sum_squares) / loss_scale;
     const float multiplier = ClipCoefficient(norm, kMaxGradNorm) / loss_scale;
-    const float lr = ScheduledLr(schedule, static_cast<uint64_t>((*adamw)->step() + 1));
+    const float lr = ScheduledLr(schedule, static_cast<uint64_t>(adamw->step() + 1));
     if (stats.nonfinite) ++r.skipped;
     if (absl::Status s =
-            (*adamw)->Step(lr, multiplier, stats.nonfinite, m.device_grads(), m.device_params());
+            adamw->Step(lr, multiplier, stats.nonfinite, m.device_grads(), m.device_params());
         !s.ok()) {
       return s;
     }
     // The step is over when the update has landed: the next Forward would wait for it anyway.
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.compute_stream()));
+    SampleDeviceBytes(&r.peak_device_bytes);
     std::fprintf(stderr, "bench_gpu: GPU-resident step %d/%d loss %.4f%s\n", i + 1,
                  b.warmup + b.steps, *loss, stats.nonfinite ? " (overflow: skipped)" : "");
   }
@@ -336,6 +379,7 @@ TrainerOptions OffloadOptions(const BenchConfig& b, int device) {
   o.adam = AdamConfigToProto(BenchAdam());
   o.schedule = BenchSchedule();
   o.grad_clip = kMaxGradNorm;
+  o.activation_checkpointing = b.activation_checkpointing;
   return o;
 }
 
@@ -349,6 +393,7 @@ struct OffloadRow {
   // running after the GPU finished backward ("d2h_exposed"), and the share of the weights' upload
   // (on the GPU's clock) that ran while the forward that waited for it was on the GPU.
   double d2h_exposed_s = 0, h2d_in_forward = 0;
+  int64_t peak_device_bytes = 0;  // SampleDeviceBytes after Start and after each step
 };
 
 // Seconds per training step after the warm-up steps (bench_trainer's TimeSteps), and how the last
@@ -359,11 +404,13 @@ absl::Status TimeTrainerSteps(TrainerOptions o, const BenchConfig& b, OptimizerB
   o.trace = &trace;
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o, backend));
   if (absl::StatusOr<std::string> s = trainer->Start(); !s.ok()) return s.status();
+  SampleDeviceBytes(&row->peak_device_bytes);
   absl::Time start = absl::Now();
   for (int i = 0; i < b.warmup + b.steps; ++i) {
     if (i == b.warmup) start = absl::Now();
     absl::StatusOr<StepReport> r = trainer->Step();
     if (!r.ok()) return r.status();
+    SampleDeviceBytes(&row->peak_device_bytes);
     std::fprintf(stderr, "bench_gpu: %s offload %s step %d/%d loss %.4f%s\n", b.model_name.c_str(),
                  row->name.c_str(), i + 1, b.warmup + b.steps, r->loss,
                  r->skipped ? " (overflow: skipped)" : "");
@@ -693,6 +740,111 @@ HostRow RunHostRow(const std::string& name, const Gpt2Config& c, DType dtype) {
   return row;
 }
 
+// ---- 5. The largest models, trained ------------------------------------------------------
+
+// One side of --largest: what the planner chose and what trained.
+struct LargestRow {
+  std::string side;  // "offload" or "gpu_only"
+  DType dtype = DType::kBf16;
+  int batch = 0, seq_len = 0;
+  double device_free_gib = 0, host_gib = 0;  // what the planner was given; host 0: no limit
+  Gpt2Config planned;                        // the planner's answer
+  std::string binds = "-";                   // which side stops one more layer of it
+  Gpt2Config model;                          // what trained: planned, or fewer layers
+  int64_t params = 0;                        // of `model`; 0 when nothing trained
+  int tries = 0;
+  double step_s = 0, tflops = 0;     // model FLOPs (Gpt2FlopsPerToken) over the step time
+  int64_t peak_device_bytes = 0;     // SampleDeviceBytes, the most seen
+  int64_t planned_device_bytes = 0;  // the planner's total for `model`
+  std::string error;                 // why nothing trained; empty when it did
+};
+
+bool IsOutOfMemory(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) || absl::StrContains(s.message(), "out of memory");
+}
+
+// Trains `b.model` one way and fills in the step time and the device's peak.
+absl::Status TrainLargest(const BenchConfig& b, bool gpu_only, int device, LargestRow* row) {
+  if (gpu_only) {
+    OFFLOAD_ASSIGN_OR_RETURN(GpuResult r, RunGpuResident(b, device, /*peak_flops=*/0));
+    row->step_s = r.step_s;
+    row->peak_device_bytes = r.peak_device_bytes;
+    return absl::OkStatus();
+  }
+  // As the offload=inprocess row: the Trainer on the GPU, the shard's optimizer in this process.
+  OFFLOAD_ASSIGN_OR_RETURN(v1::PartitionMap map, MakePartitionMap(Gpt2NumParams(b.model), 1, 1));
+  InProcessOptimizer in_process(map, 0, BestSimdPath());
+  OffloadRow offload{"inprocess", "in process"};
+  OFFLOAD_RETURN_IF_ERROR(TimeTrainerSteps(OffloadOptions(b, device), b, &in_process, &offload));
+  row->step_s = offload.step_s;
+  row->peak_device_bytes = offload.peak_device_bytes;
+  return absl::OkStatus();
+}
+
+// The planner's largest model for the device's free memory (and the host's, 4/5 of it: see
+// --largest_host_gib), with activation checkpointing; with offload its gradients in buckets of a
+// unit each, as one rank runs them. Trained; where that runs out of memory, again with 5% fewer
+// layers, a few times.
+LargestRow RunLargest(bool gpu_only, int device, DType dtype) {
+  constexpr int kMaxTries = 6;
+  constexpr int64_t kUnitBuckets = 1;
+  LargestRow row;
+  row.side = gpu_only ? "gpu_only" : "offload";
+  row.dtype = dtype;
+  row.batch = absl::GetFlag(FLAGS_largest_batch);
+  row.seq_len = absl::GetFlag(FLAGS_largest_seq_len);
+  size_t free_bytes = 0, total_bytes = 0;
+  if (const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes); e != cudaSuccess) {
+    row.error = absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e));
+    return row;
+  }
+  const double host_gib = absl::GetFlag(FLAGS_largest_host_gib);
+  const int64_t host_bytes = host_gib > 0 ? static_cast<int64_t>(host_gib * (int64_t{1} << 30))
+                                          : std::max<int64_t>(0, AvailableHostBytes());
+  const int64_t host_budget = host_bytes / 5 * 4;
+  row.device_free_gib = free_bytes / 1073741824.0;
+  row.host_gib = host_budget / 1073741824.0;
+  absl::StatusOr<LargestTrainable> best = LargestTrainableGpt2(
+      static_cast<int64_t>(free_bytes), row.batch, row.seq_len, dtype, gpu_only, {},
+      /*activation_checkpointing=*/true, host_budget, kUnitBuckets);
+  if (!best.ok()) {
+    row.error = std::string(best.status().message());
+    return row;
+  }
+  row.planned = best->config;
+  row.binds = best->binds;
+  BenchConfig b;
+  b.model_name = absl::StrCat("largest-", row.side);
+  b.model = best->config;
+  b.dtype = dtype;
+  b.batch = row.batch;
+  b.seq_len = row.seq_len;
+  b.steps = absl::GetFlag(FLAGS_largest_steps);
+  b.warmup = 1;
+  b.activation_checkpointing = true;
+  for (row.tries = 1;; ++row.tries) {
+    std::fprintf(stderr, "bench_gpu: largest %s, try %d: %s, %s parameters\n", row.side.c_str(),
+                 row.tries, DescribeConfig(b.model).c_str(),
+                 absl::StrFormat("%.2fB", Gpt2NumParams(b.model) / 1e9).c_str());
+    const absl::Status status = TrainLargest(b, gpu_only, device, &row);
+    if (status.ok()) break;
+    std::fprintf(stderr, "bench_gpu: largest %s, try %d: %s\n", row.side.c_str(), row.tries,
+                 status.ToString().c_str());
+    if (!IsOutOfMemory(status) || row.tries == kMaxTries || b.model.num_layers == 1) {
+      row.error = std::string(status.message());
+      return row;
+    }
+    b.model.num_layers -= std::max(1, b.model.num_layers / 20);
+  }
+  row.model = b.model;
+  row.params = Gpt2NumParams(b.model);
+  row.tflops = Gpt2FlopsPerToken(b.model, b.seq_len) * b.batch * b.seq_len / row.step_s / 1e12;
+  row.planned_device_bytes =
+      PlanGpt2CudaMemory(b.model, b.batch, b.seq_len, dtype, gpu_only, {}, true, kUnitBuckets)
+          .total_bytes();
+  return row;
+}
+
 // What one model of --model measured, or why it stopped.
 struct ModelRun {
   BenchConfig b;
@@ -710,11 +862,19 @@ struct Results {
   std::optional<TransferResult> transfer;
   std::optional<PlanResult> plan;
   std::vector<HostRow> host;
+  std::vector<LargestRow> largest;  // offload, then gpu_only
 };
 
 std::string Billions(int64_t n) { return absl::StrFormat("%.2fB", static_cast<double>(n) / 1e9); }
 
 double Gbps(int64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
+
+// The offload model's parameters over the GPU-only model's, as trained; 0 unless both trained.
+double LargestRatio(const std::vector<LargestRow>& rows) {
+  int64_t offload = 0, gpu_only = 0;
+  for (const LargestRow& l : rows) (l.side == "offload" ? offload : gpu_only) = l.params;
+  return offload > 0 && gpu_only > 0 ? static_cast<double>(offload) / gpu_only : 0.0;
+}
 
 void ReportModel(const Results& r, const ModelRun& m) {
   const BenchConfig& b = m.b;
@@ -809,7 +969,7 @@ void Report(const Results& r) {
         p.checkpointing ? ", activation checkpointing" : "",
         p.host_gib > 0 ? absl::StrFormat(", host %.0f GiB", p.host_gib) : "",
         p.gradient_bucket_mb > 0
-            ? absl::StrFormat(", gradients in %.0f MiB buckets (planned)", p.gradient_bucket_mb)
+            ? absl::StrFormat(", gradients in %.0f MiB buckets", p.gradient_bucket_mb)
             : "");
     std::printf("  largest model on %s\n", on.c_str());
     row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model,
@@ -817,8 +977,7 @@ void Report(const Results& r) {
     row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model,
                                    ", binds: ", p.gpu_only_binds, ")"));
     row("size ratio offload / GPU only", absl::StrFormat("%.2fx", p.ratio));
-    std::printf("  planned, not yet run by the CUDA backend (ZeRO-3, window of %d blocks):\n",
-                p.window_layers);
+    std::printf("  ZeRO-3, a window of %d blocks:\n", p.window_layers);
     row("  offload + window, 1 GPU", absl::StrCat(Billions(p.window_params), " (", p.window_model,
                                                   ", binds: ", p.window_binds, ")"));
     row(absl::StrCat("  offload + stage 3, ", p.ranks, " GPUs"),
@@ -835,6 +994,26 @@ void Report(const Results& r) {
     row(what, absl::StrFormat("%.1f ms, roofline %.1f ms (%.2fx), %d threads; %.0f MB each way",
                               h.adam_s * 1e3, h.roofline_s * 1e3, h.roofline_s / h.adam_s,
                               h.threads, h.bytes_each_way / 1e6));
+  }
+  for (const LargestRow& l : r.largest) {
+    const std::string what = absl::StrFormat(
+        "largest trained, %s (%s, %d x %d, checkpointing; %.1f GiB free, host %.0f GiB)",
+        l.side == "offload" ? "offload" : "GPU only", DTypeName(l.dtype), l.batch, l.seq_len,
+        l.device_free_gib, l.host_gib);
+    std::printf("  %s\n", what.c_str());
+    if (!l.error.empty()) {
+      row("  stopped", l.error);
+      continue;
+    }
+    row("  model", absl::StrCat(Billions(l.params), " (", DescribeConfig(l.model), "; planned ",
+                                l.planned.num_layers, " layers, binds: ", l.binds, ")"));
+    row("  step, model TFLOP/s", absl::StrFormat("%.3f s, %.1f", l.step_s, l.tflops));
+    row("  device peak / planned",
+        absl::StrFormat("%.2f / %.2f GiB", l.peak_device_bytes / 1073741824.0,
+                        l.planned_device_bytes / 1073741824.0));
+  }
+  if (const double ratio = LargestRatio(r.largest); ratio > 0) {
+    row("largest trained, offload / GPU only", absl::StrFormat("%.2fx", ratio));
   }
   std::printf("\n");
 
@@ -929,7 +1108,34 @@ void Report(const Results& r) {
         p.window_model.c_str(), p.ranks, static_cast<long long>(p.stage3_params),
         p.stage3_model.c_str());
   }
+  for (const LargestRow& l : r.largest) {
+    if (!l.error.empty()) {
+      std::printf("gpu largest side=%s error=%s planned_model=%s\n", l.side.c_str(),
+                  Token(l.error).c_str(),
+                  l.planned.num_layers > 0 ? Token(DescribeConfig(l.planned)).c_str() : "none");
+      continue;
+    }
+    std::printf(
+        "gpu largest side=%s params=%lld layers=%d channels=%d heads=%d step_s=%.5f tflops=%.2f "
+        "peak_device_gib=%.2f planned_device_gib=%.2f binds=%s planned_layers=%d tries=%d "
+        "batch=%d seq_len=%d dtype=%s device_free_gib=%.1f host_gib=%.1f\n",
+        l.side.c_str(), static_cast<long long>(l.params), l.model.num_layers, l.model.channels,
+        l.model.num_heads, l.step_s, l.tflops, l.peak_device_bytes / 1073741824.0,
+        l.planned_device_bytes / 1073741824.0, l.binds.c_str(), l.planned.num_layers, l.tries,
+        l.batch, l.seq_len, std::string(DTypeName(l.dtype)).c_str(), l.device_free_gib, l.host_gib);
+  }
+  if (const double ratio = LargestRatio(r.largest); ratio > 0) {
+    std::printf("gpu largest ratio=%.3f\n", ratio);
+  }
   std::fflush(stdout);
+}
+
+// Both sides of --largest, offload first; false unless both trained.
+bool RunLargestRows(int device, DType dtype, Results* r) {
+  for (const bool gpu_only : {false, true}) {
+    r->largest.push_back(RunLargest(gpu_only, device, dtype));
+  }
+  return LargestRatio(r->largest) > 0;
 }
 
 int Fail(const Results& r, const char* what, const absl::Status& status) {
@@ -947,8 +1153,9 @@ int Run() {
   const DType dtype = configs->front().dtype;
   Results r;
   const double plan_gib = absl::GetFlag(FLAGS_plan_memory_gib);
+  const bool largest_only = absl::GetFlag(FLAGS_largest_only);
 
-  if (absl::GetFlag(FLAGS_host_rows)) {
+  if (absl::GetFlag(FLAGS_host_rows) && !largest_only) {
     for (const auto& [name, model] :
          {std::pair<std::string, Gpt2Config>{"gpt2-124m", Gpt2Config{50257, 1024, 12, 12, 768}},
           std::pair<std::string, Gpt2Config>{"gpt2-xl", Gpt2Config{50257, 1024, 48, 25, 1600}}}) {
@@ -957,7 +1164,7 @@ int Run() {
     }
   }
   if (absl::Status available = CudaDeviceAvailable(); !available.ok()) {
-    if (plan_gib > 0) {
+    if (plan_gib > 0 && !largest_only) {
       absl::StatusOr<PlanResult> plan = RunPlan(plan_gib, dtype);
       if (!plan.ok()) return Fail(r, "planner", plan.status());
       r.plan = *plan;
@@ -980,6 +1187,11 @@ int Run() {
     r.peak_source = info->peak_source;
   }
   std::fprintf(stderr, "bench_gpu: %s\n", DescribeCudaDevice(*info).c_str());
+  if (largest_only) {
+    const bool trained = RunLargestRows(device, dtype, &r);
+    Report(r);
+    return trained ? 0 : 1;
+  }
 
   {
     absl::StatusOr<TransferResult> transfer = RunTransfers(static_cast<int64_t>(DTypeSize(dtype)) *
@@ -1021,6 +1233,8 @@ int Run() {
       std::fprintf(stderr, "bench_gpu: %s: %s\n", m.b.model_name.c_str(), m.error.c_str());
     }
   }
+
+  if (absl::GetFlag(FLAGS_largest) && !RunLargestRows(device, dtype, &r)) failed = true;
 
   absl::StatusOr<PlanResult> plan =
       RunPlan(plan_gib > 0 ? plan_gib : info->total_bytes / 1073741824.0, dtype);

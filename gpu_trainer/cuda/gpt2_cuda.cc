@@ -27,6 +27,8 @@
 #include "gpu_trainer/cuda/runtime/host_ranges.h"
 #include "gpu_trainer/cuda/runtime/storage_type.h"
 #include "gpu_trainer/cuda/runtime/transfer_schedule.h"
+#include "gpu_trainer/cuda/zero/device_gradient_buckets.h"
+#include "gpu_trainer/cuda/zero/device_param_window.h"
 #include "model_spec/param_layout.h"
 
 namespace offload {
@@ -43,6 +45,10 @@ class Gpt2Cuda::Impl {
   virtual absl::Status Init() = 0;
   virtual absl::Status SetParams(const float* params) = 0;
   virtual absl::Status UploadWeights16(const uint16_t* w16) = 0;
+  virtual absl::Status SetHostWeights16(const uint16_t* w16) = 0;
+  virtual absl::Status UploadPartition16(const uint16_t* partition16) = 0;
+  virtual int64_t window_fills() const = 0;
+  virtual int64_t buckets_sent() const = 0;
   virtual absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                         int T) = 0;
   virtual absl::StatusOr<CudaGradStats> Backward(
@@ -76,6 +82,12 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   absl::Status Init() override;
   absl::Status SetParams(const float* params) override;
   absl::Status UploadWeights16(const uint16_t* w16) override;
+  absl::Status SetHostWeights16(const uint16_t* w16) override;
+  absl::Status UploadPartition16(const uint16_t* partition16) override;
+  int64_t window_fills() const override { return window_ ? window_->fills() : 0; }
+  int64_t buckets_sent() const override {
+    return grad_buckets_ ? grad_buckets_->buckets_sent() : 0;
+  }
   absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                 int Tn) override;
   absl::StatusOr<CudaGradStats> Backward(
@@ -97,7 +109,7 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   absl::Status CopyLogitsToHost(int b, int t, float* logits) override;
   int64_t device_bytes() const override {
     return static_cast<int64_t>(params_mem_.size() + grads_mem_.size() + acts_mem_.size() +
-                                (lt_ ? lt_->workspace_bytes() : 0));
+                                scratch_mem_.size() + (lt_ ? lt_->workspace_bytes() : 0));
   }
   void* params() const override { return params_; }
   void* grads() const override { return grads_; }
@@ -105,8 +117,21 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   const char* attention_path() const override { return attention_.path(); }
 
  private:
-  const T* w(int index) const { return params_ + offsets_[index]; }
-  T* dw(int index) const { return grads_ + offsets_[index]; }
+  // Tensor `index` of Gpt2ParamLayout through its unit's place on the device: the flat buffers,
+  // or the window slot and gradient bucket slot the unit is in (zero/).
+  const T* w(int index) const {
+    const int unit = unit_of_index_[index];
+    return weight_unit_[unit] + (offsets_[index] - unit_begin_[unit]);
+  }
+  T* dw(int index) const {
+    const int unit = unit_of_index_[index];
+    return grad_unit_[unit] + (offsets_[index] - unit_begin_[unit]);
+  }
+  // ZeRO-3: the window's use `use` of its unit begins (the compute stream waits for its fill) or
+  // ends; no-ops without a window.
+  absl::Status AcquireUse(int use);
+  absl::Status ReleaseUse(int use);
+  bool flat_weights() const { return window_ == nullptr; }
   // Block l's forward for the batch of the last Forward (B, Tn), queued on stream_: from its input
   // (the encoder's output or block l-1's residual3) to its residual3.
   absl::Status BlockForward(int l, int B, int Tn);
@@ -126,9 +151,16 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   int64_t n_ = 0;                 // parameters
   std::vector<int64_t> offsets_;  // Gpt2ParamLayout(c_)[i].offset
 
-  DeviceBuffer params_mem_, grads_mem_, acts_mem_;
-  T* params_ = nullptr;  // (n,)
-  T* grads_ = nullptr;   // (n,)
+  DeviceBuffer params_mem_, grads_mem_, acts_mem_, scratch_mem_;
+  T* params_ = nullptr;  // (n,) or (padded,) with NCCL ranks; the window (and partition) in ZeRO-3
+  T* grads_ = nullptr;   // (n,), or the bucket slots
+  std::vector<int> unit_of_index_;   // (tensors,) Gpt2ParamLayout index -> unit
+  std::vector<int64_t> unit_begin_;  // (units,) flat first element
+  std::vector<T*> weight_unit_;      // (units,) where each unit's weights are now
+  std::vector<T*> grad_unit_;        // (units,) where each unit's gradient is written
+  std::unique_ptr<DeviceGradientBuckets> grad_buckets_;  // gradient_bucket_elements >= 1
+  std::unique_ptr<DeviceParamWindow> window_;            // param_window_layers >= 1
+  std::unique_ptr<Collectives> window_collectives_;  // the window's fork of options_.collectives
   Gpt2CudaActivations<T> a_{};
   std::unique_ptr<CublasLt> lt_;
   // cuDNN's fused attention or the reference, chosen in Init.
@@ -179,6 +211,28 @@ template <typename T>
 absl::Status Gpt2CudaImpl<T>::Init() {
   for (const ParamTensor& t : Gpt2ParamLayout(c_)) offsets_.push_back(t.offset);
   n_ = Gpt2NumParams(c_);
+  const int units = Gpt2NumUnits(c_);
+  for (int u = 0; u < units; ++u) unit_begin_.push_back(Gpt2UnitRange(c_, u).begin);
+  for (int64_t offset : offsets_) {
+    int unit = units - 1;
+    while (unit > 0 && unit_begin_[unit] > offset) --unit;
+    unit_of_index_.push_back(unit);
+  }
+  const bool sixteen = !std::is_same_v<T, float>;
+  const bool bucketed = options_.gradient_bucket_elements >= 1;
+  const bool windowed = options_.param_window_layers >= 1;
+  Collectives* ranks = options_.collectives;
+  const int W = ranks != nullptr ? ranks->world_size() : 1;
+  const int64_t padded = std::max(n_, options_.padded_length);
+  if ((bucketed || windowed || W > 1) && !sixteen) {
+    return absl::InvalidArgumentError(
+        "Gpt2Cuda: gradient buckets, the parameter window and NCCL ranks need a 16-bit model");
+  }
+  if (W > 1 && (!bucketed || padded % W != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gpt2Cuda: ", W, " NCCL ranks need gradient buckets and a padded_length (",
+                     padded, ") that splits into ", W, " equal partitions"));
+  }
   weight_units_ = ForwardWeightUnits(c_);
   gradient_ranges_ = BackwardGradientRanges(c_);
   // The attention decides what the activations hold (cuDNN's statistics and workspace, or the
@@ -188,9 +242,13 @@ absl::Status Gpt2CudaImpl<T>::Init() {
                                           options_.activation_checkpointing));
   // Check the whole plan against free memory first, so a model that cannot fit fails with the
   // full picture rather than at whichever allocation happens to run out.
+  ParamPlacement placement;
+  placement.zero_stage = windowed ? 3 : 2;
+  placement.world_size = W;
+  placement.window_layers = std::max(1, options_.param_window_layers);
   const CudaMemoryPlan plan = PlanGpt2CudaMemory(
-      c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false, {},
-      options_.activation_checkpointing, /*gradient_bucket_elements=*/0, attention_.memory());
+      c_, max_batch_, max_seq_, StorageDType<T>(), /*gpu_optimizer=*/false, placement,
+      options_.activation_checkpointing, options_.gradient_bucket_elements, attention_.memory());
   size_t free_bytes = 0, total_bytes = 0;
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   const int64_t need = plan.total_bytes() - plan.reserved_bytes;
@@ -203,16 +261,53 @@ absl::Status Gpt2CudaImpl<T>::Init() {
         " MiB are free: lower --batch or "
         "--seq_len, or use offload with a smaller model"));
   }
-  OFFLOAD_RETURN_IF_ERROR(params_mem_.Allocate(n_ * sizeof(T), "parameters"));
-  OFFLOAD_RETURN_IF_ERROR(grads_mem_.Allocate(n_ * sizeof(T), "gradients"));
+  // The weights: every one (padded for NCCL ranks, whose partitions are gathered in place), or
+  // the window's slots followed by this rank's partition.
+  DeviceParamWindowOptions window_options;
+  window_options.config = c_;
+  window_options.window_layers = std::max(1, options_.param_window_layers);
+  window_options.padded_length = padded;
+  int64_t window_elements = 0, partition_elements = 0;
+  if (windowed) {
+    if (W > 1) {
+      OFFLOAD_ASSIGN_OR_RETURN(window_collectives_, ranks->Fork("cuda-window"));
+      window_options.collectives = window_collectives_.get();
+    }
+    window_elements = PlanParamWindow(c_, window_options.window_layers).total_elements;
+    partition_elements = DevicePartitionElements(window_options);
+  }
+  const int64_t weight_elements = windowed ? window_elements + partition_elements
+                                  : W > 1  ? padded
+                                           : n_;
+  DeviceGradientBucketsOptions bucket_options;
+  bucket_options.config = c_;
+  bucket_options.dtype = StorageDType<T>();
+  bucket_options.bucket_elements = options_.gradient_bucket_elements;
+  bucket_options.padded_length = padded;
+  bucket_options.collectives = ranks;
+  bucket_options.device = options_.device;
+  const int64_t grad_elements =
+      bucketed ? PlanBucketSlots(PlanGradientBuckets(c_, padded, bucket_options.bucket_elements))
+                     .total_elements
+               : n_;
+  OFFLOAD_RETURN_IF_ERROR(params_mem_.Allocate(weight_elements * sizeof(T), "parameters"));
+  OFFLOAD_RETURN_IF_ERROR(grads_mem_.Allocate(grad_elements * sizeof(T), "gradients"));
   params_ = static_cast<T*>(params_mem_.data());
   grads_ = static_cast<T*>(grads_mem_.data());
+  const int64_t scratch_bytes = bucketed ? DeviceReduceScratchBytes(bucket_options) : 0;
+  if (scratch_bytes > 0) {
+    OFFLOAD_RETURN_IF_ERROR(scratch_mem_.Allocate(scratch_bytes, "the reduce-scatter's scratch"));
+  }
+  for (int u = 0; u < units; ++u) {
+    weight_unit_.push_back(params_ + unit_begin_[u]);  // a window moves them before each use
+    grad_unit_.push_back(grads_ + unit_begin_[u]);     // buckets move them below
+  }
   OFFLOAD_RETURN_IF_ERROR(acts_mem_.Allocate(plan.activation_bytes, "activations"));
   BufferCarver carver(acts_mem_.data());
   CarveGpt2CudaActivations(c_, max_batch_, max_seq_, carver, &a_, options_.activation_checkpointing,
                            attention_.memory());
   attention_.Bind(a_);
-  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params_, 0, n_ * sizeof(T), nullptr));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params_, 0, weight_elements * sizeof(T), nullptr));
 
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<CublasLt> lt, CublasLt::Create(kCublasWorkspaceBytes));
   lt_ = std::move(lt);
@@ -238,6 +333,25 @@ absl::Status Gpt2CudaImpl<T>::Init() {
         HostToDeviceStaging::Create(options_.staging);
     if (!h2d.ok()) return h2d.status();
     h2d_ = std::move(*h2d);
+    auto registered = [this](const void* p, int64_t bytes) {
+      return registered_.Contains(p, bytes);
+    };
+    if (bucketed) {
+      OFFLOAD_ASSIGN_OR_RETURN(
+          grad_buckets_, DeviceGradientBuckets::Create(bucket_options, grads_,
+                                                       static_cast<float*>(scratch_mem_.data()),
+                                                       d2h_.get(), stream_, registered));
+      for (int u = 0; u < units; ++u) {
+        grad_unit_[u] = static_cast<T*>(grad_buckets_->UnitGradient(u));
+      }
+    }
+    if (windowed) {
+      OFFLOAD_ASSIGN_OR_RETURN(
+          window_,
+          DeviceParamWindow::Create(window_options, params_,
+                                    partition_elements > 0 ? params_ + window_elements : nullptr,
+                                    h2d_.get(), stream_, registered));
+    }
   }
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return absl::OkStatus();
@@ -246,6 +360,11 @@ absl::Status Gpt2CudaImpl<T>::Init() {
 template <typename T>
 absl::Status Gpt2CudaImpl<T>::SetParams(const float* params) {
   if (params == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::SetParams: null params");
+  if (!flat_weights()) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::SetParams: the model holds a window of its weights (ZeRO-3); use "
+        "SetHostWeights16 or UploadPartition16");
+  }
   // Nothing queued may still read the weights, nor an upload still be writing them.
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   if (h2d_ != nullptr) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d_->stream()));
@@ -276,6 +395,11 @@ absl::Status Gpt2CudaImpl<T>::UploadWeights16(const uint16_t* w16) {
         "Gpt2Cuda::UploadWeights16: the model computes in fp32; use SetParams");
   } else {
     if (w16 == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::UploadWeights16: null");
+    if (!flat_weights() || options_.collectives != nullptr) {
+      return absl::FailedPreconditionError(
+          "Gpt2Cuda::UploadWeights16: this model takes its weights by SetHostWeights16 (ZeRO-3) "
+          "or UploadPartition16 (NCCL ranks)");
+    }
     // The copy may not overwrite weights that kernels already queued still read.
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(compute_idle_, stream_));
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(h2d_->stream(), compute_idle_, 0));
@@ -312,6 +436,55 @@ absl::Status Gpt2CudaImpl<T>::UploadWeights16(const uint16_t* w16) {
     }
     return absl::OkStatus();
   }
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::SetHostWeights16(const uint16_t* w16) {
+  if (w16 == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::SetHostWeights16: null");
+  if (window_ == nullptr || window_->gathers()) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::SetHostWeights16: only a ZeRO-3 model of one rank reads its weights from the "
+        "host model");
+  }
+  // The fills queued so far read the old pointer: they must be done.
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(h2d_->stream()));
+  window_->SetHostWeights(w16);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::UploadPartition16(const uint16_t* partition16) {
+  Collectives* ranks = options_.collectives;
+  if (partition16 == nullptr) return absl::InvalidArgumentError("UploadPartition16: null");
+  if (ranks == nullptr || ranks->world_size() < 2) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::UploadPartition16: the model has no NCCL ranks to gather from");
+  }
+  if (window_ != nullptr) return window_->SetPartition(partition16);
+  // Stage 2: this rank's piece in place, then every rank's gathered around it on the device.
+  const int64_t P = std::max(n_, options_.padded_length) / ranks->world_size();
+  T* mine = params_ + ranks->rank() * P;
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(mine, partition16, P * sizeof(T), cudaMemcpyHostToDevice));
+  OFFLOAD_RETURN_IF_ERROR(ranks->AllGather16(reinterpret_cast<const uint16_t*>(mine),
+                                             reinterpret_cast<uint16_t*>(params_), P));
+  weights_pending_ = false;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::AcquireUse(int use) {
+  if (window_ == nullptr) return absl::OkStatus();
+  OFFLOAD_ASSIGN_OR_RETURN(void* at, window_->Acquire(use));
+  weight_unit_[window_->plan().uses[use].unit] = static_cast<T*>(at);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::ReleaseUse(int use) {
+  return window_ == nullptr ? absl::OkStatus() : window_->Release(use);
 }
 
 template <typename T>
@@ -356,13 +529,21 @@ absl::StatusOr<float> Gpt2CudaImpl<T>::Forward(const int32_t* inputs, const int3
   upload_timed_ = false;
   if (timed) OFFLOAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(forward_begin_, s));
   OFFLOAD_RETURN_IF_ERROR(WaitForWeights(0));
+  const ParamWindowPlan* window = window_ != nullptr ? &window_->plan() : nullptr;
+  if (window != nullptr) {
+    OFFLOAD_RETURN_IF_ERROR(window_->BeginStep());
+    OFFLOAD_RETURN_IF_ERROR(AcquireUse(window->embeddings_use));  // held to the end of backward
+  }
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       EncoderForward<T>(a.encoded, a.inputs, w(kWte), w(kWpe), B, Tn, C, s));
   for (int l = 0; l < L; l++) {
     OFFLOAD_RETURN_IF_ERROR(WaitForWeights(WeightUnitBefore(l)));
+    if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(AcquireUse(window->forward_use_of_block[l]));
     OFFLOAD_RETURN_IF_ERROR(BlockForward(l, B, Tn));
+    if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(ReleaseUse(window->forward_use_of_block[l]));
   }
   OFFLOAD_RETURN_IF_ERROR(WaitForWeights(L + 1));
+  if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(AcquireUse(window->lnf_use));
   weights_pending_ = false;  // every unit waited for: a recompute in backward reads them freely
   OFFLOAD_CUDA_RETURN_IF_ERROR(
       LayerNormForward<T>(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3 + (L - 1) * BTC,
@@ -511,6 +692,11 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
     return absl::FailedPreconditionError(
         "Gpt2Cuda::Backward: 16-bit host gradients need a 16-bit model");
   }
+  if (grad_buckets_ != nullptr && host_grads16 == nullptr) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::Backward: gradient buckets leave the device as they complete; give "
+        "host_grads16");
+  }
   // The logits become their gradient below, so a second Backward needs a new Forward.
   have_targets_ = false;
   const int B = B_, Tn = T_;
@@ -523,8 +709,34 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   // Range i of the backward order (transfer_schedule.h) is final on the GPU: send it on, off the
   // compute stream, into its place or host_grads16; straight there where that is registered.
   int range = 0;
+  // Buckets: a unit's gradient is final once its range is; its bucket leaves when complete.
+  const ParamWindowPlan* window = window_ != nullptr ? &window_->plan() : nullptr;
+  const auto begun = std::chrono::steady_clock::now();
+  if (grad_buckets_ != nullptr) {
+    grad_buckets_->Begin(
+        host_grads16,
+        [this, &on_ready, begun](int64_t offset, int64_t n) {
+          if (observer_) observer_("d2h_gradients", -1, begun, std::chrono::steady_clock::now());
+          if (on_ready) on_ready(offset, n);
+        },
+        place);
+  }
+  struct AbandonOnExit {
+    DeviceGradientBuckets* buckets;
+    ~AbandonOnExit() {
+      if (buckets != nullptr) buckets->Abandon();
+    }
+  } abandon_on_exit{grad_buckets_.get()};
+  auto acquire_gradient = [&](int unit) -> absl::Status {
+    return grad_buckets_ != nullptr ? grad_buckets_->AcquireUnit(unit) : absl::OkStatus();
+  };
   auto ready = [&]() -> absl::Status {
     const int index = range++;
+    if (grad_buckets_ != nullptr) {
+      // Ranges in backward order: ln_f (unit L + 1), blocks L-1..0 (unit l + 1), the embeddings.
+      const int unit = index == 0 ? L + 1 : index <= L ? L - index + 1 : 0;
+      return grad_buckets_->ReleaseUnit(unit);
+    }
     const int64_t begin = gradient_ranges_[index].offset, end = gradient_ranges_[index].end();
     if (host_grads16 == nullptr) {
       if (on_ready) on_ready(begin, end - begin);
@@ -560,15 +772,20 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.dresidual, 0, BTC * sizeof(T), s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(CrossEntropyBackward<T>(
       a.logits, a.lse, a.targets, loss_scale / static_cast<float>(BT), Vp, N, V, s));
+  OFFLOAD_RETURN_IF_ERROR(acquire_gradient(0));  // the tied head writes wte's first
+  OFFLOAD_RETURN_IF_ERROR(acquire_gradient(L + 1));
   T* dlnf = a.dln;
   OFFLOAD_RETURN_IF_ERROR(
       TiedHeadBackward<T>(*lt_, dlnf, dw(kWte), a.logits, Vp, a.lnf, w(kWte), N, C, V, s));
   OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(
       a.dresidual, dw(LnfWeightIndex(L)), dw(LnfBiasIndex(L)), a.fscratch, dlnf,
       a.residual3 + (L - 1) * BTC, w(LnfWeightIndex(L)), a.lnf_mean, a.lnf_rstd, N, C, s));
+  if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(ReleaseUse(window->lnf_use));
   OFFLOAD_RETURN_IF_ERROR(ready());  // ln_f
 
   for (int l = L - 1; l >= 0; l--) {
+    if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(AcquireUse(window->backward_use_of_block[l]));
+    OFFLOAD_RETURN_IF_ERROR(acquire_gradient(l + 1));
     // Checkpointing: the last block's activations are still those Forward left.
     if (options_.activation_checkpointing && l < L - 1) {
       OFFLOAD_RETURN_IF_ERROR(BlockForward(l, B, Tn));
@@ -613,6 +830,7 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
     OFFLOAD_CUDA_RETURN_IF_ERROR(LayerNormBackward<T>(a.dresidual, dbw(kLn1Weight), dbw(kLn1Bias),
                                                       a.fscratch, a.dln, residual, bw(kLn1Weight),
                                                       ln1_mean, ln1_rstd, N, C, s));
+    if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(ReleaseUse(window->backward_use_of_block[l]));
     OFFLOAD_RETURN_IF_ERROR(ready());  // block l
   }
 
@@ -629,7 +847,23 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
   OFFLOAD_CUDA_RETURN_IF_ERROR(EncoderBackward<T>(dw(kWte), dw(kWpe), a.dresidual, a.bucket_tokens,
                                                   a.bucket_offsets, a.bucket_positions, num_buckets,
                                                   B, Tn, c_.context_length, C, s));
+  if (window != nullptr) OFFLOAD_RETURN_IF_ERROR(ReleaseUse(window->embeddings_use));
   OFFLOAD_RETURN_IF_ERROR(ready());  // the embeddings
+
+  if (grad_buckets_ != nullptr) {
+    // Each bucket's statistics were added up as it left.
+    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    const auto computed = std::chrono::steady_clock::now();
+    abandon_on_exit.buckets = nullptr;
+    drain_on_exit.d2h = nullptr;
+    absl::StatusOr<DeviceGradientBuckets::Stats> stats = grad_buckets_->Finish();
+    if (!stats.ok()) {
+      grad_buckets_->Abandon();
+      return stats.status();
+    }
+    if (observer_) observer_("d2h_exposed", -1, computed, std::chrono::steady_clock::now());
+    return CudaGradStats{stats->sum_squares, stats->nonfinite};
+  }
 
   // The statistics of exactly the values that leave, over the whole partition.
   GradNormResult result{};
@@ -652,6 +886,10 @@ absl::StatusOr<CudaGradStats> Gpt2CudaImpl<T>::Backward(
 template <typename T>
 absl::Status Gpt2CudaImpl<T>::CopyGradsToHost(float* grads) {
   if (grads == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::CopyGradsToHost: null");
+  if (grad_buckets_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::CopyGradsToHost: the gradients left the device bucket by bucket");
+  }
   std::vector<T> host(n_);
   OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   OFFLOAD_CUDA_RETURN_IF_ERROR(
@@ -743,5 +981,13 @@ void* Gpt2Cuda::device_params() const { return impl_->params(); }
 void* Gpt2Cuda::device_grads() const { return impl_->grads(); }
 cudaStream_t Gpt2Cuda::compute_stream() const { return impl_->stream(); }
 const char* Gpt2Cuda::attention_path() const { return impl_->attention_path(); }
+absl::Status Gpt2Cuda::SetHostWeights16(const uint16_t* w16) {
+  return impl_->SetHostWeights16(w16);
+}
+absl::Status Gpt2Cuda::UploadPartition16(const uint16_t* partition16) {
+  return impl_->UploadPartition16(partition16);
+}
+int64_t Gpt2Cuda::window_fills() const { return impl_->window_fills(); }
+int64_t Gpt2Cuda::buckets_sent() const { return impl_->buckets_sent(); }
 
 }  // namespace offload

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
+#include "gpu_trainer/collectives/collectives.h"
 #include "gpu_trainer/cuda/cudnn/attention_kind.h"
 #include "gpu_trainer/cuda/runtime/pinned_staging.h"
 #include "model_spec/gpt2_config.h"
@@ -41,6 +42,22 @@ struct CudaModelOptions {
   // or the reference of blas/attention.h. kAuto: cuDNN where it loads and takes the model's
   // shape, else the reference; Create logs one line saying which and why (attention_path()).
   AttentionKind attention = AttentionKind::kAuto;
+  // The gradients on the device (zero/device_gradient_buckets.h): 0 keeps one for every
+  // parameter (the GPU-resident optimizer reads them; CopyGradsToHost); >= 1 holds buckets of at
+  // least that many elements (1: each unit its own), the embeddings' and two more, each copied
+  // out (and with W NCCL ranks reduce-scattered first) as backward completes it. 16-bit only, and
+  // Backward then needs host_grads16.
+  int64_t gradient_bucket_elements = 0;
+  // ZeRO-3 (zero/device_param_window.h): 0 keeps every weight on the device; >= 1 holds a window
+  // of that many blocks plus the embeddings and ln_f, filled before each use from the host model
+  // (SetHostWeights16) or, with W NCCL ranks, all-gathered from the ranks' partitions
+  // (UploadPartition16). 16-bit only.
+  int param_window_layers = 0;
+  // NCCL ranks (nccl/nccl_collectives.h; not owned), W > 1: the buckets are reduce-scattered on
+  // the device and the updated weights all-gathered there (UploadPartition16). Requires
+  // gradient_bucket_elements >= 1. padded_length: the partition map's flat length.
+  Collectives* collectives = nullptr;
+  int64_t padded_length = 0;
 };
 
 // What leaves with the gradients: computed on the GPU over the 16-bit values that are sent.
@@ -85,6 +102,14 @@ class Gpt2Cuda {
   // Backward and the next Forward, never between a Forward and its Backward. w16 must not change
   // until that Forward returns. FailedPrecondition in fp32 mode.
   absl::Status UploadWeights16(const uint16_t* w16);
+  // ZeRO-3 with one rank: w16 (num_params,) the whole 16-bit model in host memory (register it
+  // for direct copies), from which each unit is copied into the window just before its use, in
+  // every step until the next call. It must not change while a Forward or Backward runs.
+  absl::Status SetHostWeights16(const uint16_t* w16);
+  // W NCCL ranks: this rank's partition (padded_length / W,) of the 16-bit weights. Stage 2: it
+  // is all-gathered on the device into every weight now; ZeRO-3: it is kept on the device, and
+  // each unit is all-gathered from the ranks' partitions into the window before its use.
+  absl::Status UploadPartition16(const uint16_t* partition16);
 
   // Page-locks [p, p + bytes) of host memory (cudaHostRegister) so that transfers to and from it
   // skip the pinned ring: the trainer's weight and gradient buffers, a shared-memory segment's
@@ -129,6 +154,10 @@ class Gpt2Cuda {
   cudaStream_t compute_stream() const;
   // The attention Create chose: "cudnn" or "reference".
   const char* attention_path() const;
+  // ZeRO-3: units copied or gathered into the window so far (0 without a window).
+  int64_t window_fills() const;
+  // Gradient buckets that left the device in the last Backward (0 without buckets).
+  int64_t buckets_sent() const;
 
   class Impl;  // per storage type, in gpt2_cuda.cc
 

@@ -5,19 +5,24 @@
 #include "absl/strings/str_cat.h"
 #include "gpu_trainer/cuda/gpt2_cuda_buffers.h"
 #include "gpu_trainer/cuda/runtime/storage_type.h"
+#include "gpu_trainer/cuda/zero/bucket_slots.h"
+#include "gpu_trainer/cuda/zero/param_window.h"
+#include "model_spec/gradient_buckets.h"
 #include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
 
 namespace offload {
 
 int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& placement) {
   const int64_t n = Gpt2NumParams(config);
-  if (placement.zero_stage != 3) return n;
-  const int L = config.num_layers;
-  const int64_t window = Gpt2UnitRange(config, 0).size() + Gpt2UnitRange(config, L + 1).size() +
-                         std::min(placement.window_layers, L) * Gpt2UnitRange(config, 1).size();
   const int W = std::max(1, placement.world_size);
-  const int64_t partition = W > 1 ? (n + W - 1) / W : 0;  // one rank: in pinned host memory
-  return partition + window;
+  // W ranks: the flat space padded to W whole partitions of 64-element blocks.
+  const int64_t padded =
+      W > 1 ? static_cast<int64_t>(MakePartitionMap(n, W, 1)->padded_length()) : n;
+  if (placement.zero_stage != 3) return padded;
+  const int64_t window =
+      PlanParamWindow(config, std::max(1, placement.window_layers)).total_elements;
+  return window + (W > 1 ? padded / W : 0);  // one rank: the partition is in pinned host memory
 }
 
 CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType dtype,
@@ -29,9 +34,20 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
   CudaMemoryPlan plan;
   plan.params_bytes = DeviceParamElements(config, placement) * size;
   // The optimizer on the GPU needs every gradient at once.
-  plan.grads_bytes = gradient_bucket_elements > 0 && !gpu_optimizer
-                         ? std::min(n, 3 * gradient_bucket_elements) * size
-                         : n * size;
+  const bool buckets = gradient_bucket_elements > 0 && !gpu_optimizer;
+  plan.grads_bytes =
+      (buckets ? DeviceGradientElements(config, gradient_bucket_elements) : n) * size;
+  if (buckets && placement.world_size > 1) {
+    // The reduce-scatter sums one bucket at a time in fp32: room for the largest but the
+    // embeddings'.
+    const BucketSlotPlan slots =
+        PlanBucketSlots(PlanGradientBuckets(config, n, gradient_bucket_elements));
+    int64_t largest = 0;
+    for (int s = 0; s < kBucketSlots; ++s) {
+      if (s != kEmbeddingSlot) largest = std::max(largest, slots.slot_elements[s]);
+    }
+    plan.reduce_scratch_bytes = largest * int64_t{sizeof(float)};
+  }
   plan.activation_bytes = DispatchStorageType(dtype, [&](auto zero) {
     using Storage = decltype(zero);
     Gpt2CudaActivations<Storage> views;

@@ -1,7 +1,10 @@
 // How much GPU memory the CUDA GPT-2 needs, and the largest GPT-2-shaped model that trains on a
 // GPU of a given size with offload (16-bit weights and gradients on the GPU, fp32 master weights
 // and Adam moments on the CPU shards) and without (those 12 bytes per parameter on the GPU too).
-// The activation sizes come from the carve the model itself uses (gpt2_cuda_buffers.h).
+// Each number is what the model allocates: the activations from the carve the model itself uses
+// (gpt2_cuda_buffers.h), the gradients' bucket slots (zero/bucket_slots.h), the parameter window
+// of ZeRO-3 (zero/param_window.h); the model checks its plan against free memory before it
+// allocates anything.
 #ifndef OFFLOAD_GPU_TRAINER_CUDA_MEMORY_PLANNER_H_
 #define OFFLOAD_GPU_TRAINER_CUDA_MEMORY_PLANNER_H_
 
@@ -26,19 +29,23 @@ struct CudaMemoryPlan {
   int64_t grads_bytes = 0;       // storage-type gradients
   int64_t activation_bytes = 0;  // saved activations, scratch, activation gradients
   int64_t optimizer_bytes = 0;  // fp32 master, exp_avg, exp_avg_sq when the optimizer is on the GPU
+  // fp32 scratch of the reduce-scatter over W > 1 ranks (NCCL): the largest bucket slot besides
+  // the embeddings'. 0 with one rank or without buckets.
+  int64_t reduce_scratch_bytes = 0;
   int64_t workspace_bytes = 0;  // cuBLASLt
   int64_t reserved_bytes = 0;   // kCudaReservedBytes
   int64_t total_bytes() const {
-    return params_bytes + grads_bytes + activation_bytes + optimizer_bytes + workspace_bytes +
-           reserved_bytes;
+    return params_bytes + grads_bytes + activation_bytes + optimizer_bytes + reduce_scratch_bytes +
+           workspace_bytes + reserved_bytes;
   }
 };
 
-// Which 16-bit weights the device holds. Stage 2 (the default): all of them. ZeRO-3 over W ranks
-// (ARCHITECTURE.md section 10): this rank's partition, n / W, plus the window being gathered (the
-// embeddings, ln_f and window_layers blocks); with one rank the partition stays in pinned host
-// memory and the device holds only the window (parameter offload). A plan, not the CUDA backend's
-// behaviour today: it runs stage 2 only.
+// Which 16-bit weights the device holds. W > 1 ranks are one GPU each over NCCL, the flat space
+// padded as the partition map pads it (model_spec/partition.h). Stage 2 (the default): all of
+// them (the padded length with W > 1). ZeRO-3 (ARCHITECTURE.md section 10): the parameter window
+// (zero/param_window.h: the embeddings, ln_f and window_layers blocks, each slot aligned) plus,
+// with W > 1, this rank's padded partition; with one rank the partition stays in pinned host
+// memory and the device holds only the window (parameter offload).
 struct ParamPlacement {
   int zero_stage = 2;
   int world_size = 1;
@@ -51,10 +58,11 @@ int64_t DeviceParamElements(const Gpt2Config& config, const ParamPlacement& plac
 // Micro-batch B, sequence T. gpu_optimizer: the fused GPU AdamW (the no-offload baseline) instead
 // of the CPU shards.
 // activation_checkpointing: the activations of a model that keeps only each block's input.
-// gradient_bucket_elements: 0, the device holds a gradient for every parameter (the CUDA backend
-// today); otherwise it holds three buckets of that many 16-bit gradients (one being written, one
-// on its way out, one waiting), each leaving as backward finishes it: a plan for the bucketed
-// gradients the CUDA backend does not have yet.
+// gradient_bucket_elements: 0, the device holds a gradient for every parameter; otherwise the
+// gradients leave backward in buckets of at least that many (model_spec/gradient_buckets.h; 1:
+// each unit a bucket of its own, what one rank uses), and the device holds the bucket slots of
+// zero/bucket_slots.h: the embeddings' bucket and two others at once (DeviceGradientElements).
+// The GPU optimizer needs every gradient at once, so it ignores the buckets.
 // attention: which attention's buffers the activations hold (attention_kind.h); by default
 // cuDNN's fused attention with the workspace estimated from the shape, what a 16-bit model runs
 // on the H100. The model passes the attention it chose and its plans' real workspace.

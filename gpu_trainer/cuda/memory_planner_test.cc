@@ -1,7 +1,8 @@
 // The memory planner is host arithmetic: these tests run, and must pass, on any machine, GPU or
 // not. They hold it to what follows from the model's layout (16-bit weights and gradients, 12
-// bytes of fp32 optimizer state per parameter on the GPU without offload) and to what "largest
-// that fits" means, not to numbers copied from its own output.
+// bytes of fp32 optimizer state per parameter on the GPU without offload; the bucket slots and the
+// parameter window summed here by hand from the units' sizes) and to what "largest that fits"
+// means, not to numbers copied from its own output.
 #include "gpu_trainer/cuda/memory_planner.h"
 
 #include <cstdint>
@@ -28,9 +29,17 @@ Gpt2Config Gpt2Small() {
   return c;
 }
 
+// Small enough to sum by hand, and with every unit a multiple of 64 elements (C = 128), so that
+// the slots' 64-element alignment adds nothing: the embeddings (V + T) C = 73728, a block
+// 12 C^2 + 13 C = 198272, ln_f 2 C = 256.
+Gpt2Config Small() {
+  return Gpt2Config{/*vocab=*/512, /*context=*/64, /*layers=*/4, /*heads=*/4, /*channels=*/128};
+}
+constexpr int64_t kSmallEmbeddings = 73728, kSmallBlock = 198272, kSmallLnf = 256;
+
 int64_t SumOfParts(const CudaMemoryPlan& p) {
   return p.params_bytes + p.grads_bytes + p.activation_bytes + p.optimizer_bytes +
-         p.workspace_bytes + p.reserved_bytes;
+         p.reduce_scratch_bytes + p.workspace_bytes + p.reserved_bytes;
 }
 
 TEST(MemoryPlanner, Gpt2SmallIsTheHuggingFaceModel) {
@@ -49,6 +58,7 @@ TEST(MemoryPlanner, WeightsGradientsAndOptimizerStateOfGpt2Small) {
     EXPECT_EQ(plan.grads_bytes, 2 * n);
     // fp32 master, exp_avg and exp_avg_sq, only when they live on the GPU.
     EXPECT_EQ(plan.optimizer_bytes, gpu_optimizer ? 12 * n : 0);
+    EXPECT_EQ(plan.reduce_scratch_bytes, 0);
     EXPECT_EQ(plan.workspace_bytes, kCublasWorkspaceBytes);
     EXPECT_EQ(plan.reserved_bytes, kCudaReservedBytes);
     EXPECT_EQ(plan.total_bytes(), SumOfParts(plan));
@@ -150,8 +160,21 @@ TEST(MemoryPlanner, Stage3HoldsThePartitionAndTheWindow) {
       Gpt2UnitRange(c, 0).size() + Gpt2UnitRange(c, 13).size() + 2 * Gpt2UnitRange(c, 1).size();
   EXPECT_EQ(DeviceParamElements(c, {}), n);
   EXPECT_EQ(DeviceParamElements(c, {3, 1, 2}), window);  // one rank: the model stays on the host
-  EXPECT_EQ(DeviceParamElements(c, {3, 4, 2}), (n + 3) / 4 + window);
+  // 124439808 = 4 x 64 x 486093: four partitions of whole blocks, no padding.
+  EXPECT_EQ(DeviceParamElements(c, {3, 4, 2}), n / 4 + window);
   EXPECT_EQ(DeviceParamElements(c, {3, 1, 100}), n);  // a window as deep as the model
+
+  // Padding: the small model's 867072 parameters (13548 blocks of 64) over 5 ranks are 2709.6
+  // blocks a rank, so each partition is 2710 blocks, 173440 elements, and the padded space 867200.
+  const Gpt2Config s = Small();
+  ASSERT_EQ(Gpt2NumParams(s), kSmallEmbeddings + 4 * kSmallBlock + kSmallLnf);
+  ASSERT_EQ(Gpt2NumParams(s), 867072);
+  EXPECT_EQ(DeviceParamElements(s, {2, 1, 2}), 867072);
+  EXPECT_EQ(DeviceParamElements(s, {2, 5, 2}), 867200);  // stage 2: the padded model
+  const int64_t small_window = kSmallEmbeddings + kSmallLnf + 2 * kSmallBlock;
+  EXPECT_EQ(DeviceParamElements(s, {3, 1, 2}), small_window);
+  EXPECT_EQ(DeviceParamElements(s, {3, 5, 2}), small_window + 173440);
+  EXPECT_EQ(DeviceParamElements(s, {3, 5, 1}), small_window - kSmallBlock + 173440);
   const CudaMemoryPlan stage2 = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false);
   const CudaMemoryPlan offloaded = PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false, {3, 1, 2});
   EXPECT_EQ(offloaded.params_bytes, 2 * window);
@@ -249,8 +272,11 @@ TEST(MemoryPlanner, BucketedGradientsAndCheckpointingApproachEightTimes) {
   const Gpt2Config c = Gpt2Small();
   const int64_t n = Gpt2NumParams(c);
   const int64_t bucket = int64_t{4} << 20;  // 8 MiB of bf16
+  // GPT-2 small's buckets of 4M: ln_f with block 11 (1536 + 7087872), then each block (a block is
+  // 12 x 768^2 + 13 x 768 = 7087872 >= 4M), then the embeddings, (50257 + 1024) x 768 = 39383808.
+  // Every unit is a whole number of 64-element blocks, so the slots are their sizes.
   EXPECT_EQ(PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, false, {}, false, bucket).grads_bytes,
-            2 * 3 * bucket);
+            2 * (39383808 + (1536 + 7087872) + 7087872));
   // The GPU optimizer needs every gradient at once.
   EXPECT_EQ(PlanGpt2CudaMemory(c, 1, 1024, DType::kBf16, true, {}, false, bucket).grads_bytes,
             2 * n);
@@ -266,6 +292,48 @@ TEST(MemoryPlanner, BucketedGradientsAndCheckpointingApproachEightTimes) {
       80 * kGiB, 1, 1024, DType::kBf16, false, ParamPlacement{3, 1, 2}, true, 0, bucket);
   ASSERT_TRUE(window.ok());
   EXPECT_GE(static_cast<double>(window->num_params) / gpu_only->num_params, 8.0);
+}
+
+// The device holds the embeddings' bucket in a slot of its own and the other buckets in two slots
+// taken in turn, each as large as the largest bucket it takes.
+TEST(MemoryPlanner, GradientsAreTheEmbeddingsSlotAndTwoOthers) {
+  const Gpt2Config s = Small();
+  auto grads = [&](int64_t bucket, bool gpu_optimizer, DType dtype) {
+    return PlanGpt2CudaMemory(s, 1, 64, dtype, gpu_optimizer, {}, false, bucket).grads_bytes;
+  };
+  for (const DType dtype : {DType::kBf16, DType::kFp16}) {
+    EXPECT_EQ(grads(0, false, dtype), 2 * 867072);  // no buckets: every gradient
+    // Each unit its own bucket (one rank): ln_f, blocks 3, 2, 1, 0 take slots 1 and 2 in turn.
+    EXPECT_EQ(grads(1, false, dtype), 2 * (kSmallEmbeddings + 2 * kSmallBlock));
+    // Two blocks a bucket: ln_f with blocks 3 and 2 (ln_f and one block are not yet two blocks),
+    // then blocks 1 and 0.
+    EXPECT_EQ(grads(2 * kSmallBlock, false, dtype),
+              2 * (kSmallEmbeddings + (kSmallLnf + 2 * kSmallBlock) + 2 * kSmallBlock));
+    // Three: ln_f with blocks 3, 2 and 1; block 0 is left to the embeddings' bucket, and the
+    // third slot is never used.
+    EXPECT_EQ(grads(3 * kSmallBlock, false, dtype),
+              2 * ((kSmallEmbeddings + kSmallBlock) + (kSmallLnf + 3 * kSmallBlock)));
+    EXPECT_EQ(grads(1, true, dtype), 2 * 867072);  // the GPU optimizer: every gradient
+  }
+}
+
+// W > 1 ranks reduce-scatter each bucket through an fp32 scratch as large as the largest slot
+// but the embeddings'; one rank, or no buckets, needs none.
+TEST(MemoryPlanner, RanksReduceThroughAnFp32Scratch) {
+  const Gpt2Config s = Small();
+  auto plan = [&](int ranks, int64_t bucket, bool gpu_optimizer = false) {
+    return PlanGpt2CudaMemory(s, 1, 64, DType::kBf16, gpu_optimizer, ParamPlacement{3, ranks, 2},
+                              false, bucket);
+  };
+  EXPECT_EQ(plan(4, 1).reduce_scratch_bytes, 4 * kSmallBlock);
+  EXPECT_EQ(plan(4, 2 * kSmallBlock).reduce_scratch_bytes, 4 * (kSmallLnf + 2 * kSmallBlock));
+  EXPECT_EQ(plan(1, 1).reduce_scratch_bytes, 0);
+  EXPECT_EQ(plan(4, 0).reduce_scratch_bytes, 0);
+  EXPECT_EQ(plan(4, 1, /*gpu_optimizer=*/true).reduce_scratch_bytes, 0);
+  const CudaMemoryPlan four = plan(4, 1);
+  EXPECT_EQ(four.total_bytes(), SumOfParts(four));
+  // Four ranks hold a partition each: 867072 / 4 = 3387 blocks of 64 a rank, no padding.
+  EXPECT_EQ(four.params_bytes, 2 * (kSmallEmbeddings + kSmallLnf + 2 * kSmallBlock + 867072 / 4));
 }
 
 TEST(MemoryPlanner, NothingFitsInWhatTheCudaContextReserves) {

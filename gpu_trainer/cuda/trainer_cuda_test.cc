@@ -222,5 +222,42 @@ TEST(TrainerCudaPipeline, ShmServerTakesGradientsInPlaceAndTrainsTheInProcessRun
   EXPECT_GE(served[0].in_place_elements, 8 * Gpt2NumParams(o.model));
 }
 
+// ZeRO-3 on the CUDA backend (scripts/gpu-check's *Window* line): one rank, the partition in host
+// memory and a device window of 1, 2 and L blocks, trains stage 2's run bit for bit: the same
+// kernels on the same weights, filled unit by unit from the host. The reference attention keeps
+// every kernel deterministic, so that equal bits are the claim.
+TEST(TrainerCudaWindow, Stage3TrainsStage2sBits) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  TrainerOptions o = TinyOptions(ComputeDevice::kCuda);
+  o.steps = 6;
+  o.schedule.set_total_steps(6);
+  auto runner_for = [](const TrainerOptions& t) {
+    return [t](int max_batch) {
+      CudaScaleOptions scale;
+      scale.param_window_layers = t.zero_stage == 3 ? t.param_window_layers : 0;
+      return CreateCudaModelRunner(t.model, max_batch, t.seq_len, t.param_dtype, t.cuda_device,
+                                   t.pinned_staging_bytes, t.activation_checkpointing,
+                                   /*reference_attention=*/true, scale);
+    };
+  };
+  o.make_runner = runner_for(o);
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(Gpt2NumParams(o.model), 1, 1);
+  ASSERT_TRUE(map.ok());
+  InProcessOptimizer stage2_backend(*map, 2, BestSimdPath());
+  const RunResult stage2 = Train(o, &stage2_backend, 6);
+  ASSERT_EQ(stage2.losses.size(), 6u);
+  for (const int window_layers : {1, 2, o.model.num_layers}) {
+    TrainerOptions z = o;
+    z.zero_stage = 3;
+    z.param_window_layers = window_layers;
+    z.make_runner = runner_for(z);
+    InProcessOptimizer backend(*map, 2, BestSimdPath());
+    const RunResult stage3 = Train(z, &backend, 6);
+    EXPECT_EQ(stage3.losses, stage2.losses) << "window_layers " << window_layers;
+    EXPECT_EQ(stage3.master, stage2.master) << "window_layers " << window_layers;
+    EXPECT_EQ(stage3.partition16, stage2.partition16) << "window_layers " << window_layers;
+  }
+}
+
 }  // namespace
 }  // namespace offload

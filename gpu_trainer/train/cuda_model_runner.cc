@@ -20,8 +20,13 @@ namespace {
 
 class CudaModelRunner final : public ModelRunner {
  public:
-  CudaModelRunner(std::unique_ptr<Gpt2Cuda> model, std::string device, int64_t total_bytes)
-      : model_(std::move(model)), device_(std::move(device)), total_bytes_(total_bytes) {}
+  CudaModelRunner(std::unique_ptr<Gpt2Cuda> model, std::string device, int64_t total_bytes,
+                  const CudaScaleOptions& scale)
+      : model_(std::move(model)),
+        device_(std::move(device)),
+        total_bytes_(total_bytes),
+        window_(scale.param_window_layers >= 1),
+        ranks_(scale.collectives != nullptr && scale.collectives->world_size() > 1) {}
 
   int64_t num_params() const override { return model_->num_params(); }
 
@@ -35,6 +40,12 @@ class CudaModelRunner final : public ModelRunner {
   }
 
   absl::Status SetWeights(const uint16_t* w16) override { return model_->UploadWeights16(w16); }
+
+  bool takes_partition_weights() const override { return window_ || ranks_; }
+  absl::Status SetPartitionWeights(const uint16_t* partition16) override {
+    return ranks_ ? model_->UploadPartition16(partition16) : model_->SetHostWeights16(partition16);
+  }
+  bool reduces_gradients() const override { return ranks_; }
 
   absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                 int T) override {
@@ -81,13 +92,16 @@ class CudaModelRunner final : public ModelRunner {
   std::unique_ptr<Gpt2Cuda> model_;
   const std::string device_;
   const int64_t total_bytes_;  // the GPU's memory
+  const bool window_;          // ZeRO-3: a window of the weights on the device
+  const bool ranks_;           // NCCL ranks: gathers and reduces on the device
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
     const Gpt2Config& config, int max_batch, int max_seq, DType dtype, int device,
-    int64_t pinned_staging_bytes, bool activation_checkpointing, bool reference_attention) {
+    int64_t pinned_staging_bytes, bool activation_checkpointing, bool reference_attention,
+    const CudaScaleOptions& scale) {
   if (dtype != DType::kFp16 && dtype != DType::kBf16) {
     return absl::InvalidArgumentError("the trainer's weights must be fp16 or bf16");
   }
@@ -98,20 +112,24 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
   options.staging.budget_bytes = pinned_staging_bytes;
   options.activation_checkpointing = activation_checkpointing;
   if (reference_attention) options.attention = AttentionKind::kReference;
+  options.gradient_bucket_elements = scale.gradient_bucket_elements;
+  options.param_window_layers = scale.param_window_layers;
+  options.collectives = scale.collectives;
+  options.padded_length = scale.padded_length;
   options.staging.chunk_bytes =
       std::min<int64_t>(options.staging.chunk_bytes, pinned_staging_bytes / 2);
   absl::StatusOr<std::unique_ptr<Gpt2Cuda>> model =
       Gpt2Cuda::Create(config, max_batch, max_seq, options);
   if (!model.ok()) return model.status();
   return std::make_unique<CudaModelRunner>(std::move(*model), DescribeCudaDevice(info),
-                                           info.total_bytes);
+                                           info.total_bytes, scale);
 }
 
 #else
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(const Gpt2Config&, int, int,
-                                                                   DType, int, int64_t, bool,
-                                                                   bool) {
+                                                                   DType, int, int64_t, bool, bool,
+                                                                   const CudaScaleOptions&) {
   return absl::UnimplementedError(
       "this build has no CUDA backend (nvcc was not found when it was configured; see "
       "OFFLOAD_CUDA in the README)");

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "model_spec/gradient_buckets.h"
 #include "model_spec/param_layout.h"
 
 namespace offload {
@@ -25,27 +27,13 @@ GradientReducer::GradientReducer(Collectives* collectives, const Gpt2Config& mod
       on_rounded_(std::move(on_rounded)),
       trace_(trace),
       counts_(collectives->world_size(), 0) {
-  // The padding above the parameters is a bucket of its own: its gradients are zeros, and the
-  // owner of that part of the flat space sends them like the rest.
+  // The padding bucket, then units in backward order grouped greedily from the top: the same
+  // pieces the CUDA backend's device buckets hold.
+  GradientBucketPlan plan = PlanGradientBuckets(model, padded_length_, bucket_elements_);
+  buckets_ = std::move(plan.buckets);
+  bucket_of_unit_ = std::move(plan.bucket_of_unit);
   const int64_t num_params = Gpt2NumParams(model);
-  if (padded_length_ > num_params) buckets_.push_back(Bucket{num_params, padded_length_, 0, false});
-  // Then units in backward order (ln_f, the blocks from the last, the embeddings), grouped
-  // greedily from the top until a bucket holds bucket_elements.
   const int units = Gpt2NumUnits(model);
-  bucket_of_unit_.assign(units, -1);
-  Bucket open;
-  for (int unit = units - 1; unit >= 0; --unit) {
-    const ParamRange r = Gpt2UnitRange(model, unit);
-    if (open.units == 0) open = Bucket{r.begin, r.end, 0, false};
-    open.lo = r.begin;
-    open.units++;
-    open.embeddings = open.embeddings || unit == 0;
-    bucket_of_unit_[unit] = static_cast<int>(buckets_.size());
-    if (open.hi - open.lo >= bucket_elements_ || unit == 0) {
-      buckets_.push_back(open);
-      open = Bucket{};
-    }
-  }
   live_.resize(buckets_.size());
   for (int unit = 0; unit < units; ++unit) unit_begin_.push_back(Gpt2UnitRange(model, unit).begin);
   unit_begin_.push_back(num_params);
@@ -75,7 +63,7 @@ void GradientReducer::Begin(uint64_t step, PlaceFn place) {
 }
 
 absl::Status GradientReducer::Take(int b, std::unique_lock<std::mutex>& lock) {
-  const Bucket& bucket = buckets_[b];
+  const GradientBucket& bucket = buckets_[b];
   if (!bucket.embeddings) {
     cv_.wait(lock, [&] { return in_flight_ < max_in_flight_; });
     in_flight_++;
@@ -248,16 +236,12 @@ void GradientReducer::Loop() {
 }
 
 absl::Status GradientReducer::Reduce(int b, float* data, const PlaceFn& place, GradStats* stats) {
-  const Bucket& bucket = buckets_[b];
+  const GradientBucket& bucket = buckets_[b];
   const int W = collectives_->world_size();
   const int rank = collectives_->rank();
   // The bucket is contiguous and the partitions are in rank order, so its pieces in each rank's
   // partition are the consecutive segments ReduceScatter takes.
-  for (int r = 0; r < W; ++r) {
-    const int64_t lo = std::max(bucket.lo, r * partition_length_);
-    const int64_t hi = std::min(bucket.hi, (r + 1) * partition_length_);
-    counts_[r] = std::max<int64_t>(0, hi - lo);
-  }
+  counts_ = RankCounts(bucket.lo, bucket.hi, partition_length_, W);
   const int64_t mine_lo = std::max(bucket.lo, rank * partition_length_);
   const int64_t mine = counts_[rank];
   float* out = data + (mine_lo - bucket.lo);  // (mine,)

@@ -29,6 +29,7 @@
 #include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/train/phase_trace.h"
 #include "model_spec/gpt2_config.h"
+#include "model_spec/gradient_buckets.h"
 
 namespace offload {
 
@@ -82,11 +83,6 @@ class GradientReducer final : public Gpt2GradSink {
   std::vector<int64_t> reduced_order() const;
 
  private:
-  struct Bucket {
-    int64_t lo = 0, hi = 0;   // flat [lo, hi)
-    int units = 0;            // units it holds (0: the padding above the parameters)
-    bool embeddings = false;  // holds unit 0, written at both ends of backward
-  };
   struct Live {
     std::unique_ptr<float[]> data;  // (capacity,) the bucket's gradients from lo on
     int64_t capacity = 0;
@@ -110,8 +106,8 @@ class GradientReducer final : public Gpt2GradSink {
   const int max_in_flight_;
   const RoundedFn on_rounded_;
   PhaseTrace* const trace_;
-  std::vector<Bucket> buckets_;      // in backward order; the padding first when there is any
-  std::vector<int> bucket_of_unit_;  // (units,)
+  std::vector<GradientBucket> buckets_;  // PlanGradientBuckets': in backward order, padding first
+  std::vector<int> bucket_of_unit_;      // (units,)
   std::vector<int64_t> unit_begin_;  // (units + 1,) flat first element of each unit, then the end
   std::vector<int64_t> unit_received_;  // (units,) elements AddGradients16 has widened this pass
   std::vector<int64_t> counts_;         // (W,) elements of the bucket in each rank's partition

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
+#include "gpu_trainer/collectives/collectives.h"
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/precision/grad_stats.h"
 #include "gpu_trainer/train/phase_trace.h"
@@ -38,6 +39,19 @@ class ModelRunner {
     return absl::UnimplementedError(
         "ZeRO stage 3 (weights gathered layer by layer) is built for the CPU backend only");
   }
+  // Where the backend holds only part of the weights itself (the CUDA backend's ZeRO-3 window, or
+  // NCCL ranks that gather on the device): the trainer hands it its 16-bit partition after each
+  // update instead of SetWeights or SetParamSource: with one rank the whole model, kept and read
+  // unit by unit until the next call (it must not change meanwhile); with W ranks this rank's
+  // partition, copied at once.
+  virtual bool takes_partition_weights() const { return false; }
+  virtual absl::Status SetPartitionWeights(const uint16_t* /*partition16*/) {
+    return absl::UnimplementedError("this backend takes the whole 16-bit model (SetWeights)");
+  }
+  // Whether Backward reduces the gradients across the ranks itself (NCCL on the device): on_ready
+  // then reports only this rank's partition's pieces, already the mean over ranks, and the
+  // statistics are of those pieces.
+  virtual bool reduces_gradients() const { return false; }
   // As Gpt2Cpu::Forward: inputs, targets (B, T) on the host; the mean loss (0 without targets).
   virtual absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                         int T) = 0;
@@ -90,13 +104,23 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(
     const Gpt2Config& config, int max_batch, int max_seq, CpuKernelSet kernels, DType dtype,
     bool activation_checkpointing = false);
 
+// How the CUDA backend holds the gradients and weights at scale (Gpt2Cuda's CudaModelOptions):
+// gradient buckets (1: each unit its own; 0: one gradient for every parameter), the ZeRO-3 window
+// (0: every weight on the device), and NCCL ranks (not owned; null or one rank: none).
+struct CudaScaleOptions {
+  int64_t gradient_bucket_elements = 1;
+  int param_window_layers = 0;
+  Collectives* collectives = nullptr;
+  int64_t padded_length = 0;  // the partition map's
+};
+
 // Unavailable without a GPU; Unimplemented in a build without the CUDA backend.
 // reference_attention: the reference attention even where cuDNN's fused one would run (tests that
 // compare runs bit for bit: cuDNN's backward may accumulate with atomics).
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
     const Gpt2Config& config, int max_batch, int max_seq, DType dtype, int device,
     int64_t pinned_staging_bytes, bool activation_checkpointing = false,
-    bool reference_attention = false);
+    bool reference_attention = false, const CudaScaleOptions& scale = {});
 
 }  // namespace offload
 

@@ -41,9 +41,10 @@ absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary libr
   if (world_size > 1) {
     return absl::UnimplementedError(absl::StrCat(
         world_size,
-        " CUDA ranks cannot meet over NCCL yet: its reduce-scatter of GPU gradient "
-        "buckets is not in the CUDA backend's gradient path; run them with --collectives=gloo, "
-        "which stages the 16-bit gradients on the host"));
+        " CUDA ranks cannot meet over NCCL from this program yet: the CUDA backend reduces "
+        "its gradient buckets and gathers its weights over NCCL (TrainerOptions.collectives), "
+        "but gpu_trainer does not connect NCCL between its ranks; run them with "
+        "--collectives=gloo, which stages the 16-bit gradients on the host"));
   }
   return absl::OkStatus();
 }
@@ -194,10 +195,11 @@ absl::Status Trainer::Init() {
         "hold two versions of its partition and gather layers from the older; use "
         "--zero_stage=2 with --dpu");
   }
-  if (stage3 && o.device == ComputeDevice::kCuda) {
+  if (stage3 && o.device == ComputeDevice::kCuda && W > 1 &&
+      o.collective_library != CollectiveLibrary::kNccl) {
     return absl::UnimplementedError(
-        "--zero_stage=3 is built for the CPU backend only: the CUDA backend's window of layers "
-        "in device memory is not built yet; use --zero_stage=2 with --device=cuda");
+        "--zero_stage=3 --device=cuda over more than one rank gathers each layer on the GPUs, "
+        "which needs --collectives=nccl (one GPU per rank); with gloo use --zero_stage=2");
   }
   if (stage3 && o.param_window_layers < 1) {
     return absl::InvalidArgumentError(
@@ -220,16 +222,25 @@ absl::Status Trainer::Init() {
   OFFLOAD_RETURN_IF_ERROR(CheckHostMemory());
 
   OFFLOAD_RETURN_IF_ERROR(CheckCollectiveLibrary(o.device, o.collective_library, W));
+  const v1::PartitionMap& map = backend_->partition();
+  // The CUDA backend's gradients leave by bucket (each unit its own with one rank, as the
+  // reducer's), its ZeRO-3 weights come through a device window, and NCCL ranks reduce and gather
+  // on the GPUs.
+  CudaScaleOptions scale;
+  scale.gradient_bucket_elements = W > 1 ? o.bucket_elements : 1;
+  scale.param_window_layers = stage3 ? o.param_window_layers : 0;
+  scale.collectives = o.collective_library == CollectiveLibrary::kNccl ? collectives_ : nullptr;
+  scale.padded_length = static_cast<int64_t>(map.padded_length());
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
       o.make_runner ? o.make_runner(local_batch_)
       : o.device == ComputeDevice::kCuda
           ? CreateCudaModelRunner(o.model, local_batch_, o.seq_len, o.param_dtype, o.cuda_device,
-                                  o.pinned_staging_bytes, o.activation_checkpointing)
+                                  o.pinned_staging_bytes, o.activation_checkpointing,
+                                  /*reference_attention=*/false, scale)
           : CreateCpuModelRunner(o.model, local_batch_, o.seq_len, o.kernels, o.param_dtype,
                                  o.activation_checkpointing);
   if (!runner.ok()) return runner.status();
   runner_ = std::move(*runner);
-  const v1::PartitionMap& map = backend_->partition();
   if (static_cast<int>(map.world_size()) != W || backend_->rank() != collectives_->rank()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the partition map is for ", map.world_size(), " rank(s) and the backend steps for rank ",
@@ -261,11 +272,17 @@ absl::Status Trainer::Init() {
         runner_->RegisterHostMemory(buffer->data(), static_cast<int64_t>(buffer->size()) * 2)
             .ok()});
   }
+  // ZeRO-3 on the CUDA backend with one rank: the window is filled straight from the partition.
+  if (stage3 && runner_->takes_partition_weights() && partition16_.data() != nullptr) {
+    const int64_t bytes = backend_->partition_length() * 2;
+    host_areas_.push_back(HostArea{partition16_.data(), 0,
+                                   runner_->RegisterHostMemory(partition16_.data(), bytes).ok()});
+  }
   runner_->set_trace(o.trace, [this] { return trace_step_.load(); });
   sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
   // fp32 gradients go to the reducer unit by unit; a backend with 16-bit ones and other ranks
   // to meet (the CUDA backend over gloo) hands it each range once it is on the host.
-  if (runner_->has_fp32_gradients() || W > 1) {
+  if (runner_->has_fp32_gradients() || (W > 1 && !runner_->reduces_gradients())) {
     reducer_ = std::make_unique<GradientReducer>(
         collectives_, o.model, static_cast<int64_t>(map.padded_length()), grads16_.data(),
         o.param_dtype, o.bucket_elements,
@@ -394,6 +411,8 @@ absl::StatusOr<std::string> Trainer::Start() {
 
 absl::Status Trainer::StartGatherer() {
   if (gatherer_ != nullptr) return absl::OkStatus();
+  // The CUDA backend gathers into its own device window (ApplyWeights hands it the partition).
+  if (runner_->takes_partition_weights()) return absl::OkStatus();
   const TrainerOptions& o = options_;
   // Collective, like every gather after it: all ranks get here with the same settings.
   OFFLOAD_ASSIGN_OR_RETURN(param_collectives_, collectives_->Fork("params"));
@@ -479,7 +498,10 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
 
 absl::Status Trainer::ApplyWeights() {
   if (!params_stale_) return absl::OkStatus();
-  if (stage3()) {
+  if (runner_->takes_partition_weights()) {
+    OFFLOAD_RETURN_IF_ERROR(runner_->SetPartitionWeights(
+        stage3() ? partition16_.data() : weights16_.data() + backend_->partition_offset()));
+  } else if (stage3()) {
     if (gatherer_ == nullptr) return absl::FailedPreconditionError("Start the trainer first");
     gatherer_->Invalidate();  // the layers gathered so far are of the old weights
   } else {
@@ -557,7 +579,8 @@ absl::StatusOr<StepReport> Trainer::Step() {
     absl::StatusOr<StepCounters> counters;
     {
       TracePhase phase(o.trace, "commit", step);
-      if (stage3()) gatherer_->Invalidate();  // nothing may read the partition while it changes
+      // Nothing may read the partition while it changes.
+      if (gatherer_ != nullptr) gatherer_->Invalidate();
       uint16_t* partition =
           stage3() ? partition16_.data() : weights16_.data() + backend_->partition_offset();
       counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, partition);
@@ -749,8 +772,10 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
           OnGradientsRounded(offset, n, from);
         },
         place);
-    const int64_t n = runner_->num_params();
-    if (backward.ok()) OnGradientsRounded(n, static_cast<int64_t>(grads16_.size()) - n);
+    // The padding above the parameters, where it is in this rank's partition: zeros.
+    const int64_t lo = std::max(runner_->num_params(), backend_->partition_offset());
+    const int64_t hi = backend_->partition_offset() + backend_->partition_length();
+    if (backward.ok() && hi > lo) OnGradientsRounded(lo, hi - lo);
   }
   if (!backward.ok()) return backward.status();
   if (o.micro_batches > 1) {
@@ -811,6 +836,8 @@ GradStats Trainer::AccumulatedStats() const {
 }
 
 absl::Status Trainer::AllGatherPartitions(uint16_t* buffer) {
+  // NCCL ranks gather on the device when ApplyWeights hands the runner this rank's partition.
+  if (runner_->takes_partition_weights()) return absl::OkStatus();
   TracePhase phase(options_.trace, "all_gather", step_ + 1);
   return collectives_->AllGather16(buffer + backend_->partition_offset(), buffer,
                                    backend_->partition_length());

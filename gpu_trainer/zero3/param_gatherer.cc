@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "model_spec/gradient_buckets.h"
 
 namespace offload {
 
@@ -209,11 +210,7 @@ absl::Status ParamGatherer::Gather(int unit, Slot& slot) {
   const int W = options_.world_size;
   const int64_t P = partition_length_;
   // counts (W,): the piece of [begin, end) each rank owns, in rank order, which is buffer order.
-  std::vector<int64_t> counts(W, 0);
-  for (int r = 0; r < W; ++r) {
-    counts[r] = std::max<int64_t>(
-        0, std::min(range.end, (r + 1) * P) - std::max(range.begin, int64_t{r} * P));
-  }
+  const std::vector<int64_t> counts = RankCounts(range.begin, range.end, P, W);
   const int64_t mine_from = std::max(range.begin, int64_t{options_.rank} * P);
   const uint16_t* mine = counts[options_.rank] > 0
                              ? partition16_ + (mine_from - int64_t{options_.rank} * P)

@@ -235,11 +235,14 @@ TEST(Stage3, RefusesWhatItCannotDo) {
   EXPECT_EQ(Trainer::Create(o, backend->get()).status().code(), absl::StatusCode::kInvalidArgument);
   o = Options(4);
   EXPECT_EQ(Trainer::Create(o, backend->get()).status().code(), absl::StatusCode::kInvalidArgument);
+  // One CUDA rank runs stage 3 through its device window: no refusal of the stage; what stops it
+  // here is only a missing GPU (or a build without the CUDA backend).
   o = Options(3);
   o.device = ComputeDevice::kCuda;
   t = Trainer::Create(o, backend->get());
-  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(t.status().message().find("CPU backend only"), std::string::npos) << t.status();
+  if (!t.ok()) {
+    EXPECT_EQ(t.status().message().find("zero_stage"), std::string::npos) << t.status();
+  }
 }
 
 }  // namespace

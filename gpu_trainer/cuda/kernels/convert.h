@@ -12,6 +12,11 @@ namespace offload {
 // out (n,) = in (n,) rounded to T.
 template <typename T>
 cudaError_t ConvertFromFloat(T* out, const float* in, int64_t n, cudaStream_t stream);
+// out (n,) = in (n,) * scale in fp32, rounded to T: the mean of a reduce-scatter's sum over W
+// ranks, rounded as the host's RoundGradients does.
+template <typename T>
+cudaError_t ConvertFromFloatScaled(T* out, const float* in, float scale, int64_t n,
+                                   cudaStream_t stream);
 
 // out (n,) = in (n,) widened to fp32.
 template <typename T>

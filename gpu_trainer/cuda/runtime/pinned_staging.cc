@@ -88,6 +88,11 @@ absl::Status DeviceToHostStaging::Drain() {
   return std::exchange(error_, absl::OkStatus());
 }
 
+absl::Status DeviceToHostStaging::PeekError() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
 // Waits for the slot's copy, moves its bytes to their destination, frees the slot, and finishes
 // its request if this was the request's last chunk. Runs on the copy thread only.
 absl::Status DeviceToHostStaging::Retire(Slot& slot) {

@@ -46,6 +46,9 @@ class DeviceToHostStaging {
             std::function<void()> done, bool direct = false);
   // Waits for every submitted copy; returns the first CUDA error since the last Drain.
   absl::Status Drain();
+  // The first CUDA error since the last Drain, without waiting: a copy that failed never calls
+  // its `done`, so a caller waiting for one checks this too.
+  absl::Status PeekError();
 
   cudaStream_t stream() const { return stream_; }
   int64_t budget_bytes() const { return chunk_bytes_ * num_slots_; }
