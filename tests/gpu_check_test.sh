@@ -38,7 +38,7 @@ filter=${1#--gtest_filter=}
 name=$(basename "$0")
 tests=("Gpt2CudaCudnnParity.bf16" "EpilogueTest.GeluAux" "VectorAccess.Layernorm"
        "Gpt2CudaPipeline.Upload" "TrainerCudaDpu.Tracks" "Gpt2CudaGradientBuckets.Flat"
-       "TrainerCudaParamWindow.Stage2Bits" "Gpt2CudaParity.fp16")
+       "TrainerCudaParamWindow.Stage2Bits" "Gpt2CudaNccl.OneRank" "Gpt2CudaParity.fp16")
 match() {  # a gtest filter of one positive or one negative list of *X* patterns
   local t=$1 f=$2 neg=0 p
   [ "${f:0:1}" = - ] && { neg=1; f=${f:1}; }
@@ -114,7 +114,7 @@ run() {  # run LOGDIR [ENV=VALUE...]: gpu-check's output; its exit status in $wo
 
 # Every path passes; only the front end (no torch here) fails the check.
 out=$(run "$work/logs1")
-for p in cudnn_attention epilogues vector_loads pipeline dpu gradient_buckets param_window other; do
+for p in cudnn_attention epilogues vector_loads pipeline dpu gradient_buckets param_window nccl_path other; do
   grep -q "^gpu-check: tests $p: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
     fail "path $p not reported as 2 passed: $out"
 done
@@ -128,10 +128,12 @@ grep -qE '^ +transfers / pinned bound \(>= 0\.8\) +H2D 0\.904, D2H 0\.886$' <<< 
 grep -qE '^ +  D2H s after bwd, H2D in fwd +0\.00020 / 0\.810$' <<< "$out" || fail "overlap row: $out"
 [ "$(grep -c '^gpu device=' "$work/logs1/bench_gpu.log")" = 2 ] || fail "one bench process per model"
 grep -q '^gpu-check: largest: ok$' <<< "$out" || fail "largest run: $out"
-grep -qE '^ +largest trained, offload +6413788800 \(L206 C1600\), 3\.20000 s, 12\.30 TFLOP/s, device 30\.10 of 31\.00 GiB planned, binds host$' <<< "$out" ||
-  fail "largest offload row: $out"
-grep -qE '^ +largest trained, GPU only +5254103040 \(L6 C8192\), ' <<< "$out" || fail "largest GPU-only row: $out"
-grep -qE '^ +  size ratio trained \(target >= 8\) +1\.221$' <<< "$out" || fail "largest ratio row: $out"
+grep -qE '^ +largest trained, offload +6413788800 \(L206 C1600\), 3\.20000 s, 12\.30 TFLOP/s, '`
+  `'device 30\.10 of 31\.00 GiB planned, binds host$' <<< "$out" || fail "largest offload row: $out"
+grep -qE '^ +largest trained, GPU only +5254103040 \(L6 C8192\), ' <<< "$out" ||
+  fail "largest GPU-only row: $out"
+grep -qE '^ +  size ratio trained \(target >= 8\) +1\.221$' <<< "$out" ||
+  fail "largest ratio row: $out"
 [ -s "$work/logs1/bench_gpu_largest.log" ] || fail "no log of the largest run"
 [ -d "$work/logs1/traces" ] || fail "no trace directory for the bench"
 
@@ -139,7 +141,7 @@ grep -qE '^ +  size ratio trained \(target >= 8\) +1\.221$' <<< "$out" || fail "
 out=$(run "$work/logs2" CRASH=Cudnn)
 grep -q "^gpu-check: tests cudnn_attention: 0 passed, 0 skipped, 0 failed: FAILED$" <<< "$out" ||
   fail "a crashing path must fail: $out"
-for p in epilogues vector_loads pipeline dpu gradient_buckets param_window other; do
+for p in epilogues vector_loads pipeline dpu gradient_buckets param_window nccl_path other; do
   grep -q "^gpu-check: tests $p: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
     fail "path $p hidden by the crash: $out"
 done
@@ -154,15 +156,18 @@ grep -q "^gpu-check: tests pipeline: 0 passed, 0 skipped, 0 failed: FAILED$" <<<
 grep -q "^gpu-check: tests dpu: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
   fail "the paths after the hang must still run: $out"
 grep -q "timed out after 2s" "$work/logs4/gpt2_cuda_test_pipeline.log" || fail "timeout not logged"
-grep -q '^gpu-check: largest: exit 124: timed out: FAILED' <<< "$out" || fail "a hanging largest run: $out"
-grep -qE '^ +MFU \(target >= 45% for gpt2\) +46\.0%$' <<< "$out" || fail "rows after the hang: $out"
+grep -q '^gpu-check: largest: exit 124: timed out: FAILED' <<< "$out" ||
+  fail "a hanging largest run: $out"
+grep -qE '^ +MFU \(target >= 45% for gpt2\) +46\.0%$' <<< "$out" ||
+  fail "rows after the hang: $out"
 
 # The reference attention on a GPU is a failure, named; a largest run out of memory at every try
 # fails that line only, and its error is in the summary.
 out=$(run "$work/logs3" FAKE_ATTENTION=reference FAKE_LARGEST=oom)
 grep -q "gpt2-124m ran attention=reference, not cudnn" <<< "$out" || fail "reference: $out"
 grep -q '^gpu-check: largest: exit 1: FAILED' <<< "$out" || fail "a failed largest run: $out"
-grep -qE '^ +largest trained, offload +error: cannot_allocate$' <<< "$out" || fail "largest error: $out"
+grep -qE '^ +largest trained, offload +error: cannot_allocate$' <<< "$out" ||
+  fail "largest error: $out"
 grep -qE '^ +largest trained, GPU only +5254103040 ' <<< "$out" || fail "the other side: $out"
 grep -qE '^ +  size ratio trained \(target >= 8\) +n/a$' <<< "$out" || fail "no ratio: $out"
 grep -q "^gpu-check: tests other: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||

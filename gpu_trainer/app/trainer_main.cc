@@ -28,6 +28,10 @@
 #include "gpu_trainer/app/trainer_worker.h"
 #include "gpu_trainer/collectives/controller_store.h"
 #include "gpu_trainer/collectives/gloo_collectives.h"
+#ifdef OFFLOAD_HAVE_NCCL
+#include "gloo/rendezvous/file_store.h"
+#include "gpu_trainer/cuda/nccl/nccl_collectives.h"
+#endif
 #include "gpu_trainer/model/cpu_runtime.h"
 #include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/offload/remote_optimizer.h"
@@ -150,6 +154,37 @@ absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ControllerRendezvous() 
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_collective_timeout)));
 }
 
+// NCCL between the W ranks of this job, one GPU each: the unique id goes through the rendezvous the
+// ranks met in over gloo (the controller's store, or the directory's).
+absl::StatusOr<std::unique_ptr<offload::Collectives>> ConnectNcclRanks(
+    int rank, int world_size, int cuda_device, const std::string& rendezvous,
+    const std::string& job_id) {
+#ifdef OFFLOAD_HAVE_NCCL
+  offload::NcclOptions nccl;
+  nccl.rank = rank;
+  nccl.world_size = world_size;
+  nccl.cuda_device = cuda_device;
+  nccl.prefix = absl::StrCat("trainer-nccl-", job_id);
+  nccl.timeout = absl::GetFlag(FLAGS_collective_timeout);
+  std::shared_ptr<gloo::rendezvous::Store> store;
+  if (rendezvous == "controller") {
+    OFFLOAD_ASSIGN_OR_RETURN(store, ControllerRendezvous());
+  } else {
+    try {
+      store = std::make_shared<gloo::rendezvous::FileStore>(rendezvous);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("NCCL's rendezvous in ", rendezvous, ": ", e.what()));
+    }
+  }
+  return offload::ConnectNccl(nccl, std::move(store));
+#else
+  return absl::UnimplementedError(
+      "--collectives=nccl with more than one rank: this build has no NCCL (it was not found "
+      "beside the CUDA toolkit when the build was configured); use --collectives=gloo");
+#endif
+}
+
 // The controller link of a rank over its progress reports.
 class ProgressClientLink : public offload::ControllerLink {
  public:
@@ -244,11 +279,17 @@ int main(int argc, char** argv) {
   }
   // Before the ranks meet: each refuses alone, at once, rather than after the rendezvous.
   if (absl::Status s =
-          offload::CheckCollectiveLibrary(options->device, options->collective_library, world_size);
+          offload::CheckCollectiveLibrary(options->device, options->collective_library);
       !s.ok()) {
     return Fail(s);
   }
+#ifndef OFFLOAD_HAVE_NCCL
+  if (world_size > 1 && options->collective_library == offload::CollectiveLibrary::kNccl) {
+    return Fail(ConnectNcclRanks(rank, world_size, 0, "", "").status());  // says why
+  }
+#endif
   std::unique_ptr<offload::Collectives> collectives;
+  std::unique_ptr<offload::Collectives> nccl_collectives;  // --collectives=nccl: the step's
   if (world_size > 1) {
     g_who = absl::StrCat("gpu_trainer rank ", rank);
     offload::GlooOptions gloo;
@@ -277,6 +318,15 @@ int main(int argc, char** argv) {
     }
     options->job_id = job_id;
     options->collectives = collectives.get();
+    if (options->collective_library == offload::CollectiveLibrary::kNccl) {
+      // The ranks met over gloo to agree on the job; the step's collectives are NCCL's, on the
+      // GPUs, meeting in the same rendezvous.
+      absl::StatusOr<std::unique_ptr<offload::Collectives>> nccl = ConnectNcclRanks(
+          rank, world_size, options->cuda_device, gloo.rendezvous, options->job_id);
+      if (!nccl.ok()) return Fail(nccl.status());
+      nccl_collectives = std::move(*nccl);
+      options->collectives = nccl_collectives.get();
+    }
     options->lead_timeout = absl::GetFlag(FLAGS_lead_timeout);
   }
   const bool lead = rank == 0;

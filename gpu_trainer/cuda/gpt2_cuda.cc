@@ -224,11 +224,11 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   Collectives* ranks = options_.collectives;
   const int W = ranks != nullptr ? ranks->world_size() : 1;
   const int64_t padded = std::max(n_, options_.padded_length);
-  if ((bucketed || windowed || W > 1) && !sixteen) {
+  if ((bucketed || windowed || ranks != nullptr) && !sixteen) {
     return absl::InvalidArgumentError(
         "Gpt2Cuda: gradient buckets, the parameter window and NCCL ranks need a 16-bit model");
   }
-  if (W > 1 && (!bucketed || padded % W != 0)) {
+  if (ranks != nullptr && (!bucketed || padded % W != 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gpt2Cuda: ", W, " NCCL ranks need gradient buckets and a padded_length (",
                      padded, ") that splits into ", W, " equal partitions"));
@@ -269,16 +269,16 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   window_options.padded_length = padded;
   int64_t window_elements = 0, partition_elements = 0;
   if (windowed) {
-    if (W > 1) {
+    if (ranks != nullptr) {
       OFFLOAD_ASSIGN_OR_RETURN(window_collectives_, ranks->Fork("cuda-window"));
       window_options.collectives = window_collectives_.get();
     }
     window_elements = PlanParamWindow(c_, window_options.window_layers).total_elements;
     partition_elements = DevicePartitionElements(window_options);
   }
-  const int64_t weight_elements = windowed ? window_elements + partition_elements
-                                  : W > 1  ? padded
-                                           : n_;
+  const int64_t weight_elements = windowed           ? window_elements + partition_elements
+                                  : ranks != nullptr ? padded
+                                                     : n_;
   DeviceGradientBucketsOptions bucket_options;
   bucket_options.config = c_;
   bucket_options.dtype = StorageDType<T>();
@@ -457,7 +457,7 @@ template <typename T>
 absl::Status Gpt2CudaImpl<T>::UploadPartition16(const uint16_t* partition16) {
   Collectives* ranks = options_.collectives;
   if (partition16 == nullptr) return absl::InvalidArgumentError("UploadPartition16: null");
-  if (ranks == nullptr || ranks->world_size() < 2) {
+  if (ranks == nullptr) {
     return absl::FailedPreconditionError(
         "Gpt2Cuda::UploadPartition16: the model has no NCCL ranks to gather from");
   }

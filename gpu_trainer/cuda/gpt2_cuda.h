@@ -53,9 +53,10 @@ struct CudaModelOptions {
   // (SetHostWeights16) or, with W NCCL ranks, all-gathered from the ranks' partitions
   // (UploadPartition16). 16-bit only.
   int param_window_layers = 0;
-  // NCCL ranks (nccl/nccl_collectives.h; not owned), W > 1: the buckets are reduce-scattered on
-  // the device and the updated weights all-gathered there (UploadPartition16). Requires
-  // gradient_bucket_elements >= 1. padded_length: the partition map's flat length.
+  // NCCL ranks (nccl/nccl_collectives.h; not owned; one rank's too, the same bits as none): the
+  // buckets are reduce-scattered on the device and the updated weights all-gathered there
+  // (UploadPartition16). Requires gradient_bucket_elements >= 1. padded_length: the partition
+  // map's flat length.
   Collectives* collectives = nullptr;
   int64_t padded_length = 0;
 };

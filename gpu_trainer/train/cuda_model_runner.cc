@@ -26,7 +26,7 @@ class CudaModelRunner final : public ModelRunner {
         device_(std::move(device)),
         total_bytes_(total_bytes),
         window_(scale.param_window_layers >= 1),
-        ranks_(scale.collectives != nullptr && scale.collectives->world_size() > 1) {}
+        ranks_(scale.collectives != nullptr) {}
 
   int64_t num_params() const override { return model_->num_params(); }
 

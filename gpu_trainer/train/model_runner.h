@@ -106,7 +106,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuModelRunner(
 
 // How the CUDA backend holds the gradients and weights at scale (Gpt2Cuda's CudaModelOptions):
 // gradient buckets (1: each unit its own; 0: one gradient for every parameter), the ZeRO-3 window
-// (0: every weight on the device), and NCCL ranks (not owned; null or one rank: none).
+// (0: every weight on the device), and NCCL ranks (not owned; null: none; with one rank the
+// device path gives the single-rank bits).
 struct CudaScaleOptions {
   int64_t gradient_bucket_elements = 1;
   int param_window_layers = 0;

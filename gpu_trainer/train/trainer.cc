@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/host_memory.h"
@@ -30,23 +31,13 @@ absl::StatusOr<CollectiveLibrary> ParseCollectiveLibrary(absl::string_view name)
       absl::StrCat("--collectives=", name, " is not one of gloo, nccl"));
 }
 
-absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary library,
-                                    int world_size) {
-  if (library != CollectiveLibrary::kNccl) return absl::OkStatus();
-  if (device != ComputeDevice::kCuda) {
-    return absl::InvalidArgumentError(
-        "--collectives=nccl needs --device=cuda: NCCL reduces GPU buffers; the CPU backend's "
-        "ranks meet over gloo");
+absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary library) {
+  if (library != CollectiveLibrary::kNccl || device == ComputeDevice::kCuda) {
+    return absl::OkStatus();
   }
-  if (world_size > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        world_size,
-        " CUDA ranks cannot meet over NCCL from this program yet: the CUDA backend reduces "
-        "its gradient buckets and gathers its weights over NCCL (TrainerOptions.collectives), "
-        "but gpu_trainer does not connect NCCL between its ranks; run them with "
-        "--collectives=gloo, which stages the 16-bit gradients on the host"));
-  }
-  return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "--collectives=nccl needs --device=cuda: NCCL reduces GPU buffers; the CPU backend's "
+      "ranks meet over gloo");
 }
 namespace {
 
@@ -221,7 +212,14 @@ absl::Status Trainer::Init() {
   sampler_ = std::make_unique<BatchSampler>(train_, o.batch, o.seq_len, o.seed);
   OFFLOAD_RETURN_IF_ERROR(CheckHostMemory());
 
-  OFFLOAD_RETURN_IF_ERROR(CheckCollectiveLibrary(o.device, o.collective_library, W));
+  OFFLOAD_RETURN_IF_ERROR(CheckCollectiveLibrary(o.device, o.collective_library));
+  // W NCCL ranks hand the model device pointers: gloo's collectives would read them as host memory.
+  if (o.collective_library == CollectiveLibrary::kNccl && W > 1 &&
+      !absl::StartsWith(collectives_->Describe(), "nccl")) {
+    return absl::InvalidArgumentError(absl::StrCat("--collectives=nccl over ", W,
+                                                   " ranks needs NCCL collectives, not ",
+                                                   collectives_->Describe()));
+  }
   const v1::PartitionMap& map = backend_->partition();
   // The CUDA backend's gradients leave by bucket (each unit its own with one rank, as the
   // reducer's), its ZeRO-3 weights come through a device window, and NCCL ranks reduce and gather
@@ -229,7 +227,9 @@ absl::Status Trainer::Init() {
   CudaScaleOptions scale;
   scale.gradient_bucket_elements = W > 1 ? o.bucket_elements : 1;
   scale.param_window_layers = stage3 ? o.param_window_layers : 0;
-  scale.collectives = o.collective_library == CollectiveLibrary::kNccl ? collectives_ : nullptr;
+  // With one rank the trainer's collectives are a local stand-in, not NCCL: nothing to reduce.
+  scale.collectives =
+      o.collective_library == CollectiveLibrary::kNccl && W > 1 ? collectives_ : nullptr;
   scale.padded_length = static_cast<int64_t>(map.padded_length());
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
       o.make_runner ? o.make_runner(local_batch_)

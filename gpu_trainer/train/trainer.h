@@ -109,11 +109,9 @@ struct TrainerOptions {
 
 // "gloo" or "nccl" (the flag and the job spec's parallel.collectives); "" is gloo.
 absl::StatusOr<CollectiveLibrary> ParseCollectiveLibrary(absl::string_view name);
-// Whether `library` can serve world_size ranks computing on `device`: nccl needs cuda, and its
-// reduce-scatter of device buffers is not in the CUDA backend's gradient path yet, so more than
-// one rank is refused, naming gloo, which stages the gradients on the host.
-absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary library,
-                                    int world_size);
+// Whether `library` can serve ranks computing on `device`: nccl reduces GPU buffers, so it needs
+// cuda (W NCCL ranks reduce-scatter the gradient buckets and gather the weights on their GPUs).
+absl::Status CheckCollectiveLibrary(ComputeDevice device, CollectiveLibrary library);
 
 struct StepReport {
   uint64_t step = 0;

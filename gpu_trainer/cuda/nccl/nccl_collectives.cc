@@ -99,6 +99,9 @@ absl::Status CheckCounts(const std::vector<int64_t>& counts, int world_size,
   return absl::OkStatus();
 }
 
+// The host-memory operations' device staging buffer at most (Broadcast goes in pieces).
+constexpr int64_t kMaxStagingBytes = int64_t{64} << 20;
+
 class NcclCollectives final : public Collectives {
  public:
   NcclCollectives(const NcclOptions& options, ncclComm_t comm, cudaStream_t stream,
@@ -196,17 +199,26 @@ class NcclCollectives final : public Collectives {
           absl::StrCat("nccl broadcast: ", bytes, " bytes from root ", root, " of ", world_size()));
     }
     if (bytes == 0) return Usable();
-    OFFLOAD_ASSIGN_OR_RETURN(void* staging, Staging(bytes));
-    if (rank() == root) {
-      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(staging, data, bytes, cudaMemcpyHostToDevice));
-    }
+    // In pieces of a bounded staging buffer: the starting weights of a model that fills the GPU
+    // must not need a second copy of themselves there.
+    const int64_t piece = std::min<int64_t>(bytes, kMaxStagingBytes);
+    OFFLOAD_ASSIGN_OR_RETURN(void* staging, Staging(static_cast<size_t>(piece)));
     const absl::Duration wait = timeout > absl::ZeroDuration() ? timeout : options_.timeout;
-    OFFLOAD_RETURN_IF_ERROR(Run("broadcast", wait, [&]() -> ncclResult_t {
-      return ncclBroadcast(staging, staging, static_cast<size_t>(bytes), ncclUint8, root, comm_,
-                           stream_);
-    }));
-    if (rank() != root) {
-      OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(data, staging, bytes, cudaMemcpyDeviceToHost));
+    char* bytes_at = static_cast<char*>(data);
+    for (int64_t done = 0; done < bytes; done += piece) {
+      const int64_t n = std::min(piece, bytes - done);
+      if (rank() == root) {
+        OFFLOAD_CUDA_RETURN_IF_ERROR(
+            cudaMemcpy(staging, bytes_at + done, n, cudaMemcpyHostToDevice));
+      }
+      OFFLOAD_RETURN_IF_ERROR(Run("broadcast", wait, [&]() -> ncclResult_t {
+        return ncclBroadcast(staging, staging, static_cast<size_t>(n), ncclUint8, root, comm_,
+                             stream_);
+      }));
+      if (rank() != root) {
+        OFFLOAD_CUDA_RETURN_IF_ERROR(
+            cudaMemcpy(bytes_at + done, staging, n, cudaMemcpyDeviceToHost));
+      }
     }
     return absl::OkStatus();
   }

@@ -42,13 +42,14 @@ struct DeviceGradientBucketsOptions {
   int64_t bucket_elements = 1;
   // The flat space the ranks partition: num_params, or the partition map's padded length.
   int64_t padded_length = 0;
-  // NCCL ranks (device pointers), W > 1: each bucket is reduce-scattered on the device and this
-  // rank's piece, the mean over ranks, is what leaves. Null, or one rank: the bucket leaves whole.
+  // NCCL ranks (device pointers): each bucket is reduce-scattered on the device and this rank's
+  // piece, the mean over ranks, is what leaves (with one rank: the bucket, the same bits). Null:
+  // the bucket leaves whole.
   Collectives* collectives = nullptr;
   int device = 0;  // the reduce thread's
 };
 
-// Bytes of the fp32 scratch the reduce-scatter needs (0 without collectives of W > 1).
+// Bytes of the fp32 scratch the reduce-scatter needs (0 without collectives).
 int64_t DeviceReduceScratchBytes(const DeviceGradientBucketsOptions& options);
 
 class DeviceGradientBuckets {

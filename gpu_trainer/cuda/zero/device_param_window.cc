@@ -12,9 +12,8 @@
 namespace offload {
 namespace {
 
-bool Gathers(const DeviceParamWindowOptions& o) {
-  return o.collectives != nullptr && o.collectives->world_size() > 1;
-}
+// Any NCCL communicator, one rank's too (the test of the path on one GPU).
+bool Gathers(const DeviceParamWindowOptions& o) { return o.collectives != nullptr; }
 
 }  // namespace
 
@@ -45,7 +44,7 @@ absl::StatusOr<std::unique_ptr<DeviceParamWindow>> DeviceParamWindow::Create(
                        " does not cover the model in ", W, " equal partitions"));
     }
     if (partition == nullptr) {
-      return absl::InvalidArgumentError("the parameter window over W > 1 ranks needs a partition");
+      return absl::InvalidArgumentError("the parameter window over NCCL ranks needs a partition");
     }
   }
   std::unique_ptr<DeviceParamWindow> w(

@@ -28,13 +28,14 @@ namespace offload {
 struct DeviceParamWindowOptions {
   Gpt2Config config;
   int window_layers = 2;
-  // NCCL ranks, W > 1 (a communicator of the window's own: its gathers run on the compute thread
-  // while the gradients' reduce-scatters run on another). Null or one rank: the host model.
+  // NCCL ranks (a communicator of the window's own: its gathers run on the compute thread while
+  // the gradients' reduce-scatters run on another); one rank's too, which gathers its whole
+  // model from itself (the path's test on one GPU). Null: the host model.
   Collectives* collectives = nullptr;
   int64_t padded_length = 0;  // the flat space the ranks partition (W > 1)
 };
 
-// Elements of this rank's partition on the device (W > 1), else 0.
+// Elements of this rank's partition on the device (with NCCL ranks), else 0.
 int64_t DevicePartitionElements(const DeviceParamWindowOptions& options);
 
 class DeviceParamWindow {
@@ -54,7 +55,7 @@ class DeviceParamWindow {
   // One rank: the whole 16-bit model (num_params,) in host memory, read by the fills of every
   // step until the next call; it must not change while a step runs.
   void SetHostWeights(const uint16_t* w16) { host_ = w16; }
-  // W ranks: this rank's partition (padded_length / W,) on the host, copied to the device now.
+  // NCCL ranks: this rank's partition (padded_length / W,) on the host, copied to the device now.
   absl::Status SetPartition(const uint16_t* partition16);
 
   // Starts a step's sequence of uses (a Forward): the slots' first fills are queued once every

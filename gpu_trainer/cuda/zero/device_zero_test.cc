@@ -18,6 +18,10 @@
 #include "gtest/gtest.h"
 #include "model_spec/gradient_buckets.h"
 #include "model_spec/param_layout.h"
+#include "model_spec/partition.h"
+#ifdef OFFLOAD_HAVE_NCCL
+#include "gpu_trainer/cuda/nccl/nccl_collectives.h"
+#endif
 
 namespace offload {
 namespace {
@@ -188,6 +192,51 @@ TEST(Gpt2CudaWindow, DeviceMemoryIsThePlannersFigure) {
   EXPECT_GE(used, plan.params_bytes + plan.grads_bytes);
   EXPECT_LE(used, plan.total_bytes());
 }
+
+#ifdef OFFLOAD_HAVE_NCCL
+// The NCCL path on one GPU (scripts/gpu-check's *Nccl* line): a one-rank communicator runs every
+// device collective of W ranks (the buckets widened, reduce-scattered, averaged and rounded over
+// this rank's piece; the partition uploaded and all-gathered in place; the window's units
+// gathered from the partition), and with one rank each is the identity, so the bits are the
+// single-rank path's. Two ranks need two GPUs (nccl_collectives_test's *TwoRanks* case).
+TEST(Gpt2CudaNccl, OneRankReducesAndGathersTheSingleRankBits) {
+  OFFLOAD_SKIP_WITHOUT_CUDA();
+  NcclOptions nccl;
+  absl::StatusOr<std::unique_ptr<Collectives>> ranks = ConnectNccl(nccl, nullptr);
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  const int64_t n = Gpt2NumParams(kConfig);
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(n, 1, 1);
+  ASSERT_TRUE(map.ok());
+  const int64_t padded = static_cast<int64_t>(map->padded_length());
+  std::vector<uint16_t> w16 = Bf16Weights(PerturbedParams(kConfig, 91));
+  auto single = Gpt2Cuda::Create(kConfig, kBatch, kSeq, Options(1, 0));
+  ASSERT_TRUE(single.ok()) << single.status();
+  const StepResult want = Step(**single, w16, false, 92);
+  std::vector<uint16_t> partition = w16;
+  partition.resize(padded, 0);
+  for (const int window_layers : {0, 2}) {
+    CudaModelOptions options = Options(1, window_layers);
+    options.collectives = ranks->get();
+    options.padded_length = padded;
+    auto m = Gpt2Cuda::Create(kConfig, kBatch, kSeq, options);
+    ASSERT_TRUE(m.ok()) << m.status();
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE((*m)->UploadPartition16(partition.data()).ok());
+      const std::vector<int32_t> inputs = RandomTokens(kBatch * kSeq, kConfig.vocab_size, 92);
+      const std::vector<int32_t> targets = RandomTokens(kBatch * kSeq, kConfig.vocab_size, 93);
+      absl::StatusOr<float> loss = (*m)->Forward(inputs.data(), targets.data(), kBatch, kSeq);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      StepResult got;
+      got.loss = *loss;
+      got.grads.assign(n, 0xFFFF);
+      absl::StatusOr<CudaGradStats> stats = (*m)->Backward(1024.0f, got.grads.data(), nullptr);
+      ASSERT_TRUE(stats.ok()) << stats.status();
+      got.stats = *stats;
+      ExpectSameBits(got, want, window_layers > 0 ? "nccl window" : "nccl stage 2");
+    }
+  }
+}
+#endif  // OFFLOAD_HAVE_NCCL
 
 }  // namespace
 }  // namespace offload
