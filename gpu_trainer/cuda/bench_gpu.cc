@@ -667,8 +667,12 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   p.checkpointing = absl::GetFlag(FLAGS_plan_activation_checkpointing);
   p.host_gib = absl::GetFlag(FLAGS_plan_host_gib);
   p.gradient_bucket_mb = absl::GetFlag(FLAGS_plan_gradient_bucket_mb);
-  const auto bucket = static_cast<int64_t>(p.gradient_bucket_mb * (1 << 20)) /
-                      static_cast<int64_t>(DTypeSize(dtype));
+  // Any positive size is at least one element: a bucket per unit, what one rank runs.
+  const int64_t bucket =
+      p.gradient_bucket_mb > 0
+          ? std::max<int64_t>(1, static_cast<int64_t>(p.gradient_bucket_mb * (1 << 20)) /
+                                     static_cast<int64_t>(DTypeSize(dtype)))
+          : 0;
   const auto bytes = static_cast<int64_t>(memory_gib * static_cast<double>(int64_t{1} << 30));
   const auto host = static_cast<int64_t>(p.host_gib * static_cast<double>(int64_t{1} << 30));
   for (const bool gpu_optimizer : {false, true}) {

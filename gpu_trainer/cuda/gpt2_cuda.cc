@@ -195,6 +195,9 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
 template <typename T>
 Gpt2CudaImpl<T>::~Gpt2CudaImpl() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  // They use the rings: gone before them.
+  grad_buckets_.reset();
+  window_.reset();
   d2h_.reset();  // joins the copy thread before the events it may wait on go away
   h2d_.reset();
   for (cudaEvent_t e : range_done_) cudaEventDestroy(e);

@@ -107,7 +107,8 @@ absl::StatusOr<LargestTrainable> LargestTrainableGpt2(int64_t device_bytes, int 
       return gpu_fits(config) && host_fits(config);
     };
     // Memory grows with depth, so the deepest model that fits is a binary search away.
-    int lo = 0, hi = 1024;
+    // Up to 2^16 layers: beyond any model a window of layers or the host could train.
+    int lo = 0, hi = 1 << 16;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
       if (fits(mid)) {

@@ -535,5 +535,24 @@ TEST(DataParallel, SettingsThatDoNotSplitAreRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(trainer.status())) << trainer.status();
 }
 
+// --collectives=nccl with W ranks hands the model device pointers: collectives that are not
+// NCCL's (gloo here) are refused before anything is created, naming what they are.
+TEST(DataParallel, NcclRanksNeedNcclCollectives) {
+  TrainerOptions o = TinyOptions();
+  o.device = ComputeDevice::kCuda;
+  o.collective_library = CollectiveLibrary::kNccl;
+  LocalShards shards(2);
+  std::vector<absl::Status> created(2);
+  RunRanks(o, shards, 2, absl::Seconds(20),
+           [&](int r, const TrainerOptions& options, OptimizerBackend* backend) {
+             created[r] = Trainer::Create(options, backend).status();
+           });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(absl::IsInvalidArgument(created[r])) << r << ": " << created[r];
+    EXPECT_NE(created[r].message().find("needs NCCL collectives, not gloo"), std::string::npos)
+        << created[r];
+  }
+}
+
 }  // namespace
 }  // namespace offload

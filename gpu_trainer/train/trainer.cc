@@ -612,8 +612,10 @@ Trainer::HostMemory Trainer::PlanHostMemory() const {
     const int64_t window =
         Gpt2UnitRange(c, 0).size() + Gpt2UnitRange(c, c.num_layers + 1).size() +
         std::min(o.param_window_layers, c.num_layers) * Gpt2UnitRange(c, 1).size();
-    // The partition, the window's 16-bit and fp32 copies, and rank 0's whole model at start-up.
-    m.weights = 2 * P + 6 * window + (rank() == 0 && map.world_size() > 1 ? 2 * padded : 0);
+    // The partition, the window's 16-bit and fp32 copies (on the host for the CPU backend; the
+    // CUDA backend's window is on the GPU), and rank 0's whole model at start-up.
+    m.weights =
+        2 * P + (cpu ? 6 * window : 0) + (rank() == 0 && map.world_size() > 1 ? 2 * padded : 0);
   } else {
     // The 16-bit copy (and DPU's second one), and the CPU backend's fp32 copy it computes with.
     m.weights = 2 * padded * (o.dpu ? 2 : 1) + (cpu ? 4 * n : 0);
