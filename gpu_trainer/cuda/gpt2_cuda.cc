@@ -47,6 +47,7 @@ class Gpt2Cuda::Impl {
   virtual absl::Status UploadWeights16(const uint16_t* w16) = 0;
   virtual absl::Status SetHostWeights16(const uint16_t* w16) = 0;
   virtual absl::Status UploadPartition16(const uint16_t* partition16) = 0;
+  virtual absl::Status DownloadWeights16(uint16_t* w16) = 0;
   virtual int64_t window_fills() const = 0;
   virtual int64_t buckets_sent() const = 0;
   virtual absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
@@ -84,6 +85,7 @@ class Gpt2CudaImpl final : public Gpt2Cuda::Impl {
   absl::Status UploadWeights16(const uint16_t* w16) override;
   absl::Status SetHostWeights16(const uint16_t* w16) override;
   absl::Status UploadPartition16(const uint16_t* partition16) override;
+  absl::Status DownloadWeights16(uint16_t* w16) override;
   int64_t window_fills() const override { return window_ ? window_->fills() : 0; }
   int64_t buckets_sent() const override {
     return grad_buckets_ ? grad_buckets_->buckets_sent() : 0;
@@ -289,6 +291,8 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   bucket_options.padded_length = padded;
   bucket_options.collectives = ranks;
   bucket_options.device = options_.device;
+  // With a window over NCCL ranks this thread gathers too: it reduces as well, in one order.
+  bucket_options.reduce_on_caller = windowed && ranks != nullptr;
   const int64_t grad_elements =
       bucketed ? PlanBucketSlots(PlanGradientBuckets(c_, padded, bucket_options.bucket_elements))
                      .total_elements
@@ -468,12 +472,28 @@ absl::Status Gpt2CudaImpl<T>::UploadPartition16(const uint16_t* partition16) {
   // Stage 2: this rank's piece in place, then every rank's gathered around it on the device.
   const int64_t P = std::max(n_, options_.padded_length) / ranks->world_size();
   T* mine = params_ + ranks->rank() * P;
-  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  // On the stream, synchronised: a plain copy from pageable memory may return before its DMA has
+  // landed, and NCCL's stream would not wait for it.
   OFFLOAD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(mine, partition16, P * sizeof(T), cudaMemcpyHostToDevice));
+      cudaMemcpyAsync(mine, partition16, P * sizeof(T), cudaMemcpyHostToDevice, stream_));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   OFFLOAD_RETURN_IF_ERROR(ranks->AllGather16(reinterpret_cast<const uint16_t*>(mine),
                                              reinterpret_cast<uint16_t*>(params_), P));
   weights_pending_ = false;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Gpt2CudaImpl<T>::DownloadWeights16(uint16_t* w16) {
+  if (w16 == nullptr) return absl::InvalidArgumentError("Gpt2Cuda::DownloadWeights16: null");
+  if (!flat_weights() || std::is_same_v<T, float>) {
+    return absl::FailedPreconditionError(
+        "Gpt2Cuda::DownloadWeights16: the device holds no whole 16-bit model (a ZeRO-3 window, or "
+        "fp32)");
+  }
+  OFFLOAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(w16, params_, n_ * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
 
@@ -990,6 +1010,7 @@ absl::Status Gpt2Cuda::SetHostWeights16(const uint16_t* w16) {
 absl::Status Gpt2Cuda::UploadPartition16(const uint16_t* partition16) {
   return impl_->UploadPartition16(partition16);
 }
+absl::Status Gpt2Cuda::DownloadWeights16(uint16_t* w16) { return impl_->DownloadWeights16(w16); }
 int64_t Gpt2Cuda::window_fills() const { return impl_->window_fills(); }
 int64_t Gpt2Cuda::buckets_sent() const { return impl_->buckets_sent(); }
 

@@ -111,6 +111,9 @@ class Gpt2Cuda {
   // is all-gathered on the device into every weight now; ZeRO-3: it is kept on the device, and
   // each unit is all-gathered from the ranks' partitions into the window before its use.
   absl::Status UploadPartition16(const uint16_t* partition16);
+  // w16 (num_params,) := the 16-bit weights on the device (every weight there: not ZeRO-3), e.g.
+  // those NCCL ranks gathered, for a checkpoint. FailedPrecondition with a window or in fp32.
+  absl::Status DownloadWeights16(uint16_t* w16);
 
   // Page-locks [p, p + bytes) of host memory (cudaHostRegister) so that transfers to and from it
   // skip the pinned ring: the trainer's weight and gradient buffers, a shared-memory segment's
@@ -138,6 +141,10 @@ class Gpt2Cuda {
   // place(offset, n), when given, may name another destination of a range (n,) than
   // host_grads16 + offset (a shared-memory segment's gradient area, so nothing is copied again on
   // the host), or return null for host_grads16; a registered destination is written directly.
+  // With gradient buckets the ranges are the buckets (model_spec/gradient_buckets.h: consecutive
+  // units in backward order, the embeddings' last, which may hold blocks too), and with NCCL
+  // ranks only this rank's piece of each (the mean over ranks); the padding above num_params is
+  // never one of them.
   absl::StatusOr<CudaGradStats> Backward(
       float loss_scale, uint16_t* host_grads16,
       const std::function<void(int64_t offset, int64_t n)>& on_ready,

@@ -38,15 +38,10 @@ CudaMemoryPlan PlanGpt2CudaMemory(const Gpt2Config& config, int B, int T, DType 
   plan.grads_bytes =
       (buckets ? DeviceGradientElements(config, gradient_bucket_elements) : n) * size;
   if (buckets && placement.world_size > 1) {
-    // The reduce-scatter sums one bucket at a time in fp32: room for the largest but the
-    // embeddings'.
-    const BucketSlotPlan slots =
-        PlanBucketSlots(PlanGradientBuckets(config, n, gradient_bucket_elements));
-    int64_t largest = 0;
-    for (int s = 0; s < kBucketSlots; ++s) {
-      if (s != kEmbeddingSlot) largest = std::max(largest, slots.slot_elements[s]);
-    }
-    plan.reduce_scratch_bytes = largest * int64_t{sizeof(float)};
+    // The reduce-scatter sums one bucket at a time in fp32, the embeddings' too.
+    plan.reduce_scratch_bytes = ReduceScratchElements(PlanBucketSlots(
+                                    PlanGradientBuckets(config, n, gradient_bucket_elements))) *
+                                int64_t{sizeof(float)};
   }
   plan.activation_bytes = DispatchStorageType(dtype, [&](auto zero) {
     using Storage = decltype(zero);

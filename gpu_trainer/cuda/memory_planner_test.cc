@@ -318,7 +318,8 @@ TEST(MemoryPlanner, GradientsAreTheEmbeddingsSlotAndTwoOthers) {
 }
 
 // W > 1 ranks reduce-scatter each bucket through an fp32 scratch as large as the largest slot
-// but the embeddings'; one rank, or no buckets, needs none.
+// (here a block's or ln_f's with two blocks: the embeddings' is smaller); one rank, or no buckets,
+// needs none.
 TEST(MemoryPlanner, RanksReduceThroughAnFp32Scratch) {
   const Gpt2Config s = Small();
   auto plan = [&](int ranks, int64_t bucket, bool gpu_optimizer = false) {

@@ -46,6 +46,9 @@ class CudaModelRunner final : public ModelRunner {
     return ranks_ ? model_->UploadPartition16(partition16) : model_->SetHostWeights16(partition16);
   }
   bool reduces_gradients() const override { return ranks_; }
+  absl::Status CopyWeights16ToHost(uint16_t* w16) override {
+    return model_->DownloadWeights16(w16);
+  }
 
   absl::StatusOr<float> Forward(const int32_t* inputs, const int32_t* targets, int B,
                                 int T) override {

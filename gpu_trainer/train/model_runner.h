@@ -48,6 +48,11 @@ class ModelRunner {
   virtual absl::Status SetPartitionWeights(const uint16_t* /*partition16*/) {
     return absl::UnimplementedError("this backend takes the whole 16-bit model (SetWeights)");
   }
+  // w16 (num_params,) := the 16-bit weights the backend computes with, where only it holds them
+  // whole (NCCL ranks gather theirs on the device): for a checkpoint.
+  virtual absl::Status CopyWeights16ToHost(uint16_t* /*w16*/) {
+    return absl::UnimplementedError("this backend's weights are the trainer's host copy");
+  }
   // Whether Backward reduces the gradients across the ranks itself (NCCL on the device): on_ready
   // then reports only this rank's partition's pieces, already the mean over ranks, and the
   // statistics are of those pieces.

@@ -959,8 +959,17 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint(float val_loss) {
   // The shards' state must be quiet, and whole: every rank's commit finishes first.
   OFFLOAD_RETURN_IF_ERROR(FinishPendingCommit());
   OFFLOAD_RETURN_IF_ERROR(collectives_->Barrier());
+  // NCCL ranks gather the updated partitions on their GPUs only: the whole 16-bit model comes back
+  // from there (every rank gathers, collectively; rank 0 copies).
+  absl::Status host_weights;
+  if (runner_->takes_partition_weights() && !stage3()) {
+    OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
+    if (rank() == 0) host_weights = runner_->CopyWeights16ToHost(weights16_.data());
+  }
   absl::StatusOr<std::string> dir = absl::UnknownError("rank 0 writes the checkpoint");
-  if (rank() == 0) {
+  if (rank() == 0 && !host_weights.ok()) {
+    dir = host_weights;
+  } else if (rank() == 0) {
     v1::CheckpointManifest m = Manifest();
     m.set_val_loss(val_loss);
     // Stage 3: no rank holds the whole 16-bit model; the file is written from the shards'

@@ -176,7 +176,8 @@ class Trainer {
     return m;
   }
   const DynamicLossScaler& loss_scaler() const { return policy_.scaler(); }
-  // The 16-bit weights the trainer computes with, (padded_length,); empty under ZeRO-3.
+  // The 16-bit weights the trainer computes with, (padded_length,); empty under ZeRO-3. NCCL ranks
+  // gather the others' partitions on the device: their host copy is whole after a checkpoint.
   const std::vector<uint16_t>& weights16() const { return weights16_; }
   // This rank's 16-bit weights that every stage holds, (partition_length,).
   const uint16_t* partition16() const {

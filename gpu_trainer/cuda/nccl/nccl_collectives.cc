@@ -181,8 +181,11 @@ class NcclCollectives final : public Collectives {
     if (n == 0) return Usable();
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
     OFFLOAD_ASSIGN_OR_RETURN(void* staging, Staging(bytes));
-    // The stream is idle between operations, so plain copies cannot wait on a stuck one.
-    OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(staging, values, bytes, cudaMemcpyHostToDevice));
+    // In: on NCCL's stream, ahead of the operation (a plain copy from pageable memory may return
+    // before its DMA has landed, and that stream would not wait for it). Out: a plain copy, once
+    // Run has waited for the operation; the stream is idle then, so it cannot wait on a stuck one.
+    OFFLOAD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(staging, values, bytes, cudaMemcpyHostToDevice, stream_));
     OFFLOAD_RETURN_IF_ERROR(Run("all_reduce", options_.timeout, [&]() -> ncclResult_t {
       return ncclAllReduce(staging, staging, n, ncclDouble,
                            op == ReduceOp::kSum ? ncclSum : ncclMax, comm_, stream_);
@@ -209,7 +212,7 @@ class NcclCollectives final : public Collectives {
       const int64_t n = std::min(piece, bytes - done);
       if (rank() == root) {
         OFFLOAD_CUDA_RETURN_IF_ERROR(
-            cudaMemcpy(staging, bytes_at + done, n, cudaMemcpyHostToDevice));
+            cudaMemcpyAsync(staging, bytes_at + done, n, cudaMemcpyHostToDevice, stream_));
       }
       OFFLOAD_RETURN_IF_ERROR(Run("broadcast", wait, [&]() -> ncclResult_t {
         return ncclBroadcast(staging, staging, static_cast<size_t>(n), ncclUint8, root, comm_,

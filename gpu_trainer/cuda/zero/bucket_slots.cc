@@ -2,14 +2,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 #include "model_spec/gradient_buckets.h"
 #include "model_spec/param_layout.h"
 
 namespace offload {
 
-BucketSlotPlan PlanBucketSlots(const GradientBucketPlan& buckets, int64_t align_elements) {
-  const int64_t align = std::max<int64_t>(1, align_elements);
+BucketSlotPlan PlanBucketSlots(const GradientBucketPlan& buckets) {
+  const int64_t align = kAddressPhaseElements;
   BucketSlotPlan plan;
   plan.of_bucket.resize(buckets.buckets.size());
   int last_of_slot[kBucketSlots] = {-1, -1, -1};
@@ -26,7 +27,9 @@ BucketSlotPlan PlanBucketSlots(const GradientBucketPlan& buckets, int64_t align_
     plan.of_bucket[b].slot = slot;
     plan.of_bucket[b].previous = last_of_slot[slot];
     last_of_slot[slot] = b;
-    plan.slot_elements[slot] = std::max(plan.slot_elements[slot], bucket.size());
+    plan.of_bucket[b].offset = bucket.lo % kAddressPhaseElements;  // the slot's added below
+    plan.slot_elements[slot] =
+        std::max(plan.slot_elements[slot], plan.of_bucket[b].offset + bucket.size());
   }
   int64_t end = 0;
   for (int s = 0; s < kBucketSlots; ++s) {
@@ -35,9 +38,13 @@ BucketSlotPlan PlanBucketSlots(const GradientBucketPlan& buckets, int64_t align_
   }
   plan.total_elements = end;
   for (BucketSlot& slot : plan.of_bucket) {
-    if (slot.slot >= 0) slot.offset = plan.slot_offset[slot.slot];
+    if (slot.slot >= 0) slot.offset += plan.slot_offset[slot.slot];
   }
   return plan;
+}
+
+int64_t ReduceScratchElements(const BucketSlotPlan& slots) {
+  return *std::max_element(std::begin(slots.slot_elements), std::end(slots.slot_elements));
 }
 
 int64_t DeviceGradientElements(const Gpt2Config& config, int64_t bucket_elements) {

@@ -15,12 +15,18 @@
 namespace offload {
 
 inline constexpr int kEmbeddingSlot = 0;
+// Elements of 16 bits in 256 bytes, the largest alignment cuBLASLt's plans look at
+// (blas/gemm_spec.h): a bucket starts in its slot at its flat offset modulo this, so every tensor
+// has the address phase it has in the flat buffer, and the products pick the same algorithms.
+inline constexpr int64_t kAddressPhaseElements = 128;
 inline constexpr int kBucketSlots = 3;  // the embeddings' and two in turn
 
 struct BucketSlot {
-  int slot = -1;       // -1: the padding bucket, which holds no device memory
-  int previous = -1;   // the bucket that used the slot last in this pass, -1 if none
-  int64_t offset = 0;  // elements from the start of the bucket area
+  int slot = -1;      // -1: the padding bucket, which holds no device memory
+  int previous = -1;  // the bucket that used the slot last in this pass, -1 if none
+  // Elements from the start of the bucket area to the bucket's first: the slot's offset plus the
+  // bucket's address phase (lo % kAddressPhaseElements).
+  int64_t offset = 0;
 };
 
 struct BucketSlotPlan {
@@ -30,9 +36,13 @@ struct BucketSlotPlan {
   int64_t total_elements = 0;  // the device's gradient area: the three slots, back to back
 };
 
-// Slot offsets are rounded up to `align_elements` (a multiple of 8 keeps every 16-bit gradient
-// tensor 16-byte aligned, as in the flat layout).
-BucketSlotPlan PlanBucketSlots(const GradientBucketPlan& buckets, int64_t align_elements = 64);
+// Slot offsets are multiples of kAddressPhaseElements, and a slot holds its largest bucket with
+// that bucket's phase in front.
+BucketSlotPlan PlanBucketSlots(const GradientBucketPlan& buckets);
+
+// Elements of the fp32 scratch a reduce-scatter of any bucket needs: the largest slot, the
+// embeddings' included (its bucket is reduced like the others).
+int64_t ReduceScratchElements(const BucketSlotPlan& slots);
 
 // Elements of the device's gradient area for `config` with buckets of bucket_elements (0: one
 // gradient for every parameter, the flat area). What the memory planner counts.

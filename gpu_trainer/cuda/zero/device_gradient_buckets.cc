@@ -23,11 +23,9 @@ bool Reduces(const DeviceGradientBucketsOptions& o) { return o.collectives != nu
 
 int64_t DeviceReduceScratchBytes(const DeviceGradientBucketsOptions& options) {
   if (!Reduces(options)) return 0;
-  const BucketSlotPlan slots = PlanBucketSlots(
-      PlanGradientBuckets(options.config, options.padded_length, options.bucket_elements));
-  int64_t largest = 0;
-  for (int s = 0; s < kBucketSlots; ++s) largest = std::max(largest, slots.slot_elements[s]);
-  return largest * int64_t{sizeof(float)};
+  return ReduceScratchElements(PlanBucketSlots(
+             PlanGradientBuckets(options.config, options.padded_length, options.bucket_elements))) *
+         int64_t{sizeof(float)};
 }
 
 DeviceGradientBuckets::DeviceGradientBuckets(const DeviceGradientBucketsOptions& options,
@@ -65,7 +63,7 @@ absl::Status DeviceGradientBuckets::Init(void* area, float* reduce_scratch) {
   bucket_data_.assign(num_buckets, nullptr);
   for (int b = 0; b < num_buckets; ++b) {
     const int slot = slots_.of_bucket[b].slot;
-    if (slot >= 0) bucket_data_[b] = base + slots_.slot_offset[slot] * element_bytes_;
+    if (slot >= 0) bucket_data_[b] = base + slots_.of_bucket[b].offset * element_bytes_;
   }
   for (int u = 0; u < Gpt2NumUnits(c); ++u) {
     const int b = buckets_.bucket_of_unit[u];
@@ -93,7 +91,7 @@ absl::Status DeviceGradientBuckets::Init(void* area, float* reduce_scratch) {
   norm_scratch_reduce_ = carver.Take<double>(GradNormScratchDoubles());
   if (Reduces(options_)) {
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&reduce_stream_, cudaStreamNonBlocking));
-    reduce_thread_ = std::thread([this] { ReduceLoop(); });
+    if (!options_.reduce_on_caller) reduce_thread_ = std::thread([this] { ReduceLoop(); });
   }
   return absl::OkStatus();
 }
@@ -180,7 +178,16 @@ absl::Status DeviceGradientBuckets::Send(int b) {
     OFFLOAD_RETURN_IF_ERROR(error_);
     ++pending_;
     ++sent_;
-    queue_.push_back(b);
+    if (!options_.reduce_on_caller) queue_.push_back(b);
+  }
+  if (options_.reduce_on_caller) {
+    absl::Status s = Reduce(b);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.ok()) error_ = s;
+      --pending_;  // it never lands
+    }
+    return s;
   }
   cv_.notify_all();
   return absl::OkStatus();

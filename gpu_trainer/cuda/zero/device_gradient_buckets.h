@@ -47,6 +47,11 @@ struct DeviceGradientBucketsOptions {
   // the bucket leaves whole.
   Collectives* collectives = nullptr;
   int device = 0;  // the reduce thread's
+  // Reduce each bucket on the thread that completes it, not on a thread of its own: where that
+  // thread makes NCCL calls of its own (ZeRO-3's window gathers on another communicator), so that
+  // every rank issues all its NCCL operations in one program order. Two threads driving two
+  // communicators in orders that differ between ranks can deadlock NCCL.
+  bool reduce_on_caller = false;
 };
 
 // Bytes of the fp32 scratch the reduce-scatter needs (0 without collectives).

@@ -80,8 +80,8 @@ DeviceParamWindow::~DeviceParamWindow() {
   if (compute_idle_ != nullptr) cudaEventDestroy(compute_idle_);
 }
 
-void* DeviceParamWindow::SlotData(int slot) const {
-  return window_ + plan_.slot_offset[slot] * int64_t{sizeof(uint16_t)};
+void* DeviceParamWindow::UseData(int use) const {
+  return window_ + plan_.uses[use].offset * int64_t{sizeof(uint16_t)};
 }
 
 absl::Status DeviceParamWindow::SetPartition(const uint16_t* partition16) {
@@ -90,10 +90,12 @@ absl::Status DeviceParamWindow::SetPartition(const uint16_t* partition16) {
   }
   if (partition16 == nullptr) return absl::InvalidArgumentError("SetPartition: null");
   // Nothing queued may still gather from the old partition.
-  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  // On the compute stream, synchronised: a plain copy from pageable memory may return before its
+  // DMA has landed, and the gathers run on NCCL's stream.
   const int64_t P = DevicePartitionElements(options_);
-  OFFLOAD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(partition_, partition16, P * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(partition_, partition16, P * sizeof(uint16_t),
+                                               cudaMemcpyHostToDevice, compute_));
+  OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   return absl::OkStatus();
 }
 
@@ -113,7 +115,7 @@ absl::Status DeviceParamWindow::BeginStep() {
 absl::Status DeviceParamWindow::Fill(int use) {
   const WindowUse& u = plan_.uses[use];
   const ParamRange r = Gpt2UnitRange(options_.config, u.unit);
-  void* dst = SlotData(u.slot);
+  void* dst = UseData(use);
   const cudaEvent_t after = u.previous >= 0 ? released_[u.previous] : compute_idle_;
   if (gathers()) {
     Collectives* collectives = options_.collectives;
@@ -149,7 +151,7 @@ absl::StatusOr<void*> DeviceParamWindow::Acquire(int use) {
     }
     OFFLOAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, filled_[use], 0));
   }
-  return SlotData(u.slot);
+  return UseData(use);
 }
 
 absl::Status DeviceParamWindow::Release(int use) {

@@ -75,7 +75,7 @@ class DeviceParamWindow {
                     cudaStream_t compute, RegisteredFn registered);
   absl::Status Init(void* window, void* partition);
   absl::Status Fill(int use);
-  void* SlotData(int slot) const;
+  void* UseData(int use) const;  // where use `use`'s unit is in the window
 
   const DeviceParamWindowOptions options_;
   HostToDeviceStaging* const h2d_;

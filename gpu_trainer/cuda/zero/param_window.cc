@@ -14,10 +14,9 @@ int ParamWindowPlan::fills() const {
       std::count_if(uses.begin(), uses.end(), [](const WindowUse& u) { return u.fill; }));
 }
 
-ParamWindowPlan PlanParamWindow(const Gpt2Config& config, int window_layers,
-                                int64_t align_elements) {
+ParamWindowPlan PlanParamWindow(const Gpt2Config& config, int window_layers) {
   const int L = config.num_layers;
-  const int64_t align = std::max<int64_t>(1, align_elements);
+  const int64_t align = kWindowPhaseElements;
   ParamWindowPlan plan;
   plan.window_layers = std::min(std::max(window_layers, 1), L);
   const int slots = 2 + plan.window_layers;
@@ -67,9 +66,13 @@ ParamWindowPlan PlanParamWindow(const Gpt2Config& config, int window_layers,
     }
   }
 
-  plan.slot_elements.assign(slots, Gpt2UnitRange(config, 1).size());
-  plan.slot_elements[kWindowEmbeddingSlot] = Gpt2UnitRange(config, 0).size();
-  plan.slot_elements[kWindowLnfSlot] = Gpt2UnitRange(config, L + 1).size();
+  // A slot holds the largest unit it takes with that unit's phase in front.
+  auto phase = [&](int unit) { return Gpt2UnitRange(config, unit).begin % kWindowPhaseElements; };
+  plan.slot_elements.assign(slots, 0);
+  for (const WindowUse& u : plan.uses) {
+    plan.slot_elements[u.slot] =
+        std::max(plan.slot_elements[u.slot], phase(u.unit) + Gpt2UnitRange(config, u.unit).size());
+  }
   plan.slot_offset.resize(slots);
   int64_t end = 0;
   for (int s = 0; s < slots; ++s) {
@@ -77,6 +80,7 @@ ParamWindowPlan PlanParamWindow(const Gpt2Config& config, int window_layers,
     end = (end + plan.slot_elements[s] + align - 1) / align * align;
   }
   plan.total_elements = end;
+  for (WindowUse& u : plan.uses) u.offset = plan.slot_offset[u.slot] + phase(u.unit);
   return plan;
 }
 

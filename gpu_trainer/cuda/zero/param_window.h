@@ -21,6 +21,8 @@ namespace offload {
 
 inline constexpr int kWindowEmbeddingSlot = 0;
 inline constexpr int kWindowLnfSlot = 1;
+// 256 bytes of 16-bit elements: the largest alignment cuBLASLt's plans look at.
+inline constexpr int64_t kWindowPhaseElements = 128;
 
 struct WindowUse {
   int unit = 0;       // Gpt2UnitRange's unit
@@ -28,6 +30,10 @@ struct WindowUse {
   bool fill = false;  // the unit is copied into the slot for this use (else still resident)
   int previous = -1;  // the use whose release the fill waits for (-1: the slot was empty)
   bool backward = false;
+  // Elements from the window's start to the unit's first: the slot's offset plus the unit's
+  // address phase (its flat begin % kWindowPhaseElements), so every tensor has the address phase
+  // it has in the flat buffer and cuBLASLt picks the same algorithms.
+  int64_t offset = 0;
 };
 
 struct ParamWindowPlan {
@@ -44,14 +50,13 @@ struct ParamWindowPlan {
   std::vector<int> backward_use_of_block;  // (L,)
   int embeddings_use = 0, lnf_use = 0;
   std::vector<int64_t> slot_offset;    // (2 + window_layers,) elements from the window's start
-  std::vector<int64_t> slot_elements;  // (2 + window_layers,)
+  std::vector<int64_t> slot_elements;  // (2 + window_layers,) the largest unit with its phase
   int64_t total_elements = 0;
   int fills() const;  // units copied in one step
 };
 
-// window_layers >= 1 (clamped to L). Slots are aligned to align_elements.
-ParamWindowPlan PlanParamWindow(const Gpt2Config& config, int window_layers,
-                                int64_t align_elements = 64);
+// window_layers >= 1 (clamped to L). Slot offsets are multiples of kWindowPhaseElements.
+ParamWindowPlan PlanParamWindow(const Gpt2Config& config, int window_layers);
 
 }  // namespace offload
 

@@ -46,10 +46,15 @@ TEST(ParamWindow, HandCheckedThreeLayersTwoSlots) {
   EXPECT_EQ(plan.lnf_use, 4);
   EXPECT_EQ(plan.forward_use_of_block, (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(plan.backward_use_of_block, (std::vector<int>{7, 6, 5}));
-  // 192 | 16 -> 256 | 872 -> 1152 | 872 -> 2048.
-  EXPECT_EQ(plan.slot_elements, (std::vector<int64_t>{192, 16, 872, 872}));
-  EXPECT_EQ(plan.slot_offset, (std::vector<int64_t>{0, 192, 256, 1152}));
-  EXPECT_EQ(plan.total_elements, 2048);
+  // Each unit at its flat address phase (begin % 128) in its slot: the embeddings 0, h.0 64,
+  // h.1 40, h.2 16, ln_f 120. Slot 2 takes h.0 and h.2 (64 + 872 = 936), slot 3 h.1 (912):
+  // 192 -> 256 | + 136 = 392 -> 512 | + 936 = 1448 -> 1536 | + 912 = 2448 -> 2560.
+  EXPECT_EQ(plan.slot_elements, (std::vector<int64_t>{192, 136, 936, 912}));
+  EXPECT_EQ(plan.slot_offset, (std::vector<int64_t>{0, 256, 512, 1536}));
+  EXPECT_EQ(plan.total_elements, 2560);
+  const int64_t offset[] = {0,         512 + 64, 1536 + 40, 512 + 16,
+                            256 + 120, 512 + 16, 1536 + 40, 512 + 64};
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(plan.uses[i].offset, offset[i]) << i;
 }
 
 TEST(ParamWindow, WindowLayersAreClamped) {
@@ -156,24 +161,27 @@ TEST(ParamWindow, SimulatedScheduleIsSound) {
       // The last Wn blocks of forward are still there for backward.
       for (int l = L - Wn; l < L; ++l) EXPECT_FALSE(plan.uses[plan.backward_use_of_block[l]].fill);
 
-      // The slots: back to back, aligned, each as large as its unit.
+      // The slots: back to back at multiples of 128 elements, each as large as the largest unit
+      // it takes with that unit's address phase in front; each use at its unit's phase.
       ASSERT_EQ(plan.slot_elements.size(), static_cast<size_t>(slots));
       ASSERT_EQ(plan.slot_offset.size(), static_cast<size_t>(slots));
-      EXPECT_EQ(plan.slot_elements[kWindowEmbeddingSlot], Gpt2UnitRange(c, 0).size());
-      EXPECT_EQ(plan.slot_elements[kWindowLnfSlot], Gpt2UnitRange(c, L + 1).size());
+      std::vector<int64_t> largest(slots, 0);
+      for (const WindowUse& u : plan.uses) {
+        const ParamRange r = Gpt2UnitRange(c, u.unit);
+        largest[u.slot] = std::max(largest[u.slot], r.begin % 128 + r.size());
+        EXPECT_EQ(u.offset, plan.slot_offset[u.slot] + r.begin % 128);
+      }
       int64_t end = 0;
       for (int s = 0; s < slots; ++s) {
-        if (s >= 2) {
-          EXPECT_EQ(plan.slot_elements[s], Gpt2UnitRange(c, 1).size());
-        }
-        EXPECT_EQ(plan.slot_offset[s] % 64, 0);
+        EXPECT_EQ(plan.slot_elements[s], largest[s]) << s;
+        EXPECT_EQ(plan.slot_offset[s] % 128, 0);
         EXPECT_GE(plan.slot_offset[s], end);
-        EXPECT_LT(plan.slot_offset[s], end + 64);
+        EXPECT_LT(plan.slot_offset[s], end + 128);
         end = plan.slot_offset[s] + plan.slot_elements[s];
       }
-      EXPECT_EQ(plan.total_elements % 64, 0);
+      EXPECT_EQ(plan.total_elements % 128, 0);
       EXPECT_GE(plan.total_elements, end);
-      EXPECT_LT(plan.total_elements, end + 64);
+      EXPECT_LT(plan.total_elements, end + 128);
     }
   }
 }
