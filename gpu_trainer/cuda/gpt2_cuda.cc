@@ -293,10 +293,9 @@ absl::Status Gpt2CudaImpl<T>::Init() {
   bucket_options.device = options_.device;
   // With a window over NCCL ranks this thread gathers too: it reduces as well, in one order.
   bucket_options.reduce_on_caller = windowed && ranks != nullptr;
+  // The bucket slots do not depend on the padding: what the planner counts.
   const int64_t grad_elements =
-      bucketed ? PlanBucketSlots(PlanGradientBuckets(c_, padded, bucket_options.bucket_elements))
-                     .total_elements
-               : n_;
+      bucketed ? DeviceGradientElements(c_, bucket_options.bucket_elements) : n_;
   OFFLOAD_RETURN_IF_ERROR(params_mem_.Allocate(weight_elements * sizeof(T), "parameters"));
   OFFLOAD_RETURN_IF_ERROR(grads_mem_.Allocate(grad_elements * sizeof(T), "gradients"));
   params_ = static_cast<T*>(params_mem_.data());

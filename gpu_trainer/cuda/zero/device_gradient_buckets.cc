@@ -287,21 +287,11 @@ absl::Status DeviceGradientBuckets::Reduce(int b) {
 }
 
 absl::StatusOr<DeviceGradientBuckets::Stats> DeviceGradientBuckets::Finish() {
-  // Every bucket the reduce thread takes ends in a copy or an error, and every copy lands or
-  // fails: wait for both sides until nothing is pending.
-  while (true) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!error_.ok() || pending_ == 0) break;
-    lock.unlock();
-    absl::Status copies = d2h_->Drain();
-    lock.lock();
-    if (!copies.ok() && error_.ok()) error_ = copies;
-    if (!error_.ok() || pending_ == 0) break;
-    cv_.wait_for(lock, std::chrono::milliseconds(1));
-  }
   {
+    // The reduce thread first: once its queue is empty and it is idle, every bucket it took has
+    // its copy queued or has failed. Then the copies: each lands or fails.
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return !busy_; });
+    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
   }
   absl::Status copies = d2h_->Drain();
   {

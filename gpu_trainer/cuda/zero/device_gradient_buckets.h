@@ -72,8 +72,6 @@ class DeviceGradientBuckets {
       DeviceToHostStaging* d2h, cudaStream_t compute, RegisteredFn registered);
   ~DeviceGradientBuckets();
 
-  const GradientBucketPlan& buckets() const { return buckets_; }
-  const BucketSlotPlan& slots() const { return slots_; }
   // Unit u's gradient on the device, (Gpt2UnitRange(u).size(),) 16-bit: fixed by the plan.
   void* UnitGradient(int unit) const { return unit_gradient_[unit]; }
 
