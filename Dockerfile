@@ -56,7 +56,7 @@ RUN apt-get update -q \
  && apt-get install -y -q --no-install-recommends ca-certificates \
       libabsl20220623 libgrpc++1.51 libgrpc29 libprotobuf32 libopenblas0-openmp libgomp1 \
       libucx0 libgloo0 libsqlite3-0 libcpp-httplib0.11 libyaml-cpp0.7 libgoogle-glog0v6 \
-      libprometheus-cpp-core1.0 \
+      libprometheus-cpp-core1.0 liburing2 zlib1g \
       ibverbs-providers librdmacm1 \
  && if [ -n "$CUDA_VERSION" ]; then \
       apt-get install -y -q --no-install-recommends curl \

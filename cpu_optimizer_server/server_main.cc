@@ -53,6 +53,17 @@ ABSL_FLAG(std::string, advertise, "",
           "--listen host (this machine's name for a wildcard host) with the bound port");
 ABSL_FLAG(int64_t, wave_elements, int64_t{2} << 20,
           "parameters per chunk streamed back after a commit (Adam runs wave by wave)");
+ABSL_FLAG(std::string, state_dir, "",
+          "a directory on a fast disk for jobs' optimizer state (fp32 master weights and Adam "
+          "moments, 12 bytes per parameter), streamed through --state_memory_mib of host "
+          "buffers with io_uring; empty: state only in memory");
+ABSL_FLAG(int64_t, state_memory_mib, 192,
+          "with --state_dir: the ring of host buffers the disk tier streams state through "
+          "(counted in --memory_limit_mib); at least three waves of state (72 MiB at the default "
+          "--wave_elements)");
+ABSL_FLAG(std::string, state_tier, "auto",
+          "with --state_dir: auto puts a job on disk when its state does not fit "
+          "--memory_limit_mib; disk puts every job there (a job's CreateJob may still ask)");
 
 namespace {
 
@@ -142,7 +153,41 @@ int main(int argc, char** argv) {
   offload::ShardOptions shard_options;
   shard_options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_mib) << 20;
   shard_options.wave_elements = absl::GetFlag(FLAGS_wave_elements);
-  offload::ShardStore store(shard_options, &pool, *path);
+  const std::string state_tier = absl::GetFlag(FLAGS_state_tier);
+  if (state_tier != "auto" && state_tier != "disk") {
+    LOG(ERROR) << "cpu_optimizer_server: --state_tier is " << state_tier << "; auto or disk";
+    return 2;
+  }
+  shard_options.state_on_disk = state_tier == "disk";
+  std::unique_ptr<offload::DiskTier> disk;
+  if (!absl::GetFlag(FLAGS_state_dir).empty()) {
+    offload::DiskTierOptions disk_options;
+    disk_options.state_dir = absl::GetFlag(FLAGS_state_dir);
+    disk_options.memory_bytes = absl::GetFlag(FLAGS_state_memory_mib) << 20;
+    disk_options.wave_elements = shard_options.wave_elements;
+    absl::StatusOr<std::unique_ptr<offload::DiskTier>> opened =
+        offload::DiskTier::Open(disk_options);
+    if (!opened.ok()) {
+      LOG(ERROR) << "cpu_optimizer_server: --state_dir: " << opened.status();
+      return 2;
+    }
+    disk = *std::move(opened);
+  } else if (shard_options.state_on_disk) {
+    LOG(ERROR) << "cpu_optimizer_server: --state_tier=disk needs --state_dir";
+    return 2;
+  }
+  offload::ShardStore store(shard_options, &pool, *path, disk.get());
+  // The ring is host memory like any other state: it comes out of the same limit.
+  offload::Reservation ring_reservation;
+  if (disk != nullptr) {
+    absl::StatusOr<offload::Reservation> ring =
+        store.budget()->Take(disk->ring_bytes(), "the disk tier's ring (--state_memory_mib)");
+    if (!ring.ok()) {
+      LOG(ERROR) << "cpu_optimizer_server: " << ring.status();
+      return 2;
+    }
+    ring_reservation = *std::move(ring);
+  }
   absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
       offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address),
                                          "cpu_optimizer_server");
@@ -195,9 +240,15 @@ int main(int argc, char** argv) {
     LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: %s", server.status().ToString().c_str());
     return 1;
   }
-  std::printf("cpu_optimizer_server listening port=%d simd=%s threads=%d memory_limit_mib=%lld\n",
+  std::printf("cpu_optimizer_server listening port=%d simd=%s threads=%d memory_limit_mib=%lld%s\n",
               (*server)->port(), std::string(offload::SimdPathName(*path)).c_str(),
-              pool.num_threads(), static_cast<long long>(absl::GetFlag(FLAGS_memory_limit_mib)));
+              pool.num_threads(), static_cast<long long>(absl::GetFlag(FLAGS_memory_limit_mib)),
+              disk == nullptr
+                  ? ""
+                  : absl::StrFormat(" state_dir=%s state_memory_mib=%lld slots=%d state_tier=%s",
+                                    disk->dir(), static_cast<long long>(disk->ring_bytes() >> 20),
+                                    disk->slots(), state_tier)
+                        .c_str());
   std::fflush(stdout);
 
   std::unique_ptr<offload::WorkerAgent> agent;

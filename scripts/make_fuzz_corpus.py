@@ -92,7 +92,11 @@ def manifest_corpus():
                          'adam_step': '99'}],
         'train_loss': 3.25, 'val_loss': 3.5,
     }
-    write(d, 'valid_full.json', json.dumps(full, indent=2))
+    write(d, 'valid_full.json', json.dumps(full, indent=2))  # no digests: an older checkpoint
+    digests = dict(full, model_file_digest={'bytes': '248879744', 'crc32': 4275878552},
+                   shard_files=[dict(full['shard_files'][0],
+                                     digest={'bytes': '1493277752', 'crc32': 0})])
+    write(d, 'valid_digests.json', json.dumps(digests, indent=2))
     write(d, 'valid_camel_case.json', '{"formatVersion": 1, "model": {}, "partition": {}, '
           '"paramDtype": "DTYPE_FP16", "modelFile": "m.safetensors", "trainLoss": "NaN"}')
     base = '"format_version": 1, "model": {}, "partition": {}, "param_dtype": "DTYPE_BF16"'
@@ -104,6 +108,8 @@ def manifest_corpus():
     write(d, 'bad_shard_file.json',
           '{' + base + ', "model_file": "m", "shard_files": [{"file": "/etc/passwd"}]}')
     write(d, 'bad_truncated.json', '{' + base)
+    write(d, 'bad_digest.json', '{' + base + ', "model_file": "m", '
+          '"model_file_digest": {"bytes": "8", "crc32": 4294967296}}')  # CRC past 32 bits
 
 
 # --- llm.c token shards --------------------------------------------------------------------------

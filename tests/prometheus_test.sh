@@ -48,8 +48,11 @@ dcgm_port=$(free_port)
 pids+=($!)
 echo "[{\"targets\": [\"127.0.0.1:$dcgm_port\"], \"labels\": {}}]" > "$work/targets/dcgm-exporter.json"
 
-# The job: long enough to outlast the checks; it is killed at the end.
-"$launcher" --metrics_targets_dir="$work/targets" -- --data="$root/data/tinyshakespeare.txt" \
+# The job: long enough to outlast the checks; it is killed at the end. Its optimizer state is on
+# the server's disk tier, so the disk panels have data too.
+"$launcher" --metrics_targets_dir="$work/targets" \
+  --server_args="--state_dir=$work/state --state_tier=disk" -- \
+  --data="$root/data/tinyshakespeare.txt" \
   --steps=100000 --progress=log --log_every=100 --eval_every=0 --sample_tokens=0 \
   > "$work/job.log" 2>&1 &
 launcher_pid=$!

@@ -12,6 +12,7 @@
 #include "cpu_optimizer_server/ucx/ucx_server.h"
 #endif
 #include "base/grpc_status.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "base/watchdog.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
@@ -88,6 +89,17 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context,
     return s;
   }
   response->set_state_bytes(*bytes);
+  if (absl::StatusOr<std::shared_ptr<Job>> job = store_->FindJob(request->job_id()); job.ok()) {
+    const bool on_disk = (*job)->config.state_tier == StateTier::kDisk;
+    response->set_state_tier(on_disk ? v1::STATE_TIER_DISK : v1::STATE_TIER_MEMORY);
+    response->set_disk_bytes((*job)->disk_bytes());
+    // Where a job's state went is an operator's first question about a slow or full server.
+    LOG(INFO) << "cpu_optimizer_server: job " << request->job_id() << ": " << (*job)->ranges.size()
+              << " ranges, state "
+              << (on_disk ? absl::StrCat("on disk (", (*job)->disk_bytes(), " bytes in ",
+                                         store_->disk()->dir(), ")")
+                          : absl::StrCat("in memory (", *bytes, " bytes)"));
+  }
   return grpc::Status::OK;
 }
 
@@ -256,6 +268,11 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
   response->set_memory_limit_bytes(store_->budget()->limit());
   response->set_memory_used_bytes(store_->budget()->used());
   response->set_max_message_bytes(max_message_bytes_);
+  if (const DiskTier* disk = store_->disk(); disk != nullptr) {
+    response->set_state_dir(disk->dir());
+    response->set_disk_free_bytes(std::max<int64_t>(0, disk->FreeBytes()));
+    response->set_state_memory_bytes(disk->ring_bytes());
+  }
   for (DataPlaneServer* plane : data_planes_) response->add_data_planes(plane->plane());
   for (const std::shared_ptr<Job>& job : store_->Jobs()) {
     if (!caller.Sees(job->config.job_id)) continue;
@@ -264,6 +281,9 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
     *status->mutable_adam() = AdamConfigToProto(job->config.adam);
     status->set_param_dtype(DTypeToProto(job->config.param_dtype));
     status->set_state_bytes(job->state_bytes());
+    status->set_state_tier(job->config.state_tier == StateTier::kDisk ? v1::STATE_TIER_DISK
+                                                                      : v1::STATE_TIER_MEMORY);
+    status->set_disk_bytes(job->disk_bytes());
     for (const auto& r : job->ranges) {
       v1::RangeStatus* rs = status->add_ranges();
       rs->mutable_range()->set_offset(r->spec.offset);

@@ -45,7 +45,31 @@ void ServerMetrics::Enable() {
                            "parameters streamed back wave by wave.")
                        .Register(registry)
                        .Add({}, DurationBuckets());
+  disk_read_ = &prometheus::BuildCounter()
+                    .Name("offload_optimizer_disk_read_bytes_total")
+                    .Help("Optimizer state bytes read from the disk tier by Adam passes.")
+                    .Register(registry)
+                    .Add({});
+  disk_written_ = &prometheus::BuildCounter()
+                       .Name("offload_optimizer_disk_written_bytes_total")
+                       .Help("Optimizer state bytes written back to the disk tier by Adam passes.")
+                       .Register(registry)
+                       .Add({});
+  disk_wait_seconds_ = &prometheus::BuildHistogram()
+                            .Name("offload_optimizer_disk_wait_seconds")
+                            .Help(
+                                "Time one range step's Adam pass waited on the disk tier (reads "
+                                "not yet in, write-backs holding the ring).")
+                            .Register(registry)
+                            .Add({}, DurationBuckets());
   enabled_.store(true, std::memory_order_release);
+}
+
+void ServerMetrics::DiskPass(int64_t bytes_read, int64_t bytes_written, double wait_seconds) {
+  if (!enabled()) return;
+  disk_read_->Increment(static_cast<double>(bytes_read));
+  disk_written_->Increment(static_cast<double>(bytes_written));
+  disk_wait_seconds_->Observe(wait_seconds);
 }
 
 void ServerMetrics::StepApplied(int64_t elements, double adam_seconds) {
@@ -66,6 +90,19 @@ std::vector<std::shared_ptr<prometheus::Collectable>> MakeShardStoreCollectors(
         for (const auto& job : store->Jobs()) bytes += static_cast<double>(job->state_bytes());
         return Samples{{{}, bytes}};
       }));
+  out.push_back(CallbackMetric::Gauge(
+      "offload_optimizer_disk_state_bytes",
+      "Bytes of optimizer state in state files on the disk tier (--state_dir).", [store] {
+        double bytes = 0;
+        for (const auto& job : store->Jobs()) bytes += static_cast<double>(job->disk_bytes());
+        return Samples{{{}, bytes}};
+      }));
+  if (store->disk() != nullptr) {
+    out.push_back(CallbackMetric::Gauge(
+        "offload_optimizer_disk_free_bytes", "Free bytes of the disk tier's file system.", [store] {
+          return Samples{{{}, static_cast<double>(store->disk()->FreeBytes())}};
+        }));
+  }
   out.push_back(CallbackMetric::Gauge(
       "offload_optimizer_memory_limit_bytes",
       "The server's memory budget for state, accumulators and gradients in flight.", [store] {

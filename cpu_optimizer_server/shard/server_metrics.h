@@ -38,6 +38,9 @@ class ServerMetrics {
   }
   // A range step committed: `elements` updated by Adam in `adam_seconds`, or skipped.
   void StepApplied(int64_t elements, double adam_seconds);
+  // A commit's pass over a range's state on the disk tier: bytes read and written, and the
+  // seconds its thread waited on the disk.
+  void DiskPass(int64_t bytes_read, int64_t bytes_written, double wait_seconds);
   void StepSkipped() {
     if (enabled()) steps_skipped_->Increment();
   }
@@ -55,9 +58,13 @@ class ServerMetrics {
   prometheus::Counter* steps_applied_;
   prometheus::Counter* steps_skipped_;
   prometheus::Histogram* adam_seconds_;
+  prometheus::Counter* disk_read_;
+  prometheus::Counter* disk_written_;
+  prometheus::Histogram* disk_wait_seconds_;
 };
 
-// Scrape-time gauges of `store` (state bytes, memory limit, shard jobs, Adam queue depth), to add
+// Scrape-time gauges of `store` (state bytes in memory and on disk, memory limit, the disk's free
+// bytes, shard jobs, Adam queue depth), to add
 // to the server's MetricsServer. `store` must outlive them.
 std::vector<std::shared_ptr<prometheus::Collectable>> MakeShardStoreCollectors(
     const ShardStore* store);

@@ -145,16 +145,25 @@ int64_t Job::state_bytes() const {
   return bytes;
 }
 
-ShardStore::ShardStore(const ShardOptions& options, ThreadPool* pool, SimdPath path)
+int64_t Job::disk_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& r : ranges) bytes += r->file != nullptr ? StateFileBytes(r->spec.length) : 0;
+  return bytes;
+}
+
+ShardStore::ShardStore(const ShardOptions& options, ThreadPool* pool, SimdPath path, DiskTier* disk)
     : options_([&] {
         ShardOptions o = options;
         o.wave_elements =
             std::max<int64_t>(kTileElements, o.wave_elements / kTileElements * kTileElements);
+        // A disk range's waves are the ring's slots, and every range streams the same waves.
+        if (disk != nullptr) o.wave_elements = disk->wave_elements();
         return o;
       }()),
       pool_(pool),
       path_(path),
       kernel_(GetAdamKernel(path)),
+      disk_(disk),
       budget_(options.memory_limit_bytes) {}
 
 void ShardStore::ParallelTiles(int64_t begin, int64_t end,
@@ -198,21 +207,52 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
   OFFLOAD_RETURN_IF_ERROR(ValidateGroups(config.groups, config.ranges));
 
   auto job = std::make_shared<Job>();
-  job->config = config;
   int64_t bytes = 0;
   for (const RangeSpec& r : config.ranges) bytes += 3 * AlignUp(r.length, kViewAlignElements) * 4;
+  int64_t disk_bytes = 0;
+  for (const RangeSpec& r : config.ranges) disk_bytes += StateFileBytes(r.length);
+  if (config.state_tier == StateTier::kDisk && disk_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config.job_id,
+                     " asks for its optimizer state on disk but this server has no "
+                     "disk tier (start it with --state_dir)"));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (jobs_.count(config.job_id) != 0) {
       return absl::AlreadyExistsError(
           absl::StrCat("job ", config.job_id, " already exists on this shard"));
     }
-    OFFLOAD_RETURN_IF_ERROR(budget_.Reserve(bytes, absl::StrCat("job ", config.job_id)));
-    job->state_reservation = Reservation(&budget_, bytes);
+    bool on_disk = config.state_tier == StateTier::kDisk;
+    if (config.state_tier == StateTier::kAuto && disk_ != nullptr) {
+      on_disk = options_.state_on_disk || bytes > budget_.limit() - budget_.used();
+    }
+    if (on_disk) {
+      const int64_t free_bytes = disk_->FreeBytes();
+      if (free_bytes >= 0 && disk_bytes > free_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "job ", config.job_id, "'s optimizer state needs ", disk_bytes, " bytes on disk but ",
+            disk_->dir(), " has ", free_bytes, " bytes free (in memory it would need ", bytes,
+            " bytes; the shard holds ", budget_.used(), " of its ", budget_.limit(),
+            " byte limit, --memory_limit)"));
+      }
+    } else {
+      absl::Status reserved = budget_.Reserve(bytes, absl::StrCat("job ", config.job_id));
+      if (!reserved.ok()) {
+        if (disk_ == nullptr) return reserved;
+        // The tier was asked for memory, or AUTO chose it: name the disk too.
+        return absl::ResourceExhaustedError(absl::StrCat(
+            reserved.message(), "; state_tier MEMORY was asked, though the disk tier at ",
+            disk_->dir(), " has ", disk_->FreeBytes(), " bytes free"));
+      }
+      job->state_reservation = Reservation(&budget_, bytes);
+    }
+    config.state_tier = on_disk ? StateTier::kDisk : StateTier::kMemory;
     // Claim the id now so a concurrent create of the same job fails; the state is filled below
     // before anyone can step on it (a step needs loaded weights, and loads need the ranges).
     jobs_[config.job_id] = nullptr;
   }
+  job->config = config;
   auto unclaim = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.erase(config.job_id);
@@ -229,6 +269,19 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
         range->group_pieces.push_back(
             RangeGroupPiece{lo - range->spec.offset, hi - range->spec.offset, static_cast<int>(g)});
       }
+    }
+    if (config.state_tier == StateTier::kDisk) {
+      // Preallocated blocks read as zeros: the state of a new job, with nothing written.
+      absl::StatusOr<std::unique_ptr<StateFile>> file = disk_->CreateStateFile(
+          config.job_id, static_cast<int>(i), range->spec.length, /*staging=*/false);
+      if (!file.ok()) {
+        job->ranges.clear();  // unlinks the files made so far
+        unclaim();
+        return file.status();
+      }
+      range->file = *std::move(file);
+      job->ranges.push_back(std::move(range));
+      continue;
     }
     const int64_t stride = AlignUp(range->spec.length, kViewAlignElements);
     absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(3 * stride * 4);
@@ -253,7 +306,7 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_[config.job_id] = job;
   }
-  return bytes;
+  return config.state_tier == StateTier::kDisk ? int64_t{0} : bytes;
 }
 
 absl::Status ShardStore::DropJob(const std::string& job_id) {
@@ -322,14 +375,25 @@ absl::Status ShardStore::ReadState(
     done += m;
   }
   std::string chunk;
+  std::vector<float> from_disk;
   int64_t at = offset;
   for (auto [r, m] : pieces) {
-    const float* src = r->Tensor(tensor) + (at - r->spec.offset);
+    const int64_t begin = at - r->spec.offset;
     std::lock_guard<std::mutex> lock(r->tensors_mu);
+    if (!r->state_lost.empty()) return absl::DataLossError(r->state_lost);
     for (int64_t done = 0; done < m; done += chunk_elements) {
       const int64_t n = std::min(chunk_elements, m - done);
+      const float* src;
+      if (r->file != nullptr) {
+        from_disk.resize(n);
+        OFFLOAD_RETURN_IF_ERROR(
+            r->file->Read(static_cast<int>(tensor), begin + done, n, from_disk.data()));
+        src = from_disk.data();
+      } else {
+        src = r->Tensor(tensor) + begin + done;
+      }
       chunk.resize(n * DTypeSize(dtype));
-      ConvertFromFloat(src + done, n, dtype, chunk.data());
+      ConvertFromFloat(src, n, dtype, chunk.data());
       if (!emit(at + done, n, chunk)) return absl::OkStatus();
     }
     at += m;

@@ -22,6 +22,8 @@
 #include "base/host_buffer.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "cpu_optimizer_server/disk/disk_tier.h"
+#include "cpu_optimizer_server/disk/state_file.h"
 #include "cpu_optimizer_server/shard/interval_set.h"
 #include "cpu_optimizer_server/shard/memory_budget.h"
 #include "cpu_optimizer_server/shard/param_groups.h"
@@ -44,6 +46,10 @@ struct ParamGroupSpec {
   AdamHyperParams adam;
 };
 
+// Where a job's fp32 master weights and moments live. kAuto: in memory when they fit the memory
+// limit, else on the server's disk tier (--state_dir), or always on disk with --state_tier=disk.
+enum class StateTier { kAuto = 0, kMemory = 1, kDisk = 2 };
+
 struct JobConfig {
   std::string job_id;
   std::vector<RangeSpec> ranges;
@@ -55,6 +61,7 @@ struct JobConfig {
   // kMaxParamGroups. Empty means one group, `adam`, over all the ranges: CreateJob fills it in,
   // so a created job's config always has at least one group.
   std::vector<ParamGroupSpec> groups;
+  StateTier state_tier = StateTier::kAuto;  // after CreateJob: kMemory or kDisk, what was chosen
 };
 
 // Where one group meets one range: range-relative elements [begin, end) take the scalars of
@@ -71,11 +78,18 @@ struct RangeState {
   int index = 0;                              // position in JobConfig::ranges
   std::vector<RangeGroupPiece> group_pieces;  // fixed at creation
 
-  // One mapping carved into three views, each (length,) fp32 and 64-byte aligned.
+  // In memory: one mapping carved into three views, each (length,) fp32 and 64-byte aligned.
   HostBuffer storage;
   float* param = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
+  // On disk instead (the views above stay null): the same three tensors in a state file, which
+  // a commit streams through the disk tier's ring.
+  std::unique_ptr<StateFile> file;
+  // Set, under tensors_mu, when a pass over `file` failed part-way: the file then holds some
+  // waves updated and some not, so steps and reads are refused until a load replaces all three
+  // tensors (a restore from a checkpoint).
+  std::string state_lost;
 
   // Guards the tensor contents (above and the accumulator) for passes that read or write them:
   // the Adam pass of a commit, loads, reads. Held for a whole pass, so never under `mu`.
@@ -106,7 +120,8 @@ struct Job {
   Reservation state_reservation;
   std::atomic<bool> dropped{false};
 
-  int64_t state_bytes() const;
+  int64_t state_bytes() const;  // in memory
+  int64_t disk_bytes() const;   // in state files
 };
 
 struct ShardOptions {
@@ -114,14 +129,21 @@ struct ShardOptions {
   // Elements per parameter chunk streamed back: a commit runs Adam wave by wave of this size
   // and sends each wave while the next one computes. Rounded to whole tiles.
   int64_t wave_elements = int64_t{2} << 20;
+  // With a disk tier: put every job's state on disk (--state_tier=disk), not only those that do
+  // not fit the memory limit.
+  bool state_on_disk = false;
 };
 
 class ShardStore {
  public:
-  ShardStore(const ShardOptions& options, ThreadPool* pool, SimdPath path);
+  // `disk`, when given, outlives the store; its wave is the store's wave.
+  ShardStore(const ShardOptions& options, ThreadPool* pool, SimdPath path,
+             DiskTier* disk = nullptr);
 
   // Validates the config (its groups included), reserves and allocates the state (zeros,
-  // first-touched by the tile owners). Returns the bytes held; a refused config allocates nothing.
+  // first-touched by the tile owners), in memory or in preallocated state files on the disk tier
+  // (StateTier). Returns the bytes held in memory (0 on disk); a refused config allocates
+  // nothing, and a refusal for room names both the memory and the disk figures.
   absl::StatusOr<int64_t> CreateJob(const JobConfig& config);
   absl::Status DropJob(const std::string& job_id);
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
@@ -146,6 +168,7 @@ class ShardStore {
   SimdPath simd_path() const { return path_; }
   AdamKernelFn adam_kernel() const { return kernel_; }
   MemoryBudget* budget() { return &budget_; }
+  DiskTier* disk() const { return disk_; }
   const ShardOptions& options() const { return options_; }
 
   // Runs fn(begin, end) over the owned tiles of [begin, end) on every pool thread.
@@ -157,6 +180,7 @@ class ShardStore {
   ThreadPool* const pool_;
   const SimdPath path_;
   const AdamKernelFn kernel_;
+  DiskTier* const disk_;
   MemoryBudget budget_;
 
   mutable std::mutex mu_;

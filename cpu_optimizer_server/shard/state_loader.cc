@@ -53,6 +53,7 @@ absl::Status StateLoader::AddChunk(StateTensor tensor, int64_t offset, DType dty
   }
   // A chunk may span adjacent ranges (a rank loading its whole partition); split it per range.
   std::vector<Chunk> pieces;
+  std::vector<int64_t> values_at;  // where each piece starts in `values`
   for (int64_t done = 0; done < n;) {
     OFFLOAD_ASSIGN_OR_RETURN(RangeState * range, FindRangeFor(*job_, offset + done, 1));
     const RangeSpec& spec = range->spec;
@@ -64,18 +65,33 @@ absl::Status StateLoader::AddChunk(StateTensor tensor, int64_t offset, DType dty
                        ") overlaps a chunk of this load at [", overlap->first + spec.offset, ", ",
                        overlap->second + spec.offset, ")"));
     }
-    pieces.push_back(
-        Chunk{tensor, range, begin, m == n ? std::string() : data.substr(done * 4, m * 4)});
+    pieces.push_back(Chunk{tensor, range, begin, std::string(), m});
+    values_at.push_back(done);
     done += m;
   }
-  absl::StatusOr<Reservation> held =
-      store_->budget()->Take(static_cast<int64_t>(data.size()), "state chunks of a load");
-  if (!held.ok()) return held.status();
-  held_bytes_.Absorb(*std::move(held));
-  if (pieces.size() == 1) pieces[0].data = std::move(data);  // the common case: no copy
-  for (Chunk& c : pieces) {
-    const int64_t m = static_cast<int64_t>(c.data.size()) / 4;
-    covered_[{c.range, tensor}].Insert(c.begin, c.begin + m);
+  // Ranges on disk take their pieces into staging files now; the rest are held in memory.
+  int64_t in_memory = 0;
+  for (const Chunk& c : pieces) in_memory += c.range->file == nullptr ? c.n * 4 : 0;
+  if (in_memory > 0) {
+    absl::StatusOr<Reservation> held = store_->budget()->Take(in_memory, "state chunks of a load");
+    if (!held.ok()) return held.status();
+    held_bytes_.Absorb(*std::move(held));
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    Chunk& c = pieces[i];
+    if (c.range->file == nullptr) continue;
+    OFFLOAD_ASSIGN_OR_RETURN(StateFile * staging, Staging(c.range));
+    // A failed write leaves this chunk uncovered, so nothing of it is ever applied.
+    OFFLOAD_RETURN_IF_ERROR(
+        staging->Write(static_cast<int>(tensor), c.begin, c.n, values + values_at[i]));
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    Chunk& c = pieces[i];
+    if (c.range->file == nullptr) {
+      c.data = pieces.size() == 1 ? std::move(data)  // the common case: no copy
+                                  : data.substr(values_at[i] * 4, c.n * 4);
+    }
+    covered_[{c.range, tensor}].Insert(c.begin, c.begin + c.n);
     chunks_.push_back(std::move(c));
   }
   return absl::OkStatus();
@@ -113,7 +129,24 @@ absl::StatusOr<int64_t> StateLoader::Apply() {
     leased.push_back(r.get());
   }
   int64_t elements = 0;
+  absl::Status disk_status;
+  for (auto& [range, file] : staging_) {
+    std::lock_guard<std::mutex> tensors_lock(range->tensors_mu);
+    disk_status = ApplyFromStaging(range);
+    if (!disk_status.ok()) break;
+  }
+  if (!disk_status.ok()) {
+    for (RangeState* r : leased) {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->step_in_progress = false;
+    }
+    return disk_status;
+  }
   for (const Chunk& c : chunks_) {
+    if (c.range->file != nullptr) {
+      elements += c.n;
+      continue;
+    }
     float* dst = c.range->Tensor(c.tensor);
     const char* src = c.data.data();
     const int64_t n = static_cast<int64_t>(c.data.size()) / 4;
@@ -136,8 +169,50 @@ absl::StatusOr<int64_t> StateLoader::Apply() {
     r->step_in_progress = false;
   }
   chunks_.clear();
+  staging_.clear();
   held_bytes_.Reset();
   return elements;
+}
+
+absl::StatusOr<StateFile*> StateLoader::Staging(RangeState* range) {
+  auto it = staging_.find(range);
+  if (it != staging_.end()) return it->second.get();
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StateFile> file,
+                           store_->disk()->CreateStateFile(job_->config.job_id, range->index,
+                                                           range->spec.length, /*staging=*/true));
+  return staging_.emplace(range, std::move(file)).first->second.get();
+}
+
+absl::Status StateLoader::ApplyFromStaging(RangeState* range) {
+  // A copy that fails part-way has changed the state file: the range is lost until a load
+  // succeeds. The copy goes through the page cache, so a full disk meets the Sync, not a step.
+  constexpr int64_t kCopyElements = int64_t{1} << 20;
+  std::vector<float> buffer(kCopyElements);
+  StateFile* staging = staging_.at(range).get();
+  bool whole = true;
+  absl::Status status;
+  for (int t = 0; t < kStateTensors && status.ok(); ++t) {
+    auto it = covered_.find({range, static_cast<StateTensor>(t)});
+    if (it == covered_.end() || it->second.covered() != range->spec.length) whole = false;
+    if (it == covered_.end()) continue;
+    it->second.ForEach([&](int64_t lo, int64_t hi) {
+      for (int64_t at = lo; at < hi && status.ok(); at += kCopyElements) {
+        const int64_t n = std::min(kCopyElements, hi - at);
+        status = staging->Read(t, at, n, buffer.data());
+        if (status.ok()) status = range->file->Write(t, at, n, buffer.data());
+      }
+    });
+  }
+  if (status.ok()) status = range->file->Sync();
+  if (!status.ok()) {
+    range->state_lost = absl::StrCat(
+        "the optimizer state of range ", range->index, " of job ", job_->config.job_id,
+        " was lost when a load failed part-way (", status.message(),
+        "): restore it from a checkpoint (a load of its master weights and both moments)");
+    return status;
+  }
+  if (whole) range->state_lost.clear();
+  return absl::OkStatus();
 }
 
 }  // namespace offload

@@ -1,7 +1,9 @@
 // Loading a job's optimizer state onto a shard: the initial fp32 master weights from the
 // trainer, or weights and moments from a checkpoint. All chunks of a load are validated and held
 // until the load is applied, then copied in one go, so a bad chunk anywhere fails the whole
-// load and the shard's state stays bit-identical.
+// load and the shard's state stays bit-identical. A range on the disk tier holds its chunks in a
+// staging file of its own instead of memory (a restore brings 12 bytes per parameter), copied
+// into the range's state file when the load is applied.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_STATE_LOADER_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_STATE_LOADER_H_
 
@@ -39,13 +41,19 @@ class StateLoader {
     StateTensor tensor;
     RangeState* range;
     int64_t begin;     // range-relative
-    std::string data;  // (n,) fp32
+    std::string data;  // (n,) fp32; empty for a range on disk (the chunk is in its staging file)
+    int64_t n = 0;
   };
+  // The staging file of a range on disk, made at its first chunk.
+  absl::StatusOr<StateFile*> Staging(RangeState* range);
+  // Copies the staged chunks of `range` into its state file.
+  absl::Status ApplyFromStaging(RangeState* range);
   StateLoader(ShardStore* store, std::shared_ptr<Job> job) : store_(store), job_(std::move(job)) {}
 
   ShardStore* const store_;
   const std::shared_ptr<Job> job_;
   std::vector<Chunk> chunks_;
+  std::map<RangeState*, std::unique_ptr<StateFile>> staging_;
   std::map<std::pair<RangeState*, StateTensor>, IntervalSet> covered_;
   std::optional<std::pair<uint64_t, uint64_t>> steps_;
   Reservation held_bytes_;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/adam/adam_kernel_internal.h"
+#include "cpu_optimizer_server/disk/state_pass.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 
 namespace offload {
@@ -182,7 +183,7 @@ absl::Status StepSession::StartAccumulating() {
   return absl::OkStatus();
 }
 
-bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
+absl::StatusOr<bool> StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
   const RangeState* r = range_;
   const int64_t length = r->spec.length;
   const int64_t wave = store_->options().wave_elements;
@@ -193,15 +194,19 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
   std::sort(pieces_.begin(), pieces_.end(),
             [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
 
-  // Applies Adam (if asked) and writes the 16-bit copy for range elements [lo, hi) into out.
+  // Applies Adam (if asked) and writes the 16-bit copy for range elements [base, hi) into out,
+  // with the state of those elements in `state` (the range's own views, or a disk wave's slot).
   // A replay only converts: the SIMD conversion of the store's path, bit-identical to dtype.h's.
   const internal::FloatToHalfFn to_half = internal::GetFloatToHalf(store_->simd_path());
-  auto process = [&](const int64_t base, int64_t hi, uint16_t* out) {
+  auto process = [&](const int64_t base, int64_t hi, uint16_t* out, const StateWave& state) {
+    float* const master = state.master - state.lo;  // indexed by range element
+    float* const exp_avg = state.exp_avg - state.lo;
+    float* const exp_avg_sq = state.exp_avg_sq - state.lo;
     if (update == nullptr) {
       if (to_half != nullptr) {
-        to_half(r->param + base, out_dtype, out, hi - base);
+        to_half(master + base, out_dtype, out, hi - base);
       } else {
-        ConvertFromFloat(r->param + base, hi - base, out_dtype, out);
+        ConvertFromFloat(master + base, hi - base, out_dtype, out);
       }
       return;
     }
@@ -217,9 +222,9 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
         const int64_t ge = std::min(e, g->end);
         span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
         span.grad_dtype = grad_dtype;
-        span.param = r->param + b;
-        span.exp_avg = r->exp_avg + b;
-        span.exp_avg_sq = r->exp_avg_sq + b;
+        span.param = master + b;
+        span.exp_avg = exp_avg + b;
+        span.exp_avg_sq = exp_avg_sq + b;
         span.out = out + (b - base);
         span.n = ge - b;
         kernel(update[g->group], span);
@@ -241,26 +246,56 @@ bool StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
     }
   };
 
+  // A range on disk: each wave's state comes through the tier's ring (read ahead while the wave
+  // before computes, written back while the wave after does).
+  std::unique_ptr<StatePass> pass;
+  if (r->file != nullptr) {
+    pass = std::make_unique<StatePass>(store_->disk(), r->file.get(),
+                                       /*write_back=*/update != nullptr);
+  }
+  const StateWave in_memory{0, length, r->param, r->exp_avg, r->exp_avg_sq};
+
   bool sink_ok = true;
+  absl::Status disk_status;
   const int64_t num_waves = (length + wave - 1) / wave;
   ThreadPool::Ticket pending;
   for (int64_t w = 0; w <= num_waves; ++w) {
     // Start wave w, then send wave w - 1 while it runs.
     ThreadPool::Ticket started;
-    if (w < num_waves) {
+    if (w < num_waves && disk_status.ok()) {
       const int64_t lo = w * wave, hi = std::min(length, lo + wave);
-      auto* out = static_cast<uint16_t*>(sink->Buffer(w & 1, r->spec.offset + lo, hi - lo));
-      started = pool->RunAsync([&process, lo, hi, out, threads](int t) {
-        ForEachOwnedTile(lo, hi, t, threads,
-                         [&](int64_t b, int64_t e) { process(b, e, out + (b - lo)); });
-      });
+      StateWave state = in_memory;
+      if (pass != nullptr) {
+        absl::StatusOr<StateWave> acquired = pass->Acquire(w);
+        if (acquired.ok()) {
+          state = *acquired;
+        } else {
+          disk_status = acquired.status();
+        }
+      }
+      if (disk_status.ok()) {
+        auto* out = static_cast<uint16_t*>(sink->Buffer(w & 1, r->spec.offset + lo, hi - lo));
+        started = pool->RunAsync([&process, lo, hi, out, threads, state](int t) {
+          ForEachOwnedTile(lo, hi, t, threads,
+                           [&](int64_t b, int64_t e) { process(b, e, out + (b - lo), state); });
+        });
+      }
     }
     if (w > 0) {
       pending.Wait();
-      if (sink_ok) sink_ok = sink->Send((w - 1) & 1);
+      if (pass != nullptr && disk_status.ok()) disk_status = pass->Release(w - 1);
+      // Nothing is sent once the disk failed: the receiver gets the error instead.
+      if (sink_ok && disk_status.ok()) sink_ok = sink->Send((w - 1) & 1);
     }
     pending = std::move(started);
   }
+  if (pass != nullptr) {
+    absl::Status finished = pass->Finish();
+    if (disk_status.ok()) disk_status = finished;
+    ServerMetrics::Get().DiskPass(pass->stats().bytes_read, pass->stats().bytes_written,
+                                  pass->stats().wait_seconds);
+  }
+  if (!disk_status.ok()) return disk_status;
   return sink_ok;
 }
 
@@ -319,9 +354,12 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
   }
   committed_ = true;
   std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+  if (!r->state_lost.empty()) return absl::DataLossError(r->state_lost);
   if (replay_) {
     outcome.replayed = true;
-    outcome.receiver_gone = !StreamWaves(nullptr, sink);
+    absl::StatusOr<bool> sent = StreamWaves(nullptr, sink);
+    if (!sent.ok()) return sent.status();  // a replay only reads: the state is unchanged
+    outcome.receiver_gone = !*sent;
   } else if (args.skip) {
     outcome.skipped = true;
     ServerMetrics::Get().StepSkipped();
@@ -341,7 +379,20 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     }
     // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
     const auto begin = std::chrono::steady_clock::now();
-    outcome.receiver_gone = !StreamWaves(scalars.data(), sink);
+    absl::StatusOr<bool> sent = StreamWaves(scalars.data(), sink);
+    if (!sent.ok()) {
+      // Some waves were written back and some not: the range is lost until a restore.
+      r->state_lost =
+          absl::StrCat("the optimizer state of range ", r->index, " of job ", job_->config.job_id,
+                       " was lost when step ", step_, " failed part-way (", sent.status().message(),
+                       "): restore it from a checkpoint");
+      return absl::Status(sent.status().code(),
+                          absl::StrCat("step ", step_, " of range ", r->index, " of job ",
+                                       job_->config.job_id, " failed: ", sent.status().message(),
+                                       "; the range's state is lost until restored from a "
+                                       "checkpoint"));
+    }
+    outcome.receiver_gone = !*sent;
     outcome.applied = true;
     ServerMetrics::Get().StepApplied(
         length, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());

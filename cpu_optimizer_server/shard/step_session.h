@@ -88,8 +88,9 @@ class StepSession {
   // Whether any of data (n,) in dtype is inf or NaN.
   bool AnyNonFinite(const char* data, DType dtype, int64_t n) const;
   // Streams the 16-bit copy of [0, length) in waves; `update` (one per parameter group of the
-  // job, indexed by group) first applies Adam to each wave, null for a replay.
-  bool StreamWaves(const AdamStepScalars* update, ParamSink* sink);
+  // job, indexed by group) first applies Adam to each wave, null for a replay. False when the
+  // receiver went away; an error only from a range on disk whose pass failed.
+  absl::StatusOr<bool> StreamWaves(const AdamStepScalars* update, ParamSink* sink);
 
   ShardStore* const store_;
   const std::shared_ptr<Job> job_;

@@ -83,6 +83,20 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request
   absl::StatusOr<DType> dtype = DTypeFromProto(request.param_dtype(), "param_dtype");
   if (!dtype.ok()) return dtype.status();
   config.param_dtype = *dtype;
+  switch (request.state_tier()) {
+    case v1::STATE_TIER_AUTO:
+      config.state_tier = StateTier::kAuto;
+      break;
+    case v1::STATE_TIER_MEMORY:
+      config.state_tier = StateTier::kMemory;
+      break;
+    case v1::STATE_TIER_DISK:
+      config.state_tier = StateTier::kDisk;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("state_tier ", static_cast<int>(request.state_tier()), " is not a tier"));
+  }
   return config;
 }
 

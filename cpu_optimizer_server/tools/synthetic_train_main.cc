@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -16,6 +15,7 @@
 #include "absl/flags/usage.h"
 #include "base/host_buffer.h"
 #include "base/security/security.h"
+#include "base/splitmix64.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
 
@@ -60,21 +60,28 @@ int Run() {
   const v1::CreateJobRequest create = MakeCreateJobRequest(job, ranges, adam, dtype);
   if (auto r = (*client)->CreateJob(create); !r.ok()) return Fail("create job", r.status());
 
-  // Initial weights w0 ~ N(0, 1) and target t ~ N(0, 1), seeded.
-  std::vector<float> target(n);
+  // Initial weights w0 and target t uniform in [-1, 1), a hash of the element's index: nothing
+  // but the 16-bit weights and gradients is stored, 4 bytes per parameter, so n can reach the
+  // billions a disk-tier server holds (scripts/disk-tier-run). The weights load in pieces.
+  auto uniform = [](uint64_t seed, int64_t i) {
+    uint64_t state = seed ^ (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
+    return static_cast<float>(SplitMix64(&state) >> 40) * 0x1p-23f - 1.0f;
+  };
+  constexpr uint64_t kWeightSeed = 1234, kTargetSeed = 5678;
   std::vector<uint16_t> weights16(n), grads16(n);
   {
-    std::vector<float> w0(n);
-    std::mt19937 rng(1234);
-    std::normal_distribution<float> d(0.0f, 1.0f);
-    for (int64_t i = 0; i < n; ++i) {
-      w0[i] = d(rng);
-      target[i] = d(rng);
-      weights16[i] = to16(w0[i]);
-    }
-    if (auto s = (*client)->LoadState(job, v1::STATE_TENSOR_MASTER_WEIGHTS, 0, w0.data(), n);
-        !s.ok()) {
-      return Fail("load weights", s);
+    constexpr int64_t kLoadPiece = int64_t{1} << 26;
+    std::vector<float> w0(std::min(n, kLoadPiece));
+    for (int64_t at = 0; at < n; at += kLoadPiece) {
+      const int64_t m = std::min(kLoadPiece, n - at);
+      for (int64_t i = 0; i < m; ++i) {
+        w0[i] = uniform(kWeightSeed, at + i);
+        weights16[at + i] = to16(w0[i]);
+      }
+      if (auto s = (*client)->LoadState(job, v1::STATE_TENSOR_MASTER_WEIGHTS, at, w0.data(), m);
+          !s.ok()) {
+        return Fail("load weights", s);
+      }
     }
   }
   std::printf("synthetic training: job=%s params=%lld ranges=%d dtype=%s server=%s\n", job.c_str(),
@@ -88,7 +95,7 @@ int Run() {
     const auto t0 = std::chrono::steady_clock::now();
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const float diff = from16(weights16[i]) - target[i];
+      const float diff = from16(weights16[i]) - uniform(kTargetSeed, i);
       sum += static_cast<double>(diff) * diff;
       grads16[i] = to16(diff);  // n * d(loss)/dw
     }

@@ -55,6 +55,10 @@ ABSL_FLAG(std::string, transport, "auto",
           "data plane to the shards: auto (shared memory on this host, else UCX, else gRPC), grpc, "
           "shm or ucx");
 ABSL_FLAG(int, num_shards, 1, "shards of the in-process optimizer (when --shards is empty)");
+ABSL_FLAG(std::string, optimizer_state, "auto",
+          "where the optimizer servers keep the fp32 master weights and Adam moments: auto (in "
+          "memory when they fit the server's --memory_limit_mib, else on its disk tier), memory, "
+          "or disk (the server needs --state_dir)");
 ABSL_FLAG(int, optimizer_threads, 0,
           "Adam threads of the in-process optimizer; 0: one per core this process may use");
 ABSL_FLAG(bool, optimizer_pin_threads, false,
@@ -354,6 +358,14 @@ int main(int argc, char** argv) {
     auto remote = offload::RemoteOptimizer::Connect(*map, addresses, client_options, *transport);
     if (!remote.ok()) return Fail(remote.status());
     if (absl::Status s = (*remote)->SetRank(rank); !s.ok()) return Fail(s);
+    const std::string state = absl::GetFlag(FLAGS_optimizer_state);
+    if (state != "auto" && state != "memory" && state != "disk") {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--optimizer_state is ", state, "; it must be auto, memory or disk")));
+    }
+    (*remote)->SetStateTier(state == "memory" ? offload::v1::STATE_TIER_MEMORY
+                            : state == "disk" ? offload::v1::STATE_TIER_DISK
+                                              : offload::v1::STATE_TIER_AUTO);
     data_plane = (*remote)->TransportNames();
     backend = std::move(*remote);
   }

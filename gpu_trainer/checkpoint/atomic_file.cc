@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -20,6 +21,17 @@ std::string DirName(const std::string& path) {
   if (slash == std::string::npos) return ".";
   if (slash == 0) return "/";
   return path.substr(0, slash);
+}
+
+uint32_t Crc32Update(uint32_t crc, const void* data, int64_t n) {
+  const Bytef* p = static_cast<const Bytef*>(data);
+  while (n > 0) {
+    const uInt len = static_cast<uInt>(std::min<int64_t>(n, 1 << 30));
+    crc = static_cast<uint32_t>(::crc32(crc, p, len));
+    p += len;
+    n -= len;
+  }
+  return crc;
 }
 
 absl::Status FsyncPath(const std::string& path) {
@@ -57,6 +69,7 @@ AtomicFileWriter::~AtomicFileWriter() {
 absl::Status AtomicFileWriter::Append(const void* data, int64_t nbytes) {
   if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is already closed"));
   const char* p = static_cast<const char*>(data);
+  crc_ = Crc32Update(crc_, p, nbytes);  // the bytes as given, before the disk has them
   while (nbytes > 0) {
     // write() may stop short (and caps one call near 2 GiB), so loop.
     const ssize_t n = write(fd_, p, static_cast<size_t>(std::min<int64_t>(nbytes, 1 << 30)));

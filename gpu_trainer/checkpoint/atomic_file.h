@@ -28,6 +28,8 @@ class AtomicFileWriter {
   absl::Status Append(const void* data, int64_t nbytes);
   absl::Status Append(absl::string_view bytes) { return Append(bytes.data(), bytes.size()); }
   int64_t bytes_written() const { return written_; }
+  // The CRC-32 (zlib's crc32()) of every byte appended so far, computed as they stream out.
+  uint32_t crc32() const { return crc_; }
 
   // fsync, close, rename over the target, fsync the directory. Call at most once.
   absl::Status Commit();
@@ -40,8 +42,18 @@ class AtomicFileWriter {
   std::string temp_path_;
   int fd_ = -1;
   int64_t written_ = 0;
+  uint32_t crc_ = 0;  // zlib's crc32() of nothing is 0
   bool committed_ = false;
 };
+
+// A file's size and CRC-32 as written (what the checkpoint manifest records of each file).
+struct FileChecksum {
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+// zlib's crc32() continued over n bytes, for any n (zlib takes at most 4 GiB - 1 per call).
+uint32_t Crc32Update(uint32_t crc, const void* data, int64_t n);
 
 // The whole file in one call.
 absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents);

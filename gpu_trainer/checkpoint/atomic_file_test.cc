@@ -39,6 +39,21 @@ TEST_F(AtomicFileTest, MissingDirectoryIsNamed) {
   EXPECT_THAT(s.message(), HasSubstr("no/such/f"));
 }
 
+TEST_F(AtomicFileTest, TheCrc32IsOfTheBytesAsTheyStreamOut) {
+  // The check value of CRC-32/ISO-HDLC, which zlib's crc32() computes.
+  EXPECT_EQ(Crc32Update(0, "123456789", 9), 0xcbf43926u);
+  EXPECT_EQ(Crc32Update(Crc32Update(0, "1234", 4), "56789", 5), 0xcbf43926u);
+  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> w = AtomicFileWriter::Open(Path("f"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)->crc32(), 0u);
+  ASSERT_TRUE((*w)->Append("12345").ok());
+  ASSERT_TRUE((*w)->Append("").ok());
+  ASSERT_TRUE((*w)->Append("6789").ok());
+  EXPECT_EQ((*w)->crc32(), 0xcbf43926u);
+  ASSERT_TRUE((*w)->Commit().ok());
+  EXPECT_EQ(ReadBytes(Path("f")), "123456789");
+}
+
 TEST_F(AtomicFileTest, CommitTwiceIsAnError) {
   absl::StatusOr<std::unique_ptr<AtomicFileWriter>> w = AtomicFileWriter::Open(Path("f"));
   ASSERT_TRUE(w.ok());

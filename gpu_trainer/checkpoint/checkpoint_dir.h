@@ -64,6 +64,18 @@ absl::StatusOr<std::string> LatestCheckpointDir(const std::string& root);
 // Reads and strictly parses <checkpoint_dir>/manifest.json.
 absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& checkpoint_dir);
 
+// DataLoss naming the file unless `path` holds exactly digest.bytes() bytes (checked first: both
+// sizes are named) whose CRC-32 is digest.crc32() (both CRCs named, in hex). Reads the file
+// once, in bounded chunks.
+absl::Status VerifyFileDigest(const std::string& path, const v1::FileDigest& digest);
+
+// VerifyFileDigest on every file of the checkpoint in `checkpoint_dir` whose digest the manifest
+// records (the model file, then each shard file). A checkpoint written before digests existed
+// records none and passes unchecked. It reads the whole checkpoint, and loads nothing: a resume
+// runs it before anything changes.
+absl::Status VerifyCheckpointFiles(const std::string& checkpoint_dir,
+                                   const v1::CheckpointManifest& manifest);
+
 }  // namespace offload
 
 #endif  // OFFLOAD_GPU_TRAINER_CHECKPOINT_CHECKPOINT_DIR_H_

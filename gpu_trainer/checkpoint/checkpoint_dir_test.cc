@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
 #include "gpu_trainer/checkpoint/test_util.h"
@@ -13,6 +14,7 @@
 namespace offload {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -151,6 +153,90 @@ TEST_F(CheckpointDirTest, CorruptLatestIsReported) {
   WriteBytes(root + "/step-00000100/manifest.json", "{\"bogus\": 1}");
   EXPECT_THAT(ReadManifest(root + "/step-00000100").status().message(),
               HasSubstr("step-00000100/manifest.json"));
+}
+
+// A checkpoint of a model file and one shard file whose sizes and CRC-32s the manifest records,
+// as SaveCheckpoint writes them.
+absl::StatusOr<std::string> SaveWithDigests(const std::string& root) {
+  OFFLOAD_ASSIGN_OR_RETURN(CheckpointStaging staging, CheckpointStaging::Begin(root, 5));
+  v1::CheckpointManifest m = Manifest(5);
+  const float w[4] = {1, 2, 3, 4};
+  FileChecksum checksum;
+  OFFLOAD_RETURN_IF_ERROR(WriteSafetensors(staging.PathOf("model.safetensors"),
+                                           {{"w", TensorDType::kF32, {4}, w, nullptr}}, {},
+                                           &checksum));
+  m.mutable_model_file_digest()->set_bytes(checksum.bytes);
+  m.mutable_model_file_digest()->set_crc32(checksum.crc32);
+  std::vector<float> state(1000);
+  for (size_t i = 0; i < state.size(); ++i) state[i] = 0.5f * static_cast<float>(i);
+  OFFLOAD_RETURN_IF_ERROR(WriteSafetensors(
+      staging.PathOf("shard-0.safetensors"),
+      {{"master.0", TensorDType::kF32, {1000}, state.data(), nullptr}}, {}, &checksum));
+  v1::ShardFile* f = m.add_shard_files();
+  f->set_file("shard-0.safetensors");
+  f->mutable_digest()->set_bytes(checksum.bytes);
+  f->mutable_digest()->set_crc32(checksum.crc32);
+  return staging.Commit(m);
+}
+
+TEST_F(CheckpointDirTest, VerifyRefusesATruncatedExtendedOrAlteredFileNamingIt) {
+  absl::StatusOr<std::string> dir = SaveWithDigests(Path("root"));
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(*dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->has_model_file_digest());
+  ASSERT_TRUE(m->shard_files(0).has_digest());
+  EXPECT_TRUE(VerifyCheckpointFiles(*dir, *m).ok());
+
+  const std::string shard = *dir + "/shard-0.safetensors";
+  const std::string pristine = ReadBytes(shard);
+  const std::string size = absl::StrCat(pristine.size());
+  ASSERT_EQ(absl::StrCat(m->shard_files(0).digest().bytes()), size);
+
+  WriteBytes(shard, pristine.substr(0, pristine.size() - 1));
+  absl::Status s = VerifyCheckpointFiles(*dir, *m);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), AllOf(HasSubstr(shard), HasSubstr(absl::StrCat(pristine.size() - 1)),
+                                 HasSubstr(size), HasSubstr("truncated")));
+
+  WriteBytes(shard, pristine + "x");
+  s = VerifyCheckpointFiles(*dir, *m);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), AllOf(HasSubstr(shard), HasSubstr("extended")));
+
+  // One bit of a tensor's data (the last byte: well past the header), same size.
+  std::string flipped = pristine;
+  flipped.back() ^= 0x01;
+  WriteBytes(shard, flipped);
+  s = VerifyFileDigest(shard, m->shard_files(0).digest());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  const uint32_t got = Crc32Update(0, flipped.data(), static_cast<int64_t>(flipped.size()));
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr(shard), HasSubstr(absl::StrFormat("CRC-32 %08x", got)),
+                    HasSubstr(absl::StrFormat("%08x", m->shard_files(0).digest().crc32()))));
+  EXPECT_EQ(VerifyCheckpointFiles(*dir, *m), s);
+  WriteBytes(shard, pristine);
+  EXPECT_TRUE(VerifyCheckpointFiles(*dir, *m).ok());
+
+  // The model file is checked as well.
+  const std::string model = *dir + "/model.safetensors";
+  const std::string model_bytes = ReadBytes(model);
+  std::string altered = model_bytes;
+  altered[altered.size() - 3] ^= 0x40;
+  WriteBytes(model, altered);
+  s = VerifyCheckpointFiles(*dir, *m);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), AllOf(HasSubstr(model), HasSubstr("CRC-32")));
+
+  // A manifest written before digests existed records none: its files pass unchecked.
+  v1::CheckpointManifest old = *m;
+  old.clear_model_file_digest();
+  old.mutable_shard_files(0)->clear_digest();
+  EXPECT_TRUE(VerifyCheckpointFiles(*dir, old).ok());
+  // A missing file is named.
+  WriteBytes(model, model_bytes);
+  ASSERT_EQ(unlink(shard.c_str()), 0);
+  EXPECT_THAT(VerifyCheckpointFiles(*dir, *m).message(), HasSubstr(shard));
 }
 
 }  // namespace

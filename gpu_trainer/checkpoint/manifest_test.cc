@@ -12,6 +12,7 @@ namespace offload {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 v1::CheckpointManifest Example() {
   v1::CheckpointManifest m;
@@ -38,6 +39,10 @@ v1::CheckpointManifest Example() {
   v1::ShardFile* f = m.add_shard_files();
   f->set_file("shard-0.safetensors");
   f->set_completed_step(100);
+  f->mutable_digest()->set_bytes(uint64_t{3} << 40);  // above 2^32
+  f->mutable_digest()->set_crc32(0xfedcba98u);        // above 2^31
+  m.mutable_model_file_digest()->set_bytes(248879744);
+  m.mutable_model_file_digest()->set_crc32(0);  // a CRC may be 0: the message marks presence
   m.set_train_loss(3.25f);
   return m;
 }
@@ -64,6 +69,24 @@ TEST(ManifestTest, NegativeZeroReadsAsZeroAndRoundTrips) {
   absl::StatusOr<v1::CheckpointManifest> back = ParseManifestJson(ManifestToJson(*m));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->SerializeAsString(), m->SerializeAsString());
+}
+
+// A checkpoint written before the file digests existed still reads, with none recorded.
+TEST(ManifestTest, FileDigestsAreOptional) {
+  absl::StatusOr<v1::CheckpointManifest> m = ParseManifestJson(
+      R"({"format_version": 1, "model": {}, "partition": {}, "param_dtype": "DTYPE_FP16",
+          "model_file": "m", "shard_files": [{"file": "shard-0.safetensors"}]})");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->has_model_file_digest());
+  EXPECT_FALSE(m->shard_files(0).has_digest());
+  EXPECT_THAT(ManifestToJson(*m), Not(HasSubstr("digest")));
+  // Printed with digests: a CRC of 0 keeps its message, so it reads back as recorded.
+  const std::string json = ManifestToJson(Example());
+  EXPECT_THAT(json, HasSubstr("\"crc32\": 4275878552"));
+  absl::StatusOr<v1::CheckpointManifest> back = ParseManifestJson(json);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->has_model_file_digest());
+  EXPECT_EQ(back->model_file_digest().crc32(), 0u);
 }
 
 TEST(ManifestTest, AcceptsCamelCaseNames) {
@@ -101,6 +124,9 @@ TEST(ManifestTest, RejectsUnknownFieldsAndBadValues) {
            "model_file": "../x"})",
        "model_file is '../x'"},
       {"{" + base + R"(, "shard_files": [{"file": "/etc/passwd"}]})", "shard_files[0].file"},
+      {"{" + base + R"(, "model_file_digest": {"bytes": "8", "crc32": 4294967296}})",
+       "not a valid CheckpointManifest"},
+      {"{" + base + R"(, "model_file_digest": {"size": 8}})", "size"},
       {"[]", "not a valid CheckpointManifest"},
       {"{" + base, "not a valid CheckpointManifest"},
   };

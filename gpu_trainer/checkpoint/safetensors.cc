@@ -357,7 +357,8 @@ absl::Status SafetensorsReader::ReadAsFloat(absl::string_view name, absl::Span<c
 
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<SafetensorsTensor>& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata,
+                              FileChecksum* checksum) {
   // Validate everything and build the header before creating any file.
   std::string header = "{";
   if (!metadata.empty()) {
@@ -436,7 +437,9 @@ absl::Status WriteSafetensors(const std::string& path,
       done += n;
     }
   }
-  return w->Commit();
+  OFFLOAD_RETURN_IF_ERROR(w->Commit());
+  if (checksum != nullptr) *checksum = FileChecksum{w->bytes_written(), w->crc32()};
+  return absl::OkStatus();
 }
 
 }  // namespace offload

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "gpu_trainer/checkpoint/atomic_file.h"
 
 namespace offload {
 
@@ -91,9 +92,12 @@ struct SafetensorsTensor {
 // Writes atomically (temp file in the same directory, fsync, rename, fsync the directory): a
 // crash leaves either the old file or the new one. Data is laid out in the given order; the
 // header is padded with spaces to a multiple of 8 bytes so the data section starts 8-aligned.
+// With `checksum`, the file's size and CRC-32, computed as it streams out (never read back),
+// are stored there once it is committed.
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<SafetensorsTensor>& tensors,
-                              const std::map<std::string, std::string>& metadata);
+                              const std::map<std::string, std::string>& metadata,
+                              FileChecksum* checksum = nullptr);
 
 }  // namespace offload
 

@@ -92,7 +92,12 @@ TEST_F(SafetensorsTest, FillProducerStreamsInBoundedChunks) {
   const uint16_t small[2] = {0x3c00, 0xc000};  // fp16 1, -2
   std::vector<SafetensorsTensor> tensors = {{"small", TensorDType::kF16, {2}, small, nullptr},
                                             {"big", TensorDType::kF32, {n}, nullptr, fill}};
-  ASSERT_TRUE(WriteSafetensors(Path("big.safetensors"), tensors, {}).ok());
+  FileChecksum checksum;
+  ASSERT_TRUE(WriteSafetensors(Path("big.safetensors"), tensors, {}, &checksum).ok());
+  // The size and CRC-32 computed as the file streamed out are those of the file on disk.
+  const std::string written = ReadBytes(Path("big.safetensors"));
+  EXPECT_EQ(checksum.bytes, static_cast<int64_t>(written.size()));
+  EXPECT_EQ(checksum.crc32, Crc32Update(0, written.data(), static_cast<int64_t>(written.size())));
   EXPECT_THAT(calls, ElementsAre(std::make_pair(int64_t{0}, int64_t{16} << 20),
                                  std::make_pair(int64_t{16} << 20, int64_t{16} << 20),
                                  std::make_pair(int64_t{32} << 20, int64_t{12})));

@@ -22,6 +22,9 @@ class RemoteOptimizer final : public OptimizerBackend {
       TransportChoice transport = TransportChoice::kGrpc);
   ~RemoteOptimizer() override;
 
+  // Where CreateJob asks every shard to keep the job's state (CreateJobRequest.state_tier).
+  void SetStateTier(v1::StateTier tier) { state_tier_ = tier; }
+
   // "shm" or "shm, grpc": the data plane of each shard, in shard order, duplicates folded.
   std::string TransportNames() const;
 
@@ -46,6 +49,7 @@ class RemoteOptimizer final : public OptimizerBackend {
   uint64_t SliceGradientAreaId(int slice) override;
 
   std::vector<std::string> addresses_;
+  v1::StateTier state_tier_ = v1::STATE_TIER_AUTO;
   std::vector<std::unique_ptr<OptimizerClient>> clients_;         // one per shard
   std::vector<std::unique_ptr<StepTransport>> owned_transports_;  // shm or UCX, per shard
   std::vector<StepTransport*> transports_;                        // one per shard

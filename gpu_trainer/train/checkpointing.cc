@@ -32,6 +32,13 @@ TensorDType SafetensorsDType(v1::DType d) {
 
 std::string ShardFileName(int shard) { return absl::StrCat("shard-", shard, ".safetensors"); }
 
+v1::FileDigest DigestProto(const FileChecksum& c) {
+  v1::FileDigest d;
+  d.set_bytes(static_cast<uint64_t>(c.bytes));
+  d.set_crc32(c.crc32);
+  return d;
+}
+
 // master (n,) := the shards' fp32 master weights of flat elements [offset, offset + n), read
 // slice by slice (the slices tile the buffer in order).
 absl::Status ReadMasterRange(OptimizerBackend* backend, int64_t offset, int64_t n, float* master) {
@@ -100,8 +107,11 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
     model_tensors.push_back(std::move(t));
   }
   manifest.set_model_file("model.safetensors");
-  OFFLOAD_RETURN_IF_ERROR(
-      WriteSafetensors(staging->PathOf(manifest.model_file()), model_tensors, {{"format", "pt"}}));
+  // Each file's size and CRC-32 as it streamed out, which a resume checks before loading it.
+  FileChecksum checksum;
+  OFFLOAD_RETURN_IF_ERROR(WriteSafetensors(staging->PathOf(manifest.model_file()), model_tensors,
+                                           {{"format", "pt"}}, &checksum));
+  *manifest.mutable_model_file_digest() = DigestProto(checksum);
 
   // Each shard's fp32 state, streamed from the shard in chunks straight into its file.
   const v1::PartitionMap& map = backend->partition();
@@ -131,13 +141,15 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
     file->set_completed_step(counters.completed_step);
     file->set_adam_step(counters.adam_step);
     OFFLOAD_RETURN_IF_ERROR(WriteSafetensors(staging->PathOf(file->file()), tensors,
-                                             {{"shard_index", absl::StrCat(shard)}}));
+                                             {{"shard_index", absl::StrCat(shard)}}, &checksum));
+    *file->mutable_digest() = DigestProto(checksum);
   }
   return staging->Commit(manifest, keep);
 }
 
 absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManifest& manifest,
-                               uint16_t* weights16, OptimizerBackend* backend) {
+                               uint16_t* weights16, OptimizerBackend* backend,
+                               bool files_verified) {
   const v1::PartitionMap& map = backend->partition();
   if (manifest.partition().SerializeAsString() != map.SerializeAsString()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -145,6 +157,8 @@ absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManif
         " shards, ", manifest.partition().world_size(), " ranks) from this run (", map.num_shards(),
         " shards, ", map.world_size(), " ranks); re-sharding a checkpoint is not supported yet"));
   }
+  // Every file whole and unaltered before anything is loaded, so a refusal changes nothing.
+  if (!files_verified) OFFLOAD_RETURN_IF_ERROR(VerifyCheckpointFiles(dir, manifest));
   // Model weights: the exact 16-bit values.
   const std::string model_path = absl::StrCat(dir, "/", manifest.model_file());
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> model,

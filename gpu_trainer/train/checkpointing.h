@@ -26,9 +26,13 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
 
 // Restores a checkpoint read with ReadManifest: the 16-bit weights into weights16
 // (padded_length,), and every shard's state and step counters through `backend`, whose job
-// must exist with the manifest's partition map.
+// must exist with the manifest's partition map. First, unless the caller has already done so
+// (files_verified), every file is checked against the size and CRC-32 the manifest records
+// (VerifyCheckpointFiles): a truncated or altered file is refused (DataLoss, naming it) before
+// weights16 or any shard changes.
 absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManifest& manifest,
-                               uint16_t* weights16, OptimizerBackend* backend);
+                               uint16_t* weights16, OptimizerBackend* backend,
+                               bool files_verified = false);
 
 // Model weights trained elsewhere, in GPT-2 naming (a Hugging Face GPT-2 model.safetensors,
 // with or without the "transformer." prefix, or our own model.safetensors), as fp32 into

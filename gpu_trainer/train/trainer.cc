@@ -463,11 +463,17 @@ absl::Status Trainer::DealPartitions(const uint16_t* full) {
 absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::CheckpointManifest* manifest,
                               uint16_t* weights16, std::string* how) {
   const TrainerOptions& o = options_;
+  // A truncated or altered checkpoint file is refused before CreateJob replaces a job the shards
+  // may still hold: a refused resume changes nothing.
+  if (checkpoint != nullptr) {
+    OFFLOAD_RETURN_IF_ERROR(VerifyCheckpointFiles(*checkpoint, *manifest));
+  }
   OFFLOAD_RETURN_IF_ERROR(backend_->CreateJob(o.job_id, o.adam, o.param_dtype));
   const v1::PartitionMap& map = backend_->partition();
   if (checkpoint != nullptr) {
     const v1::CheckpointManifest& m = *manifest;
-    OFFLOAD_RETURN_IF_ERROR(RestoreCheckpoint(*checkpoint, m, weights16, backend_));
+    OFFLOAD_RETURN_IF_ERROR(
+        RestoreCheckpoint(*checkpoint, m, weights16, backend_, /*files_verified=*/true));
     if (o.dpu && m.step() > o.dpu_warmup_steps) {
       // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
       // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is

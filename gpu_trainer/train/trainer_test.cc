@@ -11,18 +11,23 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "gpu_trainer/checkpoint/atomic_file.h"
+#include "gpu_trainer/checkpoint/checkpoint_dir.h"
+#include "gpu_trainer/checkpoint/manifest.h"
 #include "gpu_trainer/checkpoint/safetensors.h"
 #include "gpu_trainer/data/batch_sampler.h"
 #include "gpu_trainer/data/token_dataset.h"
@@ -154,6 +159,124 @@ TEST(Trainer, ResumeFromACheckpointIsBitIdentical) {
   EXPECT_EQ(std::vector<float>(straight.losses.begin() + 8, straight.losses.end()), resumed.losses);
   EXPECT_EQ(straight.weights16, resumed.weights16);
   EXPECT_TRUE(SameBits(straight.master, resumed.master));
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void WriteAll(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// Every file under root, by path, with its bytes.
+std::map<std::string, std::string> Snapshot(const std::string& root) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+    if (e.is_regular_file()) files[e.path().string()] = ReadAll(e.path().string());
+  }
+  return files;
+}
+
+// Where a safetensors file's data section starts (after the length field and the header).
+size_t DataStart(const std::string& bytes) {
+  uint64_t header = 0;
+  for (int i = 7; i >= 0; --i) header = (header << 8) | static_cast<uint8_t>(bytes[i]);
+  return 8 + header;
+}
+
+// A checkpoint file truncated by one byte, one byte of a shard's tensor data flipped, the model
+// file's data altered: each resume is refused (DataLoss) naming the file, with both sizes or both
+// CRC-32s, before anything loads: the shard servers keep the job they hold (CreateJob would
+// replace it), the trainer its weights, and every byte under the checkpoint root stays. The
+// unaltered checkpoint then resumes, and so does one whose manifest predates the digests.
+TEST(Trainer, ResumeRefusesATruncatedOrAlteredFileNamingItAndChangesNothing) {
+  TrainerOptions o = TinyOptions();
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.resume = true;
+  LocalShards shards(2);  // servers outlive a trainer, and keep its job
+  auto remote = RemoteOptimizer::Connect(MapFor(o, 2), shards.addresses(), ClientOptions{});
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  OptimizerBackend& backend = **remote;
+  Train(o, &backend, 3, /*checkpoint_at_end=*/true);
+  Train(o, &backend, 2);  // the shards move on past the checkpoint, as a crashed run leaves them
+  std::vector<float> master(backend.partition().padded_length());  // (padded,)
+  ASSERT_TRUE(backend.ReadMasterWeights(master.data()).ok());
+  absl::StatusOr<std::string> latest = LatestCheckpointDir(dir.path());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  absl::StatusOr<v1::CheckpointManifest> manifest = ReadManifest(*latest);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  ASSERT_TRUE(manifest->has_model_file_digest());
+  ASSERT_EQ(manifest->shard_files_size(), 2);
+  ASSERT_TRUE(manifest->shard_files(1).has_digest());
+
+  const std::string shard = *latest + "/" + manifest->shard_files(1).file();
+  const std::string model = *latest + "/" + manifest->model_file();
+  const std::string shard_bytes = ReadAll(shard), model_bytes = ReadAll(model);
+  struct Case {
+    std::string path;
+    std::string bytes;
+    std::vector<std::string> message;  // what the refusal must say
+  };
+  std::string flipped_shard = shard_bytes;
+  const size_t shard_data = DataStart(shard_bytes);
+  flipped_shard[shard_data + (shard_bytes.size() - shard_data) / 2] ^= 0x01;
+  std::string altered_model = model_bytes;
+  const size_t model_data = DataStart(model_bytes);
+  altered_model[model_data + (model_bytes.size() - model_data) / 3] ^= 0x10;
+  auto hex = [](uint32_t crc) { return absl::StrFormat("%08x", crc); };
+  auto crc = [](const std::string& b) {
+    return Crc32Update(0, b.data(), static_cast<int64_t>(b.size()));
+  };
+  const std::vector<Case> cases = {
+      {shard,
+       shard_bytes.substr(0, shard_bytes.size() - 1),
+       {absl::StrCat(shard_bytes.size() - 1), absl::StrCat(shard_bytes.size()), "truncated"}},
+      {shard,
+       flipped_shard,
+       {hex(crc(flipped_shard)), hex(manifest->shard_files(1).digest().crc32())}},
+      {model, altered_model, {hex(crc(altered_model)), hex(manifest->model_file_digest().crc32())}},
+  };
+  for (const Case& c : cases) {
+    WriteAll(c.path, c.bytes);
+    const std::map<std::string, std::string> files = Snapshot(dir.path());
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &backend);
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    const std::vector<uint16_t> weights = (*trainer)->weights16();
+    absl::StatusOr<std::string> started = (*trainer)->Start();
+    ASSERT_FALSE(started.ok()) << *started;
+    EXPECT_TRUE(absl::IsDataLoss(started.status())) << started.status();
+    EXPECT_NE(started.status().message().find(c.path), std::string::npos) << started.status();
+    for (const std::string& part : c.message) {
+      EXPECT_NE(started.status().message().find(part), std::string::npos)
+          << part << " in " << started.status();
+    }
+    EXPECT_EQ((*trainer)->weights16(), weights);
+    EXPECT_EQ((*trainer)->step(), 0u);
+    std::vector<float> after(master.size());
+    ASSERT_TRUE(backend.ReadMasterWeights(after.data()).ok());
+    EXPECT_TRUE(SameBits(master, after));
+    EXPECT_EQ(Snapshot(dir.path()), files);
+    WriteAll(c.path, c.path == shard ? shard_bytes : model_bytes);
+  }
+
+  // Unaltered, it resumes; and so does a checkpoint whose manifest records no digests.
+  for (bool digests : {true, false}) {
+    if (!digests) {
+      v1::CheckpointManifest old = *manifest;
+      old.clear_model_file_digest();
+      for (v1::ShardFile& f : *old.mutable_shard_files()) f.clear_digest();
+      ASSERT_TRUE(WriteFileAtomic(*latest + "/" + kManifestFileName, ManifestToJson(old)).ok());
+    }
+    InProcessOptimizer fresh(MapFor(o, 2), 2, BestSimdPath());
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, &fresh);
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    absl::StatusOr<std::string> started = (*trainer)->Start();
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_EQ((*trainer)->step(), 3u);
+  }
 }
 
 // --resume on an empty checkpoint directory starts fresh (a job's first attempt and its restarts

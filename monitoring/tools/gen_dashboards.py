@@ -367,6 +367,22 @@ def optimizer_dashboard():
                  "short")
     d.timeseries("Open file descriptors", "Open fds of each server process.",
                  [(q("process_open_fds{%F}"), "{{instance}}")], "short")
+
+    d.row("Disk tier")
+    wait = "offload_optimizer_disk_wait_seconds"
+    d.timeseries("Disk read and written/s", "Optimizer state the disk tier's passes move per "
+                 "second (--state_dir): every step reads and writes each job's state once.",
+                 [(rate("offload_optimizer_disk_read_bytes_total"), "read {{instance}}"),
+                  (rate("offload_optimizer_disk_written_bytes_total"), "written {{instance}}")],
+                 "Bps", w=8)
+    d.timeseries("Waiting on the disk per shard step", "Time a range step's pass waited on the "
+                 "disk. Close to the Adam time: the disk bounds the step; near zero: the cores do.",
+                 [(hq(0.5, wait), "p50"), (hq(0.99, wait), "p99"), (hmean(wait), "mean")], "s",
+                 w=8)
+    d.timeseries("State on disk vs free", "Bytes of optimizer state in state files, and the "
+                 "free bytes left on the disk tier's file system.",
+                 [(q("offload_optimizer_disk_state_bytes{%F}"), "state {{instance}}"),
+                  (q("offload_optimizer_disk_free_bytes{%F}"), "free {{instance}}")], "bytes", w=8)
     return d
 
 

@@ -277,6 +277,8 @@ TEST(ValidateJobSpecTest, MessagesNameTheField) {
        "parallel.transport: must be one of auto, grpc, shm, ucx"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_collectives("mpi"); },
        "parallel.collectives: must be one of gloo, nccl"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_optimizer_state("nvme"); },
+       "parallel.optimizer_state: must be one of auto, memory, disk"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_collectives("nccl"); },
        "parallel.collectives: nccl needs training.device cuda"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_ranks(0); },

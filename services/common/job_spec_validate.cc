@@ -215,6 +215,9 @@ absl::Status ValidateParallel(const v1::ParallelSpec& p) {
   if (s.ok() && p.has_transport()) {
     s.Update(OneOf("parallel.transport", p.transport(), {"auto", "grpc", "shm", "ucx"}));
   }
+  if (s.ok() && p.has_optimizer_state()) {
+    s.Update(OneOf("parallel.optimizer_state", p.optimizer_state(), {"auto", "memory", "disk"}));
+  }
   if (s.ok() && p.has_collectives()) {
     s.Update(OneOf("parallel.collectives", p.collectives(), {"gloo", "nccl"}));
   }

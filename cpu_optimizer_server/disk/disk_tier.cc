@@ -1,0 +1,129 @@
+#include "cpu_optimizer_server/disk/disk_tier.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/thread_pool.h"
+
+namespace offload {
+
+namespace {
+
+constexpr char kServerDirPrefix[] = "server-";
+constexpr char kLockName[] = "lock";
+
+// Removes the directories under `state_dir` of servers that are gone: whoever made one holds
+// its lock until it exits, so a lock we can take belongs to nobody.
+void RemoveAbandonedDirs(const std::filesystem::path& state_dir) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(state_dir, ec)) {
+    if (!entry.is_directory(ec) ||
+        !absl::StartsWith(entry.path().filename().string(), kServerDirPrefix)) {
+      continue;
+    }
+    const std::string lock = (entry.path() / kLockName).string();
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;  // being made right now, or not ours
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) std::filesystem::remove_all(entry.path(), ec);
+    ::close(fd);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& options) {
+  if (options.state_dir.empty()) return absl::InvalidArgumentError("--state_dir is empty");
+  const int64_t wave =
+      std::max<int64_t>(kTileElements, options.wave_elements / kTileElements * kTileElements);
+  const int64_t slot_bytes = kStateTensors * wave * 4;
+  const int64_t slots = options.memory_bytes / slot_bytes;
+  if (slots < kMinStateSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--state_memory_mib=", options.memory_bytes >> 20, " holds ", slots,
+                     " slots of one wave's state (", slot_bytes >> 20, " MiB each: ", wave,
+                     " elements of master, exp_avg and exp_avg_sq); the disk tier needs at least ",
+                     kMinStateSlots, ", so at least ",
+                     (kMinStateSlots * slot_bytes + (1 << 20) - 1) >> 20, " MiB"));
+  }
+  std::error_code ec;
+  const std::filesystem::path root(options.state_dir);
+  std::filesystem::create_directories(root, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot make --state_dir ", options.state_dir, ": ", ec.message()));
+  }
+  RemoveAbandonedDirs(root);
+  const auto stamp = std::chrono::steady_clock::now().time_since_epoch().count();
+  const std::filesystem::path dir =
+      root / absl::StrCat(kServerDirPrefix, ::getpid(), "-", stamp % 1000000007);
+  std::filesystem::create_directory(dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot make ", dir.string(), ": ", ec.message()));
+  }
+  const std::string lock = (dir / kLockName).string();
+  const int lock_fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock_fd < 0 || ::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (lock_fd >= 0) ::close(lock_fd);
+    std::filesystem::remove_all(dir, ec);
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot lock ", lock, ": ", std::strerror(err)));
+  }
+  auto fail = [&](absl::Status s) {
+    ::close(lock_fd);
+    std::filesystem::remove_all(dir, ec);
+    return s;
+  };
+  // Memory for the ring is touched now, so the server's footprint is what it is from the start.
+  absl::StatusOr<HostBuffer> ring = HostBuffer::Allocate(slots * slot_bytes);
+  if (!ring.ok()) return fail(ring.status());
+  std::memset(ring->data(), 0, static_cast<size_t>(ring->size()));
+  // Each slot has at most its three tensors' transfers in flight.
+  absl::StatusOr<std::unique_ptr<IoRing>> io = IoRing::Create(static_cast<int>(slots) * 3);
+  if (!io.ok()) return fail(io.status());
+  return std::unique_ptr<DiskTier>(new DiskTier(dir.string(), lock_fd, *std::move(ring),
+                                                static_cast<int>(slots), wave, *std::move(io)));
+}
+
+DiskTier::~DiskTier() {
+  std::error_code ec;
+  std::filesystem::remove_all(dir_, ec);
+  ::close(lock_fd_);
+}
+
+int64_t DiskTier::FreeBytes() const {
+  struct statvfs st;
+  if (::statvfs(dir_.c_str(), &st) != 0) return -1;
+  return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+}
+
+absl::StatusOr<std::unique_ptr<StateFile>> DiskTier::CreateStateFile(const std::string& job_id,
+                                                                     int range_index,
+                                                                     int64_t length, bool staging) {
+  const std::string path =
+      absl::StrCat(dir_, "/", job_id, ".range-", range_index,
+                   staging ? absl::StrCat(".load-", next_file_.fetch_add(1)) : "", ".state");
+  if (!staging) {
+    const int64_t need = StateFileBytes(length);
+    const int64_t free_bytes = FreeBytes();
+    if (free_bytes >= 0 && need > free_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "range ", range_index, " of job ", job_id, " needs ", need,
+          " bytes of optimizer state on disk but ", dir_, " has ", free_bytes, " bytes free"));
+    }
+  }
+  return StateFile::Create(path, length, /*sparse=*/staging);
+}
+
+}  // namespace offload

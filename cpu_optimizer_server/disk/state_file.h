@@ -1,0 +1,73 @@
+// One range's optimizer state on disk: the fp32 master weights, exp_avg and exp_avg_sq of its
+// `length` elements, one region each, every region starting on a kStateBlockBytes boundary so a
+// wave of whole tiles moves with O_DIRECT. The file is scratch, not a format: it lives only as
+// long as the job on this server (checkpoints stay safetensors, gpu_trainer/checkpoint/), so it
+// has no header and is unlinked when the job goes.
+//
+//   file: [ master (length,) fp32 | pad ][ exp_avg | pad ][ exp_avg_sq | pad ]
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_DISK_STATE_FILE_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_DISK_STATE_FILE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace offload {
+
+// O_DIRECT needs buffer addresses, offsets and sizes in multiples of the device's logical block;
+// 4 KiB covers every disk and file system in use.
+inline constexpr int64_t kStateBlockBytes = 4096;
+inline constexpr int kStateTensors = 3;  // master, exp_avg, exp_avg_sq (StateTensor's order)
+
+inline int64_t StateRegionBytes(int64_t length) {
+  return (length * 4 + kStateBlockBytes - 1) / kStateBlockBytes * kStateBlockBytes;
+}
+// What a range of `length` elements takes on disk.
+inline int64_t StateFileBytes(int64_t length) { return kStateTensors * StateRegionBytes(length); }
+
+class StateFile {
+ public:
+  // Creates `path` with every block allocated (fallocate), so a step never meets a full disk:
+  // a disk too small fails here, naming the file and both sizes, and leaves no file behind.
+  // Allocated blocks read as zeros, the state of a new job. `sparse` allocates nothing (a load's
+  // staging file, which holds only what the load sends).
+  static absl::StatusOr<std::unique_ptr<StateFile>> Create(const std::string& path, int64_t length,
+                                                           bool sparse = false);
+  ~StateFile();  // closes and unlinks
+  StateFile(const StateFile&) = delete;
+  StateFile& operator=(const StateFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t length() const { return length_; }
+  // The O_DIRECT descriptor, for the streaming passes (state_pass.h); a plain one where the file
+  // system refuses O_DIRECT.
+  int direct_fd() const { return direct_fd_; }
+  int64_t TensorOffset(int tensor) const { return tensor * StateRegionBytes(length_); }
+
+  // Elements [begin, begin + n) of `tensor`, through the page cache: for reads of the state
+  // (ReadState) and loads, which come in chunks of any alignment. Errors name the file.
+  absl::Status Read(int tensor, int64_t begin, int64_t n, float* out) const;
+  absl::Status Write(int tensor, int64_t begin, int64_t n, const float* in);
+  // Flushes the page cache's dirty pages of the file to disk, so a pass's O_DIRECT reads and a
+  // full disk meet here and not later.
+  absl::Status Sync();
+
+ private:
+  StateFile(std::string path, int64_t length, int direct_fd, int buffered_fd)
+      : path_(std::move(path)), length_(length), direct_fd_(direct_fd), buffered_fd_(buffered_fd) {}
+
+  const std::string path_;
+  const int64_t length_;
+  const int direct_fd_;
+  const int buffered_fd_;
+};
+
+// "master weights", "exp_avg", "exp_avg_sq": for messages.
+const char* StateTensorName(int tensor);
+
+}  // namespace offload
+
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_DISK_STATE_FILE_H_
