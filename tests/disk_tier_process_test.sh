@@ -3,13 +3,15 @@
 # servers keeping every job's state on disk, streamed through a ring of a few waves.
 #   1. Same bits: a job trained with the disk tier ends with a checkpoint byte-identical to the
 #      same job in memory: fp16 on 1 server and bf16 on 3, W=2 with micro-batches, the tier asked
-#      for by the servers (--state_tier=disk) and by the job (--optimizer_state=disk). (W=1 and
-#      steps without micro-batches: case 2, and shard_store_test's DiskStateTest against memory.)
+#      for by the servers (--state_tier=disk) and by the job (--optimizer_state=disk). (W=1 without
+#      micro-batches against memory: case 3c, and shard_store_test's DiskStateTest.)
 #   2. kill -9 of a server mid-run, then a resume from the last checkpoint: the final checkpoint is
 #      the uninterrupted run's, byte for byte, and the dead server's directory is cleared by the
 #      next server to open the state directory.
-#   3. A disk too small for a job's state: the job is refused up front naming the directory and
-#      both figures, nothing is left on the disk, and the job runs once there is room.
+#   3. A full disk (a small tmpfs, in a mount namespace of its own): a job too big is refused up
+#      front naming the directory and both figures; a resume whose load meets the full disk in its
+#      staging file fails naming the file, the checkpoint unchanged; and with room the same resume
+#      ends at the in-memory run's bytes.
 set -euo pipefail
 full_disk=false
 [ "$1" = --full-disk ] && full_disk=true && shift
