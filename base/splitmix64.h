@@ -15,6 +15,11 @@ inline uint64_t SplitMix64(uint64_t* state) {
   return z ^ (z >> 31);
 }
 
+// A float uniform in [-1, 1) from the next value: 24 bits, so every value is exact in fp32.
+inline float SplitMix64Uniform(uint64_t* state) {
+  return static_cast<float>(SplitMix64(state) >> 40) * 0x1p-23f - 1.0f;
+}
+
 }  // namespace offload
 
 #endif  // OFFLOAD_BASE_SPLITMIX64_H_

@@ -46,6 +46,7 @@
 #include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "base/host_buffer.h"
+#include "base/splitmix64.h"
 #include "base/status_macros.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
@@ -178,24 +179,11 @@ double Median(std::vector<double> v) {
   return v.size() % 2 == 1 ? v[k] : (v[k - 1] + v[k]) / 2;
 }
 
-// Values in [-1, 1) (xorshift64): cheap beside the disk, and never all zeros, so no layer below
-// can shortcut a transfer of zero blocks.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : x_(seed | 1) {}
-  float Next() {
-    x_ ^= x_ << 13;
-    x_ ^= x_ >> 7;
-    x_ ^= x_ << 17;
-    return static_cast<float>(static_cast<int64_t>(x_ >> 40) - (int64_t{1} << 23)) * 0x1p-23f;
-  }
-  void Fill(float* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = Next();
-  }
-
- private:
-  uint64_t x_;
-};
+// Values in [-1, 1): cheap beside the disk, and never all zeros, so no layer below can shortcut
+// a transfer of zero blocks. `state` carries on from call to call.
+void FillUniform(uint64_t* state, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = SplitMix64Uniform(state);
+}
 
 // The commit's 16-bit parameters go nowhere: two wave buffers, handed out again and again.
 class DiscardSink : public ParamSink {
@@ -256,7 +244,8 @@ struct DdResult {
 absl::StatusOr<DdResult> DdReference(const std::string& path, int64_t bytes) {
   constexpr int64_t kBlock = int64_t{8} << 20;
   OFFLOAD_ASSIGN_OR_RETURN(HostBuffer buf, HostBuffer::Allocate(kBlock));
-  Rng(7).Fill(static_cast<float*>(buf.data()), kBlock / 4);
+  uint64_t seed = 7;
+  FillUniform(&seed, static_cast<float*>(buf.data()), kBlock / 4);
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
   if (fd < 0) {
     const int err = errno;
@@ -362,11 +351,11 @@ absl::StatusOr<IoFigures> BoundPass(IoRing* io, const StateFile& file, int64_t w
 absl::Status LoadMaster(ShardStore* store, int64_t n) {
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StateLoader> loader, StateLoader::Start(store, kJob));
   constexpr int64_t kChunk = int64_t{1} << 24;
-  Rng rng(42);
+  uint64_t seed = 42;
   for (int64_t at = 0; at < n; at += kChunk) {
     const int64_t m = std::min(kChunk, n - at);
     std::string data(static_cast<size_t>(m) * 4, '\0');
-    rng.Fill(reinterpret_cast<float*>(data.data()), m);
+    FillUniform(&seed, reinterpret_cast<float*>(data.data()), m);
     OFFLOAD_RETURN_IF_ERROR(
         loader->AddChunk(StateTensor::kMasterWeights, at, DType::kFp32, std::move(data)));
   }
@@ -484,7 +473,8 @@ absl::Status RunDisk(const Flags& flags) {
   OFFLOAD_RETURN_IF_ERROR(CheckDirect(bound_file->direct_fd(), bound_file->path()));
   OFFLOAD_ASSIGN_OR_RETURN(HostBuffer bound_ring, HostBuffer::Allocate(tier->ring_bytes()));
   auto* ring = static_cast<float*>(bound_ring.data());
-  Rng(3).Fill(ring, tier->ring_bytes() / 4);
+  uint64_t ring_seed = 3;
+  FillUniform(&ring_seed, ring, tier->ring_bytes() / 4);
   OFFLOAD_RETURN_IF_ERROR(SequentialDirect(/*write=*/true, bound_file->direct_fd(),
                                            bound_file->path(), ring, tier->ring_bytes(),
                                            pass_bytes));
@@ -493,8 +483,8 @@ absl::Status RunDisk(const Flags& flags) {
   // (n,) fp16 gradients, allocated and filled once, small enough that Adam stays finite.
   OFFLOAD_ASSIGN_OR_RETURN(HostBuffer grad_buffer, HostBuffer::Allocate(n * 2));
   auto* grads = static_cast<uint16_t*>(grad_buffer.data());
-  Rng grad_rng(5);
-  for (int64_t i = 0; i < n; ++i) grads[i] = FloatToFp16(0.01f * grad_rng.Next());
+  uint64_t grad_seed = 5;
+  for (int64_t i = 0; i < n; ++i) grads[i] = FloatToFp16(0.01f * SplitMix64Uniform(&grad_seed));
   DiscardSink sink(wave);
 
   std::vector<double> disk_s, bound_s, memory_s;

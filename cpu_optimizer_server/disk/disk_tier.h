@@ -31,12 +31,12 @@ struct DiskTierOptions {
 // One wave being updated, one being written back, one being read ahead.
 inline constexpr int kMinStateSlots = 3;
 
-// What the tier has moved since it opened; read by the metrics at scrape time.
+// What the tier has moved since it opened, over all passes (bench_adam reads the wait; the
+// metrics take each pass's own StatePassStats).
 struct DiskTierCounters {
   std::atomic<int64_t> bytes_read{0};
   std::atomic<int64_t> bytes_written{0};
   std::atomic<int64_t> wait_nanos{0};  // a pass's thread blocked on the disk
-  std::atomic<int64_t> passes{0};
 };
 
 class DiskTier {

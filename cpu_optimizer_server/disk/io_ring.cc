@@ -44,8 +44,8 @@ IoRing::~IoRing() {
 
 absl::Status IoRing::Queue(bool write, int fd, void* buf, int64_t bytes, int64_t offset,
                            uint64_t tag) {
-  if (tag > kTagMask || bytes <= 0 || bytes > (int64_t{1} << (64 - kTagBits - 1)) ||
-      bytes > 0x7ffff000) {
+  // One transfer is at most what read(2) moves at once, well inside user_data's 40 bits.
+  if (tag > kTagMask || bytes <= 0 || bytes > 0x7ffff000) {
     return absl::InvalidArgumentError(
         absl::StrCat("io_uring transfer of ", bytes, " bytes with tag ", tag, " is out of range"));
   }

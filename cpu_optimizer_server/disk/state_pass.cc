@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -26,9 +27,7 @@ StatePass::StatePass(DiskTier* tier, const StateFile* file, bool write_back)
       num_waves_((file->length() + wave_ - 1) / wave_),
       slots_(tier->slots()),
       slot_wave_(slots_, -1),
-      slot_transfers_(slots_, 0) {
-  tier_->counters_.passes.fetch_add(1, std::memory_order_relaxed);
-}
+      slot_transfers_(slots_, 0) {}
 
 StatePass::~StatePass() {
   while (tier_->io_->in_flight() > 0) {
@@ -51,21 +50,29 @@ absl::Status StatePass::Fail(absl::Status s) {
   return error_;
 }
 
+absl::Status StatePass::QueueWave(int64_t w, bool write) {
+  const int s = static_cast<int>(w % slots_);
+  const int64_t bytes = WaveBytes(w);
+  float* slot = tier_->Slot(s);
+  for (int t = 0; t < kStateTensors; ++t) {
+    const int64_t offset = file_->TensorOffset(t) + w * wave_ * 4;
+    absl::Status st = write ? tier_->io_->QueueWrite(file_->direct_fd(), slot + t * wave_, bytes,
+                                                     offset, Tag(w, t, true))
+                            : tier_->io_->QueueRead(file_->direct_fd(), slot + t * wave_, bytes,
+                                                    offset, Tag(w, t, false));
+    if (!st.ok()) return Fail(st);
+    ++slot_transfers_[s];
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StatePass::IssueReads() {
   bool queued = false;
   while (next_read_ < num_waves_) {
     const int s = static_cast<int>(next_read_ % slots_);
     if (slot_wave_[s] != -1) break;  // still held, or still being written back
     slot_wave_[s] = next_read_;
-    const int64_t bytes = WaveBytes(next_read_);
-    float* slot = tier_->Slot(s);
-    for (int t = 0; t < kStateTensors; ++t) {
-      const int64_t offset = file_->TensorOffset(t) + next_read_ * wave_ * 4;
-      absl::Status st = tier_->io_->QueueRead(file_->direct_fd(), slot + t * wave_, bytes, offset,
-                                              Tag(next_read_, t, false));
-      if (!st.ok()) return Fail(st);
-      ++slot_transfers_[s];
-    }
+    OFFLOAD_RETURN_IF_ERROR(QueueWave(next_read_, /*write=*/false));
     queued = true;
     ++next_read_;
   }
@@ -146,15 +153,7 @@ absl::Status StatePass::Release(int64_t w) {
     slot_wave_[s] = -1;
     return IssueReads();
   }
-  const int64_t bytes = WaveBytes(w);
-  float* slot = tier_->Slot(s);
-  for (int t = 0; t < kStateTensors; ++t) {
-    const int64_t offset = file_->TensorOffset(t) + w * wave_ * 4;
-    absl::Status st = tier_->io_->QueueWrite(file_->direct_fd(), slot + t * wave_, bytes, offset,
-                                             Tag(w, t, true));
-    if (!st.ok()) return Fail(st);
-    ++slot_transfers_[s];
-  }
+  OFFLOAD_RETURN_IF_ERROR(QueueWave(w, /*write=*/true));
   absl::Status st = tier_->io_->Submit();
   if (!st.ok()) return Fail(st);
   return IssueReads();

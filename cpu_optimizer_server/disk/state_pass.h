@@ -56,6 +56,8 @@ class StatePass {
  private:
   int64_t WaveElements(int64_t w) const;
   int64_t WaveBytes(int64_t w) const;  // per tensor, rounded up to whole blocks
+  // Queues wave w's three transfers between its slot and the file (not yet submitted).
+  absl::Status QueueWave(int64_t w, bool write);
   absl::Status IssueReads();
   absl::Status ReapOne();  // blocks for one completion
   absl::Status Fail(absl::Status s);

@@ -383,17 +383,19 @@ absl::Status ShardStore::ReadState(
     if (!r->state_lost.empty()) return absl::DataLossError(r->state_lost);
     for (int64_t done = 0; done < m; done += chunk_elements) {
       const int64_t n = std::min(chunk_elements, m - done);
-      const float* src;
-      if (r->file != nullptr) {
+      chunk.resize(n * DTypeSize(dtype));
+      if (r->file != nullptr && dtype == DType::kFp32) {
+        // What a checkpoint reads: straight from the file into the chunk.
+        OFFLOAD_RETURN_IF_ERROR(r->file->Read(static_cast<int>(tensor), begin + done, n,
+                                              reinterpret_cast<float*>(chunk.data())));
+      } else if (r->file != nullptr) {
         from_disk.resize(n);
         OFFLOAD_RETURN_IF_ERROR(
             r->file->Read(static_cast<int>(tensor), begin + done, n, from_disk.data()));
-        src = from_disk.data();
+        ConvertFromFloat(from_disk.data(), n, dtype, chunk.data());
       } else {
-        src = r->Tensor(tensor) + begin + done;
+        ConvertFromFloat(r->Tensor(tensor) + begin + done, n, dtype, chunk.data());
       }
-      chunk.resize(n * DTypeSize(dtype));
-      ConvertFromFloat(src, n, dtype, chunk.data());
       if (!emit(at + done, n, chunk)) return absl::OkStatus();
     }
     at += m;

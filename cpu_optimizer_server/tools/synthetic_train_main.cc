@@ -65,7 +65,7 @@ int Run() {
   // billions a disk-tier server holds (scripts/disk-tier-run). The weights load in pieces.
   auto uniform = [](uint64_t seed, int64_t i) {
     uint64_t state = seed ^ (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
-    return static_cast<float>(SplitMix64(&state) >> 40) * 0x1p-23f - 1.0f;
+    return SplitMix64Uniform(&state);
   };
   constexpr uint64_t kWeightSeed = 1234, kTargetSeed = 5678;
   std::vector<uint16_t> weights16(n), grads16(n);

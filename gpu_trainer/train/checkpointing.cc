@@ -148,8 +148,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
 }
 
 absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManifest& manifest,
-                               uint16_t* weights16, OptimizerBackend* backend,
-                               bool files_verified) {
+                               uint16_t* weights16, OptimizerBackend* backend) {
   const v1::PartitionMap& map = backend->partition();
   if (manifest.partition().SerializeAsString() != map.SerializeAsString()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -157,8 +156,6 @@ absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManif
         " shards, ", manifest.partition().world_size(), " ranks) from this run (", map.num_shards(),
         " shards, ", map.world_size(), " ranks); re-sharding a checkpoint is not supported yet"));
   }
-  // Every file whole and unaltered before anything is loaded, so a refusal changes nothing.
-  if (!files_verified) OFFLOAD_RETURN_IF_ERROR(VerifyCheckpointFiles(dir, manifest));
   // Model weights: the exact 16-bit values.
   const std::string model_path = absl::StrCat(dir, "/", manifest.model_file());
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> model,

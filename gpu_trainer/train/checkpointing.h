@@ -26,13 +26,11 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
 
 // Restores a checkpoint read with ReadManifest: the 16-bit weights into weights16
 // (padded_length,), and every shard's state and step counters through `backend`, whose job
-// must exist with the manifest's partition map. First, unless the caller has already done so
-// (files_verified), every file is checked against the size and CRC-32 the manifest records
-// (VerifyCheckpointFiles): a truncated or altered file is refused (DataLoss, naming it) before
-// weights16 or any shard changes.
+// must exist with the manifest's partition map. The caller checks the files first
+// (VerifyCheckpointFiles, before it creates that job), so a truncated or altered file is refused
+// before anything changes.
 absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManifest& manifest,
-                               uint16_t* weights16, OptimizerBackend* backend,
-                               bool files_verified = false);
+                               uint16_t* weights16, OptimizerBackend* backend);
 
 // Model weights trained elsewhere, in GPT-2 naming (a Hugging Face GPT-2 model.safetensors,
 // with or without the "transformer." prefix, or our own model.safetensors), as fp32 into

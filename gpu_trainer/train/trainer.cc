@@ -472,8 +472,7 @@ absl::Status Trainer::LoadJob(const std::string* checkpoint, const v1::Checkpoin
   const v1::PartitionMap& map = backend_->partition();
   if (checkpoint != nullptr) {
     const v1::CheckpointManifest& m = *manifest;
-    OFFLOAD_RETURN_IF_ERROR(
-        RestoreCheckpoint(*checkpoint, m, weights16, backend_, /*files_verified=*/true));
+    OFFLOAD_RETURN_IF_ERROR(RestoreCheckpoint(*checkpoint, m, weights16, backend_));
     if (o.dpu && m.step() > o.dpu_warmup_steps) {
       // Mid-pipeline: the model file holds the weights of step - 1, which the next step computes
       // with, and the shards those of `step`, which the step after takes. Their 16-bit copy is
