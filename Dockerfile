@@ -2,20 +2,29 @@
 # The Offload image: job_controller, cpu_optimizer_server, gpu_trainer and offloadctl in
 # /opt/offload/bin, the demo corpus in /opt/offload/data, running as uid 10001. k8s/ runs it.
 #
-#   docker build -t offload:0.1.0 .                              # CPU backend only
-#   docker build --build-arg CUDA_VERSION=13-0 -t offload:0.1.0 .  # with the CUDA backend
+#   scripts/build-image                                           # from the build tree (below)
+#   docker build -t offload:0.1.0 .                              # compiles: CPU backend only
+#   docker build --build-arg CUDA_VERSION=13-0 -t offload:0.1.0 .  # compiles: with the CUDA backend
+#
+# Where the programs come from (PROGRAMS):
+# - `source` (the default) compiles them in the `source` stage, from a clean checkout.
+# - `prebuilt` takes what scripts/build-image staged in build/image/: the programs of the Release
+#   build tree the tests already built (so a 2-core machine does not compile the project twice)
+#   and, when that tree has the CUDA backend, the CUDA libraries they link (build/image/lib).
+# Only the chosen stage is built. Either way the last stage holds the runtime libraries only.
 #
 # The CUDA backend needs nvcc at build time: CUDA_VERSION (NVIDIA's package suffix, e.g. 13-0)
 # adds NVIDIA's CUDA repository for Debian 12 and its compiler, cuBLAS and runtime packages.
-# Without it the trainer has only the CPU backend (a job with training.device=cuda fails).
-# The GPU driver (libcuda) comes from the node through the NVIDIA container toolkit.
+# Without it the `source` trainer has only the CPU backend (a job with training.device=cuda
+# fails). The GPU driver (libcuda) comes from the node through the NVIDIA container toolkit.
 #
-# Not built by the tests (the development machines have no container engine); keep it simple.
-# tests/k8s_manifests_test.sh only checks that it installs what the manifests run.
+# tests/container_test.sh builds it (prebuilt) and runs the manifests' commands in it;
+# tests/k8s_manifests_test.sh checks that it installs what the manifests run.
 
 ARG DEBIAN_IMAGE=debian:12
+ARG PROGRAMS=source
 
-FROM ${DEBIAN_IMAGE} AS build
+FROM ${DEBIAN_IMAGE} AS source
 ARG CUDA_VERSION=""
 ENV DEBIAN_FRONTEND=noninteractive
 # The build packages: the same list ./scripts/build installs (scripts/bootstrap).
@@ -42,10 +51,17 @@ RUN if [ -n "$CUDA_VERSION" ]; then \
  && cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release $cuda \
  && cmake --build /build -j "$(nproc)" \
       --target job_controller cpu_optimizer_server gpu_trainer offloadctl \
- && mkdir -p /out/bin \
+ && mkdir -p /out/bin /out/lib \
  && cp /build/bin/job_controller /build/bin/cpu_optimizer_server /build/bin/gpu_trainer \
        /build/bin/offloadctl /out/bin/ \
  && strip --strip-unneeded /out/bin/*
+
+# scripts/build-image's staging: bin/ (stripped programs), lib/ (CUDA libraries, or empty).
+FROM scratch AS prebuilt
+COPY build/image/bin/ /out/bin/
+COPY build/image/lib/ /out/lib/
+
+FROM ${PROGRAMS} AS programs
 
 FROM ${DEBIAN_IMAGE}
 ARG CUDA_VERSION=""
@@ -73,7 +89,9 @@ RUN apt-get update -q \
  && groupadd --gid 10001 offload \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin offload
-COPY --from=build /out/bin/ /opt/offload/bin/
+COPY --from=programs /out/bin/ /opt/offload/bin/
+COPY --from=programs /out/lib/ /opt/offload/lib/
+RUN echo /opt/offload/lib > /etc/ld.so.conf.d/offload.conf && ldconfig
 COPY data/tinyshakespeare.txt /opt/offload/data/tinyshakespeare.txt
 # Every library resolves (libcuda, the driver, is mounted into GPU containers at run time).
 RUN ! ldd /opt/offload/bin/* | grep -v 'libcuda\.so' | grep 'not found'

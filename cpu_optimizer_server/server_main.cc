@@ -39,6 +39,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
 ABSL_FLAG(bool, shm, true,
           "offer the shared-memory data plane to trainers that prove they share this host");
 ABSL_FLAG(bool, ucx, true, "offer the UCX data plane (where the build has UCX; UCX_TLS applies)");
+ABSL_FLAG(std::string, ucx_net_devices, "auto",
+          "network devices the UCX plane offers a trainer: auto (the interface that routes to that "
+          "trainer, plus RDMA ports; UCX_NET_DEVICES, when set, instead), all, or a list as for "
+          "UCX_NET_DEVICES (eth0,mlx5_0:1)");
 ABSL_FLAG(int, threads, 0, "Adam worker threads; 0 = one per core this process may use");
 ABSL_FLAG(bool, pin_threads, false, "pin each Adam worker to one core");
 ABSL_FLAG(std::string, simd, "auto", "Adam kernel path: auto, scalar, avx2 or avx512");
@@ -230,6 +234,7 @@ int main(int argc, char** argv) {
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   server_options.enable_shm = absl::GetFlag(FLAGS_shm);
   server_options.enable_ucx = absl::GetFlag(FLAGS_ucx);
+  server_options.ucx_net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
   server_options.credentials = *server_credentials;
   server_options.access = &access;
   // grpc.health.v1 on the shard port, for Kubernetes' gRPC probes and load balancers.

@@ -345,7 +345,10 @@ absl::StatusOr<std::unique_ptr<OptimizerServer>> OptimizerServer::Start(
   }
 #ifdef OFFLOAD_HAVE_UCX
   if (options.enable_ucx) {
-    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneServer> ucx, CreateUcxServer(store));
+    UcxOptions ucx_options;
+    ucx_options.net_devices = options.ucx_net_devices;
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneServer> ucx,
+                             CreateUcxServer(store, ucx_options));
     server->data_planes_.push_back(std::move(ucx));
   }
 #endif

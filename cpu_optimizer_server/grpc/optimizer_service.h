@@ -69,6 +69,8 @@ struct ServerOptions {
   int64_t max_message_bytes = int64_t{64} << 20;
   bool enable_shm = true;  // offer the shared-memory data plane to trainers on this host
   bool enable_ucx = true;  // offer the UCX data plane (where the build has UCX)
+  // UCX network devices (UcxOptions::net_devices): "" routes to each trainer, "all" or a list.
+  std::string ucx_net_devices;
   // The listening port's credentials (TLS); insecure when null.
   std::shared_ptr<grpc::ServerCredentials> credentials;
   // Who may call (OptimizerService::SetAccess); not owned, outlives the server. Everyone when

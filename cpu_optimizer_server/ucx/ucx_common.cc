@@ -15,12 +15,21 @@ absl::Status UcsError(ucs_status_t status, const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(status)));
 }
 
-absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& net_devices) {
   std::unique_ptr<Worker> w(new Worker());
+  w->net_devices_ = net_devices;
   ucp_config_t* config = nullptr;
   // UCX_TLS and the other UCX_* variables are read here.
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
+  if (!net_devices.empty()) {
+    // Only these network devices go into the worker address (shared memory is not affected).
+    s = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(s, absl::StrCat("UCX NET_DEVICES=", net_devices));
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

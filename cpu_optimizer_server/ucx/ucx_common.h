@@ -110,7 +110,9 @@ struct SendOp;
 // (UCP_FEATURE_WAKEUP), so an idle plane burns no core, and posting threads wake it.
 class Worker {
  public:
-  static absl::StatusOr<std::unique_ptr<Worker>> Create();
+  // `net_devices`: UCX's NET_DEVICES for this context (net_route.h's NetDevicesFor); empty
+  // leaves UCX's own (UCX_NET_DEVICES, else all).
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& net_devices = "");
   ~Worker();  // stops the progress thread, then destroys worker and context
 
   // Registers the active-message handler of `id` (before Start).
@@ -121,6 +123,7 @@ class Worker {
   ucp_worker_h worker() const { return worker_; }
   ucp_context_h context() const { return context_; }
   const std::string& address() const { return address_; }
+  const std::string& net_devices() const { return net_devices_; }
 
   // An endpoint to a peer worker address, with peer error handling: `on_error` is called (on the
   // progress thread) when the peer goes away. Where no transport offers peer error handling (the
@@ -151,6 +154,7 @@ class Worker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
+  std::string net_devices_;
   int efd_ = -1;
   std::atomic<bool> no_peer_error_handling_{false};
   std::atomic<bool> stop_{false};

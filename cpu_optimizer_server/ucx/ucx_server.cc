@@ -1,12 +1,15 @@
 // The shard side of the UCX data plane (ucx_transport.h).
 //
-// Threading: one UCP context and worker for the whole server, progressed by its own thread
-// (ucx_common.h). The active-message handler runs on that thread and only queues: eager payloads
-// are copied into a string the StepSession then owns, rendezvous payloads are received
-// (ucp_am_recv_data_nbx) straight into such a string, and the command becomes ready when the data
-// has landed. Each attachment's commands run in order on its Serve thread (the gRPC handler
-// thread), so a commit's Adam pass never stalls the progress of other attachments. The worker is
-// UCS_THREAD_MODE_MULTI since the Serve threads post their replies directly.
+// Threading: one UCP context and worker per network device set, each progressed by its own thread
+// (ucx_common.h). By default an attachment is served by the worker that offers only the interface
+// routing to the trainer (net_route.h), made on first use; with UCX_NET_DEVICES or
+// --ucx_net_devices set, or when no route is found, by the one worker made at start. The
+// active-message handler runs on that thread and only queues: eager payloads are copied into a
+// string the StepSession then owns, rendezvous payloads are received (ucp_am_recv_data_nbx)
+// straight into such a string, and the command becomes ready when the data has landed. Each
+// attachment's commands run in order on its Serve thread (the gRPC handler thread), so a commit's
+// Adam pass never stalls the progress of other attachments. The worker is UCS_THREAD_MODE_MULTI
+// since the Serve threads post their replies directly.
 //
 // Sessions exist only for Attach streams the service let in (shard_access.h), and their ids are
 // 64 random bits: a message whose id no authenticated Attach set up is dropped, and one cannot be
@@ -17,6 +20,7 @@
 // sent at once and again to the commit.
 #include "cpu_optimizer_server/ucx/ucx_server.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -26,11 +30,13 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/grpc_status.h"
+#include "base/logging.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/param_groups.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/step_session.h"
+#include "cpu_optimizer_server/ucx/net_route.h"
 #include "cpu_optimizer_server/ucx/ucx_common.h"
 
 namespace offload {
@@ -65,7 +71,8 @@ struct Slot {
 
 struct Session {
   uint64_t id = 0;
-  int64_t max_payload = 0;  // bytes: the range in fp32 (the largest valid chunk)
+  ucx::Worker* worker = nullptr;  // the one `ep` is on
+  int64_t max_payload = 0;        // bytes: the range in fp32 (the largest valid chunk)
   ucp_ep_h ep = nullptr;
   Slot slots[2];  // used by the Serve thread only
 
@@ -82,15 +89,39 @@ struct DataRecv {
   std::shared_ptr<Command> command;
 };
 
+class UcxServer;
+
+// A worker and what its active-message handler needs to know.
+struct Plane {
+  UcxServer* server = nullptr;
+  std::unique_ptr<ucx::Worker> worker;
+};
+
 class UcxServer final : public DataPlaneServer {
  public:
-  UcxServer(ShardStore* store, const UcxOptions& options, std::unique_ptr<ucx::Worker> worker)
-      : store_(store), options_(options), worker_(std::move(worker)) {}
+  UcxServer(ShardStore* store, const UcxOptions& options) : store_(store), options_(options) {}
+  ~UcxServer() override {
+    // Sessions (their registrations) go before the contexts, and the workers' progress threads
+    // stop while the mutex their handlers take is still there.
+    std::map<uint64_t, std::shared_ptr<Session>> sessions;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sessions.swap(sessions_);
+    }
+    sessions.clear();
+    std::lock_guard<std::mutex> lock(planes_mu_);
+    planes_.clear();
+  }
 
+  // The worker for every attachment when the devices are fixed (UCX_NET_DEVICES, or
+  // options.net_devices other than auto), else for those whose route is not found: made now, so
+  // that a UCX that cannot work fails the start.
   absl::Status Init() {
-    if (auto s = worker_->SetAmHandler(ucx::kToShardAm, &UcxServer::OnAm, this); !s.ok()) return s;
-    worker_->Start();
-    return absl::OkStatus();
+    const bool fixed = (!options_.net_devices.empty() && options_.net_devices != "auto") ||
+                       std::getenv("UCX_NET_DEVICES") != nullptr;
+    routed_ = !fixed;
+    fixed_devices_ = fixed && options_.net_devices != "auto" ? options_.net_devices : "";
+    return PlaneFor(fixed_devices_).status();
   }
 
   v1::DataPlane plane() const override { return v1::DATA_PLANE_UCX; }
@@ -114,10 +145,15 @@ class UcxServer final : public DataPlaneServer {
   }
   void Execute(Session* s, Steps* steps, Command* c, const std::string& job_id,
                uint32_t range_index);
+  // The worker offering `net_devices` (Worker::Create's), made and started on first use.
+  absl::StatusOr<ucx::Worker*> PlaneFor(const std::string& net_devices);
 
   ShardStore* const store_;
   const UcxOptions options_;
-  std::unique_ptr<ucx::Worker> worker_;
+  bool routed_ = true;         // a worker per route to the trainers (Init)
+  std::string fixed_devices_;  // otherwise the devices of the one worker
+  std::mutex planes_mu_;
+  std::map<std::string, std::unique_ptr<Plane>> planes_;  // by net_devices
 
   std::mutex mu_;  // held by the AM handler for its whole run
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;
@@ -156,7 +192,7 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
     if (s.buffer.size() < bytes) {
       s.memh.reset();
       s.buffer.resize(bytes);
-      s.memh = std::make_unique<ucx::MemMap>(server_->worker_->context(), s.buffer.data(),
+      s.memh = std::make_unique<ucx::MemMap>(session_->worker->context(), s.buffer.data(),
                                              s.buffer.size());
     }
     s.offset = offset;
@@ -174,7 +210,7 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
     h.offset = static_cast<uint64_t>(s.offset);
     h.n = s.n;
     ServerMetrics::Get().Sent(DataPlane::kUcx, s.n * 2);
-    return server_->worker_
+    return session_->worker
         ->Send(session_->ep, ucx::kToTrainerAm, h, s.buffer.data(), s.n * 2, s.inflight,
                s.memh->get())
         .ok();
@@ -228,7 +264,8 @@ void UcxServer::OnDataReceived(void* request, ucs_status_t status, size_t length
 
 ucs_status_t UcxServer::OnAm(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxServer*>(arg);
+  auto* plane = static_cast<Plane*>(arg);
+  UcxServer* self = plane->server;
   if (header_length != sizeof(Header)) return UCS_OK;
   auto c = std::make_shared<Command>();
   std::memcpy(&c->header, header, sizeof(Header));
@@ -236,6 +273,7 @@ ucs_status_t UcxServer::OnAm(void* arg, const void* header, size_t header_length
   auto it = self->sessions_.find(c->header.session_id);
   if (it == self->sessions_.end()) return UCS_OK;  // an attachment already gone: dropped
   const std::shared_ptr<Session>& s = it->second;
+  if (s->worker != plane->worker.get()) return UCS_OK;  // not where its attachment is: dropped
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   ucs_status_t ret = UCS_OK;
   if (!rndv) {
@@ -255,7 +293,7 @@ ucs_status_t UcxServer::OnAm(void* arg, const void* header, size_t header_length
     p.cb.recv_am = &UcxServer::OnDataReceived;
     p.user_data = recv;
     ucs_status_ptr_t r =
-        ucp_am_recv_data_nbx(self->worker_->worker(), data, c->data.data(), length, &p);
+        ucp_am_recv_data_nbx(plane->worker->worker(), data, c->data.data(), length, &p);
     if (r == nullptr) {
       c->ready = true;
       delete recv;
@@ -284,7 +322,8 @@ void UcxServer::Reply(Session* s, const Header& request, Kind kind, const std::s
   // still queue it, so it lives in a string owned by the completion.
   auto owned = std::make_shared<std::string>(payload);
   auto inflight = std::make_shared<ucx::Inflight>();
-  worker_->Send(s->ep, ucx::kToTrainerAm, h, owned->data(), owned->size(), inflight).IgnoreError();
+  s->worker->Send(s->ep, ucx::kToTrainerAm, h, owned->data(), owned->size(), inflight)
+      .IgnoreError();
   // Wait for it: replies are rare (one per OPEN / error / commit) and this keeps `owned` alive.
   inflight->WaitIdle(options_.poll_interval, absl::Now() + absl::Seconds(30), [s] {
     std::lock_guard<std::mutex> lock(s->mu);
@@ -426,6 +465,23 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
     if (!found.ok()) return ToGrpcStatus(found.status());
     session->max_payload = found->range->spec.length * 4;
   }
+  // The worker offering the interface that routes to this trainer (its gRPC peer address).
+  std::string devices = fixed_devices_;
+  if (routed_) {
+    absl::StatusOr<std::string> routed = ucx::NetDevicesFor("auto", context->peer());
+    if (routed.ok()) {
+      devices = *std::move(routed);
+    } else {
+      LOG(WARNING) << "UCX to trainer " << context->peer()
+                   << ": every network device offered: " << routed.status().message();
+    }
+  }
+  absl::StatusOr<ucx::Worker*> worker = PlaneFor(devices);
+  if (!worker.ok()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        absl::StrCat("no UCX worker: ", worker.status().message()));
+  }
+  session->worker = *worker;
   {
     std::lock_guard<std::mutex> lock(mu_);
     absl::StatusOr<uint64_t> id = NewSessionId(sessions_);
@@ -439,7 +495,7 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
     sessions_.erase(s->id);
   };
   absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s);
+      s->worker->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s);
   if (!ep.ok()) {
     forget();
     return grpc::Status(
@@ -448,7 +504,7 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   }
   s->ep = *ep;
   v1::AttachResponse response;
-  response.mutable_ucx()->set_worker_address(worker_->address());
+  response.mutable_ucx()->set_worker_address(s->worker->address());
   response.mutable_ucx()->set_session_id(s->id);
   bool ok = stream->Write(response);
   response.mutable_ready();
@@ -489,7 +545,7 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
     context->TryCancel();  // unblocks the reader if the trainer's stream is still up
     reader.join();
   }
-  worker_->Close(s->ep);  // forced: slot sends still in flight complete as cancelled
+  s->worker->Close(s->ep);  // forced: slot sends still in flight complete as cancelled
   for (Slot& slot : s->slots) {
     slot.inflight->WaitIdle(options_.poll_interval, absl::Now() + absl::Seconds(5),
                             [] { return false; });
@@ -497,12 +553,36 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
   return grpc::Status::OK;
 }
 
+absl::StatusOr<ucx::Worker*> UcxServer::PlaneFor(const std::string& net_devices) {
+  std::lock_guard<std::mutex> lock(planes_mu_);
+  std::unique_ptr<Plane>& plane = planes_[net_devices];
+  if (plane != nullptr) return plane->worker.get();
+  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = ucx::Worker::Create(net_devices);
+  if (!worker.ok()) {
+    planes_.erase(net_devices);
+    return worker.status();
+  }
+  auto made = std::make_unique<Plane>();
+  made->server = this;
+  made->worker = *std::move(worker);
+  if (absl::Status s = made->worker->SetAmHandler(ucx::kToShardAm, &UcxServer::OnAm, made.get());
+      !s.ok()) {
+    planes_.erase(net_devices);
+    return s;
+  }
+  made->worker->Start();
+  if (!net_devices.empty()) {
+    LOG(INFO) << "cpu_optimizer_server: UCX worker on network devices " << net_devices;
+  }
+  plane = std::move(made);
+  return plane->worker.get();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DataPlaneServer>> CreateUcxServer(ShardStore* store,
                                                                  const UcxOptions& options) {
-  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ucx::Worker> worker, ucx::Worker::Create());
-  auto server = std::make_unique<UcxServer>(store, options, std::move(worker));
+  auto server = std::make_unique<UcxServer>(store, options);
   OFFLOAD_RETURN_IF_ERROR(server->Init());
   return std::unique_ptr<DataPlaneServer>(std::move(server));
 }

@@ -20,9 +20,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/attach_client.h"
 #include "cpu_optimizer_server/transport/attachment_cache.h"
+#include "cpu_optimizer_server/ucx/net_route.h"
 #include "cpu_optimizer_server/ucx/ucx_common.h"
 
 namespace offload {
@@ -542,7 +544,17 @@ absl::StatusOr<std::unique_ptr<StepStream>> UcxTransport::OpenStep(const std::st
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> MakeTransport(OptimizerClient* control,
                                                             const UcxOptions& options) {
-  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ucx::Worker> worker, ucx::Worker::Create());
+  // The worker offers only the interface that routes to the shard (net_route.h), so the shard
+  // never tries one of ours it cannot reach, e.g. a container bridge.
+  absl::StatusOr<std::string> devices =
+      ucx::NetDevicesFor(options.net_devices, control->options().address);
+  if (!devices.ok()) {
+    LOG(WARNING) << "UCX to shard " << control->options().address
+                 << ": every network device offered (UCX_NET_DEVICES to choose): "
+                 << devices.status().message();
+    devices = std::string();
+  }
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ucx::Worker> worker, ucx::Worker::Create(*devices));
   auto t = std::make_unique<UcxTransport>(control, options, std::move(worker));
   OFFLOAD_RETURN_IF_ERROR(t->Init());
   return t;

@@ -1,7 +1,9 @@
 // The UCX data plane (ARCHITECTURE.md section 4): one range's step exchange as UCX active messages,
 // with rendezvous for large chunks so RDMA-capable transports move them zero-copy; over TCP or
 // shared memory where there is no RDMA NIC. Which transports UCX uses is its own business, set with
-// the usual UCX_TLS environment variable (e.g. UCX_TLS=tcp, UCX_TLS=sm,self).
+// the usual UCX_TLS environment variable (e.g. UCX_TLS=tcp, UCX_TLS=sm,self). The network devices
+// are restricted to the interface that routes to the shard unless UCX_NET_DEVICES is set
+// (net_route.h).
 //
 // Set-up over the gRPC Attach stream of one (job, range): the trainer sends its worker address,
 // the shard answers with its own and a session id, both sides create endpoints, and the shard

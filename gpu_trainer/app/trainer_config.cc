@@ -59,7 +59,7 @@ ABSL_FLAG(std::string, init_from, "",
           "start from GPT-2 weights in a safetensors file (Hugging Face naming)");
 ABSL_FLAG(std::string, checkpoint_dir, "", "where checkpoints go; empty: none");
 ABSL_FLAG(bool, resume, false, "continue from the latest checkpoint in --checkpoint_dir");
-ABSL_FLAG(int, keep_checkpoints, 2, "checkpoints kept in --checkpoint_dir");
+ABSL_FLAG(int, keep_checkpoints, 2, "checkpoints kept in --checkpoint_dir (at least 1)");
 ABSL_FLAG(bool, dpu, false,
           "delayed parameter update: after --dpu_warmup_steps, each step's optimizer update runs "
           "while the next step computes on weights one step older");

@@ -23,6 +23,7 @@ ABSL_DECLARE_FLAG(float, lr);
 ABSL_DECLARE_FLAG(float, min_lr);
 ABSL_DECLARE_FLAG(bool, resume);
 ABSL_DECLARE_FLAG(std::string, checkpoint_dir);
+ABSL_DECLARE_FLAG(int, keep_checkpoints);
 ABSL_DECLARE_FLAG(std::string, data);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, collectives);
@@ -77,6 +78,8 @@ TEST(TrainerConfig, BadValuesAreRefusedNamingTheFlag) {
       {[] { absl::SetFlag(&FLAGS_model, "gpt5"); }, "--model: must be one of demo, gpt2"},
       {[] { absl::SetFlag(&FLAGS_dtype, "fp8"); }, "--dtype: must be one of fp16, bf16"},
       {[] { absl::SetFlag(&FLAGS_resume, true); }, "--resume: needs --checkpoint_dir"},
+      {[] { absl::SetFlag(&FLAGS_keep_checkpoints, 0); },
+       "--keep_checkpoints: must be >= 1, got 0"},
       {[] {
          absl::SetFlag(&FLAGS_lr, 0.01f);
          absl::SetFlag(&FLAGS_min_lr, 0.1f);

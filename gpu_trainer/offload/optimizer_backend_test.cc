@@ -4,14 +4,18 @@
 // equal to `adam` is a job without groups; and a bad group or group lr is refused through both.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
@@ -178,6 +182,57 @@ TEST_F(OptimizerBackendTest, BadGroupsAndGroupLrsAreRefusedThroughBoth) {
     EXPECT_EQ(std::memcmp(after.data(), master_.data(), padded_ * 4), 0);
     ASSERT_TRUE(backend->DropJob().ok());
   }
+}
+
+// Occurrences of `needle` in `haystack`.
+int Count(absl::string_view haystack, absl::string_view needle) {
+  int n = 0;
+  for (size_t at = haystack.find(needle); at != absl::string_view::npos;
+       at = haystack.find(needle, at + needle.size())) {
+    ++n;
+  }
+  return n;
+}
+
+// A shard that dies during a commit over shared memory: the error names it once, not as
+// "optimizer shard A: optimizer shard A went away".
+TEST_F(OptimizerBackendTest, ShardDeathNamesTheShardOnce) {
+  absl::StatusOr<v1::PartitionMap> map = MakePartitionMap(kParams, 1, 1);
+  ASSERT_TRUE(map.ok()) << map.status();
+  ThreadPool pool(ThreadPool::Options{2, false});
+  ShardStore store(ShardOptions{}, &pool, BestSimdPath());
+  ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<OptimizerServer>> server = OptimizerServer::Start(options, &store);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  auto remote = RemoteOptimizer::Connect(*map, {address}, ClientOptions{}, TransportChoice::kShm);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  ASSERT_TRUE((*remote)->CreateJob(kJob, groups_[0].adam(), DType::kBf16, {}).ok());
+  ASSERT_TRUE((*remote)->LoadMasterWeights(master_.data()).ok());
+  ASSERT_TRUE((*remote)->BeginStep(1).ok());
+  ASSERT_TRUE((*remote)->SendGradients(0, grads_[0].data(), padded_).ok());
+  // Hold the range's tensors so the shard's commit cannot finish, then stop the server.
+  absl::StatusOr<std::shared_ptr<Job>> job = store.FindJob(kJob);
+  ASSERT_TRUE(job.ok()) << job.status();
+  RangeState* range = (*job)->ranges[0].get();
+  range->tensors_mu.lock();
+  std::vector<uint16_t> weights16(padded_);
+  auto commit = std::async(std::launch::async, [&] {
+    return (*remote)->Commit(1e-3f, 1.0f, false, weights16.data()).status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::thread shutdown([&] { (*server)->Shutdown(); });
+  const bool returned = commit.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  range->tensors_mu.unlock();
+  shutdown.join();
+  ASSERT_TRUE(returned) << "Commit still waits 10 s after the shard went away";
+  const absl::Status s = commit.get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("went away"), std::string::npos) << s;
+  EXPECT_EQ(Count(s.message(), address), 1) << s;
+  remote->reset();
+  server->reset();
 }
 
 }  // namespace

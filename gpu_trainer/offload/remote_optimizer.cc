@@ -2,14 +2,21 @@
 
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace offload {
 namespace {
 
-// Prefixes a shard's error with its address, so the user knows which process to look at.
+// Prefixes a shard's error with its address, so the user knows which process to look at, unless
+// the error already names the shard ("optimizer shard <address> went away", "the shard at
+// <address>"): the address then appears once.
 absl::Status Annotate(const absl::Status& s, const std::string& address) {
   if (s.ok()) return s;
+  if (absl::StrContains(s.message(), absl::StrCat("shard ", address)) ||
+      absl::StrContains(s.message(), absl::StrCat("shard at ", address))) {
+    return s;
+  }
   return absl::Status(s.code(), absl::StrCat("optimizer shard ", address, ": ", s.message()));
 }
 

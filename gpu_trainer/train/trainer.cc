@@ -53,7 +53,7 @@ absl::Status CheckSame(const char* what, const std::string& in_checkpoint,
 
 // A resumed run must ask for what the checkpoint was trained with.
 absl::Status CheckResumable(const v1::CheckpointManifest& m, const TrainerOptions& o,
-                            int world_size) {
+                            int world_size, int num_shards) {
   const v1::ModelConfig want = ModelConfigToProto(o.model);
   OFFLOAD_RETURN_IF_ERROR(
       CheckSame("model", m.model().ShortDebugString(), want.ShortDebugString()));
@@ -85,11 +85,18 @@ absl::Status CheckResumable(const v1::CheckpointManifest& m, const TrainerOption
       !s.ok()) {
     return s;
   }
-  // The partition map, and with it the shards' ranges, depends on the number of ranks.
+  // The partition map, and with it the shards' ranges, depends on the number of ranks and of
+  // optimizer servers (shards): refused here, before CreateJob replaces a job the shards hold.
   if (absl::Status s =
           CheckSame("ranks", absl::StrCat(m.partition().world_size()), absl::StrCat(world_size));
       !s.ok()) {
     return s;
+  }
+  if (absl::Status s = CheckSame("optimizer servers", absl::StrCat(m.partition().num_shards()),
+                                 absl::StrCat(num_shards));
+      !s.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(s.message(), "; re-sharding a checkpoint is not supported yet"));
   }
   return absl::OkStatus();
 }
@@ -157,6 +164,11 @@ absl::Status Trainer::Init() {
                                                    " seq_len ", o.seq_len));
   }
   if (o.steps < 1) return absl::InvalidArgumentError("steps must be >= 1");
+  // Refused here, not first at the first checkpoint's commit.
+  if (o.keep_checkpoints < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keep_checkpoints must be >= 1, got ", o.keep_checkpoints));
+  }
   if (o.collectives == nullptr) {
     single_rank_ = SingleRankCollectives();
     collectives_ = single_rank_.get();
@@ -312,7 +324,8 @@ absl::StatusOr<std::string> Trainer::Start() {
     }
     if (latest.ok()) {
       OFFLOAD_ASSIGN_OR_RETURN(v1::CheckpointManifest m, ReadManifest(*latest));
-      OFFLOAD_RETURN_IF_ERROR(CheckResumable(m, o, world_size()));
+      OFFLOAD_RETURN_IF_ERROR(
+          CheckResumable(m, o, world_size(), static_cast<int>(backend_->partition().num_shards())));
       dir = *latest;
       manifest = std::move(m);
       resuming = true;

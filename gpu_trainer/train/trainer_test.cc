@@ -279,6 +279,62 @@ TEST(Trainer, ResumeRefusesATruncatedOrAlteredFileNamingItAndChangesNothing) {
   }
 }
 
+// A checkpoint of a job with two optimizer servers resumed with one is refused before anything
+// loads, naming both numbers: the server it would run on keeps the job it holds (CreateJob would
+// replace it), the trainer its weights, and every byte under the checkpoint root stays.
+TEST(Trainer, ResumeRefusesADifferentNumberOfOptimizerServersNamingBothAndChangesNothing) {
+  TrainerOptions o = TinyOptions();
+  TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.resume = true;
+  LocalShards shards(2);
+  auto two = RemoteOptimizer::Connect(MapFor(o, 2), shards.addresses(), ClientOptions{});
+  ASSERT_TRUE(two.ok()) << two.status();
+  Train(o, two->get(), 3, /*checkpoint_at_end=*/true);
+  Train(o, two->get(), 2);  // the shards move on past the checkpoint
+  std::vector<float> master((*two)->partition().padded_length());  // (padded,)
+  ASSERT_TRUE((*two)->ReadMasterWeights(master.data()).ok());
+  const std::map<std::string, std::string> files = Snapshot(dir.path());
+
+  // One server: the first of the two, which holds the job.
+  auto one = RemoteOptimizer::Connect(MapFor(o, 1), {shards.addresses()[0]}, ClientOptions{});
+  ASSERT_TRUE(one.ok()) << one.status();
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(o, one->get());
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  const std::vector<uint16_t> weights = (*trainer)->weights16();
+  absl::StatusOr<std::string> started = (*trainer)->Start();
+  ASSERT_FALSE(started.ok()) << *started;
+  EXPECT_TRUE(absl::IsFailedPrecondition(started.status())) << started.status();
+  EXPECT_NE(started.status().message().find("optimizer servers=2"), std::string::npos)
+      << started.status();
+  EXPECT_NE(started.status().message().find("optimizer servers=1"), std::string::npos)
+      << started.status();
+  EXPECT_EQ((*trainer)->weights16(), weights);
+  EXPECT_EQ((*trainer)->step(), 0u);
+  std::vector<float> after(master.size());
+  ASSERT_TRUE((*two)->ReadMasterWeights(after.data()).ok());
+  EXPECT_TRUE(SameBits(master, after));
+  EXPECT_EQ(Snapshot(dir.path()), files);
+
+  // And the other way: a checkpoint of one server resumed with two.
+  TempDir dir1;
+  TrainerOptions o1 = o;
+  o1.checkpoint_dir = dir1.path();
+  {
+    InProcessOptimizer first(MapFor(o1, 1), 2, BestSimdPath());
+    Train(o1, &first, 2, /*checkpoint_at_end=*/true);
+  }
+  InProcessOptimizer second(MapFor(o1, 2), 2, BestSimdPath());
+  absl::StatusOr<std::unique_ptr<Trainer>> resumed = Trainer::Create(o1, &second);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  started = (*resumed)->Start();
+  ASSERT_FALSE(started.ok()) << *started;
+  EXPECT_NE(started.status().message().find("optimizer servers=1"), std::string::npos)
+      << started.status();
+  EXPECT_NE(started.status().message().find("optimizer servers=2"), std::string::npos)
+      << started.status();
+}
+
 // --resume on an empty checkpoint directory starts fresh (a job's first attempt and its restarts
 // run with the same flags), and says so: the user must not take it for a continued run.
 TEST(Trainer, AResumeWithNothingToResumeSaysSo) {
@@ -380,6 +436,14 @@ TEST(Trainer, BadSettingsAreRefusedClearly) {
   TrainerOptions small_vocab = o;
   small_vocab.model.vocab_size = 64;  // the text has bytes >= 64
   EXPECT_FALSE(Trainer::Create(small_vocab, &backend).ok());
+  // No checkpoint to keep: refused before anything runs, not at the first checkpoint.
+  TrainerOptions keep_none = o;
+  keep_none.keep_checkpoints = 0;
+  t = Trainer::Create(keep_none, &backend);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("keep_checkpoints must be >= 1, got 0"), std::string::npos)
+      << t.status();
   // A map for another model.
   TrainerOptions other = o;
   other.model.num_layers = 3;

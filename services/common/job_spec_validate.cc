@@ -246,7 +246,8 @@ absl::Status ValidateCheckpoint(const v1::CheckpointSpec& c, PathRule paths) {
   absl::Status s;
   if (c.has_dir()) s.Update(CheckPath("checkpoint.dir", c.dir(), paths));
   if (s.ok() && c.has_every()) s.Update(AtLeast("checkpoint.every", c.every(), 0));
-  if (s.ok() && c.has_keep()) s.Update(AtLeast("checkpoint.keep", c.keep(), 0));
+  // At least one checkpoint stays: 0 would otherwise be refused only at the first checkpoint.
+  if (s.ok() && c.has_keep()) s.Update(AtLeast("checkpoint.keep", c.keep(), 1));
   if (s.ok() && c.resume() && c.dir().empty()) {
     return Invalid("checkpoint.resume", "needs checkpoint.dir (where to resume from)");
   }
