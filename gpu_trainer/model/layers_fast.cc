@@ -252,7 +252,15 @@ void AttentionBackward(float* dqkv, float* dpreatt, float* datt, const float* do
 // multiversioning, glibc ifunc). The baseline build alone would use 4-wide SSE. Not under
 // ThreadSanitizer: the ifunc resolver runs while the loader relocates, before TSan's runtime is
 // up, and TSan's instrumentation of the resolver crashes the program there.
-#if defined(__x86_64__) && defined(__ELF__) && !defined(__SANITIZE_THREAD__)
+// GCC says TSan with __SANITIZE_THREAD__; clang (14) only through __has_feature.
+#if defined(__SANITIZE_THREAD__)
+#define OFFLOAD_UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define OFFLOAD_UNDER_TSAN 1
+#endif
+#endif
+#if defined(__x86_64__) && defined(__ELF__) && !defined(OFFLOAD_UNDER_TSAN)
 #define OFFLOAD_VECTOR_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -82,7 +83,11 @@ ParamGathererOptions Options(DType dtype, int W, int rank, int window) {
 class GatherTest : public ::testing::TestWithParam<std::tuple<int, int, DType>> {};
 
 TEST_P(GatherTest, SameBitsAsOneFlatBuffer) {
-  const auto [W, window, dtype] = GetParam();
+  // Not a structured binding: the lambda below captures these, which C++17 allows only for
+  // variables.
+  int W, window;
+  DType dtype;
+  std::tie(W, window, dtype) = GetParam();
   const std::vector<uint16_t> full = Weights(dtype, Padded(W));
   const PassResult want = FlatPass(full, dtype);
   const int64_t P = Padded(W) / W;

@@ -998,9 +998,11 @@ absl::Status JobController::Tick() {
     if (IsActive(entry.job.state()) && now >= entry.vacancy_deadline) {
       std::string why;
       // Slots vacant since a controller restart have no reason recorded.
-      auto reason = [&entry](const std::string& slot, const std::string& after_restart) {
-        auto it = entry.vacancy_reasons.find(slot);
-        return it != entry.vacancy_reasons.end() ? it->second : after_restart;
+      // C++17 cannot capture a structured binding by name (gcc allows it, clang does not).
+      auto reason = [&reasons = entry.vacancy_reasons](const std::string& slot,
+                                                       const std::string& after_restart) {
+        auto it = reasons.find(slot);
+        return it != reasons.end() ? it->second : after_restart;
       };
       for (int rank = 0; rank < entry.job.trainer_workers_size() && why.empty(); ++rank) {
         if (entry.job.trainer_workers(rank).empty()) {
