@@ -2,8 +2,8 @@
 """Writes the fuzz targets' seed corpora (docs/RELIABILITY.md, "Fuzzing"): small valid and
 near-valid inputs in each real format, next to the target that reads them:
 
-  gpu_trainer/checkpoint/fuzz/safetensors_corpus/    safetensors files
-  gpu_trainer/checkpoint/fuzz/manifest_corpus/       checkpoint manifests (JSON)
+  optimizer_client/checkpoint/fuzz/safetensors_corpus/    safetensors files
+  optimizer_client/checkpoint/fuzz/manifest_corpus/       checkpoint manifests (JSON)
   gpu_trainer/data/fuzz/token_shard_corpus/          llm.c .bin token shards
   services/common/fuzz/job_spec_corpus/              job files, YAML and JSON
   services/job_controller/fuzz/rest_gateway_corpus/  raw HTTP requests
@@ -44,7 +44,7 @@ def entry(dtype, shape, begin, end):
 
 
 def safetensors_corpus():
-    d = 'gpu_trainer/checkpoint/fuzz/safetensors_corpus'
+    d = 'optimizer_client/checkpoint/fuzz/safetensors_corpus'
     f32 = struct.pack('<4f', 1.0, -2.0, 0.5, 3.25)
     bf16 = struct.pack('<3H', 0x3f80, 0xc000, 0x7f80)
     f16 = struct.pack('<2H', 0x3c00, 0x7e00)
@@ -74,7 +74,7 @@ def safetensors_corpus():
 # --- checkpoint manifest -------------------------------------------------------------------------
 
 def manifest_corpus():
-    d = 'gpu_trainer/checkpoint/fuzz/manifest_corpus'
+    d = 'optimizer_client/checkpoint/fuzz/manifest_corpus'
     full = {
         'format_version': 1,
         'model': {'vocab_size': 50257, 'context_length': 1024, 'num_layers': 12, 'num_heads': 12,

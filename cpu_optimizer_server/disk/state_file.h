@@ -1,8 +1,8 @@
 // One range's optimizer state on disk: the fp32 master weights, exp_avg and exp_avg_sq of its
 // `length` elements, one region each, every region starting on a kStateBlockBytes boundary so a
 // wave of whole tiles moves with O_DIRECT. The file is scratch, not a format: it lives only as
-// long as the job on this server (checkpoints stay safetensors, gpu_trainer/checkpoint/), so it
-// has no header and is unlinked when the job goes.
+// long as the job on this server (checkpoints stay safetensors, optimizer_client/checkpoint/), so
+// it has no header and is unlinked when the job goes.
 //
 //   file: [ master (length,) fp32 | pad ][ exp_avg | pad ][ exp_avg_sq | pad ]
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_DISK_STATE_FILE_H_

@@ -75,38 +75,72 @@ absl::Status OptimizerClient::LoadState(const std::string& job_id, v1::StateTens
 absl::Status OptimizerClient::LoadState(const std::string& job_id,
                                         const std::vector<StateSliceRef>& slices,
                                         const StepCounters* steps) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::LoadStateResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::LoadStateRequest>> writer =
-      NextStub()->LoadState(&context, &response);
-  v1::LoadStateRequest request;
-  request.set_job_id(job_id);
-  if (steps != nullptr) {
-    request.set_set_steps(true);
-    request.set_completed_step(steps->completed_step);
-    request.set_adam_step(steps->adam_step);
-  }
-  v1::StateChunk* chunk = request.add_chunks();
-  chunk->set_dtype(v1::DTYPE_FP32);
-  const int64_t per_chunk = options_.chunk_bytes / 4;
-  bool open = true;
+  OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StateLoadStream> load, OpenLoad(job_id, steps));
   for (const StateSliceRef& slice : slices) {
-    chunk->set_tensor(slice.tensor);
-    for (int64_t done = 0; open && done < slice.n; done += per_chunk) {
-      const int64_t m = std::min(per_chunk, slice.n - done);
-      chunk->set_offset(slice.offset + done);
-      chunk->set_data(slice.values + done, m * 4);
-      open = writer->Write(request);  // false: the server ended the call; Finish says why
-      // The step counters travel in the first message only.
-      request.clear_set_steps();
-      request.clear_completed_step();
-      request.clear_adam_step();
-    }
+    if (!load->Add(slice).ok()) break;  // Finish says why
   }
-  writer->WritesDone();
-  return FromGrpcStatus(writer->Finish());
+  return load->Finish();
 }
+
+absl::StatusOr<std::unique_ptr<StateLoadStream>> OptimizerClient::OpenLoad(
+    const std::string& job_id, const StepCounters* steps) {
+  std::unique_ptr<StateLoadStream> load(new StateLoadStream());
+  load->context_ = std::make_unique<grpc::ClientContext>();
+  Prepare(load->context_.get());
+  load->writer_ = NextStub()->LoadState(load->context_.get(), &load->response_);
+  load->chunk_bytes_ = options_.chunk_bytes;
+  load->request_.set_job_id(job_id);
+  if (steps != nullptr) {
+    load->request_.set_set_steps(true);
+    load->request_.set_completed_step(steps->completed_step);
+    load->request_.set_adam_step(steps->adam_step);
+  }
+  load->request_.add_chunks()->set_dtype(v1::DTYPE_FP32);
+  return load;
+}
+
+absl::Status StateLoadStream::Add(const StateSliceRef& slice) {
+  if (done_) return absl::FailedPreconditionError("the load stream is finished");
+  v1::StateChunk* chunk = request_.mutable_chunks(0);
+  chunk->set_tensor(slice.tensor);
+  const int64_t per_chunk = chunk_bytes_ / 4;
+  for (int64_t done = 0; open_ && done < slice.n; done += per_chunk) {
+    const int64_t m = std::min(per_chunk, slice.n - done);
+    chunk->set_offset(slice.offset + done);
+    chunk->set_data(slice.values + done, m * 4);
+    open_ = writer_->Write(request_);  // false: the shard ended the call; Finish says why
+    wrote_ = true;
+    // The job id and step counters travel in the first message only.
+    request_.clear_job_id();
+    request_.clear_set_steps();
+    request_.clear_completed_step();
+    request_.clear_adam_step();
+  }
+  if (!open_) return absl::UnavailableError("the shard ended the load stream");
+  return absl::OkStatus();
+}
+
+absl::Status StateLoadStream::Finish() {
+  if (done_) return absl::FailedPreconditionError("the load stream is finished");
+  done_ = true;
+  if (!wrote_ && open_) {
+    // A load of no chunks still names the job (and may set the counters).
+    request_.clear_chunks();
+    open_ = writer_->Write(request_);
+  }
+  writer_->WritesDone();
+  return FromGrpcStatus(writer_->Finish());
+}
+
+void StateLoadStream::Cancel() {
+  if (done_) return;
+  done_ = true;
+  // The shard applies a load only when the stream ends cleanly: a cancelled one changes nothing.
+  context_->TryCancel();
+  (void)writer_->Finish();
+}
+
+StateLoadStream::~StateLoadStream() { Cancel(); }
 
 absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTensor tensor,
                                         DType dtype, int64_t offset, int64_t n, void* out) {

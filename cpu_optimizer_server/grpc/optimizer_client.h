@@ -56,6 +56,34 @@ struct StepCounters {
   uint64_t adam_step = 0;
 };
 
+// One LoadState stream to one shard (ARCHITECTURE.md section 4.2): chunks go out as they are added,
+// the shard applies them all when Finish closes the stream, and nothing when Cancel (or the
+// destructor) ends it first. Made by OptimizerClient::OpenLoad.
+class StateLoadStream {
+ public:
+  // (n,) fp32 values of one tensor, in messages of at most the client's chunk_bytes. An error
+  // (the shard refused a chunk, or went away) ends the stream: Finish then says why.
+  absl::Status Add(const StateSliceRef& slice);
+  // Closes the stream and waits for the shard to apply the load.
+  absl::Status Finish();
+  void Cancel();
+  ~StateLoadStream();
+
+ private:
+  friend class OptimizerClient;
+
+  StateLoadStream() = default;
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  v1::LoadStateResponse response_;
+  std::unique_ptr<grpc::ClientWriter<v1::LoadStateRequest>> writer_;
+  v1::LoadStateRequest request_;  // the first carries job id and step counters
+  int64_t chunk_bytes_ = 0;
+  bool open_ = true;    // false once the shard ended the call
+  bool wrote_ = false;  // a message went out
+  bool done_ = false;   // Finish or Cancel ran
+};
+
 // One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep.
 class GrpcStepStream final : public StepStream {
  public:
@@ -95,6 +123,9 @@ class OptimizerClient final : public StepTransport {
   // One all-or-nothing load of several slices; with `steps`, the ranges' step counters too.
   absl::Status LoadState(const std::string& job_id, const std::vector<StateSliceRef>& slices,
                          const StepCounters* steps);
+  // A load streamed chunk by chunk (StateLoadStream); with `steps`, the ranges' counters too.
+  absl::StatusOr<std::unique_ptr<StateLoadStream>> OpenLoad(const std::string& job_id,
+                                                            const StepCounters* steps);
   // Reads (n,) values of flat elements [offset, offset + n) as dtype into out.
   absl::Status ReadState(const std::string& job_id, v1::StateTensor tensor, DType dtype,
                          int64_t offset, int64_t n, void* out);

@@ -20,10 +20,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
-#include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_test_util.h"
 #include "gtest/gtest.h"
+#include "optimizer_client/backends/inprocess_optimizer.h"
 
 namespace offload {
 namespace {

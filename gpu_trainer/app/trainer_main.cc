@@ -33,13 +33,13 @@
 #include "gpu_trainer/cuda/nccl/nccl_collectives.h"
 #endif
 #include "gpu_trainer/model/cpu_runtime.h"
-#include "gpu_trainer/offload/inprocess_optimizer.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
-#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_metrics.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/inprocess_optimizer.h"
+#include "optimizer_client/backends/remote_optimizer.h"
+#include "optimizer_client/sender/phase_trace.h"
 #include "services/worker/progress_client.h"
 
 // trainer_config.cc's, for the metrics' info labels.
@@ -276,6 +276,8 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--rank=", rank, " must be in [0, --world_size=", world_size, ") and world_size >= 1")));
   }
+  // From here on every error of one of several ranks says which.
+  if (world_size > 1) g_who = absl::StrCat("gpu_trainer rank ", rank);
   if (world_size > 1 && addresses.empty()) {
     return Fail(absl::InvalidArgumentError(
         "more than one rank needs optimizer servers (--shards): an in-process optimizer would "
@@ -295,7 +297,6 @@ int main(int argc, char** argv) {
   std::unique_ptr<offload::Collectives> collectives;
   std::unique_ptr<offload::Collectives> nccl_collectives;  // --collectives=nccl: the step's
   if (world_size > 1) {
-    g_who = absl::StrCat("gpu_trainer rank ", rank);
     offload::GlooOptions gloo;
     gloo.rank = rank;
     gloo.world_size = world_size;

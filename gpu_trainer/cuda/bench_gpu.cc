@@ -67,15 +67,15 @@
 #include "gpu_trainer/cuda/runtime/device_buffer.h"
 #include "gpu_trainer/cuda/runtime/pinned_staging.h"
 #include "gpu_trainer/cuda/runtime/transfer_schedule.h"
-#include "gpu_trainer/offload/inprocess_optimizer.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
-#include "gpu_trainer/precision/grad_stats.h"
-#include "gpu_trainer/precision/lr_schedule.h"
-#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/train/trainer.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/inprocess_optimizer.h"
+#include "optimizer_client/backends/remote_optimizer.h"
+#include "optimizer_client/precision/grad_stats.h"
+#include "optimizer_client/precision/lr_schedule.h"
+#include "optimizer_client/sender/phase_trace.h"
 
 // CMake defines it for the other benches; without it the default data path is relative to the
 // working directory (the repository root, where scripts/gpu-check runs).

@@ -11,12 +11,12 @@
 
 #include "base/testing/test_util.h"
 #include "gpu_trainer/cuda/runtime/cuda_test_util.h"
-#include "gpu_trainer/offload/inprocess_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_test_util.h"
 #include "gtest/gtest.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/inprocess_optimizer.h"
 
 namespace offload {
 namespace {

@@ -16,12 +16,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "gpu_trainer/checkpoint/safetensors.h"
 #include "gpu_trainer/model/gpt2.h"
 #include "gpu_trainer/model/model_test_util.h"
 #include "gtest/gtest.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/param_layout.h"
+#include "optimizer_client/checkpoint/safetensors.h"
 
 namespace offload {
 namespace {

@@ -15,11 +15,11 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "gpu_trainer/model/cpu_runtime.h"
-#include "gpu_trainer/offload/inprocess_optimizer.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/inprocess_optimizer.h"
+#include "optimizer_client/backends/remote_optimizer.h"
 
 ABSL_FLAG(std::string, data, std::string(OFFLOAD_SOURCE_DIR) + "/data/tinyshakespeare.txt",
           "training text");

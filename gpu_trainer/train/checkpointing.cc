@@ -8,23 +8,14 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/status_macros.h"
-#include "gpu_trainer/checkpoint/checkpoint_dir.h"
-#include "gpu_trainer/checkpoint/safetensors.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/checkpoint/checkpoint_dir.h"
+#include "optimizer_client/checkpoint/safetensors.h"
+#include "optimizer_client/checkpoint/state_tensor_names.h"
 
 namespace offload {
 namespace {
-
-struct StateTensorName {
-  v1::StateTensor tensor;
-  const char* name;
-};
-constexpr StateTensorName kStateTensors[] = {
-    {v1::STATE_TENSOR_MASTER_WEIGHTS, "master"},
-    {v1::STATE_TENSOR_EXP_AVG, "exp_avg"},
-    {v1::STATE_TENSOR_EXP_AVG_SQ, "exp_avg_sq"},
-};
 
 TensorDType SafetensorsDType(v1::DType d) {
   return d == v1::DTYPE_BF16 ? TensorDType::kBF16 : TensorDType::kF16;
@@ -37,22 +28,6 @@ v1::FileDigest DigestProto(const FileChecksum& c) {
   d.set_bytes(static_cast<uint64_t>(c.bytes));
   d.set_crc32(c.crc32);
   return d;
-}
-
-// master (n,) := the shards' fp32 master weights of flat elements [offset, offset + n), read
-// slice by slice (the slices tile the buffer in order).
-absl::Status ReadMasterRange(OptimizerBackend* backend, int64_t offset, int64_t n, float* master) {
-  const v1::PartitionMap& map = backend->partition();
-  const int64_t end = offset + n;
-  for (int i = 0; i < map.slices_size() && offset < end; ++i) {
-    const v1::ShardSlice& slice = map.slices(i);
-    const int64_t lo = std::max<int64_t>(offset, slice.offset());
-    const int64_t hi = std::min<int64_t>(end, slice.offset() + slice.length());
-    if (lo >= hi) continue;
-    OFFLOAD_RETURN_IF_ERROR(backend->ReadSliceState(i, v1::STATE_TENSOR_MASTER_WEIGHTS, lo, hi - lo,
-                                                    master + (lo - offset)));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -98,8 +73,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
       t.fill = [backend, dtype, first = p.offset](int64_t byte_offset, int64_t nbytes, void* out) {
         const int64_t n = nbytes / 2;
         std::vector<float> master(n);  // (n,) one fill's worth, at most 8 Mi elements
-        OFFLOAD_RETURN_IF_ERROR(
-            ReadMasterRange(backend, first + byte_offset / 2, n, master.data()));
+        OFFLOAD_RETURN_IF_ERROR(backend->ReadRange(v1::STATE_TENSOR_MASTER_WEIGHTS,
+                                                   first + byte_offset / 2, n, master.data()));
         ConvertFromFloat(master.data(), n, dtype, out);
         return absl::OkStatus();
       };
@@ -121,7 +96,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, v1::Checkpoi
     for (int i = 0; i < map.slices_size(); ++i) {
       const v1::ShardSlice& slice = map.slices(i);
       if (static_cast<int>(slice.shard_index()) != shard) continue;
-      for (const StateTensorName& st : kStateTensors) {
+      for (const StateTensorName& st : kStateTensorNames) {
         SafetensorsTensor t;
         t.name = absl::StrCat(st.name, ".", slice.range_index());
         t.dtype = TensorDType::kF32;
@@ -190,7 +165,7 @@ absl::Status RestoreCheckpoint(const std::string& dir, const v1::CheckpointManif
     if (!reader.ok()) return reader.status();
     std::vector<StateSliceRef> refs;
     for (const v1::ShardSlice& slice : SlicesOfShard(map, file.shard_index())) {
-      for (const StateTensorName& st : kStateTensors) {
+      for (const StateTensorName& st : kStateTensorNames) {
         const std::string name = absl::StrCat(st.name, ".", slice.range_index());
         const SafetensorsEntry* e = (*reader)->Find(name);
         if (e == nullptr || e->dtype != TensorDType::kF32 ||

@@ -9,9 +9,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "gpu_trainer/offload/optimizer_backend.h"
 #include "model_spec/gpt2_config.h"
 #include "offload/v1/checkpoint.pb.h"
+#include "optimizer_client/backends/optimizer_backend.h"
 
 namespace offload {
 

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu_trainer/train/model_runner.h"
-#include "gpu_trainer/train/phase_trace.h"
+#include "optimizer_client/sender/phase_trace.h"
 
 #ifdef OFFLOAD_HAVE_CUDA
 #include "base/status_macros.h"

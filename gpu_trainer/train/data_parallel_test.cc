@@ -18,11 +18,11 @@
 #include "absl/strings/str_format.h"
 #include "gloo/rendezvous/hash_store.h"
 #include "gpu_trainer/collectives/gloo_collectives.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/gradient_reducer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_test_util.h"
 #include "gtest/gtest.h"
+#include "optimizer_client/backends/remote_optimizer.h"
 
 namespace offload {
 namespace {

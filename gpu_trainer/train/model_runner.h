@@ -15,9 +15,9 @@
 #include "base/dtype.h"
 #include "gpu_trainer/collectives/collectives.h"
 #include "gpu_trainer/model/gpt2.h"
-#include "gpu_trainer/precision/grad_stats.h"
-#include "gpu_trainer/train/phase_trace.h"
 #include "model_spec/gpt2_config.h"
+#include "optimizer_client/precision/grad_stats.h"
+#include "optimizer_client/sender/phase_trace.h"
 
 namespace offload {
 

@@ -14,13 +14,13 @@
 #include "base/host_memory.h"
 #include "base/splitmix64.h"
 #include "base/status_macros.h"
-#include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/collectives/local_collectives.h"
-#include "gpu_trainer/precision/grad_stats.h"
-#include "gpu_trainer/precision/lr_schedule.h"
 #include "gpu_trainer/train/checkpointing.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/checkpoint/checkpoint_dir.h"
+#include "optimizer_client/precision/grad_stats.h"
+#include "optimizer_client/precision/lr_schedule.h"
 
 namespace offload {
 

@@ -24,16 +24,16 @@
 #include "gpu_trainer/data/batch_sampler.h"
 #include "gpu_trainer/data/token_dataset.h"
 #include "gpu_trainer/model/gpt2.h"
-#include "gpu_trainer/offload/optimizer_backend.h"
-#include "gpu_trainer/precision/loss_scaler.h"
-#include "gpu_trainer/precision/step_policy.h"
 #include "gpu_trainer/train/gradient_reducer.h"
-#include "gpu_trainer/train/gradient_sender.h"
 #include "gpu_trainer/train/model_runner.h"
-#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/zero3/param_gatherer.h"
 #include "gpu_trainer/zero3/weight_meter.h"
 #include "offload/v1/checkpoint.pb.h"
+#include "optimizer_client/backends/optimizer_backend.h"
+#include "optimizer_client/precision/loss_scaler.h"
+#include "optimizer_client/precision/step_policy.h"
+#include "optimizer_client/sender/gradient_sender.h"
+#include "optimizer_client/sender/phase_trace.h"
 
 namespace offload {
 

@@ -25,24 +25,24 @@
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "gpu_trainer/checkpoint/atomic_file.h"
-#include "gpu_trainer/checkpoint/checkpoint_dir.h"
-#include "gpu_trainer/checkpoint/manifest.h"
-#include "gpu_trainer/checkpoint/safetensors.h"
 #include "gpu_trainer/data/batch_sampler.h"
 #include "gpu_trainer/data/token_dataset.h"
-#include "gpu_trainer/offload/inprocess_optimizer.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
-#include "gpu_trainer/precision/grad_stats.h"
-#include "gpu_trainer/precision/loss_scaler.h"
-#include "gpu_trainer/precision/lr_schedule.h"
 #include "gpu_trainer/train/checkpointing.h"
 #include "gpu_trainer/train/model_runner.h"
-#include "gpu_trainer/train/phase_trace.h"
 #include "gpu_trainer/train/trainer_test_util.h"
 #include "gtest/gtest.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/inprocess_optimizer.h"
+#include "optimizer_client/backends/remote_optimizer.h"
+#include "optimizer_client/checkpoint/atomic_file.h"
+#include "optimizer_client/checkpoint/checkpoint_dir.h"
+#include "optimizer_client/checkpoint/manifest.h"
+#include "optimizer_client/checkpoint/safetensors.h"
+#include "optimizer_client/precision/grad_stats.h"
+#include "optimizer_client/precision/loss_scaler.h"
+#include "optimizer_client/precision/lr_schedule.h"
+#include "optimizer_client/sender/phase_trace.h"
 
 namespace offload {
 namespace {
@@ -672,9 +672,9 @@ class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
                          const std::vector<v1::ParamGroup>& groups = {}) override {
     return inner_->CreateJob(job_id, adam, param_dtype, groups);
   }
-  absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
-                              const StepCounters* steps) override {
-    return inner_->LoadShardState(shard, slices, steps);
+  absl::StatusOr<std::unique_ptr<ShardStateLoad>> BeginShardLoad(
+      int shard, const StepCounters* steps) override {
+    return inner_->BeginShardLoad(shard, steps);
   }
   absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
                               float* out) override {

@@ -16,13 +16,13 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "gpu_trainer/collectives/gloo_test_util.h"
-#include "gpu_trainer/offload/local_shards_test_util.h"
-#include "gpu_trainer/offload/optimizer_backend.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gtest/gtest.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/local_shards_test_util.h"
+#include "optimizer_client/backends/optimizer_backend.h"
+#include "optimizer_client/backends/remote_optimizer.h"
 
 namespace offload {
 

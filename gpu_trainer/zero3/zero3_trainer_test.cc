@@ -14,14 +14,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "gloo/rendezvous/hash_store.h"
-#include "gpu_trainer/checkpoint/checkpoint_dir.h"
 #include "gpu_trainer/collectives/gloo_collectives.h"
-#include "gpu_trainer/offload/remote_optimizer.h"
 #include "gpu_trainer/train/trainer.h"
 #include "gpu_trainer/train/trainer_test_util.h"
 #include "gtest/gtest.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
+#include "optimizer_client/backends/remote_optimizer.h"
+#include "optimizer_client/checkpoint/checkpoint_dir.h"
 
 namespace offload {
 namespace {

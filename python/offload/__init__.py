@@ -2,7 +2,7 @@
 
 ``offload.torch.AdamW`` is a ``torch.optim.Optimizer`` whose fp32 master weights and Adam moments
 live on optimizer servers (``cpu_optimizer_server``), reached through the C ABI of
-``liboffload_c.so`` (``gpu_trainer/capi/offload_c.h``). This package holds no numerics of its
+``liboffload_c.so`` (``optimizer_client/capi/offload_c.h``). This package holds no numerics of its
 own: rounding, statistics, the loss scale, skipping and clipping are the C++ side's.
 
 ``import offload.torch`` needs torch; ``import offload`` does not.

@@ -1,4 +1,4 @@
-"""ctypes binding of liboffload_c.so (gpu_trainer/capi/offload_c.h), and where to find it.
+"""ctypes binding of liboffload_c.so (optimizer_client/capi/offload_c.h), and where to find it.
 
 The library is looked for, in order: ``$OFFLOAD_LIBRARY`` (a file), ``$OFFLOAD_BUILD_DIR/lib``
 (relative to the repository root unless absolute), the repository's ``build/lib``, then the
@@ -13,10 +13,11 @@ import os
 import pathlib
 from typing import Optional
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 FP16, BF16 = 2, 3
 ADAM, ADAMW = 1, 2
 MASTER, EXP_AVG, EXP_AVG_SQ = 1, 2, 3
+TIERS = {"auto": 0, "memory": 1, "disk": 2}
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,13 @@ class Config(ctypes.Structure):
                 ("tls_cert", ctypes.c_char_p), ("tls_key", ctypes.c_char_p),
                 ("tls_server_name", ctypes.c_char_p), ("call_timeout_seconds", ctypes.c_double),
                 ("loss_scale_init", ctypes.c_float), ("loss_scale_window", ctypes.c_int32),
-                ("grad_clip", ctypes.c_float), ("trace_file", ctypes.c_char_p)]
+                ("grad_clip", ctypes.c_float), ("trace_file", ctypes.c_char_p),
+                ("state_tier", ctypes.c_int32)]
+
+
+class NamedTensor(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("offset", ctypes.c_uint64), ("ndim", ctypes.c_int32),
+                ("shape", ctypes.POINTER(ctypes.c_int64))]
 
 
 class StepReport(ctypes.Structure):
@@ -122,6 +129,16 @@ def lib() -> ctypes.CDLL:
         "offload_transport_names": (ctypes.c_char_p, [P]),
         "offload_load_state": (i32, [P, P, P, P, u64, u64]),
         "offload_read_state": (i32, [P, i32, u64, u64, P]),
+        "offload_load_begin": (i32, [P, i32, u64, u64]),
+        "offload_load_chunk": (i32, [P, i32, u64, u64, P]),
+        "offload_load_finish": (i32, [P]),
+        "offload_load_abort": (None, [P]),
+        "offload_read_weights16": (i32, [P, u64, u64, P]),
+        "offload_save_checkpoint": (i32, [P, ctypes.c_char_p, ctypes.POINTER(NamedTensor), i32,
+                                          u64, u64, ctypes.c_char_p, i32, ctypes.c_char_p, u64]),
+        "offload_find_checkpoint": (i32, [ctypes.c_char_p, ctypes.c_char_p, u64]),
+        "offload_check_checkpoint": (i32, [ctypes.c_char_p, ctypes.POINTER(NamedTensor), i32]),
+        "offload_load_checkpoint": (i32, [P, ctypes.c_char_p, ctypes.POINTER(NamedTensor), i32]),
         "offload_loss_scale": (f32, [P]),
         "offload_get_scaler": (None, [P, fptr, ctypes.POINTER(ctypes.c_uint32),
                                       ctypes.POINTER(u64)]),

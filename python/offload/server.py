@@ -43,18 +43,28 @@ class LocalServer:
     """One cpu_optimizer_server child; ``address`` and ``token`` reach it."""
 
     def __init__(self, threads: int = 0, memory_limit_mib: int = 0, start_timeout: float = 60.0,
-                 extra_flags: Optional[List[str]] = None, token: Optional[str] = None):
+                 extra_flags: Optional[List[str]] = None, token: Optional[str] = None,
+                 state_dir: Optional[str] = None, state_memory_mib: int = 0):
+        """state_dir: the server's disk tier (``--state_dir``): jobs whose state does not fit
+        memory_limit_mib, or that ask for the disk, keep it in files there, streamed through a
+        ring of state_memory_mib (0: the server's default)."""
         self.token = token or secrets.token_hex(16)
         self._log = tempfile.NamedTemporaryFile(prefix="offload-server-", suffix=".log",
                                                 delete=False)
         flags = ["--listen=127.0.0.1:0", f"--threads={threads}", "--ucx=false"]
         if memory_limit_mib > 0:
             flags.append(f"--memory_limit_mib={memory_limit_mib}")
+        if state_dir:
+            os.makedirs(state_dir, exist_ok=True)
+            flags.append(f"--state_dir={state_dir}")
+        if state_memory_mib > 0:
+            flags.append(f"--state_memory_mib={state_memory_mib}")
         flags += extra_flags or []
         env = dict(os.environ, OFFLOAD_TOKEN=self.token)
         self.process = subprocess.Popen([server_binary()] + flags, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=self._log,
                                         preexec_fn=_die_with_parent(os.getpid()))
+        self._log.close()  # the child writes it; log_tail() reads it by name
         self._finalizer = weakref.finalize(self, LocalServer._stop, self.process, self._log.name)
         atexit.register(self._finalizer)
         self.address = self._wait_for_port(start_timeout)

@@ -3,12 +3,13 @@
 A model needs no change. The optimizer takes the parameters' values (fp32, as most models are
 built) as the fp32 master weights on the servers, and casts the parameters in place to a 16-bit
 type (``dtype=``, bf16 by default): each becomes a view of one flat 16-bit buffer, laid out group
-by group in parameter order. While backward runs, a hook on every parameter copies its gradient
-to where the server reads it (the shared-memory segment when the server is on this host) and
-hands full buckets to the library's sender thread. ``step()`` commits: the servers run Adam or
+by group in parameter order. While backward runs, a hook on every parameter, run once autograd
+has accumulated its gradient, copies it to where the server reads it (the shared-memory segment
+when the server is on this host), hands full buckets to the library's sender thread and frees
+``p.grad`` (``offload.grad_hooks``). ``step()`` commits: the servers run Adam or
 AdamW in fp32 and return the 16-bit weights, which land in the parameters in place.
 
-Numerics live in the C++ library (``gpu_trainer/capi/offload_c.h``): the statistics of the
+Numerics live in the C++ library (``optimizer_client/capi/offload_c.h``): the statistics of the
 gradients, the loss scale, the overflow skip and the clipping multiplier are the C++ trainer's
 own step policy. This file only moves tensors and calls the library.
 """
@@ -29,11 +30,15 @@ import torch
 
 from offload import _lib
 from offload._lib import OffloadError, check
+from offload.grad_hooks import BucketReducer, GradientHooks, HostCopies, Piece, StagingRing
 from offload.server import LocalServer
 
-__all__ = ["AdamW", "Adam", "OffloadError", "save_safetensors"]
+__all__ = ["AdamW", "Adam", "OffloadError", "materialize", "save_safetensors"]
 
 _DTYPES = {torch.float16: _lib.FP16, torch.bfloat16: _lib.BF16}
+# Elements converted, sent or read per call when state moves in pieces (4 MiB of fp32): what the
+# process holds of the state at a time.
+_CHUNK = 1 << 20
 # The hyper-parameters fixed when the job is created on the servers; lr may change every step.
 _FIXED = ("betas", "eps", "weight_decay")
 
@@ -48,8 +53,40 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def _split_names(params: Any) -> Tuple[Any, Optional[List[str]]]:
+    """torch.optim's params argument with the names taken off: (name, parameter) pairs, what
+    model.named_parameters() gives, alone or as the "params" of groups, become plain parameters
+    (torch 1.13's Optimizer takes tensors only) and the names are returned in flat order."""
+    if isinstance(params, torch.Tensor):
+        return params, None
+    params = list(params)
+    if not params:
+        return params, None
+    grouped = isinstance(params[0], dict)
+    groups = params if grouped else [{"params": params}]
+    names: List[Optional[str]] = []
+    stripped = []
+    for g in groups:
+        items = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        plain = []
+        for item in items:
+            named = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            names.append(item[0] if named else None)
+            plain.append(item[1] if named else item)
+        stripped.append({**{k: v for k, v in g.items() if k != "param_names"}, "params": plain})
+    if all(n is None for n in names):
+        return params, None
+    if any(n is None for n in names):
+        raise ValueError("some parameters come with names and some without: name every "
+                         "parameter (model.named_parameters()) or none")
+    return (stripped if grouped else stripped[0]["params"]), names  # type: ignore[return-value]
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW with fp32 state on optimizer servers and 16-bit parameters.
+
+    ``params`` as torch's, or with names (``model.named_parameters()``, alone or as groups'
+    "params"): the names are the tensors' names in ``save_checkpoint``'s files.
 
     Args beyond torch's:
       dtype: torch.bfloat16 (default) or torch.float16; fp16 uses dynamic loss scaling: call
@@ -61,12 +98,29 @@ class AdamW(torch.optim.Optimizer):
         ``clip_grad_norm_`` sets it for one step.
       loss_scale, loss_scale_window: fp16's initial scale and growth window (GradScaler's).
       bucket_elements: gradients are handed to the sender in buckets of about this many elements.
+      keep_grads: leave each 16-bit gradient in ``p.grad`` after backward, as plain torch does,
+        for code that reads them: 2 bytes a parameter more on the parameters' device, held until
+        ``zero_grad()``. By default ``p.grad`` is freed as soon as the gradient is on its way, so
+        after backward every ``p.grad`` is None. The step uses the gradients sent either way:
+        clip with ``max_grad_norm`` or ``clip_grad_norm_`` of this optimizer. Parameters with
+        ``requires_grad=False`` are not hooked and get zero gradients.
       transport: "auto", "shm", "grpc" or "ucx".
       threads: Adam threads of the local server or the in-process engine (0: every core).
       job_id: the job's name on the servers (default: a fresh one).
       process_group: torch.distributed group for several ranks (ZeRO-2); None: one rank.
       trace_file: write a Chrome trace of every step there (backward, the gradients' sends,
         step) at close() and at write_trace().
+      device: where the 16-bit weights live (default: the parameters' device). Each parameter
+        is cast on the host, a chunk at a time, and copied there, so a model built in fp32 on
+        the CPU trains on a GPU that could not hold it in fp32.
+      state_dir: the local server's disk tier (``--state_dir``, servers=None only).
+      optimizer_state: "auto" (on disk when the state does not fit the server's memory limit),
+        "memory" or "disk": where the servers keep this job's fp32 state.
+      server_memory_mib: the local server's ``--memory_limit_mib`` (0: its default).
+
+    The fp32 values the parameters hold when the optimizer is built go to the servers in
+    chunks as each parameter is cast; no fp32 copy of the model is made. For a model built on
+    the meta device, see ``materialize``.
     """
 
     _kind = _lib.ADAMW
@@ -77,10 +131,15 @@ class AdamW(torch.optim.Optimizer):
                  token: Optional[str] = None, transport: str = "auto",
                  max_grad_norm: float = 0.0, loss_scale: float = 65536.0,
                  loss_scale_window: int = 2000, bucket_elements: int = 1 << 22, threads: int = 0,
+                 keep_grads: bool = False,
                  job_id: Optional[str] = None, tls_ca: Optional[str] = None,
                  tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
                  tls_server_name: Optional[str] = None, call_timeout: float = 600.0,
-                 process_group: Any = None, trace_file: Optional[str] = None):
+                 process_group: Any = None, trace_file: Optional[str] = None,
+                 device: Any = None, state_dir: Optional[str] = None,
+                 optimizer_state: str = "auto", server_memory_mib: int = 0,
+                 _values: Optional[Callable[[List[torch.nn.Parameter]],
+                                            Iterable[Tuple[int, torch.nn.Parameter]]]] = None):
         if amsgrad:
             raise ValueError("amsgrad is not supported: the optimizer servers keep exp_avg and "
                              "exp_avg_sq only")
@@ -90,6 +149,10 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid lr {lr}, eps {eps} or weight_decay {weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"invalid betas {betas}")
+        if optimizer_state not in _lib.TIERS:
+            raise ValueError(f"optimizer_state must be one of {sorted(_lib.TIERS)}, not "
+                             f"{optimizer_state!r}")
+        params, names = _split_names(params)
         self._building = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, amsgrad=False))
@@ -117,7 +180,7 @@ class AdamW(torch.optim.Optimizer):
         self._shapes: List[torch.Size] = []
         group_bounds: List[Tuple[int, int]] = []
         offset = 0
-        device = None
+        source_device = None
         for g in self.param_groups:
             start = offset
             for p in g["params"]:
@@ -126,11 +189,11 @@ class AdamW(torch.optim.Optimizer):
                                     "optimizer servers train floating-point parameters only")
                 if p.is_sparse:
                     raise TypeError("sparse parameters are not supported")
-                if device is None:
-                    device = p.device
-                elif p.device != device:
-                    raise ValueError(f"parameters on {device} and {p.device}: keep every "
-                                     "parameter of one optimizer on one device")
+                if source_device is None:
+                    source_device = p.device
+                elif p.device != source_device and device is None and _values is None:
+                    raise ValueError(f"parameters on {source_device} and {p.device}: keep every "
+                                     "parameter of one optimizer on one device, or pass device=")
                 self._params.append(p)
                 self._offsets.append(offset)
                 self._shapes.append(p.shape)
@@ -139,9 +202,18 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError("a parameter group without parameters")
             group_bounds.append((start, offset - start))
         self.num_params = offset
-        self.device = device
+        self.device = torch.device(device) if device is not None else source_device
+        if self.device.type == "meta" and _values is not None:
+            self.device = torch.device("cpu")  # materialize()'s model, without a device=
+        if self.device.type == "meta":
+            raise ValueError("the parameters are on the meta device: build the optimizer with "
+                             "offload.torch.materialize(model, ...), which gives them values")
+        if names is not None and len(names) != len(self._params):
+            raise ValueError("name every parameter or none")
+        self._names: Optional[List[str]] = names
 
-        servers_list, token = self._servers(servers, token, threads)
+        servers_list, token = self._servers(servers, token, threads, state_dir,
+                                            server_memory_mib)
         groups = (_lib.Group * len(self.param_groups))()
         for i, (g, (start, length)) in enumerate(zip(self.param_groups, group_bounds)):
             groups[i] = _lib.Group(start, length, self._kind, g["lr"], g["betas"][0],
@@ -165,7 +237,7 @@ class AdamW(torch.optim.Optimizer):
             tls_cert=enc(tls_cert), tls_key=enc(tls_key), tls_server_name=enc(tls_server_name),
             call_timeout_seconds=call_timeout, loss_scale_init=loss_scale,
             loss_scale_window=loss_scale_window, grad_clip=self._max_grad_norm,
-            trace_file=enc(trace_file))
+            trace_file=enc(trace_file), state_tier=_lib.TIERS[optimizer_state])
         L = _lib.lib()
         handle = ctypes.c_void_p()
         # Rank 0 creates the job, then the others join it; every rank learns whether all did.
@@ -186,36 +258,100 @@ class AdamW(torch.optim.Optimizer):
         self.transport = L.offload_transport_names(handle).decode()
 
         # The parameters become views of one flat 16-bit buffer on their device; their current
-        # values are the master weights.
-        master = torch.zeros(self.padded_length, dtype=torch.float32)
-        with torch.no_grad():
-            for p, off in zip(self._params, self._offsets):
-                master[off:off + p.numel()].copy_(p.detach().reshape(-1))
-        self._flat16 = torch.empty(self.padded_length, dtype=dtype, device=device)
-        self._host16 = (self._flat16 if device.type == "cpu" else
+        # values (or what _values makes of them) are the master weights, streamed to the servers.
+        self._flat16 = torch.empty(self.padded_length, dtype=dtype, device=self.device)
+        self._host16 = (self._flat16 if self.device.type == "cpu" else
                         torch.empty(self.padded_length, dtype=dtype,
                                     pin_memory=torch.cuda.is_available()))
-        with torch.no_grad():
-            self._flat16.copy_(master)  # round to nearest even, as the servers round
-            for p, off in zip(self._params, self._offsets):
-                p.data = self._flat16[off:off + p.numel()].view(p.shape)
-                p.grad = None
-        rc = L.offload_load_state(handle, _ptr(master), None, None, 0, 0) if self._rank == 0 else 0
-        error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
-        self._agree(rc, error, "loading the master weights")
-        del master
+        try:
+            self._set_up_weights(_values)
+        except BaseException:
+            self.close()  # no job left on the servers, no server left running
+            raise
         if self._world > 1:
             # The servers hold rank 0's values: every rank computes with them (as DDP does).
             import torch.distributed as dist
             dist.broadcast(self._flat16.view(torch.int32), src=self._src0(), group=self._group)
 
-        self._sent = [False] * len(self._params)
-        self._gradients_done = False
-        self._pending: List[Tuple[int, int, int]] = []  # (offset, n, where)
-        self._pending_elements = 0
-        self._hooks = [p.register_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
+        self._init_gradients(keep_grads)
 
     # ----------------------------------------------------------------------------- set-up
+
+    def _set_up_weights(self, values: Optional[Callable[[List[torch.nn.Parameter]], Iterable[
+            Tuple[int, torch.nn.Parameter]]]]) -> None:
+        """Each parameter in turn: its fp32 values go to the servers (rank 0) as the master
+        weights, in chunks, and it becomes a view of the flat 16-bit buffer, its own storage
+        freed; so no fp32 copy of the model is ever made, and a model built in fp32 on the CPU
+        shrinks as it is cast. `values` (materialize's) yields (index, parameter) pairs in any
+        order, the parameter replacing the optimizer's own; by default each parameter is its own
+        value, in flat order."""
+        L = _lib.lib()
+        loading = self._rank == 0
+        rc = L.offload_load_begin(self._handle, 0, 0, 0) if loading else 0
+        self._agree(rc, L.offload_last_error().decode("utf-8", "replace") if rc else "",
+                    "starting the load of the master weights")
+        try:
+            where = {}  # flat index -> (group, position) in param_groups
+            i = 0
+            for gi, g in enumerate(self.param_groups):
+                for pj in range(len(g["params"])):
+                    where[i] = (gi, pj)
+                    i += 1
+            done = [False] * len(self._params)
+            source = (values(list(self._params)) if values is not None else
+                      ((k, p) for k, p in enumerate(self._params)))
+            for index, p in source:
+                if done[index]:
+                    raise RuntimeError(f"parameter {index} was given values twice")
+                if p is not self._params[index]:
+                    gi, pj = where[index]
+                    self.param_groups[gi]["params"][pj] = p
+                    self._params[index] = p
+                self._take_values(index, p, loading)
+                done[index] = True
+            missing = [k for k, d in enumerate(done) if not d]
+            if missing:
+                raise RuntimeError(f"parameters {missing[:8]} got no values")
+            pad = self.padded_length - self.num_params
+            if pad:
+                self._flat16[self.num_params:].zero_()
+                if loading:
+                    zeros = torch.zeros(min(pad, _CHUNK), dtype=torch.float32)
+                    for a in range(self.num_params, self.padded_length, _CHUNK):
+                        n = min(_CHUNK, self.padded_length - a)
+                        check(L.offload_load_chunk(self._handle, _lib.MASTER, a, n, _ptr(zeros)))
+            rc = L.offload_load_finish(self._handle) if loading else 0
+            error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+        except BaseException:
+            if loading and self._handle:
+                L.offload_load_abort(self._handle)
+            raise
+        self._agree(rc, error, "loading the master weights")
+
+    def _take_values(self, index: int, p: torch.nn.Parameter, loading: bool) -> None:
+        """p's values: to the servers as fp32 (rank 0), into the flat buffer rounded to 16 bits,
+        then p becomes its view there. Conversions run a chunk at a time."""
+        L = _lib.lib()
+        off, n = self._offsets[index], p.numel()
+        if p.shape != self._shapes[index]:
+            raise RuntimeError(f"parameter {index} has shape {tuple(p.shape)}, expected "
+                               f"{tuple(self._shapes[index])}")
+        src = p.detach().reshape(-1)
+        dst = self._flat16[off:off + n]
+        direct = src.device.type == "cpu" and src.dtype == torch.float32 and src.is_contiguous()
+        with torch.no_grad():
+            for a in range(0, n, _CHUNK):
+                b = min(n, a + _CHUNK)
+                piece = src[a:b] if direct else src[a:b].to("cpu", torch.float32)
+                if loading:
+                    check(L.offload_load_chunk(self._handle, _lib.MASTER, off + a, b - a,
+                                               _ptr(piece)))
+                if dst.device.type == "cpu":
+                    dst[a:b].copy_(piece)  # round to nearest even, as the servers round
+                else:
+                    dst[a:b].copy_(piece.to(self.dtype), non_blocking=False)
+            p.data = dst.view(self._shapes[index])
+            p.grad = None
 
     def _src0(self) -> int:
         """The global rank of the group's rank 0 (what torch.distributed's src= names)."""
@@ -241,13 +377,18 @@ class AdamW(torch.optim.Optimizer):
             if code:
                 raise RuntimeError(f"rank {r} failed {what}: {_lib.OffloadError(code, message)}")
 
-    def _servers(self, servers: Any, token: Optional[str], threads: int) -> Tuple[List[str], Optional[str]]:
+    def _servers(self, servers: Any, token: Optional[str], threads: int,
+                 state_dir: Optional[str], memory_mib: int) -> Tuple[List[str], Optional[str]]:
         if servers is None:
             if self._world > 1:
                 raise ValueError("several ranks need running servers: pass servers=[...] and "
                                  "token=...")
-            self._server = LocalServer(threads=threads)
+            self._server = LocalServer(threads=threads, state_dir=state_dir,
+                                       memory_limit_mib=memory_mib)
             return [self._server.address], self._server.token
+        if state_dir is not None:
+            raise ValueError("state_dir= is the local server's (servers=None); running servers "
+                             "have their own --state_dir")
         if isinstance(servers, str):
             if servers == "inprocess":
                 if self._world > 1:
@@ -281,9 +422,8 @@ class AdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Drops the job on the servers (rank 0) and stops the local server, if any. The
         optimizer cannot be used afterwards."""
-        for h in getattr(self, "_hooks", []):
-            h.remove()
-        self._hooks = []
+        if getattr(self, "_grad_hooks", None) is not None:
+            self._grad_hooks.remove()
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer()
         self._handle = None
@@ -300,22 +440,57 @@ class AdamW(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- gradients
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        # A weak reference: the model's parameters must not keep the optimizer (its job, its
-        # server) alive, and a collected or closed optimizer's hooks do nothing.
-        ref = weakref.ref(self)
+    # Staging slots of the CUDA ring: enough to keep copies in flight while older slots are
+    # handed over, few enough that the page-locked memory stays small.
+    _STAGING_SLOTS = 4
+    # Whether a CPU model's gradients go through the staging ring too (the CUDA path's
+    # bookkeeping with stand-in streams): for tests; a CPU gradient is copied straight into place.
+    _stage_on_cpu = False
+    # The way of hooking after accumulation (grad_hooks' names); None: this torch's newest.
+    _hook_path: Optional[str] = None
 
-        def hook(grad: torch.Tensor) -> None:
+    def _init_gradients(self, keep_grads: bool) -> None:
+        """The per-step gradient state, and the hooks that feed it."""
+        self.keep_grads = bool(keep_grads)
+        self._sent = [False] * len(self._params)
+        self._gradients_done = False
+        self._pending: List[Tuple[int, int, int]] = []  # (offset, n, where)
+        self._pending_elements = 0
+        # Weak references: the model's parameters must not keep the optimizer (its job, its
+        # server) alive, and a collected or closed optimizer's hooks do nothing; nor should its
+        # own ring and reducer (a cycle would keep it until the garbage collector runs).
+        ref = weakref.ref(self)
+        self._ring: Optional[StagingRing] = None
+        self._reducer: Optional[BucketReducer] = None
+        copies = HostCopies(self.device)
+        if self._world > 1:
+            self._reducer = BucketReducer(
+                self._buckets(), self._offsets, self.device, self._part_offset,
+                self._part_offset + self._part_length, copies,
+                lambda flat: ref()._all_reduce(flat),
+                lambda offset, grads: ref()._send_share(offset, grads))
+        elif self.device.type == "cuda" or self._stage_on_cpu:
+            self._ring = StagingRing(self._STAGING_SLOTS,
+                                     min(self.bucket_elements, self.padded_length), self.dtype,
+                                     copies, lambda pieces: ref()._hand_over(pieces))
+
+        def arrived(index: int) -> None:
             opt = ref()
             if opt is not None and opt._handle:
-                opt._on_gradient(index, grad)
-        return hook
+                opt._on_gradient(index)
+        self._grad_hooks = GradientHooks(self._params, arrived, self._hook_path)
 
     def _begin_step(self) -> None:
         if not _lib.lib().offload_in_step(self._live()):
             check(_lib.lib().offload_begin_step(self._handle, self._step + 1))
 
-    def _on_gradient(self, index: int, grad: torch.Tensor) -> None:
+    def _on_gradient(self, index: int) -> None:
+        """Parameter index's gradient is in p.grad, accumulated over every use of p in the
+        graph: on its way, then freed (unless keep_grads)."""
+        p = self._params[index]
+        grad = p.grad
+        if grad is None:
+            return
         if grad.is_sparse:
             raise RuntimeError(f"parameter {index} got a sparse gradient: offload.torch optimizers "
                                "take dense gradients only")
@@ -328,18 +503,46 @@ class AdamW(torch.optim.Optimizer):
             self._check_param(index)
             self._begin_step()
             self._sent[index] = True
-            if self._world > 1:
-                return  # reduced over the ranks at step() (_reduce_and_send), from p.grad
-            off, n = self._offsets[index], self._params[index].numel()
-            L = _lib.lib()
+            off = self._offsets[index]
+            if self._reducer is not None:
+                self._reducer.add(index, grad)
+            elif self._ring is not None:
+                self._ring.put(off, grad)
+            else:
+                n = grad.numel()
+                L = _lib.lib()
+                ptr = L.offload_gradient_buffer(self._handle, off, n)
+                if not ptr:
+                    check(13)
+                _host_view(ptr, n, self.dtype).copy_(grad.detach().reshape(-1))
+                self._pending.append((off, n, ptr))
+                self._pending_elements += n
+                if self._pending_elements >= self.bucket_elements:
+                    self._flush()
+            if not self.keep_grads:
+                p.grad = None
+
+    def _hand_over(self, pieces: List[Piece]) -> None:
+        """A staging slot whose copies have landed: into the library's place, then ready."""
+        L = _lib.lib()
+        for off, src in pieces:
+            n = src.numel()
             ptr = L.offload_gradient_buffer(self._handle, off, n)
             if not ptr:
                 check(13)
-            _host_view(ptr, n, self.dtype).copy_(grad.detach().reshape(-1))
+            _host_view(ptr, n, self.dtype).copy_(src)
             self._pending.append((off, n, ptr))
-            self._pending_elements += n
-            if self._pending_elements >= self.bucket_elements:
-                self._flush()
+        self._flush()
+
+    def _all_reduce(self, flat: torch.Tensor) -> Any:
+        import torch.distributed as dist
+        return dist.all_reduce(flat, group=self._group, async_op=True)
+
+    def _send_share(self, offset: int, grads: torch.Tensor) -> None:
+        """This rank's share of a bucket's fp32 sum over the ranks (host memory): the library
+        takes the mean and rounds it to 16 bits in one pass."""
+        check(_lib.lib().offload_send_gradients_f32(self._handle, offset, _ptr(grads),
+                                                    grads.numel(), 1.0 / self._world))
 
     def _flush(self) -> None:
         """Hands the pending gradients to the sender, contiguous runs merged."""
@@ -377,42 +580,28 @@ class AdamW(torch.optim.Optimizer):
         """Every gradient of this rank's partition on its way (once per step)."""
         if self._gradients_done:
             return
-        if self._world > 1:
-            self._reduce_and_send()
+        # A parameter not hooked (frozen when the optimizer was built) that has a gradient now
+        # was unfrozen since: its gradient goes as the hooked ones do.
+        for i, hooked in enumerate(self._grad_hooks.hooked):
+            if not hooked and not self._sent[i] and self._params[i].grad is not None:
+                self._on_gradient(i)
+        if self._reducer is not None:
+            self._reducer.finish()
+            self._sent = [True] * len(self._params)
         else:
+            if self._ring is not None:
+                self._ring.flush()
             self._fill_missing()
         self._gradients_done = True
-
-    def _reduce_and_send(self) -> None:
-        """Several ranks: bucket by bucket in flat order (the same on every rank), the fp32 sum
-        of the ranks' gradients; each rank hands its partition's share to the library, which
-        takes the mean and rounds it to 16 bits in one pass."""
-        import torch.distributed as dist
-        L = _lib.lib()
-        lo, hi = self._part_offset, self._part_offset + self._part_length
-        for start, end, members in self._buckets():
-            flat = torch.zeros(end - start, dtype=torch.float32, device=self.device)
-            for i in members:
-                g = self._params[i].grad
-                if g is not None:
-                    off = self._offsets[i] - start
-                    flat[off:off + g.numel()].copy_(g.reshape(-1))
-            dist.all_reduce(flat, group=self._group)
-            a, b = max(start, lo), min(end, hi)
-            if a < b:
-                mine = flat[a - start:b - start].cpu().contiguous()
-                check(L.offload_send_gradients_f32(self._handle, a, _ptr(mine), b - a,
-                                                   1.0 / self._world))
-        self._sent = [True] * len(self._params)
 
     def _buckets(self) -> List[Tuple[int, int, List[int]]]:
         """[start, end) runs of whole parameters of about bucket_elements, covering
         [0, padded_length) (the padding in the last)."""
         out: List[Tuple[int, int, List[int]]] = []
         start, members = 0, []
-        for i, (p, off) in enumerate(zip(self._params, self._offsets)):
+        for i, (shape, off) in enumerate(zip(self._shapes, self._offsets)):
             members.append(i)
-            end = off + p.numel()
+            end = off + shape.numel()
             if end - start >= self.bucket_elements:
                 out.append((start, end, members))
                 start, members = end, []
@@ -439,6 +628,10 @@ class AdamW(torch.optim.Optimizer):
         self._sent = [False] * len(self._params)
         self._pending = []
         self._pending_elements = 0
+        if getattr(self, "_ring", None) is not None:
+            self._ring.reset()
+        if getattr(self, "_reducer", None) is not None:
+            self._reducer.reset()
 
     # ----------------------------------------------------------------------------- the step
 
@@ -559,53 +752,129 @@ class AdamW(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- state
 
-    def _read(self, tensor: int) -> torch.Tensor:
-        out = torch.empty(self.padded_length, dtype=torch.float32)
-        check(_lib.lib().offload_read_state(self._live(), tensor, 0, self.padded_length,
-                                            _ptr(out)))
+    def _read(self, tensor: int, offset: int, n: int) -> torch.Tensor:
+        out = torch.empty(n, dtype=torch.float32)
+        check(_lib.lib().offload_read_state(self._live(), tensor, offset, n, _ptr(out)))
         return out
 
     def master_weights(self) -> torch.Tensor:
-        """(num_params,) fp32 master weights, read from the servers."""
-        return self._read(_lib.MASTER)[:self.num_params]
+        """(num_params,) fp32 master weights, read from the servers (4 bytes a parameter)."""
+        return self._read(_lib.MASTER, 0, self.num_params)
+
+    def _fixed_hyperparameters_match(self, groups: List[Dict[str, Any]]) -> None:
+        """Refuses saved groups whose number, size or fixed hyper-parameters differ: the job's
+        betas, eps and weight decay are fixed on the servers when it is created."""
+        if len(groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+            raise ValueError("the state's parameter groups differ from this optimizer's in "
+                             "number or size")
+        for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            for k in _FIXED:
+                a, b = saved.get(k), mine[k]
+                if k == "betas":
+                    a, b = tuple(a or ()), tuple(b)
+                if a != b:
+                    raise ValueError(f"parameter group {i}: {k} is {saved.get(k)} in the state "
+                                     f"but {mine[k]} here; the servers' job fixes it: build the "
+                                     "optimizer with the saved value")
+
+    def _restore_groups(self, groups: List[Dict[str, Any]]) -> None:
+        for saved, mine in zip(groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
+
+    def _weights_from_masters(self) -> None:
+        """The 16-bit weights := the servers' master weights rounded (each rank reads its
+        partition, then the ranks gather), a chunk at a time."""
+        L = _lib.lib()
+        lo, n = self._part_offset, self._part_length
+        for a in range(lo, lo + n, _CHUNK):
+            m = min(_CHUNK, lo + n - a)
+            view = self._host16[a:a + m]
+            check(L.offload_read_weights16(self._handle, a, m, _ptr(view)))
+        self._gather_weights()
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout (per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``) plus each
-        parameter's fp32 ``master`` and an ``offload`` entry (counters, loss scale)."""
+        parameter's fp32 ``master`` and an ``offload`` entry (counters, loss scale).
+
+        It costs what torch's own costs: the whole fp32 state, 12 bytes a parameter, read from
+        the servers into this process (parameter by parameter, with no second copy). For a model
+        whose state should not pass through the training process, use ``save_checkpoint``,
+        which streams it to files 16 MiB at a time."""
         with self._lock:
             if _lib.lib().offload_in_step(self._live()):
                 raise RuntimeError("state_dict() between backward() and step(): finish the step")
-            master, m, v = (self._read(t) for t in (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ))
+            adam_step = self._adam_step
+            state: Dict[int, Dict[str, torch.Tensor]] = {}
+            for i, off in enumerate(self._offsets):
+                n, shape = self._shapes[i].numel(), self._shapes[i]
+                state[i] = {"step": torch.tensor(float(adam_step)),
+                            "exp_avg": self._read(_lib.EXP_AVG, off, n).view(shape),
+                            "exp_avg_sq": self._read(_lib.EXP_AVG_SQ, off, n).view(shape),
+                            "master": self._read(_lib.MASTER, off, n).view(shape)}
+        scale, clean, skipped = self._scaler()
+        return {"state": state, "param_groups": self._packed_groups(),
+                "offload": {"format": 1, "dtype": str(self.dtype), "num_params": self.num_params,
+                            "completed_step": self._step, "adam_step": adam_step,
+                            "loss_scale": scale, "clean_steps": clean,
+                            "skipped_steps": skipped}}
+
+    def _scaler(self) -> Tuple[float, int, int]:
         scale = ctypes.c_float()
         clean = ctypes.c_uint32()
         skipped = ctypes.c_uint64()
-        _lib.lib().offload_get_scaler(self._handle, ctypes.byref(scale), ctypes.byref(clean),
+        _lib.lib().offload_get_scaler(self._live(), ctypes.byref(scale), ctypes.byref(clean),
                                       ctypes.byref(skipped))
-        adam_step = self._adam_step
-        state: Dict[int, Dict[str, torch.Tensor]] = {}
-        for i, (p, off) in enumerate(zip(self._params, self._offsets)):
-            n = p.numel()
-            state[i] = {"step": torch.tensor(float(adam_step)),
-                        "exp_avg": m[off:off + n].view(self._shapes[i]).clone(),
-                        "exp_avg_sq": v[off:off + n].view(self._shapes[i]).clone(),
-                        "master": master[off:off + n].view(self._shapes[i]).clone()}
+        return float(scale.value), int(clean.value), int(skipped.value)
+
+    def _packed_groups(self, names: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+        """param_groups as torch packs them: every hyper-parameter, and the parameters as their
+        indices (or names)."""
         groups = []
         index = 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = list(range(index, index + len(g["params"])))
-            index += len(g["params"])
+            count = len(g["params"])
+            packed["params"] = (list(range(index, index + count)) if names is None else
+                                names[index:index + count])
+            index += count
             groups.append(packed)
-        return {"state": state, "param_groups": groups,
-                "offload": {"format": 1, "dtype": str(self.dtype), "num_params": self.num_params,
-                            "completed_step": self._step, "adam_step": adam_step,
-                            "loss_scale": float(scale.value), "clean_steps": int(clean.value),
-                            "skipped_steps": int(skipped.value)}}
+        return groups
+
+    def _load_with_scaler(self, scaler: Tuple[float, int, int], load: Callable[[], int],
+                          what: str) -> None:
+        """Sets the loss scaler (every rank), then runs `load` (rank 0's, returning an rc); puts
+        the scaler back if any rank failed."""
+        L = _lib.lib()
+        with self._lock:
+            self._live()
+            self._abort()  # the state replaces whatever the open step would have applied
+            old = self._scaler()
+            # The scaler first: it checks its values, and is put back if the shards refuse.
+            check(L.offload_set_scaler(self._handle, float(scaler[0]), int(scaler[1]),
+                                       int(scaler[2])))
+            rc, error = 0, ""
+            if self._rank == 0:
+                try:
+                    rc = load()
+                    error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+                except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                    rc, error = 13, f"{type(e).__name__}: {e}"
+                if rc:
+                    L.offload_load_abort(self._handle)
+            try:
+                self._agree(rc, error, what)
+            except BaseException:
+                L.offload_set_scaler(self._handle, *old)
+                raise
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() returned: the servers' state, counters and loss scale, the
         groups' lrs, and the 16-bit weights (the master weights rounded). Everything is checked
-        against this optimizer's parameters first; a refused state changes nothing."""
+        against this optimizer's parameters first, and the values as they stream to the servers,
+        which apply them only when all were accepted: a refused state changes nothing."""
         meta = state_dict.get("offload")
         if not isinstance(meta, dict) or meta.get("format") != 1:
             raise ValueError("not a state_dict of an offload.torch optimizer (no 'offload' "
@@ -617,27 +886,15 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"the state is of a model of {meta['num_params']} parameters, this "
                              f"one has {self.num_params}")
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
-            raise ValueError("the state's parameter groups differ from this optimizer's in "
-                             "number or size")
-        for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
-            for k in _FIXED:
-                a, b = saved.get(k), mine[k]
-                if k == "betas":
-                    a, b = tuple(a or ()), tuple(b)
-                if a != b:
-                    raise ValueError(f"parameter group {i}: {k} is {saved[k]} in the state but "
-                                     f"{mine[k]} here; the servers' job fixes it: build the "
-                                     "optimizer with the saved value")
-        flat = {name: torch.zeros(self.padded_length, dtype=torch.float32)
-                for name in ("master", "exp_avg", "exp_avg_sq")}
+        self._fixed_hyperparameters_match(groups)
+        names = ("master", "exp_avg", "exp_avg_sq")
+        tensors = (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ)
         state = state_dict["state"]
-        for i, (shape, off) in enumerate(zip(self._shapes, self._offsets)):
+        for i, shape in enumerate(self._shapes):
             s = state.get(i)
             if s is None:
                 raise ValueError(f"the state has nothing for parameter {i}")
-            for name, buf in flat.items():
+            for name in names:
                 t = s.get(name)
                 if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != torch.float32:
                     raise ValueError(
@@ -645,36 +902,149 @@ class AdamW(torch.optim.Optimizer):
                         f"{None if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}"
                         f", expected float32 of shape {tuple(shape)}: the state is of another "
                         "model")
-                buf[off:off + t.numel()].copy_(t.reshape(-1))
         L = _lib.lib()
+        completed, adam = int(meta["completed_step"]), int(meta["adam_step"])
+
+        def load() -> int:
+            rc = L.offload_load_begin(self._handle, 1, completed, adam)
+            for i, off in enumerate(self._offsets):
+                for name, tensor in zip(names, tensors):
+                    if rc:
+                        return rc
+                    t = state[i][name].detach().reshape(-1).to("cpu").contiguous()
+                    rc = L.offload_load_chunk(self._handle, tensor, off, t.numel(), _ptr(t))
+            pad = self.padded_length - self.num_params
+            if pad and not rc:
+                zeros = torch.zeros(pad, dtype=torch.float32)
+                for tensor in tensors:
+                    rc = rc or L.offload_load_chunk(self._handle, tensor, self.num_params, pad,
+                                                    _ptr(zeros))
+            return rc or L.offload_load_finish(self._handle)
+
+        self._load_with_scaler((meta["loss_scale"], meta["clean_steps"], meta["skipped_steps"]),
+                               load, "loading the state")
+        self._step, self._adam_step = completed, adam
+        self.last_report = None
+        self._restore_groups(groups)
+        with torch.no_grad():
+            for i, off in enumerate(self._offsets):
+                self._flat16[off:off + self._shapes[i].numel()].copy_(
+                    state[i]["master"].reshape(-1))  # rounded as the servers round
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def _param_names(self, model: Optional[torch.nn.Module]) -> List[str]:
+        """The names the state is saved under: model's names for the parameters, else the names
+        the optimizer was built with (named_parameters()), else each parameter's flat index."""
+        if model is not None:
+            by_id = {id(p): n for n, p in model.named_parameters()}
+            names = []
+            for i, p in enumerate(self._params):
+                if id(p) not in by_id:
+                    raise ValueError(f"parameter {i} (shape {tuple(self._shapes[i])}) of this "
+                                     "optimizer is not a parameter of the model given")
+                names.append(by_id[id(p)])
+            return names
+        if self._names is not None:
+            return list(self._names)
+        return [f"param.{i}" for i in range(len(self._params))]
+
+    def _named_tensors(self, names: List[str]) -> Tuple[ctypes.Array, List[Any]]:
+        """The C ABI's view of the parameters by name, and what must outlive the call."""
+        keep: List[Any] = []
+        array = (_lib.NamedTensor * len(names))()
+        for i, name in enumerate(names):
+            encoded = name.encode()
+            shape = (ctypes.c_int64 * max(1, len(self._shapes[i])))(*self._shapes[i])
+            keep += [encoded, shape]
+            array[i] = _lib.NamedTensor(encoded, self._offsets[i], len(self._shapes[i]), shape)
+        return array, keep
+
+    def save_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None,
+                        keep: int = 2) -> str:
+        """Writes the servers' fp32 state (master weights, exp_avg, exp_avg_sq), the step
+        counters, the loss scale and the parameter groups as a new checkpoint under ``path``
+        (``path/step-<step>/``, and ``path/latest`` names it), keeping the ``keep`` newest.
+
+        The state streams from the servers to safetensors files 16 MiB at a time, never whole
+        in this process; files are written to a staging directory, fsynced, and published with
+        one rename, so a crash (kill -9 included) or a full disk mid-save leaves the previous
+        checkpoint whole. Tensors are named by parameter name (``model``'s, or the names the
+        optimizer was built with, else ``param.<index>``), so the checkpoint loads onto any
+        number of servers and ranks. ``master.safetensors`` is the fp32 model: see
+        ``offload.checkpoint.load_into_torch`` to continue with plain torch. Every rank calls
+        it (rank 0 writes). Returns the checkpoint's directory."""
+        names = self._param_names(model)
+        array, keep_alive = self._named_tensors(names)
+        front_end = json.dumps({"optimizer": type(self).__name__, "dtype": str(self.dtype),
+                                "param_groups": self._packed_groups(names)})
+        L = _lib.lib()
+        out = ctypes.create_string_buffer(4096 + len(path.encode()))
         with self._lock:
-            self._live()
-            self._abort()  # the state replaces whatever the open step would have applied
-            old = (ctypes.c_float(), ctypes.c_uint32(), ctypes.c_uint64())
-            L.offload_get_scaler(self._handle, *(ctypes.byref(v) for v in old))
-            # The scaler first: it checks its values, and is put back if the shards refuse.
-            check(L.offload_set_scaler(self._handle, float(meta["loss_scale"]),
-                                       int(meta["clean_steps"]), int(meta["skipped_steps"])))
+            if L.offload_in_step(self._live()):
+                raise RuntimeError("save_checkpoint() between backward() and step(): finish the "
+                                   "step")
             rc = 0
             if self._rank == 0:
-                rc = L.offload_load_state(self._handle, _ptr(flat["master"]),
-                                          _ptr(flat["exp_avg"]), _ptr(flat["exp_avg_sq"]),
-                                          int(meta["completed_step"]), int(meta["adam_step"]))
+                rc = L.offload_save_checkpoint(self._handle, path.encode(), array, len(names),
+                                               self._step, self._adam_step, front_end.encode(),
+                                               int(keep), out, len(out))
             error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
+            self._agree(rc, error, "saving the checkpoint")
+        del keep_alive
+        directory = out.value.decode()
+        if self._world > 1:
+            import torch.distributed as dist
+            box = [directory]
+            dist.broadcast_object_list(box, src=self._src0(), group=self._group)
+            directory = box[0]
+        return directory
+
+    def load_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None) -> str:
+        """Restores a checkpoint written by save_checkpoint: ``path`` is its directory or the
+        root that holds ``latest``. The servers' state and counters, the loss scale, the groups'
+        lrs and the 16-bit weights (the master weights rounded) come back as they were saved,
+        onto however many servers and ranks this run has.
+
+        It streams 4 MiB at a time, checking each file's size and CRC-32 on the way; the servers
+        apply the load only when everything matched. A checkpoint of another model (a parameter
+        missing, extra, or of another shape: the first is named), a file cut short or altered
+        (named), or other fixed hyper-parameters are refused, and then nothing changes. Every
+        rank calls it. Returns the checkpoint's directory."""
+        from offload import checkpoint as ckpt
+        names = self._param_names(model)
+        found: List[Any] = [None, None, None]  # directory, manifest text, error
+        if self._rank == 0:
             try:
-                self._agree(rc, error, "loading the state")
-            except BaseException:
-                L.offload_set_scaler(self._handle, old[0].value, old[1].value, old[2].value)
-                raise
-        self._step = int(meta["completed_step"])
-        self._adam_step = int(meta["adam_step"])
+                found[0] = ckpt.find(path)
+                with open(os.path.join(found[0], "manifest.json")) as f:
+                    found[1] = f.read()
+            except (OSError, OffloadError) as e:
+                found[2] = str(e)
+        if self._world > 1:
+            import torch.distributed as dist
+            dist.broadcast_object_list(found, src=self._src0(), group=self._group)
+        if found[2] is not None:
+            raise FileNotFoundError(found[2])
+        directory, manifest = found[0], ckpt.parse_manifest(found[1], found[0])
+        if manifest.dtype != self.dtype:
+            raise ValueError(f"checkpoint {directory} is of {manifest.dtype} weights, this "
+                             f"optimizer's are {self.dtype}")
+        array, keep_alive = self._named_tensors(names)
+        L = _lib.lib()
+        check(L.offload_check_checkpoint(directory.encode(), array, len(names)))
+        self._fixed_hyperparameters_match(manifest.param_groups)
+        self._load_with_scaler(
+            manifest.loss_scale,
+            lambda: L.offload_load_checkpoint(self._handle, directory.encode(), array, len(names)),
+            "loading the checkpoint")
+        del keep_alive
+        self._step, self._adam_step = manifest.step, manifest.adam_step
         self.last_report = None
-        for saved, mine in zip(groups, self.param_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
-        with torch.no_grad():
-            self._flat16.copy_(flat["master"])
+        self._restore_groups(manifest.param_groups)
+        with self._lock:
+            self._weights_from_masters()
+        return directory
 
 
 class Adam(AdamW):
@@ -686,6 +1056,31 @@ class Adam(AdamW):
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
                  **kwargs: Any):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def materialize(model: torch.nn.Module, params: Any = None, *,
+                init: Optional[Callable[[torch.nn.Module], None]] = None,
+                optimizer: Optional[type] = None, **kwargs: Any) -> AdamW:
+    """An offload.torch optimizer for a model built on the meta device (``with
+    torch.device("meta"):`` on torch 2.x, ``device="meta"`` to each module on torch 1.13),
+    whose fp32 weights need not fit anywhere.
+
+    Module by module, the parameters are allocated in fp32 on the CPU, initialized by the
+    module's own ``reset_parameters()`` or ``init(module)`` (e.g. a Hugging Face model's
+    ``model._init_weights``), streamed to the servers as master weights and cast into the
+    optimizer's 16-bit buffer (on ``device=``, else the CPU); each module's fp32 copy is freed
+    before the next. The model's meta parameters are replaced by the trained ones (tied weights
+    stay tied). ``params`` is what the optimizer would take (default
+    ``model.named_parameters()``: groups of the meta model's parameters work too), ``optimizer``
+    the class (default AdamW), and ``kwargs`` its arguments. If an init fails, the error is
+    raised and nothing is left on the servers."""
+    from offload.materialize import MetaValues
+    cls = optimizer or AdamW
+    if params is None:
+        params = list(model.named_parameters())
+    device = kwargs.get("device")
+    values = MetaValues(model, init, torch.device(device) if device is not None else None)
+    return cls(params, _values=values, **kwargs)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -8,6 +8,11 @@ bit, through one local server and three, over shared memory and over gRPC.
 Hyper-parameters are exact in fp32 (powers of two, 1 - 2^-10): the servers take them as fp32
 (the wire's type), while torch computes its per-step scalars from Python doubles, so a value
 that fp32 cannot hold (0.9, 0.1) would differ by one rounding of a scalar, not of the method.
+
+The servers compute AdamW as torch 1.13's torch.optim.AdamW does (ARCHITECTURE.md section 5),
+which is the reference there. torch 2.x's differs in two roundings: exp_avg moves by lerp_, and
+its CPU sqrt is not correctly rounded (about one value in six is 1 ulp off); there the reference
+is ContractAdamW, torch 1.13's update written out in plain torch with an IEEE square root.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import sys
 import unittest
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -38,12 +44,12 @@ class OddNet(torch.nn.Module):
     in fp32 on its 16-bit weights (CPU torch 1.13 has no fp16 matmul), as the C++ CPU backend
     does: the gradients reach the parameters rounded to their 16-bit type."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(37, 24)
-        self.fc1 = torch.nn.Linear(24, 53)
-        self.norm = torch.nn.LayerNorm(53)
-        self.fc2 = torch.nn.Linear(53, 37)
+        self.emb = torch.nn.Embedding(37, 24, device=device)
+        self.fc1 = torch.nn.Linear(24, 53, device=device)
+        self.norm = torch.nn.LayerNorm(53, device=device)
+        self.fc2 = torch.nn.Linear(53, 37, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         F = torch.nn.functional
@@ -51,6 +57,43 @@ class OddNet(torch.nn.Module):
         h = F.linear(F.embedding(x, f(self.emb.weight)), f(self.fc1.weight), f(self.fc1.bias))
         h = F.layer_norm(h, (53,), f(self.norm.weight), f(self.norm.bias))
         return F.linear(torch.tanh(h), f(self.fc2.weight), f(self.fc2.bias))
+
+
+class ContractAdamW(torch.optim.Optimizer):
+    """torch 1.13's torch.optim.AdamW (``_single_tensor_adamw``, no amsgrad, no maximize), step by
+    step, with a correctly rounded square root: what the servers compute, for a torch whose own
+    AdamW rounds otherwise."""
+
+    def __init__(self, params, lr: float, betas: Tuple[float, float], eps: float,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+                p.mul_(1 - lr * group["weight_decay"])
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                sqrt_v = v.double().sqrt().float()  # exact in double, then one rounding
+                denom = (sqrt_v / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+                p.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** step)))
+
+
+def reference_adamw(params: List[dict]) -> torch.optim.Optimizer:
+    """torch.optim.AdamW where it is the servers' method (torch 1.x), else ContractAdamW."""
+    if int(re.match(r"\d+", torch.__version__).group()) < 2:
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    return ContractAdamW(params, lr=LR, betas=BETAS, eps=EPS)
 
 
 def make_model(seed: int = 0) -> OddNet:
@@ -85,7 +128,8 @@ def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
 
 
 class Reference:
-    """Plain torch: fp32 masters, torch.optim.AdamW, 16-bit model, GradScaler's rules."""
+    """Plain torch: fp32 masters, torch.optim.AdamW (reference_adamw), 16-bit model,
+    GradScaler's rules."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, loss_scale: float,
                  window: int, max_norm: float = 0.0):
@@ -94,8 +138,7 @@ class Reference:
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.to(dtype)
-        self.opt = torch.optim.AdamW(groups_of(model, self.masters), lr=LR, betas=BETAS,
-                                     eps=EPS, foreach=False)
+        self.opt = reference_adamw(groups_of(model, self.masters))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda)
         self.scale = loss_scale if dtype == torch.float16 else 1.0
         self.window, self.clean, self.max_norm = window, 0, max_norm

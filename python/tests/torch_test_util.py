@@ -3,7 +3,7 @@ a process is alive."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -14,11 +14,12 @@ class TinyNet(torch.nn.Module):
     gradients reach the parameters rounded to their 16-bit type."""
 
     def __init__(self, vocab: int, width: int, hidden: int,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = torch.tanh) -> None:
+                 activation: Callable[[torch.Tensor], torch.Tensor] = torch.tanh,
+                 device: Any = None) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(vocab, width)
-        self.fc1 = torch.nn.Linear(width, hidden)
-        self.fc2 = torch.nn.Linear(hidden, vocab)
+        self.emb = torch.nn.Embedding(vocab, width, device=device)
+        self.fc1 = torch.nn.Linear(width, hidden, device=device)
+        self.fc2 = torch.nn.Linear(hidden, vocab, device=device)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
   check_manifests.py --repo ROOT --json-dir DIR CASE=rendered.yaml [CASE=rendered.yaml ...]
 
 For each case it parses the `kubectl kustomize` output, writes DIR/CASE.json (a JSON array of the
-objects, for validate.cjs) and checks what the API schemas cannot express:
+objects, for validate.py) and checks what the API schemas cannot express:
 
 - every container: the restrictive securityContext (non-root uid 10001, read-only root
   filesystem with an emptyDir /tmp, no privilege escalation, capabilities dropped (only IPC_LOCK

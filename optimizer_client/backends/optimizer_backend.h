@@ -1,0 +1,162 @@
+// The trainer's side of the optimizer: where 16-bit gradients go and updated 16-bit weights come
+// from. Two implementations share the partition routing below:
+//   - RemoteOptimizer (remote_optimizer.h): optimizer shards behind the gRPC API;
+//   - InProcessOptimizer (inprocess_optimizer.h): the same shard store, step sessions and Adam
+//     kernels linked into the trainer, without a server. It is the baseline of the
+//     offload-overhead benchmark and, because it runs the very same code, the reference that
+//     the server path must match bit for bit.
+#ifndef OFFLOAD_OPTIMIZER_CLIENT_BACKENDS_OPTIMIZER_BACKEND_H_
+#define OFFLOAD_OPTIMIZER_CLIENT_BACKENDS_OPTIMIZER_BACKEND_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "base/dtype.h"
+#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "offload/v1/checkpoint.pb.h"
+#include "offload/v1/optimizer.pb.h"
+
+namespace offload {
+
+// One shard's part of a load streamed chunk by chunk (state_load.h): the shard applies every chunk
+// when Finish succeeds, and none if the load is destroyed unfinished or a chunk is refused.
+class ShardStateLoad {
+ public:
+  virtual ~ShardStateLoad() = default;
+  // fp32 values of flat elements [slice.offset, + slice.n), all in this shard's slices.
+  virtual absl::Status Add(const StateSliceRef& slice) = 0;
+  virtual absl::Status Finish() = 0;
+};
+
+class OptimizerBackend {
+ public:
+  explicit OptimizerBackend(v1::PartitionMap map) : map_(std::move(map)) {}
+  virtual ~OptimizerBackend() = default;
+
+  const v1::PartitionMap& partition() const { return map_; }
+  int num_shards() const { return static_cast<int>(map_.num_shards()); }
+
+  // The trainer rank this backend steps for (0 by default): BeginStep, SendGradients and Commit
+  // cover only the slices of its partition [rank * P, (rank + 1) * P). The job's set-up, loads,
+  // reads and drop (rank 0's work) still reach every shard.
+  absl::Status SetRank(int rank);
+  int rank() const { return rank_; }
+  // [offset, offset + length) of this rank's partition.
+  int64_t partition_offset() const;
+  int64_t partition_length() const;
+  // For ranks other than the one that creates the job: step the job `job_id` another rank
+  // created, whose 16-bit type is param_dtype.
+  void UseJob(const std::string& job_id, DType param_dtype) {
+    job_id_ = job_id;
+    param_dtype_ = param_dtype;
+  }
+
+  // Creates the job on every shard with the slices the map gives it. A job of the same id left
+  // on a shard by an earlier run of this trainer is replaced. groups: PyTorch's param_groups
+  // over the flat space (CreateJobRequest.groups: in offset order, covering [0, padded_length),
+  // at most kMaxParamGroups), every shard gets them all; empty for one group, `adam`.
+  // Overrides repeat the default, so a call reads the same through any type.
+  virtual absl::Status CreateJob(const std::string& job_id, const v1::AdamConfig& adam,
+                                 DType param_dtype,
+                                 const std::vector<v1::ParamGroup>& groups = {}) = 0;
+  // Opens a load on `shard` that takes chunks until Finish; with `steps`, its step counters too
+  // (checkpoints).
+  virtual absl::StatusOr<std::unique_ptr<ShardStateLoad>> BeginShardLoad(
+      int shard, const StepCounters* steps) = 0;
+  // One all-or-nothing load of whole slices on `shard` (BeginShardLoad, each slice, Finish).
+  absl::Status LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
+                              const StepCounters* steps);
+  // (n,) fp32 values of flat elements [offset, offset + n), which must lie in one slice.
+  virtual absl::Status ReadSliceState(int slice, v1::StateTensor tensor, int64_t offset, int64_t n,
+                                      float* out) = 0;
+  virtual absl::Status DropJob() = 0;
+
+  // (n,) fp32 values of `tensor` for any flat elements [offset, offset + n) inside
+  // [0, padded_length), read slice by slice.
+  absl::Status ReadRange(v1::StateTensor tensor, int64_t offset, int64_t n, float* out);
+
+  // The whole map's fp32 master weights, master (padded_length,), loaded onto every shard or read
+  // back from every slice: a fresh start, a resume mid-pipeline and tests, all rank 0's work.
+  absl::Status LoadMasterWeights(const float* master);
+  absl::Status ReadMasterWeights(float* master);
+
+  // One step: Begin, any number of SendGradients covering this rank's partition at least once
+  // (from one thread, in any order; a second cover of an element must be `accumulate`), then
+  // Commit or Abort.
+  absl::Status BeginStep(uint64_t step);
+  // grads (n,) 16-bit for flat elements [offset, offset + n) of this rank's partition, split over
+  // the slices they touch. accumulate: added to what the step received before (micro-batches,
+  // summed in fp32 on the shard).
+  absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
+                             bool accumulate = false);
+  // Applies the step (or skips it) on this rank's slices; their updated 16-bit weights land in
+  // partition16 (partition_length,), this rank's partition, unless skipped (flat element i at
+  // partition16[i - partition_offset()]). Returns the step counters after the step. group_lr:
+  // empty for `lr` in every parameter group, else one lr per group of CreateJob's groups.
+  absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
+                                      uint16_t* partition16, absl::Span<const float> group_lr = {});
+  void AbortStep();
+
+  // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
+  // elements [offset, offset + n) go so that SendGradients from exactly there copies nothing (the
+  // segment's gradient area), or null where they do not all lie in one slice whose plane has such
+  // a place. Only between BeginStep and Commit, for elements not yet sent; nothing may be written
+  // there once Commit is called. The shard validates what it finds there as any chunk.
+  uint16_t* GradientPlace(int64_t offset, int64_t n);
+  // Which memory that place is in (StepStream::GradientAreaId): another value for the same address
+  // means other memory. 0 where GradientPlace is null.
+  uint64_t GradientPlaceId(int64_t offset, int64_t n);
+  // Elements sent from their place (no copy) since construction.
+  int64_t in_place_elements() const { return in_place_elements_.load(); }
+
+ protected:
+  // Per-slice hooks of one step, slice = index into map.slices(); only this rank's slices are
+  // opened.
+  virtual absl::Status OpenSlice(int slice, uint64_t step) = 0;
+  virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
+                                 bool accumulate) = 0;
+  // Commits every open slice, writing partition16 (partition_length,) at each slice's offset
+  // less partition_offset(); group_lr as Commit's.
+  virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+                                                    uint16_t* partition16,
+                                                    absl::Span<const float> group_lr) = 0;
+  virtual void AbortSlices() = 0;
+  // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
+  // of this backend has one).
+  virtual uint16_t* SliceGradientArea(int /*slice*/) { return nullptr; }
+  virtual uint64_t SliceGradientAreaId(int /*slice*/) { return 0; }
+  DType grad_dtype() const { return param_dtype_; }
+
+  v1::PartitionMap map_;
+  DType param_dtype_ = DType::kFp16;
+  std::string job_id_;
+
+ private:
+  using SliceIterator = google::protobuf::RepeatedPtrField<v1::ShardSlice>::const_iterator;
+  // The first slice of the map that ends after flat element `offset`.
+  SliceIterator FirstSliceEndingAfter(int64_t offset) const;
+  // The slice that holds all of [offset, offset + n) of this rank's partition in an open step,
+  // or -1.
+  int PlaceSlice(int64_t offset, int64_t n) const;
+
+  int rank_ = 0;
+  bool in_step_ = false;
+  uint64_t step_ = 0;
+  std::atomic<int64_t> in_place_elements_{0};
+};
+
+// The CreateJobRequest of one shard: its slices as ranges, in range_index order, and every group.
+v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shard,
+                                           const std::string& job_id, const v1::AdamConfig& adam,
+                                           DType param_dtype,
+                                           const std::vector<v1::ParamGroup>& groups = {});
+
+}  // namespace offload
+
+#endif  // OFFLOAD_OPTIMIZER_CLIENT_BACKENDS_OPTIMIZER_BACKEND_H_

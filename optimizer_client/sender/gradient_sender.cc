@@ -1,0 +1,85 @@
+#include "optimizer_client/sender/gradient_sender.h"
+
+namespace offload {
+
+GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16,
+                               PhaseTrace* trace)
+    : backend_(backend), grads16_(grads16), trace_(trace), thread_([this] { Loop(); }) {}
+
+GradientSender::~GradientSender() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate, const uint16_t* src,
+                             const GradStats* known) {
+  if (n <= 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(Range{offset, n, accumulate, src != nullptr ? src : grads16_ + offset,
+                           PhaseTrace::Clock::now(), known != nullptr,
+                           known != nullptr ? *known : GradStats{}});
+  }
+  cv_.notify_all();
+}
+
+absl::Status GradientSender::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return queue_.empty() && in_flight_ == 0; });
+  absl::Status error = error_;
+  error_ = absl::OkStatus();
+  return error;
+}
+
+void GradientSender::MeasureAs(DType dtype) {
+  std::lock_guard<std::mutex> lock(mu_);
+  measure_ = true;
+  measure_dtype_ = dtype;
+}
+
+GradStats GradientSender::TakeStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  GradStats taken = stats_;
+  stats_ = GradStats{};
+  return taken;
+}
+
+void GradientSender::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ and nothing left
+    const Range range = queue_.front();
+    queue_.pop_front();
+    const bool failed = !error_.ok();
+    const bool measure = measure_;
+    ++in_flight_;
+    lock.unlock();
+    absl::Status s;
+    GradStats stats = range.stats;
+    if (!failed && measure && !range.known) {
+      stats = MeasureGradients16(range.src, range.n, measure_dtype_);
+    }
+    if (!failed) {
+      const uint64_t step = step_.load(std::memory_order_relaxed);
+      // The wait in the queue is a span of its own: a range is queued as soon as it is final,
+      // and sent when this thread gets a core and the ranges before it have left.
+      if (trace_ != nullptr) {
+        trace_->Record("send_queued", step, range.queued, PhaseTrace::Clock::now());
+      }
+      TracePhase phase(trace_, "send_gradients", step);
+      s = backend_->SendGradients(range.offset, range.src, range.n, range.accumulate);
+    }
+    lock.lock();
+    --in_flight_;
+    stats_.Merge(stats);
+    if (!s.ok() && error_.ok()) error_ = s;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace offload
