@@ -274,6 +274,11 @@ absl::StatusOr<std::string> FindParamState(const std::string& path) {
 absl::StatusOr<v1::ParamStateManifest> ReadParamStateManifest(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kManifestFileName);
   OFFLOAD_ASSIGN_OR_RETURN(std::string json, ReadWholeFile(path));
+  return ParseParamStateManifest(json, path);
+}
+
+absl::StatusOr<v1::ParamStateManifest> ParseParamStateManifest(absl::string_view json,
+                                                               const std::string& path) {
   v1::ParamStateManifest m;
   if (absl::Status s = ParseJsonMessage(json, &m); !s.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
@@ -293,7 +298,9 @@ absl::StatusOr<v1::ParamStateManifest> ReadParamStateManifest(const std::string&
   }
   std::set<int> tensors;
   for (const v1::StateFile& f : m.files()) {
-    OFFLOAD_RETURN_IF_ERROR(CheckFileName("files[].file", f.file()));
+    if (absl::Status s = CheckFileName("files[].file", f.file()); !s.ok()) {
+      return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
+    }
     if (!f.has_digest()) {
       return absl::DataLossError(absl::StrCat(path, ": ", f.file(), " has no digest"));
     }

@@ -63,6 +63,11 @@ absl::StatusOr<std::string> FindParamState(const std::string& path);
 
 // Reads and strictly parses <dir>/manifest.json.
 absl::StatusOr<v1::ParamStateManifest> ReadParamStateManifest(const std::string& dir);
+// The same from the manifest's text (`path` names it in errors): unknown fields, another format
+// version, a dtype that is not 16-bit, adam_step > step, a file name with a '/', a file without
+// a digest, or anything but one file each of master, exp_avg and exp_avg_sq are DataLoss.
+absl::StatusOr<v1::ParamStateManifest> ParseParamStateManifest(absl::string_view json,
+                                                               const std::string& path);
 
 // InvalidArgument naming the first parameter in `params`' order that the checkpoint in `dir`
 // lacks or holds with another shape, or a parameter it has that `params` lacks: a checkpoint of
