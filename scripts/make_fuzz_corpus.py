@@ -4,6 +4,8 @@ near-valid inputs in each real format, next to the target that reads them:
 
   optimizer_client/checkpoint/fuzz/safetensors_corpus/    safetensors files
   optimizer_client/checkpoint/fuzz/manifest_corpus/       checkpoint manifests (JSON)
+  optimizer_client/param_state/fuzz/param_state_manifest_corpus/  a front end's checkpoint
+                                                     manifests (JSON)
   gpu_trainer/data/fuzz/token_shard_corpus/          llm.c .bin token shards
   services/common/fuzz/job_spec_corpus/              job files, YAML and JSON
   services/job_controller/fuzz/rest_gateway_corpus/  raw HTTP requests
@@ -113,6 +115,34 @@ def manifest_corpus():
 
 
 # --- llm.c token shards --------------------------------------------------------------------------
+
+def param_state_manifest_corpus():
+    d = 'optimizer_client/param_state/fuzz/param_state_manifest_corpus'
+    digest = {'bytes': '336', 'crc32': 2006636057}
+    full = {
+        'format_version': 1, 'step': '12', 'adam_step': '11', 'param_dtype': 'DTYPE_FP16',
+        'loss_scale': {'scale': 32768, 'clean_steps': 3, 'skipped_steps': '1'},
+        'params': [{'name': 'emb.weight', 'shape': ['37', '24']},
+                   {'name': 'fc.bias', 'shape': ['53']}],
+        'files': [{'tensor': 'STATE_TENSOR_MASTER_WEIGHTS', 'file': 'master.safetensors',
+                   'digest': digest},
+                  {'tensor': 'STATE_TENSOR_EXP_AVG', 'file': 'exp_avg.safetensors',
+                   'digest': digest},
+                  {'tensor': 'STATE_TENSOR_EXP_AVG_SQ', 'file': 'exp_avg_sq.safetensors',
+                   'digest': digest}],
+        'front_end': json.dumps({'optimizer': 'AdamW', 'param_groups': [
+            {'lr': 0.001, 'betas': [0.9, 0.999], 'params': ['emb.weight', 'fc.bias']}]}),
+    }
+    write(d, 'valid_full.json', json.dumps(full, indent=2))
+    write(d, 'bad_two_files.json', json.dumps(dict(full, files=full['files'][:2])))
+    write(d, 'bad_adam_after_step.json', json.dumps(dict(full, adam_step='13')))
+    write(d, 'bad_no_digest.json', json.dumps(dict(full, files=[
+        {k: v for k, v in f.items() if k != 'digest'} for f in full['files']])))
+    write(d, 'bad_path.json', json.dumps(dict(full, files=[
+        dict(full['files'][0], file='../master.safetensors')] + full['files'][1:])))
+    write(d, 'bad_dtype.json', json.dumps(dict(full, param_dtype='DTYPE_FP32')))
+    write(d, 'bad_unknown_field.json', json.dumps(dict(full, stpe='3')))
+
 
 def shard(tokens, magic=20240520, version=1, count=None, extra=b''):
     header = [0] * 256
@@ -277,6 +307,7 @@ def step_session_corpus():
 def main():
     safetensors_corpus()
     manifest_corpus()
+    param_state_manifest_corpus()
     token_shard_corpus()
     job_spec_corpus()
     rest_gateway_corpus()
