@@ -1,5 +1,5 @@
-// What the libFuzzer targets share (docs/RELIABILITY.md): failing loudly on a broken promise, and
-// handing an input to a reader that only opens files by path.
+// What the libFuzzer targets share (docs/RELIABILITY.md): failing loudly on a broken promise,
+// handing an input to a reader that only opens files by path, and comparing messages as bytes.
 #ifndef OFFLOAD_BASE_TESTING_FUZZ_UTIL_H_
 #define OFFLOAD_BASE_TESTING_FUZZ_UTIL_H_
 
@@ -12,6 +12,9 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/message_lite.h"
 
 namespace offload {
 
@@ -48,6 +51,17 @@ class FuzzInputFile {
   int fd_;
   std::string path_;
 };
+
+// A message's bytes, serialized deterministically (map order fixed), so two messages with the
+// same fields give the same bytes: what a print-and-parse round trip is compared by.
+inline std::string DeterministicBytes(const google::protobuf::MessageLite& m) {
+  std::string out;
+  google::protobuf::io::StringOutputStream stream(&out);
+  google::protobuf::io::CodedOutputStream coded(&stream);
+  coded.SetSerializationDeterministic(true);
+  m.SerializeToCodedStream(&coded);
+  return out;
+}
 
 }  // namespace offload
 

@@ -39,23 +39,39 @@ absl::Status JobStateLoad::Fail(absl::Status status) {
   return status;
 }
 
-absl::Status JobStateLoad::Add(v1::StateTensor tensor, int64_t offset, const float* values,
-                               int64_t n) {
+absl::Status JobStateLoad::CheckChunk(v1::StateTensor tensor, int64_t offset, int64_t n) {
   if (ended_) return absl::FailedPreconditionError("the state load has ended");
-  const v1::PartitionMap& map = backend_->partition();
-  const int64_t padded = static_cast<int64_t>(map.padded_length());
+  const int64_t num_params = static_cast<int64_t>(backend_->partition().num_params());
   if (tensor != v1::STATE_TENSOR_MASTER_WEIGHTS && tensor != v1::STATE_TENSOR_EXP_AVG &&
       tensor != v1::STATE_TENSOR_EXP_AVG_SQ) {
     return Fail(absl::InvalidArgumentError(absl::StrCat("no state tensor ", tensor)));
   }
-  if (values == nullptr || n < 0 || offset < 0 || offset > padded || n > padded - offset) {
+  if (n < 0 || offset < 0 || offset > num_params || n > num_params - offset) {
     return Fail(absl::OutOfRangeError(absl::StrCat("state [", offset, ", ", offset + n,
-                                                   ") is outside the flat space of ", padded,
-                                                   " elements")));
+                                                   ") is outside the ", num_params,
+                                                   " parameters (the padding after them loads "
+                                                   "as zeros by itself)")));
   }
+  return absl::OkStatus();
+}
+
+absl::Status JobStateLoad::Add(v1::StateTensor tensor, int64_t offset, const float* values,
+                               int64_t n) {
+  OFFLOAD_RETURN_IF_ERROR(CheckChunk(tensor, offset, n));
+  if (values == nullptr) return Fail(absl::InvalidArgumentError("null values"));
   if (absl::Status s = CheckStateValues(tensor, offset, values, n); !s.ok()) return Fail(s);
-  // The slices tile [0, padded) in offset order: cut the chunk at their bounds.
-  for (const v1::ShardSlice& slice : map.slices()) {
+  return Send(tensor, offset, values, n);
+}
+
+absl::Status JobStateLoad::AddZeros(v1::StateTensor tensor, int64_t offset, int64_t n) {
+  OFFLOAD_RETURN_IF_ERROR(CheckChunk(tensor, offset, n));
+  return SendZeros(tensor, offset, n);
+}
+
+absl::Status JobStateLoad::Send(v1::StateTensor tensor, int64_t offset, const float* values,
+                                int64_t n) {
+  // The slices tile [0, padded_length) in offset order: cut the chunk at their bounds.
+  for (const v1::ShardSlice& slice : backend_->partition().slices()) {
     const int64_t lo = std::max<int64_t>(offset, slice.offset());
     const int64_t hi = std::min<int64_t>(offset + n, slice.offset() + slice.length());
     if (lo >= hi) continue;
@@ -66,11 +82,11 @@ absl::Status JobStateLoad::Add(v1::StateTensor tensor, int64_t offset, const flo
   return absl::OkStatus();
 }
 
-absl::Status JobStateLoad::AddZeros(v1::StateTensor tensor, int64_t offset, int64_t n) {
+absl::Status JobStateLoad::SendZeros(v1::StateTensor tensor, int64_t offset, int64_t n) {
   static const std::vector<float> zeros(int64_t{1} << 16, 0.0f);
   for (int64_t done = 0; done < n;) {
     const int64_t m = std::min<int64_t>(n - done, static_cast<int64_t>(zeros.size()));
-    OFFLOAD_RETURN_IF_ERROR(Add(tensor, offset + done, zeros.data(), m));
+    OFFLOAD_RETURN_IF_ERROR(Send(tensor, offset + done, zeros.data(), m));
     done += m;
   }
   return absl::OkStatus();
@@ -78,6 +94,13 @@ absl::Status JobStateLoad::AddZeros(v1::StateTensor tensor, int64_t offset, int6
 
 absl::Status JobStateLoad::Finish() {
   if (ended_) return absl::FailedPreconditionError("the state load has ended");
+  const v1::PartitionMap& map = backend_->partition();
+  const int64_t num_params = static_cast<int64_t>(map.num_params());
+  const int64_t pad = static_cast<int64_t>(map.padded_length()) - num_params;
+  for (v1::StateTensor t :
+       {v1::STATE_TENSOR_MASTER_WEIGHTS, v1::STATE_TENSOR_EXP_AVG, v1::STATE_TENSOR_EXP_AVG_SQ}) {
+    OFFLOAD_RETURN_IF_ERROR(SendZeros(t, num_params, pad));
+  }
   ended_ = true;
   std::vector<std::unique_ptr<ShardStateLoad>> shards = std::move(shards_);
   for (size_t i = 0; i < shards.size(); ++i) {

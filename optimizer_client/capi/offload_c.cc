@@ -247,27 +247,6 @@ absl::Status LoadFinish(OffloadOptimizer* opt) {
   return load->Finish();
 }
 
-absl::Status LoadState(OffloadOptimizer* opt, const float* master, const float* m, const float* v,
-                       uint64_t completed, uint64_t adam) {
-  if (master == nullptr) return absl::InvalidArgumentError("no master weights");
-  if ((m == nullptr) != (v == nullptr)) {
-    return absl::InvalidArgumentError("exp_avg and exp_avg_sq come together or not at all");
-  }
-  if (m != nullptr && adam > completed) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("adam_step ", adam, " > completed_step ", completed));
-  }
-  const StepCounters counters{completed, adam};
-  OFFLOAD_RETURN_IF_ERROR(LoadBegin(opt, m != nullptr ? &counters : nullptr));
-  const uint64_t padded = opt->backend->partition().padded_length();
-  OFFLOAD_RETURN_IF_ERROR(LoadChunk(opt, OFFLOAD_MASTER, 0, padded, master));
-  if (m != nullptr) {
-    OFFLOAD_RETURN_IF_ERROR(LoadChunk(opt, OFFLOAD_EXP_AVG, 0, padded, m));
-    OFFLOAD_RETURN_IF_ERROR(LoadChunk(opt, OFFLOAD_EXP_AVG_SQ, 0, padded, v));
-  }
-  return LoadFinish(opt);
-}
-
 absl::Status ReadState(OffloadOptimizer* opt, int32_t tensor, uint64_t offset, uint64_t n,
                        float* out) {
   if (tensor != OFFLOAD_MASTER && tensor != OFFLOAD_EXP_AVG && tensor != OFFLOAD_EXP_AVG_SQ) {
@@ -345,16 +324,7 @@ absl::Status LoadCheckpoint(OffloadOptimizer* opt, const char* dir,
   if (dir == nullptr || *dir == 0) return absl::InvalidArgumentError("no checkpoint directory");
   if (opt->in_step) return absl::FailedPreconditionError("a step is open: finish it first");
   OFFLOAD_ASSIGN_OR_RETURN(std::vector<NamedParam> params, NamedParams(tensors, num_tensors));
-  OFFLOAD_ASSIGN_OR_RETURN(v1::ParamStateManifest m,
-                           LoadParamState(dir, params, opt->backend.get()));
-  if (m.param_dtype() != DTypeToProto(opt->dtype)) {
-    // Loaded already, but the caller refuses such a checkpoint before it gets here (the manifest
-    // says its dtype); this guards any other caller.
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint ", dir, " is of ", v1::DType_Name(m.param_dtype()),
-                     " weights, this job is of ", DTypeName(opt->dtype)));
-  }
-  return absl::OkStatus();
+  return LoadParamState(dir, params, opt->dtype, opt->backend.get()).status();
 }
 
 absl::Status TakeStats(OffloadOptimizer* opt) {
@@ -461,13 +431,6 @@ uint64_t offload_partition_length(const OffloadOptimizer* opt) {
 }
 const char* offload_transport_names(const OffloadOptimizer* opt) {
   return opt->transport_names.c_str();
-}
-
-int32_t offload_load_state(OffloadOptimizer* opt, const float* master, const float* exp_avg,
-                           const float* exp_avg_sq, uint64_t completed_step, uint64_t adam_step) {
-  return Guard([&] {
-    return offload::LoadState(opt, master, exp_avg, exp_avg_sq, completed_step, adam_step);
-  });
 }
 
 int32_t offload_load_begin(OffloadOptimizer* opt, int32_t with_counters, uint64_t completed_step,

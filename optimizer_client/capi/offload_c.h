@@ -136,19 +136,14 @@ uint64_t offload_partition_length(const OffloadOptimizer* opt);
 /* "shm", "grpc, shm", "inprocess": the data plane of each shard, duplicates folded. */
 const char* offload_transport_names(const OffloadOptimizer* opt);
 
-/* State (rank 0 loads for everyone). master, exp_avg, exp_avg_sq (padded_length,) fp32; exp_avg
- * and exp_avg_sq may be null together (a fresh start: zero moments and counters). With moments,
- * completed_step and adam_step set the shards' counters. Every value is checked before any shard
- * applies the load, so a refused load changes no shard. */
-int32_t offload_load_state(OffloadOptimizer* opt, const float* master, const float* exp_avg,
-                           const float* exp_avg_sq, uint64_t completed_step, uint64_t adam_step);
-/* The same load streamed in chunks, so the caller never holds the state: offload_load_begin, then
- * offload_load_chunk for the tensors' ranges in any order and sizes, then offload_load_finish;
- * the shards apply nothing before it. with_counters: completed_step and adam_step set the shards'
- * counters (else they keep theirs). Elements of a tensor no chunk covers keep their values; a
- * fresh start sends master weights only, and the moments stay zero. A chunk that is refused (a
- * value not finite, a negative exp_avg_sq, a range outside the flat space) ends the load with
- * nothing applied, as offload_load_abort does. */
+/* State (rank 0 loads for everyone), streamed in chunks so the caller never holds it:
+ * offload_load_begin, then offload_load_chunk for ranges of the tensors (OFFLOAD_MASTER, ...)
+ * inside [0, num_params) in any order and sizes, then offload_load_finish; the shards apply
+ * nothing before it. with_counters: completed_step and adam_step set the shards' counters (else
+ * they keep theirs). Elements of a tensor no chunk covers keep their values (a fresh start sends
+ * master weights only: the moments stay zero); the padding after num_params loads as zeros by
+ * itself. A chunk that is refused (a value not finite, a negative exp_avg_sq, a range outside the
+ * parameters) ends the load with nothing applied, as offload_load_abort does. */
 int32_t offload_load_begin(OffloadOptimizer* opt, int32_t with_counters, uint64_t completed_step,
                            uint64_t adam_step);
 int32_t offload_load_chunk(OffloadOptimizer* opt, int32_t tensor, uint64_t offset, uint64_t n,

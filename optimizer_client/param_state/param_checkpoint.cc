@@ -166,7 +166,7 @@ int64_t NamedParam::numel() const {
   return n;
 }
 
-absl::Status CheckNamedParams(const std::vector<NamedParam>& params, int64_t padded_length) {
+absl::Status CheckNamedParams(const std::vector<NamedParam>& params, int64_t num_params) {
   std::set<std::string> names;
   std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end)
   for (size_t i = 0; i < params.size(); ++i) {
@@ -182,10 +182,10 @@ absl::Status CheckNamedParams(const std::vector<NamedParam>& params, int64_t pad
       }
     }
     const int64_t n = p.numel();
-    if (p.offset < 0 || p.offset > padded_length || n > padded_length - p.offset) {
+    if (p.offset < 0 || p.offset > num_params || n > num_params - p.offset) {
       return absl::InvalidArgumentError(
           absl::StrCat("parameter '", p.name, "' at [", p.offset, ", ", p.offset + n,
-                       ") is outside the flat space of ", padded_length, " elements"));
+                       ") is outside the flat space of ", num_params, " parameters"));
     }
     ranges.push_back({p.offset, p.offset + n});
   }
@@ -204,7 +204,7 @@ absl::StatusOr<std::string> SaveParamState(const std::string& root,
                                            const ParamStateInfo& info, OptimizerBackend* backend,
                                            int keep) {
   OFFLOAD_RETURN_IF_ERROR(
-      CheckNamedParams(params, static_cast<int64_t>(backend->partition().padded_length())));
+      CheckNamedParams(params, static_cast<int64_t>(backend->partition().num_params())));
   if (keep < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("keep is ", keep, "; at least 1 checkpoint must stay"));
@@ -322,11 +322,17 @@ absl::Status CheckParamState(const std::string& dir, const std::vector<NamedPara
 
 absl::StatusOr<v1::ParamStateManifest> LoadParamState(const std::string& dir,
                                                       const std::vector<NamedParam>& params,
+                                                      DType param_dtype,
                                                       OptimizerBackend* backend) {
-  const int64_t padded = static_cast<int64_t>(backend->partition().padded_length());
-  OFFLOAD_RETURN_IF_ERROR(CheckNamedParams(params, padded));
+  const int64_t num_params = static_cast<int64_t>(backend->partition().num_params());
+  OFFLOAD_RETURN_IF_ERROR(CheckNamedParams(params, num_params));
   OFFLOAD_ASSIGN_OR_RETURN(v1::ParamStateManifest m, ReadParamStateManifest(dir));
   OFFLOAD_RETURN_IF_ERROR(MatchParams(dir, m, params));
+  if (m.param_dtype() != DTypeToProto(param_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint ", dir, " is of ", v1::DType_Name(m.param_dtype()),
+                     " weights, this job's are ", DTypeName(param_dtype)));
+  }
 
   const StepCounters counters{m.step(), m.adam_step()};
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<JobStateLoad> load,
@@ -335,12 +341,12 @@ absl::StatusOr<v1::ParamStateManifest> LoadParamState(const std::string& dir,
     OFFLOAD_RETURN_IF_ERROR(StreamStateFile(absl::StrCat(dir, "/", f.file()), f.tensor(),
                                             f.digest(), params, load.get()));
   }
-  // What no parameter covers (the padding, gaps) starts from zero in every tensor.
+  // What no parameter covers starts from zero in every tensor (the padding: Finish's).
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (const NamedParam& p : params) ranges.push_back({p.offset, p.offset + p.numel()});
   std::sort(ranges.begin(), ranges.end());
   int64_t next = 0;
-  ranges.push_back({padded, padded});
+  ranges.push_back({num_params, num_params});
   for (const auto& [lo, hi] : ranges) {
     if (lo > next) {
       for (const StateTensorName& spec : kStateTensorNames) {

@@ -47,8 +47,8 @@ struct ParamStateInfo {
 };
 
 // InvalidArgument unless the names are non-empty and distinct, the shapes non-negative, and the
-// ranges lie inside [0, padded_length) without overlapping.
-absl::Status CheckNamedParams(const std::vector<NamedParam>& params, int64_t padded_length);
+// ranges lie inside [0, num_params) without overlapping.
+absl::Status CheckNamedParams(const std::vector<NamedParam>& params, int64_t num_params);
 
 // Writes the servers' state of `params` as a new checkpoint under root (step dir named by
 // info.counters.completed_step), keeping the `keep` newest. Returns the committed directory.
@@ -77,13 +77,13 @@ absl::Status CheckParamState(const std::string& dir, const std::vector<NamedPara
 // Loads the checkpoint in `dir` onto the backend's job (rank 0's work), its step counters too.
 // Refused before anything streams (InvalidArgument, naming the first parameter in `params`' order
 // that the checkpoint lacks or holds with another shape, or a parameter it has that `params`
-// lacks): a checkpoint of another model. Refused with DataLoss naming the file when a file is
-// cut short, altered (its CRC-32), or disagrees with the manifest. In every refusal no server
-// changes. Elements of the flat space no parameter covers (the padding) load as zeros. Returns
-// the manifest.
+// lacks): a checkpoint of another model; and one of other 16-bit weights than param_dtype. Refused
+// with DataLoss naming the file when a file is cut short, altered (its CRC-32), or disagrees with
+// the manifest. In every refusal no server changes. Elements of the flat space no parameter covers
+// (the padding) load as zeros. Returns the manifest.
 absl::StatusOr<v1::ParamStateManifest> LoadParamState(const std::string& dir,
                                                       const std::vector<NamedParam>& params,
-                                                      OptimizerBackend* backend);
+                                                      DType param_dtype, OptimizerBackend* backend);
 
 }  // namespace offload
 

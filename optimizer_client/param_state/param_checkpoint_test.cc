@@ -66,8 +66,6 @@ void FillState(OptimizerBackend* backend, int64_t num_params) {
       if (t == v1::STATE_TENSOR_EXP_AVG_SQ) x = x * x;
     }
     ASSERT_TRUE((*load)->Add(t, 0, v.data(), num_params).ok());
-    const int64_t pad = static_cast<int64_t>(backend->partition().padded_length()) - num_params;
-    ASSERT_TRUE((*load)->AddZeros(t, num_params, pad).ok());
   }
   ASSERT_TRUE((*load)->Finish().ok());
 }
@@ -111,7 +109,8 @@ TEST_F(ParamCheckpointTest, SavedOnTwoShardsLoadsOntoThreeAndOneAndOtherRanks) {
   for (auto [world, shards] : {std::pair{1, 3}, std::pair{1, 1}, std::pair{2, 3}}) {
     SCOPED_TRACE(absl::StrCat(world, " ranks, ", shards, " shards"));
     auto loaded = Job(Map(n, world, shards));
-    absl::StatusOr<v1::ParamStateManifest> m = LoadParamState(*dir, params, loaded.get());
+    absl::StatusOr<v1::ParamStateManifest> m =
+        LoadParamState(*dir, params, DType::kBf16, loaded.get());
     ASSERT_TRUE(m.ok()) << m.status();
     EXPECT_EQ(m->step(), 7u);
     EXPECT_EQ(m->adam_step(), 6u);
@@ -136,7 +135,7 @@ TEST_F(ParamCheckpointTest, ParametersInAnotherOrderLoadByName) {
     offset += p.numel();
   }
   auto loaded = Job(Map(n, 1, 3));
-  ASSERT_TRUE(LoadParamState(*dir, reversed, loaded.get()).ok());
+  ASSERT_TRUE(LoadParamState(*dir, reversed, DType::kBf16, loaded.get()).ok());
   for (v1::StateTensor t : kTensors) {
     const std::vector<float> x = Read(saved.get(), t), y = Read(loaded.get(), t);
     for (size_t i = 0; i < params.size(); ++i) {
@@ -160,13 +159,13 @@ TEST_F(ParamCheckpointTest, ThroughServersOverGrpc) {
   absl::StatusOr<std::string> dir = SaveParamState(Path("ckpt"), params, Info(), remote->get(), 1);
   ASSERT_TRUE(dir.ok()) << dir.status();
   auto in_process = Job(Map(n, 1, 1));
-  ASSERT_TRUE(LoadParamState(*dir, params, in_process.get()).ok());
+  ASSERT_TRUE(LoadParamState(*dir, params, DType::kBf16, in_process.get()).ok());
   ExpectSameState(remote->get(), in_process.get(), n);
   // And back onto the servers, over the current state.
   FillState(in_process.get(), n);
-  ASSERT_TRUE(LoadParamState(*dir, params, remote->get()).ok());
+  ASSERT_TRUE(LoadParamState(*dir, params, DType::kBf16, remote->get()).ok());
   auto again = Job(Map(n, 1, 1));
-  ASSERT_TRUE(LoadParamState(*dir, params, again.get()).ok());
+  ASSERT_TRUE(LoadParamState(*dir, params, DType::kBf16, again.get()).ok());
   ExpectSameState(remote->get(), again.get(), n);
 }
 
@@ -185,7 +184,7 @@ class RefusedLoadTest : public ParamCheckpointTest {
     // The target holds other values than the checkpoint's.
     auto load = JobStateLoad::Begin(target_.get(), nullptr);
     ASSERT_TRUE(load.ok());
-    std::vector<float> v(target_->partition().padded_length(), 0.5f);
+    std::vector<float> v(n_, 0.5f);
     for (v1::StateTensor t : kTensors) ASSERT_TRUE((*load)->Add(t, 0, v.data(), v.size()).ok());
     ASSERT_TRUE((*load)->Finish().ok());
     for (v1::StateTensor t : kTensors) before_.push_back(Read(target_.get(), t));
@@ -205,19 +204,20 @@ class RefusedLoadTest : public ParamCheckpointTest {
 TEST_F(RefusedLoadTest, AnotherModelNamesTheFirstParameterThatDiffers) {
   std::vector<NamedParam> renamed = params_;
   renamed[1].name = "fc.kernel";
-  absl::StatusOr<v1::ParamStateManifest> m = LoadParamState(dir_, renamed, target_.get());
+  absl::StatusOr<v1::ParamStateManifest> m =
+      LoadParamState(dir_, renamed, DType::kBf16, target_.get());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(m.status().message().find("no parameter 'fc.kernel'"), std::string::npos) << m.status();
 
   std::vector<NamedParam> reshaped = params_;
   reshaped[0].shape = {24, 37};
-  m = LoadParamState(dir_, reshaped, target_.get());
+  m = LoadParamState(dir_, reshaped, DType::kBf16, target_.get());
   EXPECT_NE(m.status().message().find("'emb.weight' has shape [37, 24] there but [24, 37] here"),
             std::string::npos)
       << m.status();
 
   std::vector<NamedParam> fewer = {params_[0], params_[1]};
-  m = LoadParamState(dir_, fewer, target_.get());
+  m = LoadParamState(dir_, fewer, DType::kBf16, target_.get());
   EXPECT_NE(m.status().message().find("'fc.bias' of shape [53] that this model lacks"),
             std::string::npos)
       << m.status();
@@ -228,7 +228,8 @@ TEST_F(RefusedLoadTest, ATruncatedFileIsRefusedNamingIt) {
   const std::string path = dir_ + "/exp_avg.safetensors";
   const std::string bytes = ReadBytes(path);
   WriteBytes(path, bytes.substr(0, bytes.size() - 100));
-  absl::StatusOr<v1::ParamStateManifest> m = LoadParamState(dir_, params_, target_.get());
+  absl::StatusOr<v1::ParamStateManifest> m =
+      LoadParamState(dir_, params_, DType::kBf16, target_.get());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
   EXPECT_NE(m.status().message().find(path), std::string::npos) << m.status();
   ExpectUnchanged();
@@ -240,7 +241,8 @@ TEST_F(RefusedLoadTest, AnAlteredByteIsRefusedByItsCrc) {
   std::string bytes = ReadBytes(path);
   bytes[bytes.size() - 3] ^= 0x01;  // a value's low mantissa bit: still finite, still >= 0
   WriteBytes(path, bytes);
-  absl::StatusOr<v1::ParamStateManifest> m = LoadParamState(dir_, params_, target_.get());
+  absl::StatusOr<v1::ParamStateManifest> m =
+      LoadParamState(dir_, params_, DType::kBf16, target_.get());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
   EXPECT_NE(m.status().message().find("CRC-32"), std::string::npos) << m.status();
   EXPECT_NE(m.status().message().find(path), std::string::npos) << m.status();

@@ -127,7 +127,6 @@ def lib() -> ctypes.CDLL:
         "offload_partition_offset": (u64, [P]),
         "offload_partition_length": (u64, [P]),
         "offload_transport_names": (ctypes.c_char_p, [P]),
-        "offload_load_state": (i32, [P, P, P, P, u64, u64]),
         "offload_read_state": (i32, [P, i32, u64, u64, P]),
         "offload_load_begin": (i32, [P, i32, u64, u64]),
         "offload_load_chunk": (i32, [P, i32, u64, u64, P]),

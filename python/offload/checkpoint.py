@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from offload import _lib
 from offload._lib import check
 
-__all__ = ["Manifest", "find", "parse_manifest", "read_safetensors", "load_into_torch"]
+__all__ = ["Manifest", "find", "find_manifest", "parse_manifest", "read_manifest",
+           "read_safetensors", "load_into_torch"]
 
 _DTYPE_NAMES = {"DTYPE_BF16": "bfloat16", "DTYPE_FP16": "float16"}
 
@@ -68,10 +69,16 @@ def parse_manifest(text: str, directory: str) -> Manifest:
         params=[(p["name"], [int(d) for d in p.get("shape", [])]) for p in m.get("params", [])])
 
 
-def read_manifest(path: str) -> Manifest:
+def find_manifest(path: str) -> Tuple[str, str]:
+    """The checkpoint directory ``path`` names, and its manifest.json's text."""
     directory = find(path)
     with open(os.path.join(directory, "manifest.json")) as f:
-        return parse_manifest(f.read(), directory)
+        return directory, f.read()
+
+
+def read_manifest(path: str) -> Manifest:
+    directory, text = find_manifest(path)
+    return parse_manifest(text, directory)
 
 
 def read_safetensors(path: str, names: Optional[List[str]] = None) -> Dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from offload import _lib
+from offload import checkpoint as ckpt
 from offload._lib import OffloadError, check
 from offload.grad_hooks import BucketReducer, GradientHooks, HostCopies, Piece, StagingRing
 from offload.server import LocalServer
@@ -291,12 +292,9 @@ class AdamW(torch.optim.Optimizer):
         self._agree(rc, L.offload_last_error().decode("utf-8", "replace") if rc else "",
                     "starting the load of the master weights")
         try:
-            where = {}  # flat index -> (group, position) in param_groups
-            i = 0
-            for gi, g in enumerate(self.param_groups):
-                for pj in range(len(g["params"])):
-                    where[i] = (gi, pj)
-                    i += 1
+            # flat index -> (group, position) in param_groups
+            where = [(gi, pj) for gi, g in enumerate(self.param_groups)
+                     for pj in range(len(g["params"]))]
             done = [False] * len(self._params)
             source = (values(list(self._params)) if values is not None else
                       ((k, p) for k, p in enumerate(self._params)))
@@ -312,14 +310,7 @@ class AdamW(torch.optim.Optimizer):
             missing = [k for k, d in enumerate(done) if not d]
             if missing:
                 raise RuntimeError(f"parameters {missing[:8]} got no values")
-            pad = self.padded_length - self.num_params
-            if pad:
-                self._flat16[self.num_params:].zero_()
-                if loading:
-                    zeros = torch.zeros(min(pad, _CHUNK), dtype=torch.float32)
-                    for a in range(self.num_params, self.padded_length, _CHUNK):
-                        n = min(_CHUNK, self.padded_length - a)
-                        check(L.offload_load_chunk(self._handle, _lib.MASTER, a, n, _ptr(zeros)))
+            self._flat16[self.num_params:].zero_()  # the padding: the servers' is zero too
             rc = L.offload_load_finish(self._handle) if loading else 0
             error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
         except BaseException:
@@ -509,14 +500,8 @@ class AdamW(torch.optim.Optimizer):
             elif self._ring is not None:
                 self._ring.put(off, grad)
             else:
-                n = grad.numel()
-                L = _lib.lib()
-                ptr = L.offload_gradient_buffer(self._handle, off, n)
-                if not ptr:
-                    check(13)
-                _host_view(ptr, n, self.dtype).copy_(grad.detach().reshape(-1))
-                self._pending.append((off, n, ptr))
-                self._pending_elements += n
+                self._place(off, grad.numel()).copy_(grad.detach().reshape(-1))
+                self._pending_elements += grad.numel()
                 if self._pending_elements >= self.bucket_elements:
                     self._flush()
             if not self.keep_grads:
@@ -524,15 +509,18 @@ class AdamW(torch.optim.Optimizer):
 
     def _hand_over(self, pieces: List[Piece]) -> None:
         """A staging slot whose copies have landed: into the library's place, then ready."""
-        L = _lib.lib()
         for off, src in pieces:
-            n = src.numel()
-            ptr = L.offload_gradient_buffer(self._handle, off, n)
-            if not ptr:
-                check(13)
-            _host_view(ptr, n, self.dtype).copy_(src)
-            self._pending.append((off, n, ptr))
+            self._place(off, src.numel()).copy_(src)
         self._flush()
+
+    def _place(self, off: int, n: int) -> torch.Tensor:
+        """(n,) host view of where flat [off, off + n)'s 16-bit gradients go (the shared-memory
+        segment, or the library's buffer), queued for the next _flush."""
+        ptr = _lib.lib().offload_gradient_buffer(self._handle, off, n)
+        if not ptr:
+            check(13)
+        self._pending.append((off, n, ptr))
+        return _host_view(ptr, n, self.dtype)
 
     def _all_reduce(self, flat: torch.Tensor) -> Any:
         import torch.distributed as dist
@@ -561,17 +549,12 @@ class AdamW(torch.optim.Optimizer):
 
     def _fill_missing(self) -> None:
         """Zeros for parameters backward gave no gradient this step, and for the padding."""
-        L = _lib.lib()
         missing = [(self._offsets[i], self._params[i].numel())
                    for i, sent in enumerate(self._sent) if not sent]
         if self.padded_length > self.num_params:
             missing.append((self.num_params, self.padded_length - self.num_params))
         for off, n in missing:
-            ptr = L.offload_gradient_buffer(self._handle, off, n)
-            if not ptr:
-                check(13)
-            _host_view(ptr, n, self.dtype).zero_()
-            self._pending.append((off, n, ptr))
+            self._place(off, n).zero_()
         for i in range(len(self._sent)):
             self._sent[i] = True
         self._flush()
@@ -913,12 +896,6 @@ class AdamW(torch.optim.Optimizer):
                         return rc
                     t = state[i][name].detach().reshape(-1).to("cpu").contiguous()
                     rc = L.offload_load_chunk(self._handle, tensor, off, t.numel(), _ptr(t))
-            pad = self.padded_length - self.num_params
-            if pad and not rc:
-                zeros = torch.zeros(pad, dtype=torch.float32)
-                for tensor in tensors:
-                    rc = rc or L.offload_load_chunk(self._handle, tensor, self.num_params, pad,
-                                                    _ptr(zeros))
             return rc or L.offload_load_finish(self._handle)
 
         self._load_with_scaler((meta["loss_scale"], meta["clean_steps"], meta["skipped_steps"]),
@@ -1011,14 +988,11 @@ class AdamW(torch.optim.Optimizer):
         missing, extra, or of another shape: the first is named), a file cut short or altered
         (named), or other fixed hyper-parameters are refused, and then nothing changes. Every
         rank calls it. Returns the checkpoint's directory."""
-        from offload import checkpoint as ckpt
         names = self._param_names(model)
         found: List[Any] = [None, None, None]  # directory, manifest text, error
         if self._rank == 0:
             try:
-                found[0] = ckpt.find(path)
-                with open(os.path.join(found[0], "manifest.json")) as f:
-                    found[1] = f.read()
+                found[0], found[1] = ckpt.find_manifest(path)
             except (OSError, OffloadError) as e:
                 found[2] = str(e)
         if self._world > 1:
