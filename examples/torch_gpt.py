@@ -105,7 +105,13 @@ def main() -> None:
                     "parameters under bf16 autocast on CUDA, fused there)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--channels", type=int, default=128)
+    ap.add_argument("--micro_batches", type=int, default=1,
+                    help="backward() calls per step, each on batch / micro_batches sequences")
+    ap.add_argument("--delay_update", action="store_true",
+                    help="offload: the delayed parameter update (after 20 ordinary steps)")
     args = ap.parse_args()
+    if args.micro_batches < 1 or args.batch % args.micro_batches:
+        ap.error(f"--batch {args.batch} does not split into {args.micro_batches} micro-batches")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
     torch.manual_seed(0)
@@ -133,7 +139,8 @@ def main() -> None:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     if args.optimizer == "offload":
         opt = offload.torch.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), dtype=dtype,
-                                  servers=servers, max_grad_norm=1.0)
+                                  servers=servers, max_grad_norm=1.0,
+                                  delay_update=args.delay_update)
         where = f"{opt.transport} ({'local server' if servers is None else servers})"
     else:
         extra = {"fused": True} if device.type == "cuda" and torch.__version__ >= "2" else {}
@@ -160,20 +167,26 @@ def main() -> None:
         t = time.perf_counter()
         x, y = batch(train, g)
         opt.zero_grad()
-        with autocast:
-            logits = forward(x)
-        loss = F.cross_entropy(logits.float().view(-1, 256), y.view(-1))
-        if args.optimizer == "offload":
-            opt.backward(loss)  # loss.backward() at the loss scale (1 for bf16)
-        else:
-            loss.backward()
+        value = 0.0
+        for xm, ym in zip(x.chunk(args.micro_batches), y.chunk(args.micro_batches)):
+            with autocast:
+                logits = forward(xm)
+            # The mean over the micro-batches: the optimizer sums their gradients, as torch does.
+            loss = F.cross_entropy(logits.float().view(-1, 256), ym.view(-1)) / args.micro_batches
+            if args.optimizer == "offload":
+                opt.backward(loss)  # loss.backward() at the loss scale (1 for bf16)
+            else:
+                loss.backward()
+            value += loss.item()  # waits for the GPU: the step's time is its own
+        if args.optimizer == "torch":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        value = loss.item()  # waits for the GPU: the step's time is its own
         step_times.append(time.perf_counter() - t)
         progress(step, args.steps, value, step * args.batch * args.seq / (time.time() - start))
     print()
+    if args.optimizer == "offload":
+        opt.flush()  # the delayed update in flight, into the model
     with torch.no_grad():
         gv = torch.Generator().manual_seed(2)
         losses = [F.cross_entropy(forward(x).float().view(-1, 256), y.view(-1)).item()
@@ -182,7 +195,8 @@ def main() -> None:
         print(f"val loss {val_loss:.4f}")
         timed = sorted(step_times[len(step_times) // 4:]) or [0.0]  # past the warm-up
         print(f"torch_gpt optimizer={args.optimizer} device={device.type} params={n_params} "
-              f"batch={args.batch}x{args.seq} dtype={args.dtype} "
+              f"batch={args.batch}x{args.seq} micro_batches={args.micro_batches} "
+              f"dpu={int(args.delay_update)} dtype={args.dtype} "
               f"step_s={timed[len(timed) // 2]:.4f} val_loss={val_loss:.4f}")
         idx = data[:args.seq // 2].view(1, -1).to(device)
         for _ in range(args.sample):

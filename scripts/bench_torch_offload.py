@@ -8,7 +8,9 @@ is timed three ways on the same batches:
           cpu_optimizer_server over shared memory), gradients leaving during backward;
   bare    the same flat space committed through the C library alone (begin, the whole partition's
           gradients, commit), as the C++ trainer drives its optimizer backend: what the front end
-          adds is offload's step minus (its forward+backward without hooks + bare).
+          adds is offload's step minus (its forward+backward without hooks + bare);
+  delayed offload with delay_update=True (no warm-up): the time step() waits after backward,
+          and the whole step, against the synchronous step's.
 It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
 
     PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
@@ -90,19 +92,20 @@ def main() -> None:
     def fwd_bwd():
         opt.zero_grad()
         opt.backward(loss_of(model))
-    opt_times = []
-    step_times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        fwd_bwd()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        if i >= args.warmup:
-            step_times.append(t2 - t0)
-            opt_times.append(t2 - t1)
-    offload_step_s = statistics.median(step_times)
-    offload_opt_s = statistics.median(opt_times)
+    def offload_steps():
+        """(whole step, step() alone): medians of --steps steps after --warmup."""
+        opt_times, step_times = [], []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            fwd_bwd()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                step_times.append(t2 - t0)
+                opt_times.append(t2 - t1)
+        return statistics.median(step_times), statistics.median(opt_times)
+    offload_step_s, offload_opt_s = offload_steps()
     transport = opt.transport
 
     # The same forward and backward without the optimizer's hooks, for the front end's share.
@@ -118,7 +121,7 @@ def main() -> None:
     L = _lib.lib()
     h = opt._handle
     host = torch.zeros(opt.padded_length, dtype=torch.bfloat16)
-    lrs = (ctypes.c_float * 1)(1e-4)
+    lrs = (ctypes.c_double * 1)(1e-4)
     report = _lib.StepReport()
 
     def bare():
@@ -132,12 +135,23 @@ def main() -> None:
     bare_s = timed(bare, args.steps, args.warmup)
     opt.close()
 
+    # delayed: the same with delay_update (the paper's DPU, no warm-up): step() returns once the
+    # commit has left, which then overlaps the next forward and backward's start.
+    model = copy.deepcopy(base)
+    opt = otorch.AdamW(model.parameters(), lr=1e-4, delay_update=True, delay_warmup_steps=0)
+    delayed_step_s, delayed_opt_s = offload_steps()
+    opt.close()
+
     print(f"torch_offload model=gpt params={n} layers={args.layers} channels={args.channels} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} plane={transport}")
     print(f"optimizer step  torch_foreach_fp32_s={torch_opt_s:.4f} offload_step_s={offload_opt_s:.4f}"
           f" speedup={torch_opt_s / offload_opt_s:.2f}x (target >= 10x)")
     print(f"whole step      torch_fp32_s={torch_step_s:.4f} offload_bf16_s={offload_step_s:.4f}"
           f" speedup={torch_step_s / offload_step_s:.2f}x")
+    print(f"step() wait     sync_s={offload_opt_s:.4f} delayed_s={delayed_opt_s:.4f} "
+          f"whole_step_delayed_s={delayed_step_s:.4f} whole_step_sync_s={offload_step_s:.4f} "
+          f"delayed_vs_sync={offload_step_s / delayed_step_s:.2f}x "
+          f"delayed_vs_torch={torch_step_s / delayed_step_s:.2f}x")
     print(f"front end       offload_step_s={offload_step_s:.4f} fwd_bwd_bf16_s={plain_s:.4f} "
           f"bare_commit_s={bare_s:.4f} cost={offload_step_s / (plain_s + bare_s):.3f}x of "
           "fwd+bwd+bare (target <= 1.2x)")

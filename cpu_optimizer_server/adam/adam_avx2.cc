@@ -55,6 +55,7 @@ struct Avx2Traits {
   }
 
   static V Add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V Sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V Div(V a, V b) { return _mm256_div_ps(a, b); }
   static V Sqrt(V a) { return _mm256_sqrt_ps(a); }

@@ -52,6 +52,7 @@ struct Avx512Traits {
   }
 
   static V Add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V Div(V a, V b) { return _mm512_div_ps(a, b); }
   static V Sqrt(V a) { return _mm512_sqrt_ps(a); }

@@ -367,52 +367,67 @@ TEST_P(SimdVsScalarTest, SimdEqualsScalarReferenceBitForBit) {
   const AdamKernelFn scalar = GetAdamKernel(SimdPath::kScalar);
   const uint64_t seed = std::random_device{}();
   std::mt19937_64 rng(seed);
-  for (int64_t n : {1, 7, 15, 17, 31, 33, 1000003}) {
-    for (DType grad_dtype : {DType::kFp32, DType::kFp16, DType::kBf16}) {
-      for (const Config& cfg : kConfigs) {
-        for (DType out_dtype : {DType::kFp16, DType::kBf16}) {
-          // The large span (vector body at scale) only for the pairings the trainer uses.
-          if (n > 100000 && ((out_dtype == DType::kBf16) != (grad_dtype == DType::kBf16) ||
-                             !cfg.bias_correction || cfg.weight_decay == 0.0f)) {
-            continue;
-          }
-          SCOPED_TRACE(testing::Message()
-                       << "seed=" << seed << " n=" << n << " grad=" << DTypeName(grad_dtype)
-                       << " out=" << DTypeName(out_dtype) << " " << ConfigName(cfg));
-          Problem a(n, 1, grad_dtype, true, out_dtype);
-          FillState(a, rng);
-          AdamHyperParams hp;
-          hp.adamw = cfg.adamw;
-          hp.weight_decay = cfg.weight_decay;
-          hp.bias_correction = cfg.bias_correction;
-          for (int t = 1; t <= (n > 100000 ? 3 : 5); ++t) {
-            FillGrads(a, rng, 0.1);
-            InjectEdgeValues(a, rng);
-            Problem b = a;
-            const AdamStepScalars s = ComputeAdamStepScalars(hp, hp.lr, t, 0.5f);
-            scalar(s, a.Span());
-            kernel_(s, b.Span());
-            ASSERT_TRUE(b.GuardsIntact());
-            for (int64_t i = 0; i < n; ++i) {
-              // NaN sign and payload are not part of the contract (they depend on operand order
-              // inside the compiler's code, e.g. at -O0), so two NaN weights may differ in out16.
-              const bool same_out =
-                  a.out[i] == b.out[i] || (std::isnan(a.param[i]) && std::isnan(b.param[i]));
-              // The one-pass property on the SIMD path: its out16 is dtype.h's conversion of its
-              // own fp32 result, bit for bit, NaN included.
-              const uint16_t want_out =
-                  out_dtype == DType::kBf16 ? FloatToBf16(b.param[i]) : FloatToFp16(b.param[i]);
-              if (SameFloat(a.param[i], b.param[i]) && SameFloat(a.exp_avg[i], b.exp_avg[i]) &&
-                  SameFloat(a.exp_avg_sq[i], b.exp_avg_sq[i]) && same_out && b.out[i] == want_out) {
-                continue;
+  // Both forms, and both branches of torch's lerp (weight 1 - beta1 below and above 0.5).
+  struct Form {
+    AdamForm form;
+    double beta1;
+  };
+  const Form kForms[] = {
+      {AdamForm::kTorch113, 0.9}, {AdamForm::kLerp, 0.9}, {AdamForm::kLerp, 0.3}};
+  for (const Form& form : kForms) {
+    for (int64_t n : {1, 7, 15, 17, 31, 33, 1000003}) {
+      for (DType grad_dtype : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+        for (const Config& cfg : kConfigs) {
+          for (DType out_dtype : {DType::kFp16, DType::kBf16}) {
+            // The large span (vector body at scale) only for the pairings the trainer uses.
+            if (n > 100000 && ((out_dtype == DType::kBf16) != (grad_dtype == DType::kBf16) ||
+                               !cfg.bias_correction || cfg.weight_decay == 0.0f)) {
+              continue;
+            }
+            SCOPED_TRACE(testing::Message()
+                         << "seed=" << seed << " n=" << n << " grad=" << DTypeName(grad_dtype)
+                         << " out=" << DTypeName(out_dtype) << " " << ConfigName(cfg)
+                         << " form=" << static_cast<int>(form.form) << " beta1=" << form.beta1);
+            Problem a(n, 1, grad_dtype, true, out_dtype);
+            FillState(a, rng);
+            AdamHyperParams hp;
+            hp.adamw = cfg.adamw;
+            hp.weight_decay = cfg.weight_decay;
+            hp.bias_correction = cfg.bias_correction;
+            hp.form = form.form;
+            hp.beta1 = form.beta1;
+            for (int t = 1; t <= (n > 100000 ? 3 : 5); ++t) {
+              FillGrads(a, rng, 0.1);
+              InjectEdgeValues(a, rng);
+              Problem b = a;
+              const AdamStepScalars s = ComputeAdamStepScalars(hp, hp.lr, t, 0.5f);
+              scalar(s, a.Span());
+              kernel_(s, b.Span());
+              ASSERT_TRUE(b.GuardsIntact());
+              for (int64_t i = 0; i < n; ++i) {
+                // NaN sign and payload are not part of the contract (they depend on operand order
+                // inside the compiler's code, e.g. at -O0), so two NaN weights may differ in out16.
+                const bool same_out =
+                    a.out[i] == b.out[i] || (std::isnan(a.param[i]) && std::isnan(b.param[i]));
+                // The one-pass property on the SIMD path: its out16 is dtype.h's conversion of its
+                // own fp32 result, bit for bit, NaN included.
+                const uint16_t want_out =
+                    out_dtype == DType::kBf16 ? FloatToBf16(b.param[i]) : FloatToFp16(b.param[i]);
+                if (SameFloat(a.param[i], b.param[i]) && SameFloat(a.exp_avg[i], b.exp_avg[i]) &&
+                    SameFloat(a.exp_avg_sq[i], b.exp_avg_sq[i]) && same_out &&
+                    b.out[i] == want_out) {
+                  continue;
+                }
+                ASSERT_TRUE(SameFloat(a.param[i], b.param[i]))
+                    << "param[" << i << "] step " << t << ": " << a.param[i] << " vs "
+                    << b.param[i];
+                ASSERT_TRUE(SameFloat(a.exp_avg[i], b.exp_avg[i])) << "exp_avg[" << i << "]";
+                ASSERT_TRUE(SameFloat(a.exp_avg_sq[i], b.exp_avg_sq[i]))
+                    << "exp_avg_sq[" << i << "]";
+                ASSERT_TRUE(same_out)
+                    << "out[" << i << "] step " << t << ": " << a.out[i] << " vs " << b.out[i];
+                ASSERT_EQ(b.out[i], want_out) << "out[" << i << "] is not dtype.h's conversion";
               }
-              ASSERT_TRUE(SameFloat(a.param[i], b.param[i]))
-                  << "param[" << i << "] step " << t << ": " << a.param[i] << " vs " << b.param[i];
-              ASSERT_TRUE(SameFloat(a.exp_avg[i], b.exp_avg[i])) << "exp_avg[" << i << "]";
-              ASSERT_TRUE(SameFloat(a.exp_avg_sq[i], b.exp_avg_sq[i])) << "exp_avg_sq[" << i << "]";
-              ASSERT_TRUE(same_out)
-                  << "out[" << i << "] step " << t << ": " << a.out[i] << " vs " << b.out[i];
-              ASSERT_EQ(b.out[i], want_out) << "out[" << i << "] is not dtype.h's conversion";
             }
           }
         }
@@ -545,9 +560,9 @@ TEST(AdamStepScalarsTest, MatchTorchPythonFloatArithmetic) {
     const AdamStepScalars s = ComputeAdamStepScalars(hp, 2e-3f, t, 0.125f);
     const double b1 = hp.beta1, b2 = hp.beta2, lr = 2e-3f;
     EXPECT_EQ(s.grad_multiplier, 0.125f);
-    EXPECT_EQ(s.beta1, hp.beta1);
-    EXPECT_EQ(s.beta2, hp.beta2);
-    EXPECT_EQ(s.eps, hp.eps);
+    EXPECT_EQ(s.beta1, static_cast<float>(hp.beta1));
+    EXPECT_EQ(s.beta2, static_cast<float>(hp.beta2));
+    EXPECT_EQ(s.eps, static_cast<float>(hp.eps));
     EXPECT_EQ(s.one_minus_beta1, static_cast<float>(1.0 - b1));
     EXPECT_EQ(s.one_minus_beta2, static_cast<float>(1.0 - b2));
     EXPECT_EQ(s.l2_weight_decay, 0.0f);
@@ -555,8 +570,7 @@ TEST(AdamStepScalarsTest, MatchTorchPythonFloatArithmetic) {
     EXPECT_EQ(s.step_size, static_cast<float>(lr / (1.0 - std::pow(b1, t))));
     EXPECT_EQ(s.bias_correction2_sqrt, static_cast<float>(std::sqrt(1.0 - std::pow(b2, t))));
   }
-  // The numbers themselves, from the closed forms (t = 1: step = lr / 0.1, sqrt(1 - 0.999)),
-  // within what the fp32 hyper-parameters allow (0.999f is 0.99900001287...).
+  // The numbers themselves, from the closed forms (t = 1: step = lr / 0.1, sqrt(1 - 0.999)).
   const AdamStepScalars s1 = ComputeAdamStepScalars(hp, 1e-3f, 1, 1.0f);
   EXPECT_NEAR(s1.step_size, 1e-2, 1e-8);
   EXPECT_NEAR(s1.bias_correction2_sqrt, 0.0316227766, 3e-7);
@@ -604,6 +618,7 @@ TEST(SimdPathTest, ParseAndSupport) {
 // --- torch fixtures (testdata/make_adam_fixtures.py) ---
 
 struct TorchStep {
+  double lr = 0;                                        // 0: the case's lr
   std::vector<float> grad, param, exp_avg, exp_avg_sq;  // (n,) each; state after the step
 };
 
@@ -625,9 +640,54 @@ std::vector<float> HexFloats(const std::vector<absl::string_view>& tokens) {
   return out;
 }
 
-std::vector<TorchCase> LoadTorchFixtures(std::string* error) {
-  const std::string path = std::string(OFFLOAD_SOURCE_DIR) +
-                           "/cpu_optimizer_server/adam/testdata/adam_torch_fixtures.txt";
+// A hyper-parameter: an fp32 bit pattern (8 hex digits, adam_torch_fixtures.txt) or an fp64 one
+// (16 digits: the Python double torch was given).
+double HexParam(absl::string_view hex) {
+  if (hex.size() <= 8) return HexFloat(hex);
+  const uint64_t bits = std::strtoull(std::string(hex).c_str(), nullptr, 16);
+  double d;
+  std::memcpy(&d, &bits, sizeof(d));
+  return d;
+}
+
+// Sets hp's field from a key=value token; false if the key is not a hyper-parameter.
+bool ParseHyperParam(absl::string_view key, absl::string_view value, AdamHyperParams& hp) {
+  if (key == "adamw") {
+    hp.adamw = value == "1";
+  } else if (key == "form") {
+    hp.form = value == "1" ? AdamForm::kLerp : AdamForm::kTorch113;
+  } else if (key == "lr") {
+    hp.lr = HexParam(value);
+  } else if (key == "beta1") {
+    hp.beta1 = HexParam(value);
+  } else if (key == "beta2") {
+    hp.beta2 = HexParam(value);
+  } else if (key == "eps") {
+    hp.eps = HexParam(value);
+  } else if (key == "weight_decay") {
+    hp.weight_decay = HexParam(value);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+std::string TestdataPath(absl::string_view file) {
+  return std::string(OFFLOAD_SOURCE_DIR) + "/cpu_optimizer_server/adam/testdata/" +
+         std::string(file);
+}
+
+// ComputeAdamStepScalars' expected result for one input, from the fixture script.
+struct ScalarsCase {
+  AdamHyperParams hp;
+  int64_t t = 0;
+  std::vector<float> want;  // beta1 .. bias_correction2_sqrt, in AdamStepScalars order
+};
+
+std::vector<TorchCase> LoadTorchFixtures(std::string* error,
+                                         absl::string_view file = "adam_torch_fixtures.txt",
+                                         std::vector<ScalarsCase>* scalars = nullptr) {
+  const std::string path = TestdataPath(file);
   std::ifstream in(path);
   if (!in) {
     *error = "cannot open " + path;
@@ -643,15 +703,25 @@ std::vector<TorchCase> LoadTorchFixtures(std::string* error) {
       c.name = std::string(tok[1]);
       for (size_t i = 2; i < tok.size(); ++i) {
         const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(tok[i], '=');
-        if (kv.first == "adamw") c.hp.adamw = kv.second == "1";
-        if (kv.first == "lr") c.hp.lr = HexFloat(kv.second);
-        if (kv.first == "beta1") c.hp.beta1 = HexFloat(kv.second);
-        if (kv.first == "beta2") c.hp.beta2 = HexFloat(kv.second);
-        if (kv.first == "eps") c.hp.eps = HexFloat(kv.second);
-        if (kv.first == "weight_decay") c.hp.weight_decay = HexFloat(kv.second);
+        if (ParseHyperParam(kv.first, kv.second, c.hp)) continue;
         if (kv.first == "n") c.n = std::strtoll(std::string(kv.second).c_str(), nullptr, 10);
       }
       cases.push_back(std::move(c));
+    } else if (tok[0] == "scalars") {
+      ScalarsCase sc;
+      for (size_t i = 1; i < tok.size(); ++i) {
+        const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(tok[i], '=');
+        if (ParseHyperParam(kv.first, kv.second, sc.hp)) continue;
+        if (kv.first == "t") sc.t = std::strtoll(std::string(kv.second).c_str(), nullptr, 10);
+        if (kv.first == "want") {
+          for (absl::string_view h : absl::StrSplit(kv.second, ',')) sc.want.push_back(HexFloat(h));
+        }
+      }
+      if (sc.want.size() != 9 || sc.t < 1) {
+        *error = "malformed scalars record: " + line;
+        return {};
+      }
+      if (scalars != nullptr) scalars->push_back(std::move(sc));
     } else if (cases.empty()) {
       *error = "record before the first case: " + line;
       return {};
@@ -659,6 +729,10 @@ std::vector<TorchCase> LoadTorchFixtures(std::string* error) {
       cases.back().param0 = HexFloats(tok);
     } else if (tok[0] == "step") {
       cases.back().steps.emplace_back();
+      for (size_t i = 2; i < tok.size(); ++i) {
+        const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(tok[i], '=');
+        if (kv.first == "lr") cases.back().steps.back().lr = HexParam(kv.second);
+      }
     } else if (tok[0] == "grad") {
       cases.back().steps.back().grad = HexFloats(tok);
     } else if (tok[0] == "param") {
@@ -748,7 +822,81 @@ TEST_P(TorchFixtureTest, MatchesTorchAdamAndAdamW) {
               static_cast<long long>(compared));
 }
 
+// Hyper-parameters as torch's Python doubles, none exact in fp32, and an lr from a LambdaLR
+// schedule that changes every step: torch 1.13's Adam / AdamW themselves (mul_/add_ form), and
+// torch 2.x's lerp_ sequence with an IEEE sqrt (make_adam_fixtures.py --schedule / --lerp).
+// Every path matches every value of both bit for bit, one step at a time and along the whole
+// trajectory: the scalars are torch's own, and the operations are torch's in torch's order.
+TEST_P(TorchFixtureTest, MatchesTorchWithDoubleHyperParamsAndScheduleBitForBit) {
+  for (absl::string_view file :
+       {"adam_torch_schedule_fixtures.txt", "adam_torch_lerp_fixtures.txt"}) {
+    std::string error;
+    const std::vector<TorchCase> cases = LoadTorchFixtures(&error, file);
+    ASSERT_TRUE(error.empty()) << error;
+    ASSERT_GE(cases.size(), 4u) << file;
+    int64_t compared = 0;
+    for (const TorchCase& c : cases) {
+      std::vector<float> p = c.param0, m(c.n, 0.0f), v(c.n, 0.0f);
+      for (size_t k = 0; k < c.steps.size(); ++k) {
+        const TorchStep& ts = c.steps[k];
+        const int64_t t = static_cast<int64_t>(k) + 1;
+        SCOPED_TRACE(testing::Message() << file << " " << c.name << " step " << t);
+        ASSERT_GT(ts.lr, 0.0);
+        const AdamStepScalars s = ComputeAdamStepScalars(c.hp, ts.lr, t, 1.0f);
+        std::vector<float> p1 = k == 0 ? c.param0 : c.steps[k - 1].param;
+        std::vector<float> m1 = k == 0 ? std::vector<float>(c.n, 0.0f) : c.steps[k - 1].exp_avg;
+        std::vector<float> v1 = k == 0 ? std::vector<float>(c.n, 0.0f) : c.steps[k - 1].exp_avg_sq;
+        std::vector<uint16_t> out(c.n);
+        kernel_(s, AdamSpan{ts.grad.data(), DType::kFp32, p1.data(), m1.data(), v1.data(),
+                            out.data(), DType::kBf16, c.n});
+        kernel_(s, AdamSpan{ts.grad.data(), DType::kFp32, p.data(), m.data(), v.data(), nullptr,
+                            DType::kBf16, c.n});
+        for (int64_t i = 0; i < c.n; ++i) {
+          EXPECT_TRUE(SameFloat(p1[i], ts.param[i]))
+              << "param[" << i << "] " << p1[i] << " torch " << ts.param[i];
+          EXPECT_TRUE(SameFloat(m1[i], ts.exp_avg[i]))
+              << "exp_avg[" << i << "] " << m1[i] << " torch " << ts.exp_avg[i];
+          EXPECT_TRUE(SameFloat(v1[i], ts.exp_avg_sq[i]))
+              << "exp_avg_sq[" << i << "] " << v1[i] << " torch " << ts.exp_avg_sq[i];
+          EXPECT_EQ(out[i], FloatToBf16(p1[i]));
+          EXPECT_TRUE(SameFloat(p[i], ts.param[i]))
+              << "trajectory param[" << i << "] " << p[i] << " torch " << ts.param[i];
+          EXPECT_TRUE(SameFloat(m[i], ts.exp_avg[i])) << "trajectory exp_avg[" << i << "]";
+          EXPECT_TRUE(SameFloat(v[i], ts.exp_avg_sq[i])) << "trajectory exp_avg_sq[" << i << "]";
+          compared += 3;
+        }
+      }
+    }
+    std::printf("[ torch    ] %s: %s: %lld values compared\n",
+                std::string(SimdPathName(GetParam())).c_str(), std::string(file).c_str(),
+                static_cast<long long>(compared));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, TorchFixtureTest, kAllPaths, PathName);
+
+// ComputeAdamStepScalars against the scalars the fixture script computed in Python doubles the
+// way torch's _single_tensor_adam(w) does (math.sqrt in 1.13, ** 0.5 in 2.x), both forms.
+TEST(AdamStepScalarsTest, MatchPythonDoublesFromFixtureScript) {
+  std::string error;
+  std::vector<ScalarsCase> scalars;
+  LoadTorchFixtures(&error, "adam_torch_schedule_fixtures.txt", &scalars);
+  ASSERT_TRUE(error.empty()) << error;
+  ASSERT_GE(scalars.size(), 40u);
+  for (const ScalarsCase& sc : scalars) {
+    SCOPED_TRACE(testing::Message()
+                 << "form=" << static_cast<int>(sc.hp.form) << " adamw=" << sc.hp.adamw
+                 << " lr=" << sc.hp.lr << " beta1=" << sc.hp.beta1 << " t=" << sc.t);
+    const AdamStepScalars s = ComputeAdamStepScalars(sc.hp, sc.hp.lr, sc.t, 1.0f);
+    const float got[] = {
+        s.beta1,           s.one_minus_beta1, s.beta2,     s.one_minus_beta2,      s.eps,
+        s.l2_weight_decay, s.decoupled_decay, s.step_size, s.bias_correction2_sqrt};
+    for (int k = 0; k < 9; ++k) {
+      EXPECT_EQ(FloatBits(got[k]), FloatBits(sc.want[k])) << "scalar " << k;
+    }
+    EXPECT_EQ(s.form, sc.hp.form);
+  }
+}
 
 }  // namespace
 }  // namespace offload

@@ -9,7 +9,8 @@
 //   StoreFp16, StoreBf16 (fp32 -> 16-bit, round to nearest even, +-inf on overflow, NaN stays a
 //   quiet NaN with the top payload bits, subnormals kept: bit-identical to dtype.h),
 //   StoreHigh16 (the upper 16 bits of each fp32, for the roofline),
-//   Add, Mul, Div, Sqrt (correctly rounded IEEE operations), Fma(a, b, c) = a * b + c rounded once.
+//   Add, Sub, Mul, Div, Sqrt (correctly rounded IEEE operations), Fma(a, b, c) = a * b + c rounded
+//   once.
 //
 // Every function here is a template on T, and each instruction set's T lives in an unnamed
 // namespace of its .cc file, so every instantiation has internal linkage. That matters: code
@@ -47,6 +48,17 @@ namespace simd {
 // What the pass writes as the 16-bit copy of the weights.
 enum class Out { kNone, kFp16, kBf16 };
 
+// How the first moment moves: torch 1.13's mul_/add_, or torch 2.x's lerp_ from exp_avg (weight
+// < 0.5) or from grad (weight >= 0.5); see adam_scalar.cc.
+enum class Moment { kMulAdd, kLerpFromExpAvg, kLerpFromGrad };
+
+// torch's is_lerp_weight_small: |w| < 0.5 (false for NaN). A template, like everything here, so
+// that no ISA file emits a shared inline symbol.
+template <class T>
+inline bool LerpWeightSmall(float w) {
+  return w < 0.5f && w > -0.5f;
+}
+
 // Per-step constants, broadcast once per call.
 template <class T>
 struct AdamConsts {
@@ -60,9 +72,11 @@ struct AdamConsts {
         l2_weight_decay(T::Set1(s.l2_weight_decay)),
         decoupled_decay(T::Set1(s.decoupled_decay)),
         neg_step_size(T::Set1(-s.step_size)),
-        bias_correction2_sqrt(T::Set1(s.bias_correction2_sqrt)) {}
+        bias_correction2_sqrt(T::Set1(s.bias_correction2_sqrt)),
+        lerp_coeff(T::Set1(LerpWeightSmall<T>(s.one_minus_beta1) ? s.one_minus_beta1
+                                                                 : s.one_minus_beta1 - 1.0f)) {}
   typename T::V grad_multiplier, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-      l2_weight_decay, decoupled_decay, neg_step_size, bias_correction2_sqrt;
+      l2_weight_decay, decoupled_decay, neg_step_size, bias_correction2_sqrt, lerp_coeff;
 };
 
 template <class T, DType kGrad>
@@ -87,7 +101,7 @@ inline void StoreOut(void* out, int64_t i, typename T::V p) {
 
 // One vector of the fused update at element i. Same operations, in the same order, as
 // AdamScalar (adam_scalar.cc, which explains the order): the result is bit-identical to it.
-template <class T, DType kGrad, Out kOut, bool kL2>
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment>
 inline void AdamVector(const AdamConsts<T>& c, const void* grad, float* param, float* exp_avg,
                        float* exp_avg_sq, void* out, int64_t i) {
   using V = typename T::V;
@@ -95,7 +109,14 @@ inline void AdamVector(const AdamConsts<T>& c, const void* grad, float* param, f
   V g = T::Mul(LoadGrad<T, kGrad>(grad, i), c.grad_multiplier);
   if constexpr (kL2) g = T::Fma(p, c.l2_weight_decay, g);
   p = T::Mul(p, c.decoupled_decay);
-  const V m = T::Fma(g, c.one_minus_beta1, T::Mul(T::Load(exp_avg + i), c.beta1));
+  V m = T::Load(exp_avg + i);
+  if constexpr (kMoment == Moment::kMulAdd) {
+    m = T::Fma(g, c.one_minus_beta1, T::Mul(m, c.beta1));
+  } else if constexpr (kMoment == Moment::kLerpFromExpAvg) {
+    m = T::Fma(c.lerp_coeff, T::Sub(g, m), m);
+  } else {
+    m = T::Fma(c.lerp_coeff, T::Sub(g, m), g);
+  }
   const V v = T::Fma(T::Mul(c.one_minus_beta2, g), g, T::Mul(T::Load(exp_avg_sq + i), c.beta2));
   const V denom = T::Add(T::Div(T::Sqrt(v), c.bias_correction2_sqrt), c.eps);
   p = T::Add(p, T::Div(T::Mul(c.neg_step_size, m), denom));
@@ -166,14 +187,26 @@ inline void ForEachVector(const AdamSpan& span, Body&& body) {
   }
 }
 
-template <class T, DType kGrad, Out kOut, bool kL2>
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment>
 void AdamSpanTyped(const AdamStepScalars& s, const AdamSpan& span) {
   const AdamConsts<T> c(s);
   ForEachVector<T, kGrad, kOut, T::kUnroll>(
       span, [&c](const void* grad, float* param, float* exp_avg, float* exp_avg_sq, void* out,
                  int64_t i) {
-        AdamVector<T, kGrad, kOut, kL2>(c, grad, param, exp_avg, exp_avg_sq, out, i);
+        AdamVector<T, kGrad, kOut, kL2, kMoment>(c, grad, param, exp_avg, exp_avg_sq, out, i);
       });
+}
+
+// The form, and for lerp which branch of torch's lerp, once per call: the weight is per step.
+template <class T, DType kGrad, Out kOut, bool kL2>
+void AdamSpanMoment(const AdamStepScalars& s, const AdamSpan& span) {
+  if (s.form != AdamForm::kLerp) {
+    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kMulAdd>(s, span);
+  } else if (LerpWeightSmall<T>(s.one_minus_beta1)) {
+    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromExpAvg>(s, span);
+  } else {
+    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromGrad>(s, span);
+  }
 }
 
 template <class T, DType kGrad, Out kOut>
@@ -195,9 +228,9 @@ template <class T, DType kGrad, Out kOut>
 void AdamSpanL2(const AdamStepScalars& s, const AdamSpan& span) {
   // torch adds the L2 term only when weight_decay != 0 (see adam_scalar.cc).
   if (s.l2_weight_decay != 0.0f) {
-    AdamSpanTyped<T, kGrad, kOut, true>(s, span);
+    AdamSpanMoment<T, kGrad, kOut, true>(s, span);
   } else {
-    AdamSpanTyped<T, kGrad, kOut, false>(s, span);
+    AdamSpanMoment<T, kGrad, kOut, false>(s, span);
   }
 }
 

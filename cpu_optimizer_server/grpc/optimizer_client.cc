@@ -244,9 +244,9 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(float lr, float grad_multiplier, bool skip,
+absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(double lr, float grad_multiplier, bool skip,
                                                       void* params_out,
-                                                      absl::Span<const float> group_lr) {
+                                                      absl::Span<const double> group_lr) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   v1::StepCommit* commit = request_.mutable_commit();
   commit->set_step(step_);

@@ -89,9 +89,9 @@ class GrpcStepStream final : public StepStream {
  public:
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate = false) override;
-  absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+  absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out,
-                                        absl::Span<const float> group_lr = {}) override;
+                                        absl::Span<const double> group_lr = {}) override;
   void Abandon() override;
   ~GrpcStepStream() override;
 

@@ -112,7 +112,7 @@ class OptimizerServiceTest : public ::testing::Test {
     if (!stream.ok()) return stream.status();
     if (auto s = (*stream)->SendGradients(0, g.data(), DType::kBf16, kLen0); !s.ok()) return s;
     params->assign(kLen0, 0);
-    return (*stream)->Commit(1e-3f, 1.0f, false, params->data());
+    return (*stream)->Commit(1e-3, 1.0f, false, params->data());
   }
 
   // Sends raw messages on a step stream and returns the status the server ends it with; counts
@@ -169,8 +169,8 @@ class OptimizerServiceTest : public ::testing::Test {
     r.mutable_grad()->set_data(std::move(data));
     return r;
   }
-  static v1::StepRequest Commit(uint64_t step, float lr, float gm, bool skip = false,
-                                std::vector<float> group_lr = {}) {
+  static v1::StepRequest Commit(uint64_t step, double lr, float gm, bool skip = false,
+                                std::vector<double> group_lr = {}) {
     v1::StepRequest r;
     r.mutable_commit()->set_step(step);
     r.mutable_commit()->set_lr(lr);
@@ -208,7 +208,7 @@ TEST_F(OptimizerServiceTest, FullStepRoundTripMatchesTheKernel) {
     ASSERT_TRUE(
         (*stream)->SendGradients(kLen0 + cut, g1.data() + cut, DType::kBf16, kLen1 - cut).ok());
     ASSERT_TRUE((*stream)->SendGradients(kLen0, g1.data(), DType::kBf16, cut).ok());
-    auto r1 = (*stream)->Commit(1e-3f, 1.0f, false, p1.data());
+    auto r1 = (*stream)->Commit(1e-3, 1.0f, false, p1.data());
     ASSERT_TRUE(r1.ok()) << r1.status();
 
     // The reference: the same kernel on a local copy of the state.
@@ -222,11 +222,11 @@ TEST_F(OptimizerServiceTest, FullStepRoundTripMatchesTheKernel) {
     g.insert(g.end(), g1.begin(), g1.end());
     std::vector<uint16_t> expect(p.size());
     AdamHyperParams hp;
-    hp.lr = 1e-3f;
-    hp.weight_decay = 0.01f;
+    hp.lr = 1e-3;
+    hp.weight_decay = 0.01;
     AdamSpan span{g.data(), DType::kBf16,  p.data(),     m.data(),
                   v.data(), expect.data(), DType::kBf16, static_cast<int64_t>(p.size())};
-    GetAdamKernel(BestSimdPath())(ComputeAdamStepScalars(hp, 1e-3f, step, 1.0f), span);
+    GetAdamKernel(BestSimdPath())(ComputeAdamStepScalars(hp, 1e-3, step, 1.0f), span);
     ASSERT_EQ(std::memcmp(p0.data(), expect.data(), kLen0 * 2), 0) << "seed " << seed_;
     ASSERT_EQ(std::memcmp(p1.data(), expect.data() + kLen0, kLen1 * 2), 0) << "seed " << seed_;
     std::vector<float> master(kLen0 + kLen1);

@@ -11,11 +11,12 @@ namespace offload {
 inline v1::AdamConfig TestAdamW() {
   v1::AdamConfig adam;
   adam.set_kind(v1::OPTIMIZER_KIND_ADAMW);
-  adam.set_lr(1e-3f);
-  adam.set_beta1(0.9f);
-  adam.set_beta2(0.999f);
-  adam.set_eps(1e-8f);
-  adam.set_weight_decay(0.01f);
+  // Doubles that fp32 cannot hold, as torch's defaults: the wire carries them as they are.
+  adam.set_lr(1e-3);
+  adam.set_beta1(0.9);
+  adam.set_beta2(0.999);
+  adam.set_eps(1e-8);
+  adam.set_weight_decay(0.01);
   return adam;
 }
 

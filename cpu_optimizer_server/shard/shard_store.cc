@@ -18,7 +18,7 @@ int64_t AlignUp(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 // The hyper-parameters of group `group` (the job's only group when the request had none, so its
 // `adam`); refusals name the group.
 absl::Status ValidateAdam(const AdamHyperParams& a, size_t group) {
-  auto bad = [group](const char* field, float value, const char* want) {
+  auto bad = [group](const char* field, double value, const char* want) {
     return absl::InvalidArgumentError(absl::StrCat("parameter group ", group, ": adam.", field,
                                                    " is ", value, "; it must be ", want));
   };

@@ -775,7 +775,7 @@ TEST_F(ParamGroupTest, BadGroupLrLeavesTheStateBitIdentical) {
   const Snapshot counters = Take(RangeOf("grouped"));
   struct Case {
     const char* what;
-    std::vector<float> group_lr;
+    std::vector<double> group_lr;
     bool skip;
     const char* names;
   };

@@ -373,7 +373,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     std::vector<AdamStepScalars> scalars;
     scalars.reserve(groups.size());
     for (size_t i = 0; i < groups.size(); ++i) {
-      const float lr = args.group_lr.empty() ? args.lr : args.group_lr[i];
+      const double lr = args.group_lr.empty() ? args.lr : args.group_lr[i];
       scalars.push_back(ComputeAdamStepScalars(groups[i].adam, lr, static_cast<int64_t>(t),
                                                args.grad_multiplier));
     }

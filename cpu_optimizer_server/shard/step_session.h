@@ -28,12 +28,12 @@ class ParamSink {
 
 struct StepCommitArgs {
   uint64_t step = 0;
-  float lr = 0;  // every group's, unless group_lr is given
+  double lr = 0;  // every group's, unless group_lr is given
   float grad_multiplier = 1;
   bool skip = false;
   // Empty: `lr` for every parameter group of the job. Otherwise one lr per group, in group order
   // (StepCommit.group_lr).
-  std::vector<float> group_lr;
+  std::vector<double> group_lr;
 };
 
 struct StepOutcome {

@@ -42,6 +42,18 @@ absl::StatusOr<AdamHyperParams> AdamFromProto(const v1::AdamConfig& a, const std
   adam.eps = a.eps();
   adam.weight_decay = a.weight_decay();
   adam.bias_correction = !a.disable_bias_correction();
+  switch (a.form()) {
+    case v1::ADAM_FORM_TORCH_1_13:
+      adam.form = AdamForm::kTorch113;
+      break;
+    case v1::ADAM_FORM_LERP:
+      adam.form = AdamForm::kLerp;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".form ", static_cast<int>(a.form()),
+                       " is unknown; use ADAM_FORM_TORCH_1_13 or ADAM_FORM_LERP"));
+  }
   return adam;
 }
 
@@ -109,6 +121,7 @@ v1::AdamConfig AdamConfigToProto(const AdamHyperParams& adam) {
   a.set_eps(adam.eps);
   a.set_weight_decay(adam.weight_decay);
   a.set_disable_bias_correction(!adam.bias_correction);
+  a.set_form(adam.form == AdamForm::kLerp ? v1::ADAM_FORM_LERP : v1::ADAM_FORM_TORCH_1_13);
   return a;
 }
 

@@ -19,9 +19,10 @@ namespace offload {
 
 inline constexpr char kShmMagic[4] = {'O', 'F', 'S', 'M'};
 // 2: a COMMIT carries per-group learning rates, so ShmCommand grew and the header with it.
-inline constexpr uint32_t kShmVersion = 2;
-// The header's six pages (its command ring is most of them); the areas follow it.
-inline constexpr uint64_t kShmHeaderBytes = 24576;
+// 3: the learning rates are doubles (torch's Python floats), so it grew again.
+inline constexpr uint32_t kShmVersion = 3;
+// The header's ten pages (its command ring is most of them); the areas follow it.
+inline constexpr uint64_t kShmHeaderBytes = 40960;
 inline constexpr int kShmSecretBytes = 32;
 inline constexpr uint32_t kShmRingSize = 64;  // commands in flight
 inline constexpr int kShmMaxChunkSlots = 64;
@@ -43,15 +44,16 @@ struct ShmCommand {
   int64_t offset;  // GRAD: flat element offset
   int64_t n;       // GRAD: elements
   uint64_t step;   // OPEN, COMMIT
-  float lr;        // COMMIT
+  double lr;       // COMMIT
   float grad_multiplier;
   uint32_t skip;
   // COMMIT: group_lr[0, group_count) are the lrs of the job's parameter groups; none (0) means
   // `lr` for every group. The shard refuses a count above kMaxParamGroups.
   uint32_t group_count;
-  float group_lr[kMaxParamGroups];
+  uint32_t reserved;  // keeps group_lr 8-byte aligned, spelled out
+  double group_lr[kMaxParamGroups];
 };
-static_assert(sizeof(ShmCommand) == 56 + 4 * kMaxParamGroups,
+static_assert(sizeof(ShmCommand) == 64 + 8 * kMaxParamGroups,
               "ShmCommand is part of the segment layout");
 
 // The shard's answer to the last OPEN or COMMIT, or the first error of a step.

@@ -164,14 +164,14 @@ class ShmStepStream final : public StepStream {
 
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate) override;
-  absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+  absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out,
-                                        absl::Span<const float> group_lr = {}) override;
+                                        absl::Span<const double> group_lr = {}) override;
   void* GradientArea() override { return done_ ? nullptr : a_->segment().grad_area(); }
   uint64_t GradientAreaId() override { return done_ ? 0 : a_->id(); }
-  absl::StatusOr<v1::StepResult> CommitInPlace(float lr, float grad_multiplier, bool skip,
+  absl::StatusOr<v1::StepResult> CommitInPlace(double lr, float grad_multiplier, bool skip,
                                                const ParamWaveFn& on_wave,
-                                               absl::Span<const float> group_lr = {}) override;
+                                               absl::Span<const double> group_lr = {}) override;
   void Abandon() override {
     if (done_) return;
     ShmCommand cmd{};
@@ -254,9 +254,9 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multiplier, bool skip,
+absl::StatusOr<v1::StepResult> ShmStepStream::Commit(double lr, float grad_multiplier, bool skip,
                                                      void* params_out,
-                                                     absl::Span<const float> group_lr) {
+                                                     absl::Span<const double> group_lr) {
   char* out = static_cast<char*>(params_out);
   return CommitInPlace(
       lr, grad_multiplier, skip,
@@ -267,9 +267,9 @@ absl::StatusOr<v1::StepResult> ShmStepStream::Commit(float lr, float grad_multip
 }
 
 // Pushes the COMMIT and hands each wave of parameters to on_wave as it is published.
-absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(float lr, float grad_multiplier,
+absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(double lr, float grad_multiplier,
                                                             bool skip, const ParamWaveFn& on_wave,
-                                                            absl::Span<const float> group_lr) {
+                                                            absl::Span<const double> group_lr) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   // The command has room for kMaxParamGroups lrs, which is all a job can have.
   if (group_lr.size() > static_cast<size_t>(kMaxParamGroups)) {

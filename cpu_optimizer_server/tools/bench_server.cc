@@ -70,7 +70,7 @@ double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_cloc
 // are taken where the shard wrote them.
 absl::Status StepAllRangesVia(StepTransport* transport, bool zero_copy, const std::string& job_id,
                               const std::vector<RangeSpec>& ranges, uint64_t step,
-                              const uint16_t* grads, DType dtype, float lr, uint16_t* params,
+                              const uint16_t* grads, DType dtype, double lr, uint16_t* params,
                               double* produce_s) {
   std::vector<absl::Status> status(ranges.size());
   std::vector<double> produced(ranges.size(), 0.0);

@@ -35,7 +35,7 @@ v1::CreateJobRequest MakeCreateJobRequest(const std::string& job_id,
 
 absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
                            const std::vector<RangeSpec>& ranges, uint64_t step,
-                           const uint16_t* grads, DType dtype, float lr, float grad_multiplier,
+                           const uint16_t* grads, DType dtype, double lr, float grad_multiplier,
                            uint16_t* params) {
   if (ranges.empty()) return absl::InvalidArgumentError("no ranges to step");
   std::vector<absl::Status> errors(ranges.size());
@@ -63,7 +63,7 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
 
 absl::StatusOr<v1::StepResult> ExchangeInPlace(StepStream& stream, int64_t offset,
                                                const uint16_t* grads, DType dtype, int64_t n,
-                                               bool send, float lr, bool skip, double* produce_s) {
+                                               bool send, double lr, bool skip, double* produce_s) {
   if (send) {
     void* area = stream.GradientArea();  // (n,)
     if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");

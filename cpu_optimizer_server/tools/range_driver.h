@@ -28,7 +28,7 @@ v1::CreateJobRequest MakeCreateJobRequest(const std::string& job_id,
 // indexed by flat element. Returns the first range's error, if any.
 absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
                            const std::vector<RangeSpec>& ranges, uint64_t step,
-                           const uint16_t* grads, DType dtype, float lr, float grad_multiplier,
+                           const uint16_t* grads, DType dtype, double lr, float grad_multiplier,
                            uint16_t* params);
 
 // One zero-copy exchange on an open `stream` (step_transport.h) of the range [offset, + n): when
@@ -39,7 +39,7 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
 // gradient area.
 absl::StatusOr<v1::StepResult> ExchangeInPlace(StepStream& stream, int64_t offset,
                                                const uint16_t* grads, DType dtype, int64_t n,
-                                               bool send, float lr, bool skip, double* produce_s);
+                                               bool send, double lr, bool skip, double* produce_s);
 
 }  // namespace offload
 

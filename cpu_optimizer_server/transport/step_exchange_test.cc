@@ -211,8 +211,8 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
   // order given, Commit into *params (range length,). Returns the first error of the three.
   absl::StatusOr<v1::StepResult> Exchange(int r, uint64_t step, const std::vector<Chunk>& chunks,
                                           std::vector<uint16_t>* params, bool skip = false,
-                                          float lr = kLr, float grad_multiplier = 1.0f,
-                                          absl::Span<const float> group_lr = {}) {
+                                          double lr = kLr, float grad_multiplier = 1.0f,
+                                          absl::Span<const double> group_lr = {}) {
     params->assign(kLengths[r], kSentinel);
     auto stream = transport_->OpenStep(kJob, r, kOffsets[r], kLengths[r], step);
     if (!stream.ok()) return stream.status();
@@ -551,7 +551,7 @@ TEST_P(StepExchangeTest, ParameterGroupsGetTheirLrsOnEveryPlane) {
   ASSERT_TRUE(
       client_->LoadState(kJob, v1::STATE_TENSOR_MASTER_WEIGHTS, 0, ref_p_.data(), kTotal).ok());
   // Range r's update on the local copy, group piece by group piece.
-  auto reference = [&](int r, const uint16_t* g, const float* lrs, uint64_t t, float gm) {
+  auto reference = [&](int r, const uint16_t* g, const double* lrs, uint64_t t, float gm) {
     std::vector<uint16_t> out(kLengths[r]);
     for (int k = 0; k < 2; ++k) {
       const int64_t lo = std::max(kOffsets[r], group_begin[k]);
@@ -567,7 +567,8 @@ TEST_P(StepExchangeTest, ParameterGroupsGetTheirLrsOnEveryPlane) {
     return out;
   };
   for (uint64_t step = 1; step <= 3; ++step) {
-    const float lrs[2] = {kLr / step, 2e-4f * step};
+    // Doubles not exact in fp32: every plane must carry them as they are.
+    const double lrs[2] = {1e-3 / step, 2e-4 * step};
     const float gm = step == 2 ? 0.5f : 1.0f;
     for (int r = 0; r < 2; ++r) {
       std::vector<uint16_t> g = Bf16Grads(kLengths[r]), p;
@@ -581,7 +582,7 @@ TEST_P(StepExchangeTest, ParameterGroupsGetTheirLrsOnEveryPlane) {
   EXPECT_TRUE(MasterWeights() == ref_p_);
   if (GetParam().kind == "shm") {
     // The zero-copy commit carries them too.
-    const float lrs[2] = {3e-4f, 7e-4f};
+    const double lrs[2] = {3e-4, 7e-4};
     const std::vector<uint16_t> g = Bf16Grads(kLen0);
     auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 4);
     ASSERT_TRUE(stream.ok()) << stream.status();
@@ -605,14 +606,14 @@ TEST_P(StepExchangeTest, ParameterGroupsGetTheirLrsOnEveryPlane) {
   const std::vector<uint16_t> g = Bf16Grads(kLen1);
   struct Case {
     const char* what;
-    std::vector<float> group_lr;
+    std::vector<double> group_lr;
     const char* names;
   };
   const std::vector<Case> cases = {
       {"one lr for two groups", {kLr}, "group_lr"},
       {"NaN lr of group 1", {kLr, std::nanf("")}, "group_lr[1]"},
       {"negative lr of group 0", {-kLr, kLr}, "group_lr[0]"},
-      {"65 lrs", std::vector<float>(kMaxParamGroups + 1, kLr), "65"},
+      {"65 lrs", std::vector<double>(kMaxParamGroups + 1, kLr), "65"},
   };
   std::vector<uint16_t> p;
   for (const Case& c : cases) {

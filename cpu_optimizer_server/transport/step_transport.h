@@ -33,9 +33,9 @@ class StepStream {
   // (range length,), whose first element is the range's first element. group_lr: empty for `lr`
   // in every parameter group of the job, else one lr per group (StepCommit.group_lr; at most
   // kMaxParamGroups). Overrides repeat the default, so a call reads the same through any type.
-  virtual absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+  virtual absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                                 void* params_out,
-                                                absl::Span<const float> group_lr = {}) = 0;
+                                                absl::Span<const double> group_lr = {}) = 0;
   // Ends the step without committing (the shard drops the gradients).
   virtual void Abandon() = 0;
 
@@ -60,10 +60,10 @@ class StepStream {
   // (shared memory), so the caller reads them straight into their use (a host-to-device copy,
   // a conversion) while the shard computes the next wave. Only where GradientArea() is not null;
   // UNIMPLEMENTED elsewhere.
-  virtual absl::StatusOr<v1::StepResult> CommitInPlace(float /*lr*/, float /*grad_multiplier*/,
+  virtual absl::StatusOr<v1::StepResult> CommitInPlace(double /*lr*/, float /*grad_multiplier*/,
                                                        bool /*skip*/,
                                                        const ParamWaveFn& /*on_wave*/,
-                                                       absl::Span<const float> /*group_lr*/ = {}) {
+                                                       absl::Span<const double> /*group_lr*/ = {}) {
     return absl::UnimplementedError("this data plane has no zero-copy commit");
   }
 };

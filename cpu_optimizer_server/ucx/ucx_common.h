@@ -38,7 +38,7 @@ enum class Kind : uint32_t {
   // trainer -> shard
   kOpen = 1,    // step
   kGrad = 2,    // offset, dtype (v1::DType), accumulate; payload: the gradient bytes
-  kCommit = 3,  // step, lr, grad_multiplier, skip; payload: the group lrs, fp32 each (or none)
+  kCommit = 3,  // step, lr, grad_multiplier, skip; payload: the group lrs, fp64 each (or none)
   kAbandon = 4,
   kPing = 5,  // probe round trip
   // shard -> trainer
@@ -58,7 +58,7 @@ struct Header {
   uint64_t offset = 0;
   int64_t n = 0;
   uint64_t step = 0;
-  float lr = 0;
+  double lr = 0;
   float grad_multiplier = 0;
   uint8_t accumulate = 0;
   uint8_t skip = 0;

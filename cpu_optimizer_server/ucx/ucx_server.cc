@@ -398,12 +398,12 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
       args.skip = h.skip != 0;
       // The payload is the group lrs. A refusal here ends the step as a refused commit does.
       absl::Status payload = c->status;
-      if (payload.ok() && c->data.size() % sizeof(float) != 0) {
+      if (payload.ok() && c->data.size() % sizeof(double) != 0) {
         payload = absl::InvalidArgumentError(absl::StrCat(
-            "commit payload of ", c->data.size(), " bytes is not a whole number of fp32 lrs"));
-      } else if (payload.ok() && c->data.size() > kMaxParamGroups * sizeof(float)) {
+            "commit payload of ", c->data.size(), " bytes is not a whole number of fp64 lrs"));
+      } else if (payload.ok() && c->data.size() > kMaxParamGroups * sizeof(double)) {
         payload = absl::InvalidArgumentError(
-            absl::StrCat("commit carries ", c->data.size() / sizeof(float), " group lrs; at most ",
+            absl::StrCat("commit carries ", c->data.size() / sizeof(double), " group lrs; at most ",
                          kMaxParamGroups, " parameter groups are allowed"));
       }
       if (!payload.ok()) {
@@ -411,7 +411,7 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
         ReplyError(s, h, payload);
         return;
       }
-      args.group_lr.resize(c->data.size() / sizeof(float));
+      args.group_lr.resize(c->data.size() / sizeof(double));
       if (!args.group_lr.empty()) {
         std::memcpy(args.group_lr.data(), c->data.data(), c->data.size());
       }

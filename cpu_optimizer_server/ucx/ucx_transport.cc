@@ -365,9 +365,9 @@ class UcxStepStream final : public StepStream {
 
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate) override;
-  absl::StatusOr<v1::StepResult> Commit(float lr, float grad_multiplier, bool skip,
+  absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out,
-                                        absl::Span<const float> group_lr = {}) override;
+                                        absl::Span<const double> group_lr = {}) override;
   void Abandon() override;
 
   absl::Status Open();
@@ -457,9 +457,9 @@ absl::Status UcxStepStream::SendGradients(int64_t offset, const void* data, DTyp
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StepResult> UcxStepStream::Commit(float lr, float grad_multiplier, bool skip,
+absl::StatusOr<v1::StepResult> UcxStepStream::Commit(double lr, float grad_multiplier, bool skip,
                                                      void* params_out,
-                                                     absl::Span<const float> group_lr) {
+                                                     absl::Span<const double> group_lr) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   done_ = true;
   OFFLOAD_RETURN_IF_ERROR(ShardError());
@@ -475,7 +475,8 @@ absl::StatusOr<v1::StepResult> UcxStepStream::Commit(float lr, float grad_multip
   // leave UCX reading the caller's memory.
   std::string payload;
   if (!group_lr.empty()) {  // an empty span's data() may be null
-    payload.assign(reinterpret_cast<const char*>(group_lr.data()), group_lr.size() * sizeof(float));
+    payload.assign(reinterpret_cast<const char*>(group_lr.data()),
+                   group_lr.size() * sizeof(double));
   }
   absl::Status s = transport_->worker()->SendOwned(att_->ep, ucx::kToShardAm, h, std::move(payload),
                                                    state_->sends);

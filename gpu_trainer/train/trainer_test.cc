@@ -702,9 +702,9 @@ class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
     }
     return inner_->SendGradients(offset, grads, n, accumulate);
   }
-  absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+  absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
                                             uint16_t* params16,
-                                            absl::Span<const float> group_lr) override {
+                                            absl::Span<const double> group_lr) override {
     open_ = false;
     return inner_->Commit(lr, grad_multiplier, skip, params16, group_lr);
   }

@@ -133,12 +133,12 @@ absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint
   return sessions_[slice]->AddGradients(offset, grad_dtype(), accumulate, std::move(data));
 }
 
-absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(float lr, float grad_multiplier,
+absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(double lr, float grad_multiplier,
                                                               bool skip, uint16_t* partition16,
-                                                              absl::Span<const float> group_lr) {
+                                                              absl::Span<const double> group_lr) {
   DirectParamSink sink(partition16, partition_offset());
   const StepCommitArgs args{step_, lr, grad_multiplier, skip,
-                            std::vector<float>(group_lr.begin(), group_lr.end())};
+                            std::vector<double>(group_lr.begin(), group_lr.end())};
   StepCounters counters;
   absl::Status first;
   for (auto& session : sessions_) {

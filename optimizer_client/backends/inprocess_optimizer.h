@@ -33,9 +33,9 @@ class InProcessOptimizer final : public OptimizerBackend {
   absl::Status OpenSlice(int slice, uint64_t step) override;
   absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                          bool accumulate) override;
-  absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+  absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
                                             uint16_t* partition16,
-                                            absl::Span<const float> group_lr) override;
+                                            absl::Span<const double> group_lr) override;
   void AbortSlices() override;
 
   ThreadPool pool_;

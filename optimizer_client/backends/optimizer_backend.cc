@@ -157,9 +157,9 @@ uint64_t OptimizerBackend::GradientPlaceId(int64_t offset, int64_t n) {
   return slice < 0 || SliceGradientArea(slice) == nullptr ? 0 : SliceGradientAreaId(slice);
 }
 
-absl::StatusOr<StepCounters> OptimizerBackend::Commit(float lr, float grad_multiplier, bool skip,
+absl::StatusOr<StepCounters> OptimizerBackend::Commit(double lr, float grad_multiplier, bool skip,
                                                       uint16_t* partition16,
-                                                      absl::Span<const float> group_lr) {
+                                                      absl::Span<const double> group_lr) {
   if (!in_step_) return absl::FailedPreconditionError("Commit outside a step");
   in_step_ = false;
   absl::StatusOr<StepCounters> counters =

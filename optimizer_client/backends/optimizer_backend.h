@@ -99,8 +99,9 @@ class OptimizerBackend {
   // partition16 (partition_length,), this rank's partition, unless skipped (flat element i at
   // partition16[i - partition_offset()]). Returns the step counters after the step. group_lr:
   // empty for `lr` in every parameter group, else one lr per group of CreateJob's groups.
-  absl::StatusOr<StepCounters> Commit(float lr, float grad_multiplier, bool skip,
-                                      uint16_t* partition16, absl::Span<const float> group_lr = {});
+  absl::StatusOr<StepCounters> Commit(double lr, float grad_multiplier, bool skip,
+                                      uint16_t* partition16,
+                                      absl::Span<const double> group_lr = {});
   void AbortStep();
 
   // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
@@ -123,9 +124,9 @@ class OptimizerBackend {
                                  bool accumulate) = 0;
   // Commits every open slice, writing partition16 (partition_length,) at each slice's offset
   // less partition_offset(); group_lr as Commit's.
-  virtual absl::StatusOr<StepCounters> CommitSlices(float lr, float grad_multiplier, bool skip,
+  virtual absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
                                                     uint16_t* partition16,
-                                                    absl::Span<const float> group_lr) = 0;
+                                                    absl::Span<const double> group_lr) = 0;
   virtual void AbortSlices() = 0;
   // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
   // of this backend has one).

@@ -90,13 +90,13 @@ class OptimizerBackendTest : public ::testing::Test {
     EXPECT_TRUE(backend->CreateJob(kJob, groups_[0].adam(), DType::kBf16, groups).ok());
     EXPECT_TRUE(backend->LoadMasterWeights(master_.data()).ok());
     for (uint64_t step = 1; step <= 3; ++step) {
-      const std::vector<float> lrs = {1e-3f / step, 5e-4f, 2e-3f * step};
+      const std::vector<double> lrs = {1e-3 / step, 5e-4, 2e-3 * step};
       run.weights16.emplace_back(padded_, 0);
       EXPECT_TRUE(backend->BeginStep(step).ok());
       EXPECT_TRUE(backend->SendGradients(0, grads_[step - 1].data(), padded_).ok());
-      absl::StatusOr<StepCounters> counters =
-          backend->Commit(lrs[0], 0.5f, false, run.weights16.back().data(),
-                          use_group_lr ? absl::Span<const float>(lrs) : absl::Span<const float>());
+      absl::StatusOr<StepCounters> counters = backend->Commit(
+          lrs[0], 0.5f, false, run.weights16.back().data(),
+          use_group_lr ? absl::Span<const double>(lrs) : absl::Span<const double>());
       EXPECT_TRUE(counters.ok()) << counters.status();
       if (counters.ok()) {
         EXPECT_EQ(counters->adam_step, step);
@@ -169,8 +169,8 @@ TEST_F(OptimizerBackendTest, BadGroupsAndGroupLrsAreRefusedThroughBoth) {
     ASSERT_TRUE(backend->CreateJob(kJob, groups_[0].adam(), DType::kBf16, groups_).ok());
     ASSERT_TRUE(backend->LoadMasterWeights(master_.data()).ok());
     std::vector<uint16_t> weights16(padded_);
-    for (const std::vector<float>& lrs :
-         {std::vector<float>{1e-3f, 1e-3f}, std::vector<float>{1e-3f, std::nanf(""), 1e-3f}}) {
+    for (const std::vector<double>& lrs :
+         {std::vector<double>{1e-3, 1e-3}, std::vector<double>{1e-3, std::nan(""), 1e-3}}) {
       ASSERT_TRUE(backend->BeginStep(1).ok());
       ASSERT_TRUE(backend->SendGradients(0, grads_[0].data(), padded_).ok());
       absl::StatusOr<StepCounters> c = backend->Commit(1e-3f, 1.0f, false, weights16.data(), lrs);

@@ -171,9 +171,9 @@ uint64_t RemoteOptimizer::SliceGradientAreaId(int slice) {
   return streams_[slice]->GradientAreaId();
 }
 
-absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(float lr, float grad_multiplier,
+absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(double lr, float grad_multiplier,
                                                            bool skip, uint16_t* partition16,
-                                                           absl::Span<const float> group_lr) {
+                                                           absl::Span<const double> group_lr) {
   std::vector<int> open;  // the slices of this rank's step
   for (int i = 0; i < static_cast<int>(streams_.size()); ++i) {
     if (streams_[i] != nullptr) open.push_back(i);

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,6 +49,25 @@ struct OffloadOptimizer {
   bool in_step = false;
   offload::GradStats step_stats;                // what the sender measured so far this step
   std::unique_ptr<offload::JobStateLoad> load;  // a streamed load between begin and finish
+  // Gradient accumulation (offload_next_micro_batch). micro_batch: of the open step. The first
+  // micro-batch's ranges as sent (where they still are when the second begins), and acc32: this
+  // rank's fp32 sum of the micro-batches' 16-bit gradients, (partition_length,), which decides
+  // the step. It mirrors the shards' accumulator, as the C++ trainer's AccumulatePartition
+  // does, since the step's norm and overflow are of the sum; allocated at the first step that
+  // has a second micro-batch (4 bytes a parameter of the partition, host memory).
+  struct SentRange {
+    uint64_t offset, n;
+    const uint16_t* src;
+  };
+  int micro_batch = 0;
+  std::mutex first_mu;                       // autograd's threads record sends
+  std::vector<SentRange> first_micro_batch;  // guarded by first_mu
+  offload::HostBuffer acc_buffer;
+  uint64_t open_step = 0;  // the step offload_begin_step opened
+  // The delayed parameter update: the shards' commit of a decided step, run by a thread of its
+  // own between offload_commit_async and offload_wait_commit.
+  std::future<absl::StatusOr<offload::StepCounters>> pending_commit;
+  offload::StepDecision pending_decision;
 };
 
 namespace offload {
@@ -110,6 +131,8 @@ absl::StatusOr<std::vector<v1::ParamGroup>> GroupsFromConfig(const OffloadConfig
     adam->set_beta2(g.beta2);
     adam->set_eps(g.eps);
     adam->set_weight_decay(g.weight_decay);
+    // Unknown values are refused where the job is made (wire_convert), by name.
+    adam->set_form(static_cast<v1::AdamForm>(c.adam_form));
   }
   if (next != c.num_params) {
     return absl::InvalidArgumentError(
@@ -217,15 +240,21 @@ absl::Status CheckGradientRange(const OffloadOptimizer* opt, uint64_t offset, ui
                                             ") are not inside this rank's partition"));
 }
 
-// Where [offset, offset + n) is written: the plane's place, else the library's buffer.
+// Where [offset, offset + n) is written: the plane's place, else the library's buffer. After the
+// first micro-batch always the buffer: the place still holds the first micro-batch's gradients,
+// which a shard may not have folded into its accumulator yet.
 uint16_t* GradientBuffer(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
+  if (opt->micro_batch > 0) return opt->grads16 + offset;
   uint16_t* place =
       opt->backend->GradientPlace(static_cast<int64_t>(offset), static_cast<int64_t>(n));
   return place != nullptr ? place : opt->grads16 + offset;
 }
 
+absl::Status NoCommitInFlight(const OffloadOptimizer* opt);
+
 absl::Status LoadBegin(OffloadOptimizer* opt, const StepCounters* counters) {
   if (opt->in_step) return absl::FailedPreconditionError("a step is open");
+  OFFLOAD_RETURN_IF_ERROR(NoCommitInFlight(opt));
   opt->load.reset();  // a load left open is dropped, nothing applied
   OFFLOAD_ASSIGN_OR_RETURN(opt->load, JobStateLoad::Begin(opt->backend.get(), counters));
   return absl::OkStatus();
@@ -252,6 +281,7 @@ absl::Status ReadState(OffloadOptimizer* opt, int32_t tensor, uint64_t offset, u
   if (tensor != OFFLOAD_MASTER && tensor != OFFLOAD_EXP_AVG && tensor != OFFLOAD_EXP_AVG_SQ) {
     return absl::InvalidArgumentError(absl::StrCat("no state tensor ", tensor));
   }
+  OFFLOAD_RETURN_IF_ERROR(NoCommitInFlight(opt));
   return opt->backend->ReadRange(static_cast<v1::StateTensor>(tensor), static_cast<int64_t>(offset),
                                  static_cast<int64_t>(n), out);
 }
@@ -304,6 +334,7 @@ absl::Status SaveCheckpoint(OffloadOptimizer* opt, const char* root,
                             char* dir_out, uint64_t dir_out_size) {
   if (root == nullptr || *root == 0) return absl::InvalidArgumentError("no checkpoint directory");
   if (opt->in_step) return absl::FailedPreconditionError("a step is open: finish it first");
+  OFFLOAD_RETURN_IF_ERROR(NoCommitInFlight(opt));
   if (adam > completed) {
     return absl::InvalidArgumentError(
         absl::StrCat("adam_step ", adam, " > completed_step ", completed));
@@ -323,14 +354,49 @@ absl::Status LoadCheckpoint(OffloadOptimizer* opt, const char* dir,
                             const OffloadNamedTensor* tensors, int32_t num_tensors) {
   if (dir == nullptr || *dir == 0) return absl::InvalidArgumentError("no checkpoint directory");
   if (opt->in_step) return absl::FailedPreconditionError("a step is open: finish it first");
+  OFFLOAD_RETURN_IF_ERROR(NoCommitInFlight(opt));
   OFFLOAD_ASSIGN_OR_RETURN(std::vector<NamedParam> params, NamedParams(tensors, num_tensors));
   return LoadParamState(dir, params, opt->dtype, opt->backend.get()).status();
 }
 
+// Queues a range whose gradients are at src for the sender: added to the earlier micro-batches'
+// after the first, and remembered for the fold while in the first.
+void EnqueueGradients(OffloadOptimizer* opt, uint64_t offset, uint64_t n, const uint16_t* src,
+                      const GradStats* known = nullptr) {
+  const bool accumulate = opt->micro_batch > 0;
+  if (!accumulate) {
+    std::lock_guard<std::mutex> lock(opt->first_mu);
+    opt->first_micro_batch.push_back({offset, n, src});
+  }
+  opt->sender->Enqueue(static_cast<int64_t>(offset), static_cast<int64_t>(n), accumulate, src,
+                       accumulate ? nullptr : known);
+}
+
+float* Accumulator(OffloadOptimizer* opt) { return static_cast<float*>(opt->acc_buffer.data()); }
+
 absl::Status TakeStats(OffloadOptimizer* opt) {
   absl::Status sent = opt->sender->Drain();
   opt->step_stats.Merge(opt->sender->TakeStats());
+  if (sent.ok() && opt->micro_batch > 0) {
+    // The step is decided on the sum, as the shards will apply it.
+    const float* acc = Accumulator(opt);  // (partition_length,)
+    const int64_t n = opt->backend->partition_length();
+    GradStats sum;
+    for (int64_t i = 0; i < n; ++i) {
+      sum.nonfinite = sum.nonfinite || !std::isfinite(acc[i]);
+      sum.sum_squares += static_cast<double>(acc[i]) * acc[i];
+    }
+    opt->step_stats = sum;
+  }
   return sent;
+}
+
+// Back to one micro-batch for the next step.
+void EndMicroBatches(OffloadOptimizer* opt) {
+  if (opt->micro_batch > 0) opt->sender->AccumulateInto(nullptr, 0);
+  opt->micro_batch = 0;
+  std::lock_guard<std::mutex> lock(opt->first_mu);
+  opt->first_micro_batch.clear();
 }
 
 void AbortStep(OffloadOptimizer* opt) {
@@ -338,13 +404,49 @@ void AbortStep(OffloadOptimizer* opt) {
   opt->sender->Drain().IgnoreError();
   opt->sender->TakeStats();
   opt->backend->AbortStep();
+  EndMicroBatches(opt);
   opt->in_step = false;
   opt->step_stats = GradStats{};
 }
 
-absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const float* group_lr,
-                    int32_t num_groups, float max_grad_norm, uint16_t* params16,
-                    OffloadStepReport* report) {
+absl::Status NextMicroBatch(OffloadOptimizer* opt) {
+  if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
+  if (absl::Status sent = opt->sender->Drain(); !sent.ok()) {
+    AbortStep(opt);
+    return sent;
+  }
+  opt->sender->TakeStats();  // the sum's statistics replace the first micro-batch's
+  if (opt->micro_batch == 0) {
+    const int64_t lo = opt->backend->partition_offset();
+    const int64_t n = opt->backend->partition_length();
+    if (opt->acc_buffer.data() == nullptr) {
+      absl::StatusOr<HostBuffer> acc = HostBuffer::Allocate(n * sizeof(float));
+      if (!acc.ok()) {
+        AbortStep(opt);
+        return acc.status();
+      }
+      opt->acc_buffer = std::move(*acc);
+    }
+    float* acc = Accumulator(opt);  // (partition_length,)
+    std::fill(acc, acc + n, 0.0f);
+    std::lock_guard<std::mutex> lock(opt->first_mu);
+    for (const OffloadOptimizer::SentRange& r : opt->first_micro_batch) {
+      AddAsFloat(r.src, opt->dtype, static_cast<int64_t>(r.n), acc + (r.offset - lo));
+    }
+    opt->first_micro_batch.clear();
+    opt->sender->AccumulateInto(acc, lo);
+  }
+  ++opt->micro_batch;
+  return absl::OkStatus();
+}
+
+// Everything of a commit but the shards' part: the arguments checked, every gradient sent, the
+// step decided by the policy and closed here. On an error the step stays open (the caller aborts
+// it) unless a send failed, which aborts it.
+absl::StatusOr<StepDecision> DecideCommit(OffloadOptimizer* opt, const double* global_stats,
+                                          const double* group_lr, int32_t num_groups,
+                                          float max_grad_norm, uint16_t* params16,
+                                          OffloadStepReport* report) {
   if (!opt->in_step) return absl::FailedPreconditionError("offload_commit outside a step");
   if (params16 == nullptr || report == nullptr || group_lr == nullptr) {
     return absl::InvalidArgumentError("null params16, report or group_lr");
@@ -369,21 +471,81 @@ absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const flo
   const StepDecision d = opt->policy->Decide(stats, max_grad_norm < 0 ? -1.0f : max_grad_norm);
   opt->in_step = false;
   opt->step_stats = GradStats{};
-  absl::StatusOr<StepCounters> counters = opt->backend->Commit(
-      group_lr[0], d.grad_multiplier, d.skip, params16 + opt->backend->partition_offset(),
-      absl::MakeConstSpan(group_lr, num_groups));
-  if (!counters.ok()) return counters.status();
-  opt->policy->Finish(d);
-  report->step = counters->completed_step;
+  EndMicroBatches(opt);
+  return d;
+}
+
+void FillReport(const OffloadOptimizer* opt, const StepDecision& d, const StepCounters& counters,
+                OffloadStepReport* report) {
+  report->step = counters.completed_step;
   report->skipped = d.skip ? 1 : 0;
   report->loss_scale = d.loss_scale;
   report->next_loss_scale = opt->policy->loss_scale();
   report->grad_norm = d.grad_norm;
   report->clip_coef = d.clip_coef;
   report->grad_multiplier = d.grad_multiplier;
-  report->adam_step = counters->adam_step;
-  report->skipped_steps = counters->completed_step - counters->adam_step;
+  report->adam_step = counters.adam_step;
+  report->skipped_steps = counters.completed_step - counters.adam_step;
+}
+
+absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
+                    int32_t num_groups, float max_grad_norm, uint16_t* params16,
+                    OffloadStepReport* report) {
+  OFFLOAD_ASSIGN_OR_RETURN(
+      const StepDecision d,
+      DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm, params16, report));
+  absl::StatusOr<StepCounters> counters;
+  {
+    TracePhase phase(opt->trace.get(), "commit", opt->open_step);
+    counters = opt->backend->Commit(group_lr[0], d.grad_multiplier, d.skip,
+                                    params16 + opt->backend->partition_offset(),
+                                    absl::MakeConstSpan(group_lr, num_groups));
+  }
+  if (!counters.ok()) return counters.status();
+  opt->policy->Finish(d);
+  FillReport(opt, d, *counters, report);
   return absl::OkStatus();
+}
+
+absl::Status CommitAsync(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
+                         int32_t num_groups, float max_grad_norm, uint16_t* params16,
+                         OffloadStepReport* report) {
+  OFFLOAD_ASSIGN_OR_RETURN(
+      const StepDecision d,
+      DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm, params16, report));
+  // The loss scale moves now: the next step's backward runs before this commit is done.
+  opt->policy->Finish(d);
+  const uint64_t step = opt->open_step;
+  FillReport(opt, d, StepCounters{step, 0}, report);
+  report->adam_step = 0;  // the shards' count is known at offload_wait_commit
+  report->skipped_steps = 0;
+  opt->pending_decision = d;
+  opt->pending_commit = std::async(
+      std::launch::async, [opt, d, lrs = std::vector<double>(group_lr, group_lr + num_groups),
+                           out = params16 + opt->backend->partition_offset(), step] {
+        // In the trace beside the next step's phases: what the delayed update overlaps.
+        TracePhase phase(opt->trace.get(), "commit_delayed", step);
+        return opt->backend->Commit(lrs[0], d.grad_multiplier, d.skip, out,
+                                    absl::MakeConstSpan(lrs));
+      });
+  return absl::OkStatus();
+}
+
+absl::Status WaitCommit(OffloadOptimizer* opt, OffloadStepReport* report) {
+  if (!opt->pending_commit.valid()) {
+    return absl::FailedPreconditionError("no delayed commit is in flight");
+  }
+  absl::StatusOr<StepCounters> counters = opt->pending_commit.get();
+  if (!counters.ok()) return counters.status();
+  if (report != nullptr) FillReport(opt, opt->pending_decision, *counters, report);
+  return absl::OkStatus();
+}
+
+// What may not run while a delayed commit is in flight: anything else on the shards.
+absl::Status NoCommitInFlight(const OffloadOptimizer* opt) {
+  if (!opt->pending_commit.valid()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "a delayed commit is in flight (offload_commit_async): offload_wait_commit first");
 }
 
 }  // namespace
@@ -405,6 +567,7 @@ void offload_destroy(OffloadOptimizer* opt) {
   if (opt == nullptr) return;
   try {
     opt->load.reset();
+    if (opt->pending_commit.valid()) opt->pending_commit.wait();
     offload::AbortStep(opt);
     if (opt->trace != nullptr) opt->trace->WriteChromeTrace(opt->trace_file).IgnoreError();
     delete opt;
@@ -415,6 +578,7 @@ void offload_destroy(OffloadOptimizer* opt) {
 int32_t offload_drop_job(OffloadOptimizer* opt) {
   return Guard([&] {
     if (opt == nullptr) return absl::InvalidArgumentError("null optimizer");
+    if (opt->pending_commit.valid()) opt->pending_commit.wait();
     offload::AbortStep(opt);
     return opt->backend->DropJob();
   });
@@ -518,6 +682,7 @@ int32_t offload_set_scaler(OffloadOptimizer* opt, float scale, uint32_t clean_st
   return Guard([&] {
     // The open step's gradients were computed with the current scale.
     if (opt->in_step) return absl::FailedPreconditionError("a step is open");
+    OFFLOAD_RETURN_IF_ERROR(offload::NoCommitInFlight(opt));
     offload::v1::LossScaleState s;
     s.set_scale(scale);
     s.set_clean_steps(clean_steps);
@@ -530,8 +695,11 @@ int32_t offload_begin_step(OffloadOptimizer* opt, uint64_t step) {
   return Guard([&] {
     if (opt->in_step) return absl::FailedPreconditionError("a step is already open");
     if (step == 0) return absl::InvalidArgumentError("steps count from 1");
+    OFFLOAD_RETURN_IF_ERROR(offload::NoCommitInFlight(opt));
     if (absl::Status s = opt->backend->BeginStep(step); !s.ok()) return s;
     opt->sender->set_step(step);
+    offload::EndMicroBatches(opt);
+    opt->open_step = step;
     opt->in_step = true;
     opt->step_stats = offload::GradStats{};
     return absl::OkStatus();
@@ -563,7 +731,7 @@ int32_t offload_gradients_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t
           ") were not written where "
           "offload_gradient_buffer puts that range: hand over each place's pieces separately"));
     }
-    opt->sender->Enqueue(static_cast<int64_t>(offset), static_cast<int64_t>(n), false, buffer);
+    offload::EnqueueGradients(opt, offset, n, buffer);
     return absl::OkStatus();
   });
 }
@@ -577,11 +745,16 @@ int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const
     // The rounding pass measures what it writes: the sender need not read it again.
     const offload::GradStats stats =
         offload::RoundGradients(grads, static_cast<int64_t>(n), opt->dtype, buffer, scale);
-    opt->sender->Enqueue(static_cast<int64_t>(offset), static_cast<int64_t>(n), false, buffer,
-                         &stats);
+    offload::EnqueueGradients(opt, offset, n, buffer, &stats);
     return absl::OkStatus();
   });
 }
+
+int32_t offload_next_micro_batch(OffloadOptimizer* opt) {
+  return Guard([&] { return offload::NextMicroBatch(opt); });
+}
+
+int32_t offload_micro_batch(const OffloadOptimizer* opt) { return opt->micro_batch; }
 
 int32_t offload_local_stats(OffloadOptimizer* opt, double out[2]) {
   return Guard([&] {
@@ -598,13 +771,30 @@ int32_t offload_local_stats(OffloadOptimizer* opt, double out[2]) {
   });
 }
 
-int32_t offload_commit(OffloadOptimizer* opt, const double* global_stats, const float* group_lr,
+int32_t offload_commit(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
                        int32_t num_groups, float max_grad_norm, uint16_t* params16,
                        OffloadStepReport* report) {
   return Guard([&] {
     return offload::Commit(opt, global_stats, group_lr, num_groups, max_grad_norm, params16,
                            report);
   });
+}
+
+int32_t offload_commit_async(OffloadOptimizer* opt, const double* global_stats,
+                             const double* group_lr, int32_t num_groups, float max_grad_norm,
+                             uint16_t* params16, OffloadStepReport* report) {
+  return Guard([&] {
+    return offload::CommitAsync(opt, global_stats, group_lr, num_groups, max_grad_norm, params16,
+                                report);
+  });
+}
+
+int32_t offload_wait_commit(OffloadOptimizer* opt, OffloadStepReport* report) {
+  return Guard([&] { return offload::WaitCommit(opt, report); });
+}
+
+int32_t offload_commit_in_flight(const OffloadOptimizer* opt) {
+  return opt->pending_commit.valid() ? 1 : 0;
 }
 
 int32_t offload_preview(OffloadOptimizer* opt, const double* global_stats, float max_grad_norm,

@@ -26,12 +26,13 @@ extern "C" {
 #endif
 
 /* Bumped on any change of a struct below or of a function's meaning. */
-#define OFFLOAD_C_ABI_VERSION 2
+#define OFFLOAD_C_ABI_VERSION 3
 
 typedef struct OffloadOptimizer OffloadOptimizer;
 
-enum { OFFLOAD_FP16 = 2, OFFLOAD_BF16 = 3 };  /* offload.v1.DType */
-enum { OFFLOAD_ADAM = 1, OFFLOAD_ADAMW = 2 }; /* offload.v1.OptimizerKind */
+enum { OFFLOAD_FP16 = 2, OFFLOAD_BF16 = 3 };                 /* offload.v1.DType */
+enum { OFFLOAD_ADAM = 1, OFFLOAD_ADAMW = 2 };                /* offload.v1.OptimizerKind */
+enum { OFFLOAD_FORM_TORCH_1_13 = 0, OFFLOAD_FORM_LERP = 1 }; /* offload.v1.AdamForm */
 enum {
   OFFLOAD_MASTER = 1,
   OFFLOAD_EXP_AVG = 2,
@@ -50,11 +51,12 @@ typedef struct {
   uint64_t offset;
   uint64_t length;
   int32_t kind; /* OFFLOAD_ADAM or OFFLOAD_ADAMW */
-  float lr;     /* the default; every step passes each group's lr */
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
+  /* Doubles, as torch's Python floats: the update rounds its scalars from them as torch does. */
+  double lr; /* the default; every step passes each group's lr */
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
 } OffloadGroup;
 
 typedef struct {
@@ -95,6 +97,9 @@ typedef struct {
    * OFFLOAD_TIER_MEMORY or OFFLOAD_TIER_DISK (the server needs --state_dir). The in-process engine
    * has memory only. */
   int32_t state_tier;
+  /* Which torch's single-tensor Adam/AdamW the update matches bit for bit: OFFLOAD_FORM_TORCH_1_13
+   * (exp_avg.mul_().add_()) or OFFLOAD_FORM_LERP (torch 2.x, exp_avg.lerp_()). */
+  int32_t adam_form;
 } OffloadConfig;
 
 /* One parameter of the flat space, by name (checkpoints): numel = the product of shape. */
@@ -214,6 +219,19 @@ int32_t offload_gradients_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t
  * ranks) and rounded to the job's 16-bit type in one pass, then queued as above. */
 int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const float* grads,
                                    uint64_t n, float scale);
+/* Gradient accumulation: ends the open step's current micro-batch (waits until its gradients are
+ * sent) and starts the next, whose gradients are added to the earlier ones: the shards sum them in
+ * fp32, in micro-batch order, and the step is decided (overflow, norm, clipping) on that sum, of
+ * which the library keeps this rank's copy (4 bytes a parameter of the partition, host memory,
+ * from the first step with a second micro-batch on). In every micro-batch each element is sent at
+ * most once, and the ranges of one micro-batch are written only after the previous micro-batch
+ * ended (offload_gradient_buffer then gives the library's buffer, never a shard's place). An
+ * element no micro-batch sends must still be sent once (zeros) before the commit. The gradients
+ * are summed as they are: a mean over micro-batches is the caller's (its loss divided by their
+ * number, as in torch). */
+int32_t offload_next_micro_batch(OffloadOptimizer* opt);
+/* 0 in the first micro-batch of the open step (or outside a step), k in the (k+1)-th. */
+int32_t offload_micro_batch(const OffloadOptimizer* opt);
 /* Waits until every queued gradient is sent; out[0] = sum of squares, out[1] = 1 if any was inf
  * or NaN, over this rank's gradients (still multiplied by the loss scale). W > 1: sum them over
  * ranks and pass the sums to offload_commit. A send that failed ends the step (nothing applied)
@@ -224,10 +242,25 @@ int32_t offload_local_stats(OffloadOptimizer* opt, double out[2]);
  * on this rank's slices and writes the updated 16-bit weights of this rank's partition into
  * params16 + partition_offset (params16 is (padded_length,), only the partition is written;
  * nothing on a skipped step). */
-int32_t offload_commit(OffloadOptimizer* opt, const double* global_stats, const float* group_lr,
+int32_t offload_commit(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
                        int32_t num_groups, float max_grad_norm, uint16_t* params16,
                        OffloadStepReport* report);
 void offload_abort_step(OffloadOptimizer* opt);
+/* The delayed parameter update: as offload_commit, but only the decision happens now (every
+ * gradient sent, the skip, the clip and the loss scale of the next step, in *report with the
+ * step's number; adam_step and skipped_steps are 0 there); a thread of the library then commits
+ * on the shards and writes the updated 16-bit weights of the partition into params16 +
+ * partition_offset, which must stay valid and unread until offload_wait_commit. Until then no
+ * other call may reach the shards: offload_begin_step, loads, reads, checkpoints and
+ * offload_set_scaler are refused (FAILED_PRECONDITION); offload_destroy and offload_drop_job wait
+ * for it. */
+int32_t offload_commit_async(OffloadOptimizer* opt, const double* global_stats,
+                             const double* group_lr, int32_t num_groups, float max_grad_norm,
+                             uint16_t* params16, OffloadStepReport* report);
+/* Waits for the commit offload_commit_async started; report (may be null) as offload_commit's.
+ * The commit's error, if it failed (then the shards applied nothing). */
+int32_t offload_wait_commit(OffloadOptimizer* opt, OffloadStepReport* report);
+int32_t offload_commit_in_flight(const OffloadOptimizer* opt);
 /* Adds a span [begin, end) of the caller's (seconds of CLOCK_MONOTONIC: Python's
  * time.monotonic()) to the trace, e.g. "backward"; nothing without a trace_file. */
 void offload_trace_phase(OffloadOptimizer* opt, const char* name, uint64_t step, double begin,

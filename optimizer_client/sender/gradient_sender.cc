@@ -1,5 +1,7 @@
 #include "optimizer_client/sender/gradient_sender.h"
 
+#include "base/dtype.h"
+
 namespace offload {
 
 GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16,
@@ -48,6 +50,12 @@ GradStats GradientSender::TakeStats() {
   return taken;
 }
 
+void GradientSender::AccumulateInto(float* acc, int64_t base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  acc_ = acc;
+  acc_base_ = base;
+}
+
 void GradientSender::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -57,11 +65,17 @@ void GradientSender::Loop() {
     queue_.pop_front();
     const bool failed = !error_.ok();
     const bool measure = measure_;
+    float* const acc =
+        range.accumulate && acc_ != nullptr ? acc_ + (range.offset - acc_base_) : nullptr;
     ++in_flight_;
     lock.unlock();
     absl::Status s;
     GradStats stats = range.stats;
-    if (!failed && measure && !range.known) {
+    if (!failed && acc != nullptr) {
+      // In micro-batch order, as the shard's own fold adds them: the same fp32 sums.
+      AddAsFloat(range.src, measure_dtype_, range.n, acc);
+      stats = GradStats{};
+    } else if (!failed && measure && !range.known) {
       stats = MeasureGradients16(range.src, range.n, measure_dtype_);
     }
     if (!failed) {

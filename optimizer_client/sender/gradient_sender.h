@@ -42,6 +42,10 @@ class GradientSender {
   // the sum since the last TakeStats and starts a new one.
   void MeasureAs(DType dtype);
   GradStats TakeStats();
+  // From now on, every accumulate range is also added (as MeasureAs's dtype, in fp32) into
+  // acc[offset - base] before it is sent, and not measured: the caller's mirror of the shards'
+  // micro-batch accumulator, whose statistics decide the step. Null: off. Call only when drained.
+  void AccumulateInto(float* acc, int64_t base);
 
  private:
   void Loop();
@@ -66,7 +70,9 @@ class GradientSender {
   bool stop_ = false;        // guarded by mu_
   bool measure_ = false;     // guarded by mu_
   DType measure_dtype_ = DType::kBf16;
-  GradStats stats_;  // guarded by mu_
+  float* acc_ = nullptr;  // guarded by mu_
+  int64_t acc_base_ = 0;  // guarded by mu_
+  GradStats stats_;       // guarded by mu_
   std::thread thread_;
 };
 

@@ -13,9 +13,10 @@ import os
 import pathlib
 from typing import Optional
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 FP16, BF16 = 2, 3
 ADAM, ADAMW = 1, 2
+FORM_TORCH_1_13, FORM_LERP = 0, 1  # OffloadConfig.adam_form
 MASTER, EXP_AVG, EXP_AVG_SQ = 1, 2, 3
 TIERS = {"auto": 0, "memory": 1, "disk": 2}
 
@@ -38,9 +39,9 @@ class OffloadError(RuntimeError):
 
 class Group(ctypes.Structure):
     _fields_ = [("offset", ctypes.c_uint64), ("length", ctypes.c_uint64),
-                ("kind", ctypes.c_int32), ("lr", ctypes.c_float), ("beta1", ctypes.c_float),
-                ("beta2", ctypes.c_float), ("eps", ctypes.c_float),
-                ("weight_decay", ctypes.c_float)]
+                ("kind", ctypes.c_int32), ("lr", ctypes.c_double), ("beta1", ctypes.c_double),
+                ("beta2", ctypes.c_double), ("eps", ctypes.c_double),
+                ("weight_decay", ctypes.c_double)]
 
 
 class Config(ctypes.Structure):
@@ -56,7 +57,7 @@ class Config(ctypes.Structure):
                 ("tls_server_name", ctypes.c_char_p), ("call_timeout_seconds", ctypes.c_double),
                 ("loss_scale_init", ctypes.c_float), ("loss_scale_window", ctypes.c_int32),
                 ("grad_clip", ctypes.c_float), ("trace_file", ctypes.c_char_p),
-                ("state_tier", ctypes.c_int32)]
+                ("state_tier", ctypes.c_int32), ("adam_form", ctypes.c_int32)]
 
 
 class NamedTensor(ctypes.Structure):
@@ -117,6 +118,7 @@ def lib() -> ctypes.CDLL:
     P = ctypes.c_void_p
     u64, i32, f32, dbl = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_double
     fptr = ctypes.POINTER(ctypes.c_float)
+    dptr = ctypes.POINTER(ctypes.c_double)
     sigs = {
         "offload_last_error": (ctypes.c_char_p, []),
         "offload_abi_version": (i32, []),
@@ -147,8 +149,12 @@ def lib() -> ctypes.CDLL:
         "offload_gradient_buffer": (P, [P, u64, u64]),
         "offload_gradients_ready": (i32, [P, u64, u64, P]),
         "offload_send_gradients_f32": (i32, [P, u64, P, u64, f32]),
+        "offload_next_micro_batch": (i32, [P]),
+        "offload_micro_batch": (i32, [P]),
         "offload_local_stats": (i32, [P, ctypes.POINTER(dbl)]),
-        "offload_commit": (i32, [P, P, fptr, i32, f32, P, ctypes.POINTER(StepReport)]),
+        "offload_commit": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
+        "offload_commit_async": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
+        "offload_wait_commit": (i32, [P, ctypes.POINTER(StepReport)]),
         "offload_preview": (i32, [P, P, f32, ctypes.POINTER(StepReport)]),
         "offload_abort_step": (None, [P]),
         "offload_trace_phase": (None, [P, ctypes.c_char_p, u64, dbl, dbl]),

@@ -33,6 +33,9 @@ class MetaValues:
         self.init = init
         # Where parameters the optimizer does not train, and buffers, go.
         self.device = device if device is not None else torch.device("cpu")
+        # id(meta parameter) -> its replacement, for the parameters the optimizer does not train
+        # (its frozen ones, which it then casts): they are not yielded.
+        self.replaced: Dict[int, torch.nn.Parameter] = {}
 
     def __call__(self, params: List[torch.nn.Parameter]
                  ) -> Iterator[Tuple[int, torch.nn.Parameter]]:
@@ -90,8 +93,10 @@ class MetaValues:
                 if i is not None:
                     given.add(i)
                     yield i, new
-                elif self.device.type != "cpu":
-                    new.data = new.data.to(self.device)  # not trained here: kept as built
+                else:
+                    self.replaced[id(old)] = new
+                    if self.device.type != "cpu":
+                        new.data = new.data.to(self.device)  # not trained here: kept as built
         # Parameters built for real take their own values.
         for i, p in enumerate(params):
             if i not in given:

@@ -23,6 +23,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -37,6 +38,10 @@ from offload.server import LocalServer
 __all__ = ["AdamW", "Adam", "OffloadError", "materialize", "save_safetensors"]
 
 _DTYPES = {torch.float16: _lib.FP16, torch.bfloat16: _lib.BF16}
+# The installed torch's single-tensor Adam/AdamW, which the shards reproduce bit for bit: 2.0
+# moved exp_avg with lerp_ (and bias_correction2 ** 0.5) where 1.x has mul_().add_().
+_ADAM_FORM = (_lib.FORM_LERP if int(torch.__version__.split(".")[0]) >= 2
+              else _lib.FORM_TORCH_1_13)
 # Elements converted, sent or read per call when state moves in pieces (4 MiB of fp32): what the
 # process holds of the state at a time.
 _CHUNK = 1 << 20
@@ -103,8 +108,8 @@ class AdamW(torch.optim.Optimizer):
         for code that reads them: 2 bytes a parameter more on the parameters' device, held until
         ``zero_grad()``. By default ``p.grad`` is freed as soon as the gradient is on its way, so
         after backward every ``p.grad`` is None. The step uses the gradients sent either way:
-        clip with ``max_grad_norm`` or ``clip_grad_norm_`` of this optimizer. Parameters with
-        ``requires_grad=False`` are not hooked and get zero gradients.
+        clip with ``max_grad_norm`` or ``clip_grad_norm_`` of this optimizer. With
+        accumulation over several ``backward()`` calls, keep_grads must be False.
       transport: "auto", "shm", "grpc" or "ucx".
       threads: Adam threads of the local server or the in-process engine (0: every core).
       job_id: the job's name on the servers (default: a fresh one).
@@ -118,6 +123,30 @@ class AdamW(torch.optim.Optimizer):
       optimizer_state: "auto" (on disk when the state does not fit the server's memory limit),
         "memory" or "disk": where the servers keep this job's fp32 state.
       server_memory_mib: the local server's ``--memory_limit_mib`` (0: its default).
+      delay_update: the delayed parameter update (the ZeRO-Offload paper's DPU): after
+        ``delay_warmup_steps`` ordinary steps, ``step()`` returns as soon as the step is decided
+        and its commit has left; the servers run Adam while the next forward (and backward, up
+        to its first complete gradient) computes on the weights one update old, and the update
+        lands in the parameters at the next ``step()``. Exactly one update behind, never
+        anything between. fp16 overflow in a delayed step skips it, as in an ordinary one; the
+        loss scale moves at once. ``state_dict()``, ``save_checkpoint()`` and ``flush()`` put
+        the update in flight into the parameters, so a run resumed from them computes with the
+        same weights as the run that saved. On the CPU the update waits in a second 16-bit
+        copy (2 bytes a parameter of host memory); on a GPU in the pinned copy there is anyway.
+
+    Gradient accumulation: any number of ``backward()`` calls per ``step()``. Each
+    micro-batch's gradients leave during its backward (device memory stays a bucket); the servers
+    add them in fp32, and the step (overflow skip, global norm, clipping) is decided on the sum,
+    which is what the parameters' ``.grad`` would hold in fp32. As with torch, the sum is the
+    gradient: divide the loss by the number of micro-batches for a mean. With several ranks each
+    micro-batch is reduced between the ranks during its backward. ``step()`` with no gradient
+    since the last one does nothing, as torch's.
+
+    Parameters with ``requires_grad=False`` when the optimizer is built are frozen: cast to
+    ``dtype`` with the others, but never sent, stepped or changed, and the servers hold nothing
+    for them (no moments, no memory); unfreezing one later is refused at ``step()`` with an
+    error (build a new optimizer). A trained parameter that gets no gradient in a step is stepped
+    with a zero gradient (a warning says so), where torch skips it.
 
     The fp32 values the parameters hold when the optimizer is built go to the servers in
     chunks as each parameter is cast; no fp32 copy of the model is made. For a model built on
@@ -139,6 +168,7 @@ class AdamW(torch.optim.Optimizer):
                  process_group: Any = None, trace_file: Optional[str] = None,
                  device: Any = None, state_dir: Optional[str] = None,
                  optimizer_state: str = "auto", server_memory_mib: int = 0,
+                 delay_update: bool = False, delay_warmup_steps: int = 20,
                  _values: Optional[Callable[[List[torch.nn.Parameter]],
                                             Iterable[Tuple[int, torch.nn.Parameter]]]] = None):
         if amsgrad:
@@ -168,6 +198,12 @@ class AdamW(torch.optim.Optimizer):
         self._step = 0  # steps committed (the servers' completed_step)
         self._adam_step = 0  # of them, updates applied (the t of bias correction)
         self.last_report: Optional[Dict[str, float]] = None
+        if delay_warmup_steps < 0:
+            raise ValueError(f"delay_warmup_steps is {delay_warmup_steps}; it must be >= 0")
+        self._delay = bool(delay_update)
+        self._delay_warmup = int(delay_warmup_steps)
+        self._in_flight = False  # a delayed commit runs on the servers
+        self._pending_update = False  # _next16 holds an update the parameters have not
 
         self._world, self._rank, self._group = 1, 0, process_group
         if process_group is not None:
@@ -175,16 +211,23 @@ class AdamW(torch.optim.Optimizer):
             self._world = dist.get_world_size(process_group)
             self._rank = dist.get_rank(process_group)
 
-        # The flat layout: group by group, parameter by parameter.
+        # The flat layout: group by group, parameter by parameter, of the parameters that
+        # require gradients. Frozen ones (requires_grad=False) have no place on the servers.
         self._params: List[torch.nn.Parameter] = []
         self._offsets: List[int] = []
         self._shapes: List[torch.Size] = []
+        self._packed: List[int] = []  # flat index -> index in param_groups order (torch's)
+        self._frozen: List[Tuple[int, int]] = []  # (group, position) of each frozen parameter
         group_bounds: List[Tuple[int, int]] = []
         offset = 0
+        packed = 0
         source_device = None
-        for g in self.param_groups:
+        for gi, g in enumerate(self.param_groups):
             start = offset
-            for p in g["params"]:
+            if not g["params"]:
+                raise ValueError("a parameter group without parameters")
+            for pj, p in enumerate(g["params"]):
+                packed += 1
                 if not p.is_floating_point():
                     raise TypeError(f"parameter of dtype {p.dtype} is not floating point: the "
                                     "optimizer servers train floating-point parameters only")
@@ -195,30 +238,39 @@ class AdamW(torch.optim.Optimizer):
                 elif p.device != source_device and device is None and _values is None:
                     raise ValueError(f"parameters on {source_device} and {p.device}: keep every "
                                      "parameter of one optimizer on one device, or pass device=")
+                if not p.requires_grad:
+                    self._frozen.append((gi, pj))
+                    continue
                 self._params.append(p)
                 self._offsets.append(offset)
                 self._shapes.append(p.shape)
+                self._packed.append(packed - 1)
                 offset += p.numel()
-            if offset == start:
-                raise ValueError("a parameter group without parameters")
             group_bounds.append((start, offset - start))
+        if offset == 0:
+            raise ValueError("no parameter requires a gradient: there is nothing to train")
         self.num_params = offset
+        # The servers' parameter groups: those with a parameter to train.
+        self._trained = [gi for gi, (_, n) in enumerate(group_bounds) if n > 0]
         self.device = torch.device(device) if device is not None else source_device
         if self.device.type == "meta" and _values is not None:
             self.device = torch.device("cpu")  # materialize()'s model, without a device=
         if self.device.type == "meta":
             raise ValueError("the parameters are on the meta device: build the optimizer with "
                              "offload.torch.materialize(model, ...), which gives them values")
-        if names is not None and len(names) != len(self._params):
+        if names is not None and len(names) != packed:
             raise ValueError("name every parameter or none")
-        self._names: Optional[List[str]] = names
+        self._names: Optional[List[str]] = (None if names is None else
+                                            [names[k] for k in self._packed])
 
         servers_list, token = self._servers(servers, token, threads, state_dir,
                                             server_memory_mib)
-        groups = (_lib.Group * len(self.param_groups))()
-        for i, (g, (start, length)) in enumerate(zip(self.param_groups, group_bounds)):
-            groups[i] = _lib.Group(start, length, self._kind, g["lr"], g["betas"][0],
-                                   g["betas"][1], g["eps"], g["weight_decay"])
+        groups = (_lib.Group * len(self._trained))()
+        for i, (g, (start, length)) in enumerate(
+                (self.param_groups[gi], group_bounds[gi]) for gi in self._trained):
+            groups[i] = _lib.Group(start, length, self._kind, float(g["lr"]),
+                                   float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                                   float(g["weight_decay"]))
         addresses = (ctypes.c_char_p * max(1, len(servers_list)))(
             *[a.encode() for a in servers_list])
         if job_id is None:
@@ -238,7 +290,8 @@ class AdamW(torch.optim.Optimizer):
             tls_cert=enc(tls_cert), tls_key=enc(tls_key), tls_server_name=enc(tls_server_name),
             call_timeout_seconds=call_timeout, loss_scale_init=loss_scale,
             loss_scale_window=loss_scale_window, grad_clip=self._max_grad_norm,
-            trace_file=enc(trace_file), state_tier=_lib.TIERS[optimizer_state])
+            trace_file=enc(trace_file), state_tier=_lib.TIERS[optimizer_state],
+            adam_form=_ADAM_FORM)
         L = _lib.lib()
         handle = ctypes.c_void_p()
         # Rank 0 creates the job, then the others join it; every rank learns whether all did.
@@ -264,8 +317,13 @@ class AdamW(torch.optim.Optimizer):
         self._host16 = (self._flat16 if self.device.type == "cpu" else
                         torch.empty(self.padded_length, dtype=dtype,
                                     pin_memory=torch.cuda.is_available()))
+        # The delayed update's weights wait here while the parameters are in use: on a GPU the
+        # host copy the commits write anyway, on the CPU a second copy (2 bytes a parameter).
+        self._next16 = (self._host16 if not self._delay or self._host16 is not self._flat16 else
+                        torch.empty(self.padded_length, dtype=dtype))
         try:
             self._set_up_weights(_values)
+            self._set_up_frozen(_values)
         except BaseException:
             self.close()  # no job left on the servers, no server left running
             raise
@@ -318,6 +376,23 @@ class AdamW(torch.optim.Optimizer):
                 L.offload_load_abort(self._handle)
             raise
         self._agree(rc, error, "loading the master weights")
+
+    def _set_up_frozen(self, values: Any) -> None:
+        """The frozen parameters (requires_grad=False when the optimizer was built) are cast to
+        the 16-bit type on the optimizer's device, as the trained ones are, so the model computes
+        in one type; they are never sent, stepped or changed afterwards (torch's AdamW leaves a
+        parameter without a gradient alone), and the servers hold nothing for them."""
+        replaced = getattr(values, "replaced", {})
+        with torch.no_grad():
+            for gi, pj in self._frozen:
+                p = self.param_groups[gi]["params"][pj]
+                p = replaced.get(id(p), p)  # materialize()'s parameter with values
+                if p.is_meta:
+                    raise ValueError(f"a frozen parameter (shape {tuple(p.shape)}) is on the meta "
+                                     "device but no module of the model holds it")
+                self.param_groups[gi]["params"][pj] = p
+                if p.dtype != self.dtype or p.device != self.device:
+                    p.data = p.data.to(device=self.device, dtype=self.dtype)
 
     def _take_values(self, index: int, p: torch.nn.Parameter, loading: bool) -> None:
         """p's values: to the servers as fp32 (rank 0), into the flat buffer rounded to 16 bits,
@@ -443,7 +518,10 @@ class AdamW(torch.optim.Optimizer):
     def _init_gradients(self, keep_grads: bool) -> None:
         """The per-step gradient state, and the hooks that feed it."""
         self.keep_grads = bool(keep_grads)
-        self._sent = [False] * len(self._params)
+        self._sent = [False] * len(self._params)  # in the current micro-batch
+        self._seen = [False] * len(self._params)  # in any micro-batch of the step
+        self._micro = 0  # the current micro-batch of the step (backward() calls before it)
+        self._warned_unused = False
         self._gradients_done = False
         self._pending: List[Tuple[int, int, int]] = []  # (offset, n, where)
         self._pending_elements = 0
@@ -473,6 +551,9 @@ class AdamW(torch.optim.Optimizer):
 
     def _begin_step(self) -> None:
         if not _lib.lib().offload_in_step(self._live()):
+            # The delayed commit must be done on the servers before this step opens there; its
+            # update waits for step() (the parameters must not change under backward).
+            self._wait_commit()
             check(_lib.lib().offload_begin_step(self._handle, self._step + 1))
 
     def _on_gradient(self, index: int) -> None:
@@ -486,14 +567,12 @@ class AdamW(torch.optim.Optimizer):
             raise RuntimeError(f"parameter {index} got a sparse gradient: offload.torch optimizers "
                                "take dense gradients only")
         with self._lock:
-            if self._sent[index]:
-                raise RuntimeError(
-                    f"parameter {index} got a second gradient in one step: accumulating "
-                    "gradients over several backward() calls is not supported yet; call "
-                    "step() after each backward()")
             self._check_param(index)
             self._begin_step()
+            if self._sent[index]:
+                self._next_micro_batch(index)
             self._sent[index] = True
+            self._seen[index] = True
             off = self._offsets[index]
             if self._reducer is not None:
                 self._reducer.add(index, grad)
@@ -506,6 +585,31 @@ class AdamW(torch.optim.Optimizer):
                     self._flush()
             if not self.keep_grads:
                 p.grad = None
+
+    def _next_micro_batch(self, index: int) -> None:
+        """Parameter index has a gradient again: another backward() of the same step began (a
+        parameter's hook runs once per backward). Everything of the micro-batch before leaves
+        first; the library then adds what follows to it (the servers sum in fp32)."""
+        if self.keep_grads:
+            self._abort()
+            raise RuntimeError(
+                f"parameter {index} got a second gradient before step(): with keep_grads=True, "
+                "torch accumulates p.grad in 16 bits, which the servers cannot undo; accumulate "
+                "gradients over several backward() calls with keep_grads=False (the servers sum "
+                "the micro-batches in fp32)")
+        try:
+            if self._reducer is not None:
+                self._reducer.finish()
+                self._reducer.reset()
+            elif self._ring is not None:
+                self._ring.flush()
+            self._flush()
+            check(_lib.lib().offload_next_micro_batch(self._handle))
+        except BaseException:
+            self._abort()  # the step ends, nothing applied: zero_grad() and retry
+            raise
+        self._sent = [False] * len(self._params)
+        self._micro += 1
 
     def _hand_over(self, pieces: List[Piece]) -> None:
         """A staging slot whose copies have landed: into the library's place, then ready."""
@@ -550,7 +654,7 @@ class AdamW(torch.optim.Optimizer):
     def _fill_missing(self) -> None:
         """Zeros for parameters backward gave no gradient this step, and for the padding."""
         missing = [(self._offsets[i], self._params[i].numel())
-                   for i, sent in enumerate(self._sent) if not sent]
+                   for i, seen in enumerate(self._seen) if not seen]
         if self.padded_length > self.num_params:
             missing.append((self.num_params, self.padded_length - self.num_params))
         for off, n in missing:
@@ -563,11 +667,25 @@ class AdamW(torch.optim.Optimizer):
         """Every gradient of this rank's partition on its way (once per step)."""
         if self._gradients_done:
             return
-        # A parameter not hooked (frozen when the optimizer was built) that has a gradient now
-        # was unfrozen since: its gradient goes as the hooked ones do.
-        for i, hooked in enumerate(self._grad_hooks.hooked):
-            if not hooked and not self._sent[i] and self._params[i].grad is not None:
-                self._on_gradient(i)
+        for gi, pj in self._frozen:
+            if self.param_groups[gi]["params"][pj].grad is not None:
+                p = self.param_groups[gi]["params"][pj]
+                raise RuntimeError(
+                    f"a parameter of group {gi} (shape {tuple(p.shape)}) was frozen "
+                    "(requires_grad=False) when the optimizer was built and has a gradient now: "
+                    "the servers hold no state for it and the job's parameters are fixed. "
+                    "Build a new optimizer after unfreezing, or set its .grad to None to keep "
+                    "it frozen")
+        unused = [i for i, seen in enumerate(self._seen) if not seen]
+        if unused and not self._warned_unused:
+            self._warned_unused = True
+            warnings.warn(
+                f"{len(unused)} parameter(s) got no gradient in step {self._step + 1} (the "
+                f"first: parameter {unused[0]} of shape {tuple(self._shapes[unused[0]])}): "
+                "offload.torch steps them with a zero gradient (weight decay and the moments' "
+                "decay apply) where torch.optim leaves them alone. Freeze parameters that do "
+                "not train (requires_grad=False) before building the optimizer: those are "
+                "never changed.", stacklevel=4)
         if self._reducer is not None:
             self._reducer.finish()
             self._sent = [True] * len(self._params)
@@ -609,6 +727,8 @@ class AdamW(torch.optim.Optimizer):
             _lib.lib().offload_abort_step(self._handle)
         self._gradients_done = False
         self._sent = [False] * len(self._params)
+        self._seen = [False] * len(self._params)
+        self._micro = 0
         self._pending = []
         self._pending_elements = 0
         if getattr(self, "_ring", None) is not None:
@@ -697,13 +817,25 @@ class AdamW(torch.optim.Optimizer):
         self._live()
         begin = time.monotonic()
         with self._lock:
+            if not L.offload_in_step(self._handle) and not self._frozen_with_grads():
+                # No gradient since the last step: nothing to do, as torch.optim does nothing
+                # for parameters without gradients (every rank must agree, as with DDP).
+                return loss
             stats = self._gradients_out()
-            lrs = (ctypes.c_float * len(self.param_groups))(
-                *[float(g["lr"]) for g in self.param_groups])
+            lrs = (ctypes.c_double * len(self._trained))(
+                *[float(self.param_groups[gi]["lr"]) for gi in self._trained])
             max_norm = self._step_max_norm if self._step_max_norm is not None else -1.0
             report = _lib.StepReport()
-            rc = L.offload_commit(self._handle, stats, lrs, len(lrs), max_norm,
-                                  _ptr(self._host16), ctypes.byref(report))
+            delayed = self._delay and self._step >= self._delay_warmup
+            if delayed:
+                # The update of the step before lands now, before this one leaves: the next
+                # forward computes with it, one update behind the servers (the paper's DPU).
+                self._apply_pending()
+                rc = L.offload_commit_async(self._handle, stats, lrs, len(lrs), max_norm,
+                                            _ptr(self._next16), ctypes.byref(report))
+            else:
+                rc = L.offload_commit(self._handle, stats, lrs, len(lrs), max_norm,
+                                      _ptr(self._host16), ctypes.byref(report))
             error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
             # Whatever happened, this step is over on both sides (a commit refused before it
             # reached the shards leaves the library's step open: it ends here, nothing applied).
@@ -711,19 +843,56 @@ class AdamW(torch.optim.Optimizer):
             if rc == 0:
                 self._step_max_norm = None
             self._agree(rc, error, "committing the step")
+            self._in_flight = delayed
         self._trace("step", begin)
         self._step = int(report.step)
-        self._adam_step = int(report.adam_step)
-        if not report.skipped:
-            self._gather_weights()
+        if delayed:  # the shards' count comes with offload_wait_commit; this is what it will be
+            self._adam_step += 0 if report.skipped else 1
+            report.adam_step = self._adam_step
+            report.skipped_steps = self._step - self._adam_step
+        else:
+            self._adam_step = int(report.adam_step)
+        if not report.skipped and not delayed:
+            self._gather_weights(self._host16)
         self.last_report = {f: getattr(report, f) for f, _ in _lib.StepReport._fields_}
         return loss
 
-    def _gather_weights(self) -> None:
-        """After a commit: this rank's partition is in _host16; every rank's, everywhere."""
-        if self._host16 is not self._flat16:
+    def _wait_commit(self) -> None:
+        """The delayed commit in flight, if any, done on the servers: its weights wait in
+        _next16 until _apply_pending. A commit that failed raises here; its update is lost (the
+        servers applied nothing)."""
+        if not self._in_flight:
+            return
+        self._in_flight = False
+        report = _lib.StepReport()
+        check(_lib.lib().offload_wait_commit(self._handle, ctypes.byref(report)))
+        self._adam_step = int(report.adam_step)
+        self._pending_update = not report.skipped
+
+    def _apply_pending(self) -> None:
+        """The delayed update, once its commit is done, into the parameters (every rank)."""
+        self._wait_commit()
+        if self._pending_update:
+            self._pending_update = False
+            self._gather_weights(self._next16)
+
+    def flush(self) -> None:
+        """With ``delay_update``: waits for the update in flight and puts it into the
+        parameters now, so they hold every committed step (evaluation, export). Checkpoints and
+        ``state_dict()`` do it themselves. Nothing to do otherwise."""
+        with self._lock:
+            self._live()
+            self._apply_pending()
+
+    def _frozen_with_grads(self) -> bool:
+        return any(self.param_groups[gi]["params"][pj].grad is not None
+                   for gi, pj in self._frozen)
+
+    def _gather_weights(self, src: torch.Tensor) -> None:
+        """After a commit: this rank's partition is in src; every rank's, in the parameters."""
+        if src is not self._flat16:
             lo, n = self._part_offset, self._part_length
-            self._flat16[lo:lo + n].copy_(self._host16[lo:lo + n])
+            self._flat16[lo:lo + n].copy_(src[lo:lo + n])
         if self._world > 1:
             import torch.distributed as dist
             # As int32 pairs: gloo has neither bfloat16 nor int16, and a copy keeps the bits
@@ -741,14 +910,21 @@ class AdamW(torch.optim.Optimizer):
         return out
 
     def master_weights(self) -> torch.Tensor:
-        """(num_params,) fp32 master weights, read from the servers (4 bytes a parameter)."""
+        """(num_params,) fp32 master weights, read from the servers (4 bytes a parameter), with
+        every committed step (a delayed one included, whether or not the parameters have it)."""
+        with self._lock:
+            self._live()
+            self._wait_commit()
         return self._read(_lib.MASTER, 0, self.num_params)
 
-    def _fixed_hyperparameters_match(self, groups: List[Dict[str, Any]]) -> None:
+    def _fixed_hyperparameters_match(self, groups: List[Dict[str, Any]],
+                                     names: Optional[List[str]] = None) -> None:
         """Refuses saved groups whose number, size or fixed hyper-parameters differ: the job's
-        betas, eps and weight decay are fixed on the servers when it is created."""
+        betas, eps and weight decay are fixed on the servers when it is created. `names`: the
+        groups list trained parameters by name (checkpoints), else every parameter by index."""
         if len(groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+                len(a["params"]) != len(b["params"])
+                for a, b in zip(groups, self._packed_groups(names))):
             raise ValueError("the state's parameter groups differ from this optimizer's in "
                              "number or size")
         for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
@@ -776,7 +952,7 @@ class AdamW(torch.optim.Optimizer):
             m = min(_CHUNK, lo + n - a)
             view = self._host16[a:a + m]
             check(L.offload_read_weights16(self._handle, a, m, _ptr(view)))
-        self._gather_weights()
+        self._gather_weights(self._host16)
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout (per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``) plus each
@@ -789,11 +965,14 @@ class AdamW(torch.optim.Optimizer):
         with self._lock:
             if _lib.lib().offload_in_step(self._live()):
                 raise RuntimeError("state_dict() between backward() and step(): finish the step")
+            # The delayed update lands first: a run that resumes from this state computes with
+            # the weights this one computes with from now on.
+            self._apply_pending()
             adam_step = self._adam_step
             state: Dict[int, Dict[str, torch.Tensor]] = {}
             for i, off in enumerate(self._offsets):
                 n, shape = self._shapes[i].numel(), self._shapes[i]
-                state[i] = {"step": torch.tensor(float(adam_step)),
+                state[self._packed[i]] = {"step": torch.tensor(float(adam_step)),
                             "exp_avg": self._read(_lib.EXP_AVG, off, n).view(shape),
                             "exp_avg_sq": self._read(_lib.EXP_AVG_SQ, off, n).view(shape),
                             "master": self._read(_lib.MASTER, off, n).view(shape)}
@@ -820,8 +999,10 @@ class AdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             count = len(g["params"])
+            # Names are the trained parameters' (flat order); frozen ones have no state.
             packed["params"] = (list(range(index, index + count)) if names is None else
-                                names[index:index + count])
+                                [names[i] for i, k in enumerate(self._packed)
+                                 if index <= k < index + count])
             index += count
             groups.append(packed)
         return groups
@@ -833,7 +1014,14 @@ class AdamW(torch.optim.Optimizer):
         L = _lib.lib()
         with self._lock:
             self._live()
-            self._abort()  # the state replaces whatever the open step would have applied
+            # The state replaces whatever the open step, or a delayed one, would have applied
+            # (a delayed commit that failed has nothing to lose).
+            try:
+                self._wait_commit()
+            except OffloadError:
+                pass
+            self._pending_update = False
+            self._abort()
             old = self._scaler()
             # The scaler first: it checks its values, and is put back if the shards refuse.
             check(L.offload_set_scaler(self._handle, float(scaler[0]), int(scaler[1]),
@@ -874,14 +1062,14 @@ class AdamW(torch.optim.Optimizer):
         tensors = (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ)
         state = state_dict["state"]
         for i, shape in enumerate(self._shapes):
-            s = state.get(i)
+            s = state.get(self._packed[i])
             if s is None:
-                raise ValueError(f"the state has nothing for parameter {i}")
+                raise ValueError(f"the state has nothing for parameter {self._packed[i]}")
             for name in names:
                 t = s.get(name)
                 if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != torch.float32:
                     raise ValueError(
-                        f"parameter {i}: {name} is "
+                        f"parameter {self._packed[i]}: {name} is "
                         f"{None if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}"
                         f", expected float32 of shape {tuple(shape)}: the state is of another "
                         "model")
@@ -894,7 +1082,7 @@ class AdamW(torch.optim.Optimizer):
                 for name, tensor in zip(names, tensors):
                     if rc:
                         return rc
-                    t = state[i][name].detach().reshape(-1).to("cpu").contiguous()
+                    t = state[self._packed[i]][name].detach().reshape(-1).to("cpu").contiguous()
                     rc = L.offload_load_chunk(self._handle, tensor, off, t.numel(), _ptr(t))
             return rc or L.offload_load_finish(self._handle)
 
@@ -906,7 +1094,7 @@ class AdamW(torch.optim.Optimizer):
         with torch.no_grad():
             for i, off in enumerate(self._offsets):
                 self._flat16[off:off + self._shapes[i].numel()].copy_(
-                    state[i]["master"].reshape(-1))  # rounded as the servers round
+                    state[self._packed[i]]["master"].reshape(-1))  # rounded as the servers round
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -961,6 +1149,7 @@ class AdamW(torch.optim.Optimizer):
             if L.offload_in_step(self._live()):
                 raise RuntimeError("save_checkpoint() between backward() and step(): finish the "
                                    "step")
+            self._apply_pending()  # as state_dict()
             rc = 0
             if self._rank == 0:
                 rc = L.offload_save_checkpoint(self._handle, path.encode(), array, len(names),
@@ -1007,7 +1196,7 @@ class AdamW(torch.optim.Optimizer):
         array, keep_alive = self._named_tensors(names)
         L = _lib.lib()
         check(L.offload_check_checkpoint(directory.encode(), array, len(names)))
-        self._fixed_hyperparameters_match(manifest.param_groups)
+        self._fixed_hyperparameters_match(manifest.param_groups, names)
         self._load_with_scaler(
             manifest.loss_scale,
             lambda: L.offload_load_checkpoint(self._handle, directory.encode(), array, len(names)),

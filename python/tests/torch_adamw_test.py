@@ -5,14 +5,15 @@ torch.optim.AdamW on the masters, the same 16-bit rounding of weights and gradie
 GradScaler's rules for fp16. The optimizer under test must give the same master weights to the
 bit, through one local server and three, over shared memory and over gRPC.
 
-Hyper-parameters are exact in fp32 (powers of two, 1 - 2^-10): the servers take them as fp32
-(the wire's type), while torch computes its per-step scalars from Python doubles, so a value
-that fp32 cannot hold (0.9, 0.1) would differ by one rounding of a scalar, not of the method.
+The hyper-parameters here happen to be exact in fp32 (powers of two, 1 - 2^-10), but they need
+not be: the servers take them as doubles and compute each step's scalars as torch does, from
+Python floats rounded once (torch_schedule_test uses betas (0.9, 0.95), lr 3e-4, wd 0.1).
 
-The servers compute AdamW as torch 1.13's torch.optim.AdamW does (ARCHITECTURE.md section 5),
-which is the reference there. torch 2.x's differs in two roundings: exp_avg moves by lerp_, and
-its CPU sqrt is not correctly rounded (about one value in six is 1 ulp off); there the reference
-is ContractAdamW, torch 1.13's update written out in plain torch with an IEEE square root.
+The servers compute AdamW in the installed torch's single-tensor form (ARCHITECTURE.md section
+5): torch 1.13's torch.optim.AdamW is the reference there. torch 2.x moves exp_avg by lerp_,
+which the servers do too, but its CPU sqrt is not correctly rounded (about one value in five is
+1 ulp off); there the reference is ContractAdamW, torch 2.x's update written out in plain torch
+with an IEEE square root.
 """
 
 from __future__ import annotations
@@ -59,14 +60,20 @@ class OddNet(torch.nn.Module):
         return F.linear(torch.tanh(h), f(self.fc2.weight), f(self.fc2.bias))
 
 
+TORCH2 = int(re.match(r"\d+", torch.__version__).group()) >= 2
+
+
 class ContractAdamW(torch.optim.Optimizer):
-    """torch 1.13's torch.optim.AdamW (``_single_tensor_adamw``, no amsgrad, no maximize), step by
-    step, with a correctly rounded square root: what the servers compute, for a torch whose own
-    AdamW rounds otherwise."""
+    """torch's single-tensor AdamW (no amsgrad, no maximize), step by step, with a correctly
+    rounded square root: what the servers compute, for a torch whose own AdamW rounds otherwise.
+    lerp: torch 2.x's form (exp_avg.lerp_, bias_correction2 ** 0.5), else torch 1.13's.
+    decoupled=False: torch.optim.Adam (L2 on the gradient) instead."""
 
     def __init__(self, params, lr: float, betas: Tuple[float, float], eps: float,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, lerp: bool = TORCH2,
+                 decoupled: bool = True) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.lerp, self.decoupled = lerp, decoupled
 
     @torch.no_grad()
     def step(self) -> None:
@@ -81,17 +88,26 @@ class ContractAdamW(torch.optim.Optimizer):
                                  exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
                 step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                p.mul_(1 - lr * group["weight_decay"])
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                wd, grad = group["weight_decay"], p.grad
+                if self.decoupled:
+                    p.mul_(1 - lr * wd)
+                elif wd != 0:
+                    grad = grad.add(p, alpha=wd)
+                if self.lerp:
+                    m.lerp_(grad, 1 - beta1)
+                else:
+                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 sqrt_v = v.double().sqrt().float()  # exact in double, then one rounding
-                denom = (sqrt_v / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+                bc2 = 1 - beta2 ** step
+                bc2_sqrt = bc2 ** 0.5 if self.lerp else math.sqrt(bc2)
+                denom = (sqrt_v / bc2_sqrt).add_(group["eps"])
                 p.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** step)))
 
 
 def reference_adamw(params: List[dict]) -> torch.optim.Optimizer:
     """torch.optim.AdamW where it is the servers' method (torch 1.x), else ContractAdamW."""
-    if int(re.match(r"\d+", torch.__version__).group()) < 2:
+    if not TORCH2:
         return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
     return ContractAdamW(params, lr=LR, betas=BETAS, eps=EPS)
 

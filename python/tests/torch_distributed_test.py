@@ -1,5 +1,5 @@
-"""Two ranks with torch.distributed (gloo) train what one rank with the whole batch trains (run by
-CTest as `torch_distributed_test`). Each rank computes its half of the batch; the optimizer sums
+"""Two ranks with torch.distributed (gloo) train what one rank with the whole batch trains, with
+and without gradient accumulation (run by CTest as `torch_distributed_test`). Each rank computes its half of the batch; the optimizer sums
 the ranks' gradients in fp32, each rank sends the mean of its partition to the shared server,
 commits it and the partitions are all-gathered.
 
@@ -32,7 +32,7 @@ ROWS = 8
 
 
 def train(rank: int, world: int, address: str, token: str, out: str, loss_scale: float,
-          init_file: str) -> None:
+          init_file: str, micro: int = 1) -> None:
     import offload.torch as otorch
     group = None
     if world > 1:
@@ -52,11 +52,13 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
         g = torch.Generator().manual_seed(step)
         x = torch.randint(0, 31, (ROWS, 6), generator=g)[rank * rows:(rank + 1) * rows]
         opt.zero_grad()
-        logits = model(x)
-        # The mean over this rank's rows; the optimizer averages the ranks.
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 31),
-                                                 x[:, 1:].reshape(-1))
-        opt.backward(loss)
+        # `micro` backward() calls of rows / micro each: the servers add them.
+        for part in x.chunk(micro):
+            logits = model(part)
+            # The mean over this rank's rows; the optimizer averages the ranks.
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 31),
+                                                     part[:, 1:].reshape(-1)) / micro
+            opt.backward(loss)
         opt.step()
     if rank == 0:
         torch.save(opt.master_weights(), out)
@@ -72,13 +74,14 @@ class TwoRanks(unittest.TestCase):
         server = LocalServer(threads=1)
         try:
             with tempfile.TemporaryDirectory() as d:
-                def run(world: int, scale: float) -> torch.Tensor:
-                    out = os.path.join(d, f"w{world}-{int(scale)}.pt")
-                    init = os.path.join(d, f"init-{world}-{int(scale)}")
+                def run(world: int, scale: float, micro: int = 1) -> torch.Tensor:
+                    out = os.path.join(d, f"w{world}-{int(scale)}-{micro}.pt")
+                    init = os.path.join(d, f"init-{world}-{int(scale)}-{micro}")
                     procs = [subprocess.Popen(
                         [sys.executable, __file__, "--rank", str(r), "--world", str(world),
                          "--address", server.address, "--out", out, "--loss_scale", str(scale),
-                         "--init", init], env=dict(os.environ, OFFLOAD_TOKEN=server.token))
+                         "--init", init, "--micro", str(micro)],
+                        env=dict(os.environ, OFFLOAD_TOKEN=server.token))
                         for r in range(world)]
                     for p in procs:
                         self.assertEqual(p.wait(timeout=300), 0)
@@ -92,6 +95,18 @@ class TwoRanks(unittest.TestCase):
                 print(f"two ranks vs one: max |diff| {diff:.3e}, floor {floor:.3e}")
                 self.assertLessEqual(diff, 4 * floor, f"two ranks {diff}, floor {floor}")
                 self.assertGreater(diff, 0.0)  # the ranks really ran their own halves
+                # Two ranks of two micro-batches each: every micro-batch's gradients are reduced
+                # between the ranks during its backward and the server adds the two means in
+                # fp32: six roundings (four of the ranks' micro-batch gradients, two of the
+                # means) where the floor run rounds once. In quadrature sqrt(6) ~ 2.4 floors in
+                # expectation; with the same margin for the maximum over elements as above
+                # (4 / sqrt(3)), the bound is 6 floors.
+                accumulated = run(2, 1024.0, micro=2)
+                diff = (accumulated - one).abs().max().item()
+                print(f"two ranks x two micro-batches vs one: max |diff| {diff:.3e}, "
+                      f"floor {floor:.3e}")
+                self.assertLessEqual(diff, 6 * floor, f"accumulated {diff}, floor {floor}")
+                self.assertGreater(diff, 0.0)
         finally:
             server.close()
 
@@ -104,9 +119,10 @@ if __name__ == "__main__":
     ap.add_argument("--out")
     ap.add_argument("--loss_scale", type=float, default=1024.0)
     ap.add_argument("--init")
+    ap.add_argument("--micro", type=int, default=1)
     args, rest = ap.parse_known_args()
     if args.rank >= 0:
         train(args.rank, args.world, args.address, os.environ["OFFLOAD_TOKEN"], args.out,
-              args.loss_scale, args.init)
+              args.loss_scale, args.init, args.micro)
     else:
         unittest.main(argv=[sys.argv[0]] + rest)

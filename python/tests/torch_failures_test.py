@@ -205,16 +205,32 @@ class Failures(unittest.TestCase):
         finally:
             second.close()
 
-    def test_gradient_accumulation_says_it_is_not_supported(self) -> None:
-        model = small_model()
-        opt = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
-        try:
-            backward(model, opt)
-            with self.assertRaisesRegex(RuntimeError, "second gradient"):
+    def test_a_refused_step_after_accumulation_applies_nothing_and_can_be_redone(self) -> None:
+        def accumulate(model: torch.nn.Module, opt: otorch.AdamW) -> None:
+            for _ in range(3):
                 backward(model, opt)
+
+        model, twin = small_model(), small_model()
+        opt = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
+        clean = otorch.AdamW(twin.parameters(), lr=1e-3, servers="inprocess")
+        try:
+            before = opt.master_weights()
+            accumulate(model, opt)
+            opt.param_groups[0]["lr"] = float("nan")  # a scheduler gone wrong
+            with self.assertRaisesRegex(OffloadError, "lr of parameter group 0"):
+                opt.step()
+            self.assertTrue(torch.equal(opt.master_weights(), before))  # nothing half applied
+            opt.param_groups[0]["lr"] = 1e-3
+            opt.zero_grad()
+            accumulate(model, opt)  # the step again, from its first micro-batch
+            opt.step()
+            accumulate(twin, clean)
+            clean.step()
+            self.assertEqual(opt.last_report["step"], 1)
+            self.assertTrue(torch.equal(opt.master_weights(), clean.master_weights()))
         finally:
             opt.close()
-
+            clean.close()
 
 if __name__ == "__main__":
     unittest.main()
