@@ -10,7 +10,8 @@ is timed three ways on the same batches:
           gradients, commit), as the C++ trainer drives its optimizer backend: what the front end
           adds is offload's step minus (its forward+backward without hooks + bare);
   delayed offload with delay_update=True (no warm-up): the time step() waits after backward,
-          and the whole step, against the synchronous step's.
+          and the whole step, against the synchronous step's; from its Chrome trace, the share
+          of the servers' commits that ran outside step() (under the next forward/backward).
 It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
 
     PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
@@ -21,9 +22,11 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -47,6 +50,23 @@ def timed(fn, steps: int, warmup: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def overlap_fraction(trace_file: str) -> float:
+    """From a Chrome trace of delayed steps: the share of the servers' commits
+    (commit_delayed spans) that ran outside step(), i.e. while the script's forward and
+    backward did."""
+    events = json.load(open(trace_file))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    spans = lambda name: [(e["ts"], e["ts"] + e["dur"]) for e in events  # noqa: E731
+                          if e.get("name") == name and e.get("ph") == "X"]
+    steps = spans("step")
+    total = hidden = 0.0
+    for a, b in spans("commit_delayed"):
+        inside = sum(max(0.0, min(b, d) - max(a, c)) for c, d in steps)
+        total += b - a
+        hidden += b - a - inside
+    return hidden / total if total else 0.0
 
 
 def main() -> None:
@@ -138,9 +158,13 @@ def main() -> None:
     # delayed: the same with delay_update (the paper's DPU, no warm-up): step() returns once the
     # commit has left, which then overlaps the next forward and backward's start.
     model = copy.deepcopy(base)
-    opt = otorch.AdamW(model.parameters(), lr=1e-4, delay_update=True, delay_warmup_steps=0)
-    delayed_step_s, delayed_opt_s = offload_steps()
-    opt.close()
+    with tempfile.TemporaryDirectory() as d:
+        trace = os.path.join(d, "delayed.json")
+        opt = otorch.AdamW(model.parameters(), lr=1e-4, delay_update=True, delay_warmup_steps=0,
+                           trace_file=trace)
+        delayed_step_s, delayed_opt_s = offload_steps()
+        opt.close()  # writes the trace
+        overlap = overlap_fraction(trace)
 
     print(f"torch_offload model=gpt params={n} layers={args.layers} channels={args.channels} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} plane={transport}")
@@ -151,7 +175,8 @@ def main() -> None:
     print(f"step() wait     sync_s={offload_opt_s:.4f} delayed_s={delayed_opt_s:.4f} "
           f"whole_step_delayed_s={delayed_step_s:.4f} whole_step_sync_s={offload_step_s:.4f} "
           f"delayed_vs_sync={offload_step_s / delayed_step_s:.2f}x "
-          f"delayed_vs_torch={torch_step_s / delayed_step_s:.2f}x")
+          f"delayed_vs_torch={torch_step_s / delayed_step_s:.2f}x "
+          f"commit_outside_step={overlap:.2f}")
     print(f"front end       offload_step_s={offload_step_s:.4f} fwd_bwd_bf16_s={plain_s:.4f} "
           f"bare_commit_s={bare_s:.4f} cost={offload_step_s / (plain_s + bare_s):.3f}x of "
           "fwd+bwd+bare (target <= 1.2x)")

@@ -264,6 +264,14 @@ def op_commit(slot, delta=0, lr=0, mult=0, flags=6):  # flags 6: the sink never 
     return bytes([2, slot, delta & 0xff, lr, mult, flags])
 
 
+def op_commit_range_steps(slot, steps, flags=6):
+    """A commit with range steps (flag bit 5): (offset from the range, length, t) each."""
+    out = bytes([2, slot, 0, 0, 0, flags | 32, len(steps) - 1])
+    for offset, length, t in steps:
+        out += struct.pack('<hH', offset, length) + bytes([t])
+    return out
+
+
 def op_close(slot):
     return bytes([3, slot])
 
@@ -300,6 +308,11 @@ def step_session_corpus():
           op_grads(0, 0, 300) + op_commit(0))
     write(d, 'load_while_open.steps', cfg + op_open(0, 0) + bytes([4]) +
           op_load_chunk(0, 0, 0, 300) + bytes([7]) + op_close(0))
+    # Two groups; range 1's second step skips a run, and gives two runs their own t, one across
+    # the wave boundary.
+    write(d, 'range_steps.steps', bytes([3 | 32]) + op_open(1, 1) + op_grads(1, 0, 16484) +
+          op_commit(1) + op_open(1, 1) + op_grads(1, 0, 16484) +
+          op_commit_range_steps(1, [(10, 100, 0), (16380, 10, 1), (16470, 14, 2)]))
     write(d, 'reads.steps', cfg + op_read(0, 1, 0, 300, 7) + op_read(1, 0, -10, 400, 0) +
           op_read(2, 2, 100, 20000, 255))
 

@@ -246,12 +246,21 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
 
 absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(double lr, float grad_multiplier, bool skip,
                                                       void* params_out,
-                                                      absl::Span<const double> group_lr) {
+                                                      absl::Span<const double> group_lr,
+                                                      absl::Span<const RangeStep> range_steps) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   v1::StepCommit* commit = request_.mutable_commit();
   commit->set_step(step_);
   commit->set_lr(lr);
   commit->mutable_group_lr()->Assign(group_lr.begin(), group_lr.end());
+  commit->clear_range_steps();
+  for (const RangeStep& rs : range_steps) {
+    v1::RangeStep* out = commit->add_range_steps();
+    // Negative values travel as huge ones, which the shard refuses as it would these.
+    out->set_offset(static_cast<uint64_t>(rs.offset));
+    out->set_length(static_cast<uint64_t>(rs.length));
+    out->set_t(rs.t);
+  }
   commit->set_grad_multiplier(grad_multiplier);
   commit->set_skip(skip);
   done_ = true;

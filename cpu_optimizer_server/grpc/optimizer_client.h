@@ -90,8 +90,8 @@ class GrpcStepStream final : public StepStream {
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate = false) override;
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
-                                        void* params_out,
-                                        absl::Span<const double> group_lr = {}) override;
+                                        void* params_out, absl::Span<const double> group_lr = {},
+                                        absl::Span<const RangeStep> range_steps = {}) override;
   void Abandon() override;
   ~GrpcStepStream() override;
 

@@ -196,6 +196,12 @@ grpc::Status OptimizerService::Step(
       commit.skip = request.commit().skip();
       commit.group_lr.assign(request.commit().group_lr().begin(),
                              request.commit().group_lr().end());
+      commit.range_steps.reserve(request.commit().range_steps_size());
+      for (const v1::RangeStep& rs : request.commit().range_steps()) {
+        // Values past int64 read as negative, which the session refuses with the entry named.
+        commit.range_steps.push_back(RangeStep{static_cast<int64_t>(rs.offset()),
+                                               static_cast<int64_t>(rs.length()), rs.t()});
+      }
       break;
     } else if (request.has_open()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "`open` sent twice in one stream");

@@ -174,7 +174,17 @@ Record Script(ShardStore* store, DType dtype, uint32_t seed) {
   // A replay of the last step: reads and converts only.
   note(Step(store, "job", 3, dtype, {}, {0, 1e-2f, 1.f, true, {}}, &rec));
   note(Step(store, "job", 4, dtype, {grads(1.f)}, {0, 0, 1.f, false, {2e-2f, 5e-3f}}, &rec));
-  note(Step(store, "job", 4, dtype, {grads(1.f)}, {0, 0, 1.f, false, {2e-2f, 5e-3f}}, &rec));
+  // Range steps: a skipped run across a tile, a t of its own across the group cut, and one run
+  // from the end of range A over the gap into range B (each range takes its part).
+  const int64_t cut = kA + 2 * kTileElements + 999;
+  note(Step(store, "job", 5, dtype, {grads(1.f)},
+            {0,
+             1e-2f,
+             1.f,
+             false,
+             {},
+             {{kA + kTileElements - 7, 3000, 0}, {cut - 50, 100, 1}, {kA + kLenA - 100, 300, 2}}},
+            &rec));
   rec.master = ReadAll(store, "job", StateTensor::kMasterWeights, DType::kFp32, kB, kLenB) +
                ReadAll(store, "job", StateTensor::kMasterWeights, DType::kFp32, kA, kLenA);
   rec.exp_avg = ReadAll(store, "job", StateTensor::kExpAvg, DType::kFp32, kA, kLenA) +
@@ -188,8 +198,8 @@ Record Script(ShardStore* store, DType dtype, uint32_t seed) {
       Floats(rec.master.substr(kLenB * 4) + rec.master.substr(0, kLenB * 4));
   const std::vector<float> a = Floats(rec.exp_avg), v = Floats(rec.exp_avg_sq);
   EXPECT_TRUE(store->CreateJob(TwoRangesTwoGroups("restored", dtype)).ok());
-  note(Load(store, "restored", m, &a, &v, 4, 3));
-  note(Step(store, "restored", 5, dtype, {grads(0.5f)}, {0, 1e-2f, 1.f, false, {}}, &rec));
+  note(Load(store, "restored", m, &a, &v, 5, 4));
+  note(Step(store, "restored", 6, dtype, {grads(0.5f)}, {0, 1e-2f, 1.f, false, {}}, &rec));
   rec.exp_avg_sq += ReadAll(store, "restored", StateTensor::kExpAvgSq, DType::kFp32, kA, kLenA);
   return rec;
 }

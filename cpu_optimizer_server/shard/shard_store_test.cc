@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -802,6 +804,177 @@ TEST_F(ParamGroupTest, BadGroupLrLeavesTheStateBitIdentical) {
   VectorSink sink(kOffset, kLength);
   EXPECT_TRUE(
       Step("grouped", 2, g.data(), 5, {2, std::nanf(""), 0.5f, false, {1e-3f, 0.0f}}, &sink).ok());
+}
+
+// --- Range steps: torch's per-parameter skip and step count (StepCommit.range_steps). ---
+
+// A commit with range steps over two groups: a skipped run and two runs with their own t, each
+// cut inside a tile, a wave and a SIMD vector, one across the group cut. Every element must be
+// what the scalar reference gives piece by piece (skipped: state untouched, output the master
+// rounded), and every element no range step covers what a commit without them gives.
+TEST_F(ParamGroupTest, RangeStepsSkipOrOverrideTExactly) {
+  weights_ = RandomFloats(kLength, 1.0f);
+  CreateLoaded(Job("ranged", {{kOffset, kLength}}, TwoGroups()), 0);
+  CreateLoaded(Job("plain", {{kOffset, kLength}}, TwoGroups()), 0);
+  const double lrs[2] = {1e-2, 4e-3};
+  // Two warm-up steps so the moments and the range's t (2) are not trivial.
+  for (uint64_t step = 1; step <= 2; ++step) {
+    const std::vector<uint16_t> g = RandomFp16(kLength);
+    VectorSink a(kOffset, kLength), b(kOffset, kLength);
+    const StepCommitArgs args{step, 0, 0.5f, false, {lrs[0], lrs[1]}, {}};
+    ASSERT_TRUE(Step("ranged", step, g.data(), 77, args, &a).ok());
+    ASSERT_TRUE(Step("plain", step, g.data(), 77, args, &b).ok());
+  }
+  const RangeState& r = RangeOf("ranged");
+  const std::vector<float> p0(r.param, r.param + kLength), m0(r.exp_avg, r.exp_avg + kLength),
+      v0(r.exp_avg_sq, r.exp_avg_sq + kLength);
+
+  // Range-relative runs; the range's own t for step 3 is 3.
+  struct Run {
+    int64_t begin, end;
+    uint64_t t;
+  };
+  const std::vector<Run> runs = {
+      {17, 2 * 16 + 5, 1},                           // inside the first vector, t 1
+      {kTileElements - 9, kTileElements + 3001, 0},  // skipped, across a tile and a wave
+      {kCut - 100, kCut + 101, 2},  // across the group cut, t 2 (B: no bias correction)
+      {kLength - 13, kLength, 3},   // the range's own t, spelled out
+  };
+  StepCommitArgs args{3, 0, 0.5f, false, {lrs[0], lrs[1]}, {}};
+  // Two outside the range: clipped away by the shard.
+  args.range_steps.push_back(RangeStep{0, kOffset, 0});
+  for (const Run& run : runs) {
+    args.range_steps.push_back(RangeStep{kOffset + run.begin, run.end - run.begin, run.t});
+  }
+  args.range_steps.push_back(RangeStep{kOffset + kLength, 1000, 1});
+  const std::vector<uint16_t> g = RandomFp16(kLength);
+  VectorSink ranged(kOffset, kLength), plain(kOffset, kLength);
+  absl::StatusOr<StepOutcome> outcome = Step("ranged", 3, g.data(), kLength / 2, args, &ranged);
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_TRUE(outcome->applied);
+  EXPECT_EQ(outcome->adam_step, 3u);  // the range's counters advance as always
+  ASSERT_TRUE(
+      Step("plain", 3, g.data(), 5, {3, 0, 0.5f, false, {lrs[0], lrs[1]}, {}}, &plain).ok());
+
+  // The reference: the scalar kernel piece by piece on copies of the state before the step.
+  std::vector<float> p = p0, m = m0, v = v0;
+  std::vector<uint16_t> out(kLength);
+  const AdamKernelFn scalar = GetAdamKernel(SimdPath::kScalar);
+  auto reference = [&](int64_t b, int64_t e, uint64_t t) {
+    for (int k = 0; k < 2; ++k) {
+      const int64_t lo = std::max(b, k == 0 ? int64_t{0} : kCut);
+      const int64_t hi = std::min(e, k == 0 ? kCut : kLength);
+      if (lo >= hi) continue;
+      AdamSpan span{g.data() + lo, DType::kFp16,    p.data() + lo, m.data() + lo,
+                    v.data() + lo, out.data() + lo, DType::kFp16,  hi - lo};
+      scalar(ComputeAdamStepScalars(k == 0 ? A() : B(), lrs[k], static_cast<int64_t>(t), 0.5f),
+             span);
+    }
+  };
+  int64_t at = 0;
+  for (const Run& run : runs) {
+    reference(at, run.begin, 3);
+    if (run.t == 0) {
+      for (int64_t i = run.begin; i < run.end; ++i) out[i] = FloatToFp16(p[i]);
+    } else {
+      reference(run.begin, run.end, run.t);
+    }
+    at = run.end;
+  }
+  reference(at, kLength, 3);
+  EXPECT_EQ(std::memcmp(ranged.out().data(), out.data(), kLength * 2), 0) << "seed " << seed_;
+  EXPECT_EQ(std::memcmp(r.param, p.data(), kLength * 4), 0) << "seed " << seed_;
+  EXPECT_EQ(std::memcmp(r.exp_avg, m.data(), kLength * 4), 0) << "seed " << seed_;
+  EXPECT_EQ(std::memcmp(r.exp_avg_sq, v.data(), kLength * 4), 0) << "seed " << seed_;
+
+  // Spelled out: the skipped run is untouched, its output its master rounded; an element no run
+  // covers, and the run with the range's own t, are the plain job's.
+  const RangeState& q = RangeOf("plain");
+  const Run& skipped = runs[1];
+  for (int64_t i = skipped.begin; i < skipped.end; ++i) {
+    ASSERT_EQ(std::memcmp(&r.param[i], &p0[i], 4), 0) << i;
+    ASSERT_EQ(std::memcmp(&r.exp_avg[i], &m0[i], 4), 0) << i;
+    ASSERT_EQ(std::memcmp(&r.exp_avg_sq[i], &v0[i], 4), 0) << i;
+    ASSERT_EQ(ranged.out()[i], FloatToFp16(p0[i])) << i;
+  }
+  for (int64_t i : {int64_t{0}, int64_t{16}, runs[0].end, skipped.begin - 1, skipped.end,
+                    kCut - 101, kCut + 101, kLength - 14, kLength - 13, kLength - 1}) {
+    EXPECT_EQ(std::memcmp(&r.param[i], &q.param[i], 4), 0) << i;
+    EXPECT_EQ(std::memcmp(&r.exp_avg_sq[i], &q.exp_avg_sq[i], 4), 0) << i;
+    EXPECT_EQ(ranged.out()[i], plain.out()[i]) << i;
+  }
+  // And the overrides did something: t 1 in group A gives other weights than t 3.
+  EXPECT_NE(std::memcmp(r.param + runs[0].begin, q.param + runs[0].begin,
+                        (runs[0].end - runs[0].begin) * 4),
+            0);
+
+  // A replay sends the same parameters whatever range steps it carries.
+  VectorSink replay(kOffset, kLength);
+  args.range_steps = {RangeStep{kOffset, kLength, 0}};
+  absl::StatusOr<StepOutcome> replayed = Step("ranged", 3, g.data(), 9, args, &replay);
+  ASSERT_TRUE(replayed.ok()) << replayed.status();
+  EXPECT_TRUE(replayed->replayed);
+  EXPECT_EQ(replay.out(), ranged.out());
+}
+
+// A skipped commit (overflow) applies none of its range steps, and its counters move as always.
+TEST_F(ParamGroupTest, SkippedCommitIgnoresRangeSteps) {
+  weights_ = RandomFloats(kLength, 1.0f);
+  CreateLoaded(Job("ranged", {{kOffset, kLength}}, TwoGroups()), 0);
+  const std::string before = ReadAll("ranged");
+  VectorSink sink(kOffset, kLength);
+  StepCommitArgs args{1, 1e-2, 0.5f, /*skip=*/true, {}, {{kOffset + 10, 100, 1}}};
+  absl::StatusOr<StepOutcome> r = Step("ranged", 1, RandomFp16(kLength).data(), 3, args, &sink);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->skipped);
+  EXPECT_EQ(r->adam_step, 0u);
+  EXPECT_EQ(ReadAll("ranged"), before);
+}
+
+TEST_F(ParamGroupTest, BadRangeStepsLeaveTheStateBitIdentical) {
+  weights_ = RandomFloats(kLength, 1.0f);
+  CreateLoaded(Job("ranged", {{kOffset, kLength}}, TwoGroups()), 0);
+  const std::vector<uint16_t> g = RandomFp16(kLength);
+  VectorSink warm(kOffset, kLength);
+  ASSERT_TRUE(Step("ranged", 1, g.data(), 5, {1, 1e-2, 0.5f, false, {}, {}}, &warm).ok());
+  const std::string before = ReadAll("ranged");
+  const Snapshot counters = Take(RangeOf("ranged"));
+  struct Case {
+    const char* what;
+    std::vector<RangeStep> steps;
+    bool skip;
+    const char* names;
+  };
+  const std::vector<Case> cases = {
+      {"empty", {{kOffset + 10, 0, 0}}, false, "range_steps[0] has offset"},
+      {"negative length", {{kOffset + 10, -5, 0}}, false, "range_steps[0]"},
+      {"negative offset", {{-1, 5, 0}}, false, "range_steps[0]"},
+      {"offset + length overflows", {{kOffset, INT64_MAX, 0}}, false, "range_steps[0]"},
+      {"overlapping",
+       {{kOffset + 10, 20, 0}, {kOffset + 29, 5, 1}},
+       false,
+       "range_steps[1] starts at 1029, before range_steps[0] ends at 1030"},
+      {"out of order", {{kOffset + 50, 5, 0}, {kOffset + 10, 5, 1}}, false, "sorted by offset"},
+      {"t past adam_step + 1", {{kOffset + 10, 5, 3}}, false, "has t 3"},
+      {"checked on a skipped step too", {{kOffset + 10, 5, 7}}, true, "has t 7"},
+      {"checked outside the range too", {{kOffset + kLength + 5, 5, 9}}, false, "has t 9"},
+  };
+  for (const Case& c : cases) {
+    VectorSink sink(kOffset, kLength);
+    absl::StatusOr<StepOutcome> r =
+        Step("ranged", 2, g.data(), 5, {2, 1e-2, 0.5f, c.skip, {}, c.steps}, &sink);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.what << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.names), std::string::npos)
+        << c.what << ": " << r.status();
+    EXPECT_EQ(sink.sends(), 0) << c.what;
+    EXPECT_EQ(ReadAll("ranged"), before) << c.what;
+    EXPECT_TRUE(Take(RangeOf("ranged")) == counters) << c.what;
+  }
+  // t == adam_step + 1 is the range's own t: allowed.
+  VectorSink sink(kOffset, kLength);
+  EXPECT_TRUE(
+      Step("ranged", 2, g.data(), 5, {2, 1e-2, 0.5f, false, {}, {{kOffset, 9, 2}}}, &sink).ok());
 }
 
 }  // namespace

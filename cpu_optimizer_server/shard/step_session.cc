@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -183,7 +185,8 @@ absl::Status StepSession::StartAccumulating() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> StepSession::StreamWaves(const AdamStepScalars* update, ParamSink* sink) {
+absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& update,
+                                              ParamSink* sink) {
   const RangeState* r = range_;
   const int64_t length = r->spec.length;
   const int64_t wave = store_->options().wave_elements;
@@ -202,33 +205,47 @@ absl::StatusOr<bool> StepSession::StreamWaves(const AdamStepScalars* update, Par
     float* const master = state.master - state.lo;  // indexed by range element
     float* const exp_avg = state.exp_avg - state.lo;
     float* const exp_avg_sq = state.exp_avg_sq - state.lo;
-    if (update == nullptr) {
+    // The 16-bit copy of master weights [b, e) only, as a replay or a skipped range sends it.
+    auto convert = [&](int64_t b, int64_t e) {
       if (to_half != nullptr) {
-        to_half(master + base, out_dtype, out, hi - base);
+        to_half(master + b, out_dtype, out + (b - base), e - b);
       } else {
-        ConvertFromFloat(master + base, hi - base, out_dtype, out);
+        ConvertFromFloat(master + b, e - b, out_dtype, out + (b - base));
       }
+    };
+    if (update.empty()) {
+      convert(base, hi);
       return;
     }
     AdamSpan span;
     span.out_dtype = out_dtype;
-    // [b, e) is cut where a parameter group ends: each piece runs with its group's scalars. The
-    // update is elementwise, so the cut changes no bit (one group: one piece, as before groups).
+    // [b, e) is cut where a parameter group ends and where an update run (range_steps) ends:
+    // each piece runs with its group's scalars for its run's t, or only converts where the run
+    // is skipped. The update is elementwise, so the cuts change no bit (one group and no range
+    // steps: one piece, as before either).
     auto run = [&](int64_t b, int64_t e, const void* grad, DType grad_dtype) {
       const int grad_size = DTypeSize(grad_dtype);
       auto g = std::upper_bound(r->group_pieces.begin(), r->group_pieces.end(), b,
                                 [](int64_t pos, const RangeGroupPiece& p) { return pos < p.end; });
-      for (const int64_t first = b; b < e; ++g) {
-        const int64_t ge = std::min(e, g->end);
-        span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
-        span.grad_dtype = grad_dtype;
-        span.param = master + b;
-        span.exp_avg = exp_avg + b;
-        span.exp_avg_sq = exp_avg_sq + b;
-        span.out = out + (b - base);
-        span.n = ge - b;
-        kernel(update[g->group], span);
-        b = ge;
+      auto u = std::upper_bound(update.begin(), update.end(), b,
+                                [](int64_t pos, const UpdateRun& run) { return pos < run.end; });
+      for (const int64_t first = b; b < e;) {
+        const int64_t pe = std::min({e, g->end, u->end});
+        if (u->scalars == nullptr) {
+          convert(b, pe);
+        } else {
+          span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
+          span.grad_dtype = grad_dtype;
+          span.param = master + b;
+          span.exp_avg = exp_avg + b;
+          span.exp_avg_sq = exp_avg_sq + b;
+          span.out = out + (b - base);
+          span.n = pe - b;
+          kernel(u->scalars[g->group], span);
+        }
+        b = pe;
+        if (b == g->end) ++g;
+        if (b == u->end) ++u;
       }
     };
     if (accumulating_) {
@@ -251,7 +268,7 @@ absl::StatusOr<bool> StepSession::StreamWaves(const AdamStepScalars* update, Par
   std::unique_ptr<StatePass> pass;
   if (r->file != nullptr) {
     pass = std::make_unique<StatePass>(store_->disk(), r->file.get(),
-                                       /*write_back=*/update != nullptr);
+                                       /*write_back=*/!update.empty());
   }
   const StateWave in_memory{0, length, r->param, r->exp_avg, r->exp_avg_sq};
 
@@ -299,6 +316,39 @@ absl::StatusOr<bool> StepSession::StreamWaves(const AdamStepScalars* update, Par
   return sink_ok;
 }
 
+absl::Status StepSession::ValidateRangeSteps(const std::vector<RangeStep>& steps) const {
+  uint64_t adam_step;
+  {
+    std::lock_guard<std::mutex> lock(range_->mu);
+    adam_step = range_->adam_step;
+  }
+  // A replay's update was counted already, so its bound is one looser; it applies nothing.
+  const uint64_t max_t = adam_step + 1;
+  int64_t prev_end = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const RangeStep& s = steps[i];
+    if (s.offset < 0 || s.length <= 0 ||
+        s.length > std::numeric_limits<int64_t>::max() - s.offset) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("commit.range_steps[", i, "] has offset ", s.offset, " and length ",
+                       s.length, "; a range step must be a non-empty range of the flat space"));
+    }
+    if (i > 0 && s.offset < prev_end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "commit.range_steps[", i, "] starts at ", s.offset, ", before range_steps[", i - 1,
+          "] ends at ", prev_end, ": range steps must be sorted by offset and not overlap"));
+    }
+    if (s.t > max_t) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "commit.range_steps[", i, "] [", s.offset, ", ", s.offset + s.length, ") has t ", s.t,
+          " but range ", range_->index, " of job ", job_->config.job_id, " has applied ", adam_step,
+          " updates, so no element's step can be past ", max_t));
+    }
+    prev_end = s.offset + s.length;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, ParamSink* sink) {
   if (committed_) return absl::FailedPreconditionError("the step was already committed");
   if (args.step != step_) {
@@ -332,6 +382,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     return absl::InvalidArgumentError(absl::StrCat(
         "commit.grad_multiplier is ", args.grad_multiplier, "; it must be finite and > 0"));
   }
+  OFFLOAD_RETURN_IF_ERROR(ValidateRangeSteps(args.range_steps));
   if (job_->dropped) {
     return absl::NotFoundError(absl::StrCat("job ", job_->config.job_id, " was dropped"));
   }
@@ -357,7 +408,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
   if (!r->state_lost.empty()) return absl::DataLossError(r->state_lost);
   if (replay_) {
     outcome.replayed = true;
-    absl::StatusOr<bool> sent = StreamWaves(nullptr, sink);
+    absl::StatusOr<bool> sent = StreamWaves({}, sink);
     if (!sent.ok()) return sent.status();  // a replay only reads: the state is unchanged
     outcome.receiver_gone = !*sent;
   } else if (args.skip) {
@@ -369,17 +420,37 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
       std::lock_guard<std::mutex> lock(r->mu);
       t = r->adam_step + 1;
     }
-    // One set of scalars per group: its own hyper-parameters and lr, the range's t.
-    std::vector<AdamStepScalars> scalars;
-    scalars.reserve(groups.size());
-    for (size_t i = 0; i < groups.size(); ++i) {
-      const double lr = args.group_lr.empty() ? args.lr : args.group_lr[i];
-      scalars.push_back(ComputeAdamStepScalars(groups[i].adam, lr, static_cast<int64_t>(t),
-                                               args.grad_multiplier));
+    // One set of scalars per group and bias-correction step: the group's own hyper-parameters
+    // and lr, the range's t or a range step's. A node of the map never moves, so the runs
+    // below may point into it.
+    std::map<uint64_t, std::vector<AdamStepScalars>> scalars_by_t;
+    auto scalars_for = [&](uint64_t step_t) -> const AdamStepScalars* {
+      std::vector<AdamStepScalars>& scalars = scalars_by_t[step_t];
+      if (scalars.empty()) {
+        scalars.reserve(groups.size());
+        for (size_t i = 0; i < groups.size(); ++i) {
+          const double lr = args.group_lr.empty() ? args.lr : args.group_lr[i];
+          scalars.push_back(ComputeAdamStepScalars(groups[i].adam, lr, static_cast<int64_t>(step_t),
+                                                   args.grad_multiplier));
+        }
+      }
+      return scalars.data();
+    };
+    const AdamStepScalars* const range_t = scalars_for(t);
+    // The range cut where range steps begin and end (validated, sorted; clipped to the range).
+    std::vector<UpdateRun> runs;
+    int64_t at = 0;
+    for (const RangeStep& rs :
+         ClipRangeSteps(args.range_steps, r->spec.offset, r->spec.offset + length)) {
+      const int64_t b = rs.offset - r->spec.offset;
+      if (b > at) runs.push_back(UpdateRun{b, range_t});
+      at = b + rs.length;
+      runs.push_back(UpdateRun{at, rs.t == 0 ? nullptr : scalars_for(rs.t)});
     }
+    if (at < length) runs.push_back(UpdateRun{length, range_t});
     // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
     const auto begin = std::chrono::steady_clock::now();
-    absl::StatusOr<bool> sent = StreamWaves(scalars.data(), sink);
+    absl::StatusOr<bool> sent = StreamWaves(runs, sink);
     if (!sent.ok()) {
       // Some waves were written back and some not: the range is lost until a restore.
       r->state_lost =

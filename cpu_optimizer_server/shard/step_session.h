@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cpu_optimizer_server/shard/range_steps.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 
 namespace offload {
@@ -34,6 +35,9 @@ struct StepCommitArgs {
   // Empty: `lr` for every parameter group of the job. Otherwise one lr per group, in group order
   // (StepCommit.group_lr).
   std::vector<double> group_lr;
+  // Per-element skips and bias-correction steps (StepCommit.range_steps), flat offsets, sorted,
+  // not overlapping; the parts outside the range are ignored. Empty: every element as usual.
+  std::vector<RangeStep> range_steps;
 };
 
 struct StepOutcome {
@@ -87,10 +91,19 @@ class StepSession {
   absl::Status StartAccumulating();
   // Whether any of data (n,) in dtype is inf or NaN.
   bool AnyNonFinite(const char* data, DType dtype, int64_t n) const;
-  // Streams the 16-bit copy of [0, length) in waves; `update` (one per parameter group of the
-  // job, indexed by group) first applies Adam to each wave, null for a replay. False when the
-  // receiver went away; an error only from a range on disk whose pass failed.
-  absl::StatusOr<bool> StreamWaves(const AdamStepScalars* update, ParamSink* sink);
+  // A run of range-relative elements ending at `end` (the run before it ends where it begins)
+  // and how they update: `scalars` holds one set per parameter group of the job (indexed by
+  // group), null for elements a range step leaves alone this commit.
+  struct UpdateRun {
+    int64_t end;
+    const AdamStepScalars* scalars;
+  };
+  // Checks commit.range_steps against the range; OK means they may be applied.
+  absl::Status ValidateRangeSteps(const std::vector<RangeStep>& steps) const;
+  // Streams the 16-bit copy of [0, length) in waves; `update` (runs in order, the last ending
+  // at length) first applies Adam to each wave, empty for a replay. False when the receiver
+  // went away; an error only from a range on disk whose pass failed.
+  absl::StatusOr<bool> StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink);
 
   ShardStore* const store_;
   const std::shared_ptr<Job> job_;

@@ -19,7 +19,10 @@
 //                 seed
 //   2 commit      slot, step delta (int8, from the opened step), lr choice, multiplier choice,
 //                 flags (bit 0 skip, bits 1-2 the sink refusing after 0..2 sends or never, bits
-//                 3-4 group lrs: none, one per group from the lr choices, one too many, a NaN)
+//                 3-4 group lrs: none, one per group from the lr choices, one too many, a NaN,
+//                 bit 5 range steps follow: count (u8 % 4 + 1), then per entry offset (int16,
+//                 from the range's offset), length (u16 % 20000), t (u8 % 5)); an applied
+//                 commit must leave every element of a t == 0 entry exactly as it was
 //   3 close       slot (the session ends without a commit)
 //   4 load start  5 load chunk (tensor, flags: bits 0-1 the range the offset is from, the rest as
 //                 for gradients; offset int16, count u16 % 512, seed)
@@ -304,11 +307,53 @@ void Run(const uint8_t* data, size_t size) {
             args.group_lr.back() = nan;
             break;
         }
+        struct RawRangeStep {
+          int16_t offset;
+          uint16_t length;
+          uint8_t t;
+        };
+        std::vector<RawRangeStep> raw_steps;
+        if ((flags & 32) != 0) {
+          const int count = in.U8() % 4 + 1;
+          for (int k = 0; k < count; ++k) {
+            const int16_t offset = in.I16();
+            const uint16_t length = in.U16();
+            const uint8_t t = in.U8();
+            raw_steps.push_back(RawRangeStep{offset, static_cast<uint16_t>(length % 20000),
+                                             static_cast<uint8_t>(t % 5)});
+          }
+        }
         if (slot.session == nullptr) continue;
-        CheckingSink sink(kRanges[slot.range], ((flags >> 1) & 3) == 3 ? -1 : (flags >> 1) & 3);
+        const RangeSpec& range = kRanges[slot.range];
+        for (const RawRangeStep& raw : raw_steps) {
+          args.range_steps.push_back(RangeStep{range.offset + raw.offset, raw.length, raw.t});
+        }
+        // The state of the elements the range steps skip, inside the range, before the commit.
+        auto skipped_state = [&] {
+          std::string bytes;
+          for (const RangeStep& rs :
+               ClipRangeSteps(args.range_steps, range.offset, range.offset + range.length)) {
+            if (rs.t != 0) continue;
+            for (StateTensor t :
+                 {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+              absl::Status read = store.ReadState(kJob, t, DType::kFp32, rs.offset, rs.length, 0,
+                                                  [&](int64_t, int64_t, const std::string& b) {
+                                                    bytes += b;
+                                                    return true;
+                                                  });
+              if (!read.ok()) Fail("cannot read skipped elements: " + read.ToString());
+            }
+          }
+          return bytes;
+        };
+        const std::string skipped_before = skipped_state();
+        CheckingSink sink(range, ((flags >> 1) & 3) == 3 ? -1 : (flags >> 1) & 3);
         absl::StatusOr<StepOutcome> outcome = slot.session->Commit(args, &sink);
         status = outcome.status();
         may_change = outcome.ok();
+        if (outcome.ok() && skipped_state() != skipped_before) {
+          Fail("an applied commit changed elements its range steps skip");
+        }
         if (outcome.ok() && outcome->step != slot.step) Fail("the commit reports another step");
         break;
       }

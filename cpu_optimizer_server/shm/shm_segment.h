@@ -20,7 +20,8 @@ namespace offload {
 inline constexpr char kShmMagic[4] = {'O', 'F', 'S', 'M'};
 // 2: a COMMIT carries per-group learning rates, so ShmCommand grew and the header with it.
 // 3: the learning rates are doubles (torch's Python floats), so it grew again.
-inline constexpr uint32_t kShmVersion = 3;
+// 4: a COMMIT may carry range steps in a chunk slot (its `slot` and `n`).
+inline constexpr uint32_t kShmVersion = 4;
 // The header's ten pages (its command ring is most of them); the areas follow it.
 inline constexpr uint64_t kShmHeaderBytes = 40960;
 inline constexpr int kShmSecretBytes = 32;
@@ -40,9 +41,12 @@ struct ShmCommand {
   // kShmInPlace (the gradient area at its range-relative position) or a chunk slot.
   uint32_t dtype;
   uint32_t accumulate;
+  // COMMIT: the chunk slot that holds its range steps (StepCommit.range_steps), n RangeStep
+  // records (range_steps.h) from the slot's start; n == 0: none, and no slot is used. They travel
+  // in a slot, not in the command, because a commit may carry one per parameter tensor.
   uint32_t slot;
   int64_t offset;  // GRAD: flat element offset
-  int64_t n;       // GRAD: elements
+  int64_t n;       // GRAD: elements; COMMIT: range steps
   uint64_t step;   // OPEN, COMMIT
   double lr;       // COMMIT
   float grad_multiplier;

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/grpc_status.h"
@@ -266,6 +267,25 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
         break;
       }
       case ShmCommandKind::kCommit: {
+        // The range steps are copied out of their slot first, and the slot released whatever
+        // follows, as a GRAD's is: the trainer counts it used once it pushed the COMMIT.
+        std::vector<RangeStep> range_steps;
+        absl::Status range_steps_status;
+        if (cmd.n != 0) {
+          constexpr int64_t kRecord = sizeof(RangeStep);
+          if (cmd.slot >= slots || cmd.n < 0 || cmd.n > slot_bytes / kRecord) {
+            range_steps_status = absl::InvalidArgumentError(
+                absl::StrCat("shm commit names slot ", cmd.slot, " with ", cmd.n,
+                             " range steps; the segment has ", slots, " slots of ",
+                             slot_bytes / kRecord, " range steps each"));
+          } else {
+            range_steps.resize(cmd.n);
+            std::memcpy(range_steps.data(), segment->slot(cmd.slot), cmd.n * kRecord);
+          }
+          h->slots_released.fetch_add(1, std::memory_order_release);
+          h->shard_event.fetch_add(1, std::memory_order_release);
+          ShmWake(&h->shard_event);
+        }
         if (session == nullptr) {
           reply(seq,
                 step_error.ok() ? absl::FailedPreconditionError("COMMIT without an open step")
@@ -286,6 +306,12 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
           break;
         }
         args.group_lr.assign(cmd.group_lr, cmd.group_lr + cmd.group_count);
+        if (!range_steps_status.ok()) {
+          fail(seq, std::move(range_steps_status));
+          break;
+        }
+        // Their values are the session's to check, as gRPC's are.
+        args.range_steps = std::move(range_steps);
         ShmParamSink sink(segment);
         absl::StatusOr<StepOutcome> outcome = session->Commit(args, &sink);
         session.reset();

@@ -165,13 +165,14 @@ class ShmStepStream final : public StepStream {
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate) override;
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
-                                        void* params_out,
-                                        absl::Span<const double> group_lr = {}) override;
+                                        void* params_out, absl::Span<const double> group_lr = {},
+                                        absl::Span<const RangeStep> range_steps = {}) override;
   void* GradientArea() override { return done_ ? nullptr : a_->segment().grad_area(); }
   uint64_t GradientAreaId() override { return done_ ? 0 : a_->id(); }
-  absl::StatusOr<v1::StepResult> CommitInPlace(double lr, float grad_multiplier, bool skip,
-                                               const ParamWaveFn& on_wave,
-                                               absl::Span<const double> group_lr = {}) override;
+  absl::StatusOr<v1::StepResult> CommitInPlace(
+      double lr, float grad_multiplier, bool skip, const ParamWaveFn& on_wave,
+      absl::Span<const double> group_lr = {},
+      absl::Span<const RangeStep> range_steps = {}) override;
   void Abandon() override {
     if (done_) return;
     ShmCommand cmd{};
@@ -256,20 +257,21 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
 
 absl::StatusOr<v1::StepResult> ShmStepStream::Commit(double lr, float grad_multiplier, bool skip,
                                                      void* params_out,
-                                                     absl::Span<const double> group_lr) {
+                                                     absl::Span<const double> group_lr,
+                                                     absl::Span<const RangeStep> range_steps) {
   char* out = static_cast<char*>(params_out);
   return CommitInPlace(
       lr, grad_multiplier, skip,
       [out](int64_t begin, int64_t n, const void* params) {
         std::memcpy(out + begin * 2, params, n * 2);
       },
-      group_lr);
+      group_lr, range_steps);
 }
 
 // Pushes the COMMIT and hands each wave of parameters to on_wave as it is published.
-absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(double lr, float grad_multiplier,
-                                                            bool skip, const ParamWaveFn& on_wave,
-                                                            absl::Span<const double> group_lr) {
+absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(
+    double lr, float grad_multiplier, bool skip, const ParamWaveFn& on_wave,
+    absl::Span<const double> group_lr, absl::Span<const RangeStep> range_steps) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   // The command has room for kMaxParamGroups lrs, which is all a job can have.
   if (group_lr.size() > static_cast<size_t>(kMaxParamGroups)) {
@@ -277,8 +279,28 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(double lr, float gra
                                                    " group lrs; at most ", kMaxParamGroups,
                                                    " parameter groups are allowed"));
   }
-  OFFLOAD_RETURN_IF_ERROR(PendingError());
   ShmHeader* h = a_->header();
+  const int64_t range_steps_per_slot =
+      h->chunk_slot_bytes / static_cast<int64_t>(sizeof(RangeStep));
+  if (static_cast<int64_t>(range_steps.size()) > range_steps_per_slot) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("commit carries ", range_steps.size(), " range steps; one shm chunk slot of ",
+                     h->chunk_slot_bytes, " bytes holds at most ", range_steps_per_slot));
+  }
+  OFFLOAD_RETURN_IF_ERROR(PendingError());
+  uint32_t range_steps_slot = 0;
+  if (!range_steps.empty()) {
+    // Through a chunk slot, as a gradient chunk: the slot is free once the shard released it.
+    const uint32_t slots = h->chunk_slots;
+    if (slots == 0) return absl::FailedPreconditionError("the shm segment has no chunk slots");
+    OFFLOAD_RETURN_IF_ERROR(a_->WaitUntil(
+        [&] { return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots; },
+        a_->Deadline()));
+    range_steps_slot = a_->slot_uses % slots;
+    std::memcpy(a_->segment().slot(range_steps_slot), range_steps.data(),
+                range_steps.size() * sizeof(RangeStep));
+    ++a_->slot_uses;
+  }
   const int64_t length = h->range_length;
   // Zeroed before the push (which releases it): the shard writes it only for this commit.
   h->params_published.store(0, std::memory_order_relaxed);
@@ -290,6 +312,8 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(double lr, float gra
   cmd.skip = skip;
   cmd.group_count = static_cast<uint32_t>(group_lr.size());
   std::copy(group_lr.begin(), group_lr.end(), cmd.group_lr);
+  cmd.slot = range_steps_slot;
+  cmd.n = static_cast<int64_t>(range_steps.size());
   absl::StatusOr<uint32_t> seq = a_->Push(cmd);
   if (!seq.ok()) {
     done_ = true;

@@ -212,7 +212,8 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
   absl::StatusOr<v1::StepResult> Exchange(int r, uint64_t step, const std::vector<Chunk>& chunks,
                                           std::vector<uint16_t>* params, bool skip = false,
                                           double lr = kLr, float grad_multiplier = 1.0f,
-                                          absl::Span<const double> group_lr = {}) {
+                                          absl::Span<const double> group_lr = {},
+                                          absl::Span<const RangeStep> range_steps = {}) {
     params->assign(kLengths[r], kSentinel);
     auto stream = transport_->OpenStep(kJob, r, kOffsets[r], kLengths[r], step);
     if (!stream.ok()) return stream.status();
@@ -220,7 +221,7 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
       absl::Status s = (*stream)->SendGradients(c.offset, c.data, c.dtype, c.n, c.accumulate);
       if (!s.ok()) return s;
     }
-    return (*stream)->Commit(lr, grad_multiplier, skip, params->data(), group_lr);
+    return (*stream)->Commit(lr, grad_multiplier, skip, params->data(), group_lr, range_steps);
   }
 
   // Exchange, retried while the range's lease is still held (ABORTED) by a stream the shard
@@ -620,6 +621,103 @@ TEST_P(StepExchangeTest, ParameterGroupsGetTheirLrsOnEveryPlane) {
     absl::StatusOr<v1::StepResult> r;
     for (int attempt = 0; attempt < 250; ++attempt) {  // the last refusal may still hold the lease
       r = Exchange(1, next, Whole(1, g.data()), &p, false, kLr, 1.0f, c.group_lr);
+      if (r.status().code() != absl::StatusCode::kAborted) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.what << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), c.names)) << c.what << ": " << r.status();
+    EXPECT_EQ(StateFingerprint(), state) << c.what;
+  }
+}
+
+// Range steps (StepCommit.range_steps) travel on every plane: a skipped run and runs with their
+// own t, one reaching from range 0 into range 1 (each range's shard takes its part), checked bit
+// for bit against the kernel run piece by piece on the local copy; a bad list is refused on every
+// plane with nothing changed.
+TEST_P(StepExchangeTest, RangeStepsSkipAndOverrideTOnEveryPlane) {
+  // Range r's next update on the local copy: the range's t, but steps' own where they say so.
+  auto reference = [&](int r, const uint16_t* g, const std::vector<RangeStep>& steps) {
+    const int64_t o = kOffsets[r], n = kLengths[r];
+    const int64_t t = static_cast<int64_t>(++ref_adam_step_[r]);
+    std::vector<uint16_t> out(n);
+    auto update = [&](int64_t lo, int64_t hi, int64_t step_t) {  // flat [lo, hi)
+      if (lo >= hi) return;
+      if (step_t == 0) {
+        for (int64_t i = lo; i < hi; ++i) out[i - o] = FloatToBf16(ref_p_[i]);
+        return;
+      }
+      AdamSpan span{
+          g + (lo - o),       DType::kBf16,          ref_p_.data() + lo, ref_m_.data() + lo,
+          ref_v_.data() + lo, out.data() + (lo - o), DType::kBf16,       hi - lo};
+      GetAdamKernel(SimdPath::kScalar)(ComputeAdamStepScalars(hp_, kLr, step_t, 1.0f), span);
+    };
+    int64_t at = o;
+    for (const RangeStep& rs : ClipRangeSteps(steps, o, o + n)) {
+      update(at, rs.offset, t);
+      update(rs.offset, rs.offset + rs.length, static_cast<int64_t>(rs.t));
+      at = rs.offset + rs.length;
+    }
+    update(at, o + n, t);
+    return out;
+  };
+  const std::vector<RangeStep> steps = {
+      {5, 1000, 0},            // skipped, from inside the first vector
+      {20001, 5000, 1},        // t 1 across a tile and a wave
+      {kLen0 - 10, 17, 0},     // skipped, the end of range 0 and the start of range 1
+      {kLen0 + 40000, 3, 2}};  // beyond range 1: nobody's
+  for (uint64_t step = 1; step <= 3; ++step) {
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<uint16_t> g = Bf16Grads(kLengths[r]);
+      std::vector<uint16_t> p;
+      // Step 1 plain (t 1 for every element), then with the range steps.
+      const std::vector<RangeStep> these = step == 1 ? std::vector<RangeStep>() : steps;
+      auto result = Exchange(r, step, Whole(r, g.data()), &p, false, kLr, 1.0f, {}, these);
+      ASSERT_TRUE(result.ok()) << "step " << step << " range " << r << ": " << result.status();
+      EXPECT_EQ(result->adam_step(), step);
+      const std::vector<uint16_t> e = reference(r, g.data(), these);
+      ASSERT_TRUE(p == e) << "step " << step << " range " << r << ": " << FirstDifference(p, e)
+                          << " seed " << seed_;
+    }
+  }
+  EXPECT_TRUE(MasterWeights() == ref_p_) << "seed " << seed_;
+  if (GetParam().kind == "shm") {
+    // The zero-copy commit carries them too.
+    const std::vector<uint16_t> g = Bf16Grads(kLen0);
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 4);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    ASSERT_TRUE((*stream)->SendGradients(0, g.data(), DType::kBf16, kLen0).ok());
+    std::vector<uint16_t> p(kLen0, kSentinel);
+    auto r = (*stream)->CommitInPlace(
+        kLr, 1.0f, false,
+        [&](int64_t begin, int64_t n, const void* params) {
+          std::memcpy(p.data() + begin, params, n * 2);
+        },
+        {}, steps);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const std::vector<uint16_t> e = reference(0, g.data(), steps);
+    EXPECT_TRUE(p == e) << FirstDifference(p, e);
+  }
+
+  // Refused on every plane, and nothing changes.
+  const uint64_t next = 4;  // range 1's
+  const std::string state = StateFingerprint();
+  const std::vector<uint16_t> g = Bf16Grads(kLen1);
+  struct Case {
+    const char* what;
+    std::vector<RangeStep> steps;
+    const char* names;
+  };
+  const std::vector<Case> cases = {
+      {"t past adam_step + 1", {{kLen0 + 5, 10, 9}}, "has t 9"},
+      {"overlapping", {{kLen0 + 5, 10, 0}, {kLen0 + 14, 10, 1}}, "range_steps[1] starts at"},
+      {"empty", {{kLen0 + 5, 0, 0}}, "range_steps[0]"},
+  };
+  std::vector<uint16_t> p;
+  for (const Case& c : cases) {
+    absl::StatusOr<v1::StepResult> r;
+    for (int attempt = 0; attempt < 250; ++attempt) {  // the last refusal may still hold the lease
+      r = Exchange(1, next, Whole(1, g.data()), &p, false, kLr, 1.0f, {}, c.steps);
       if (r.status().code() != absl::StatusCode::kAborted) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }

@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
+#include "cpu_optimizer_server/shard/range_steps.h"
 #include "offload/v1/optimizer.pb.h"
 
 namespace offload {
@@ -32,10 +33,13 @@ class StepStream {
   // Commits and receives the updated 16-bit parameters of the whole range into params_out
   // (range length,), whose first element is the range's first element. group_lr: empty for `lr`
   // in every parameter group of the job, else one lr per group (StepCommit.group_lr; at most
-  // kMaxParamGroups). Overrides repeat the default, so a call reads the same through any type.
+  // kMaxParamGroups). range_steps: per-element skips and bias-correction steps, flat offsets
+  // inside the range, sorted, not overlapping (StepCommit.range_steps); empty for none.
+  // Overrides repeat the defaults, so a call reads the same through any type.
   virtual absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                                 void* params_out,
-                                                absl::Span<const double> group_lr = {}) = 0;
+                                                absl::Span<const double> group_lr = {},
+                                                absl::Span<const RangeStep> range_steps = {}) = 0;
   // Ends the step without committing (the shard drops the gradients).
   virtual void Abandon() = 0;
 
@@ -60,10 +64,10 @@ class StepStream {
   // (shared memory), so the caller reads them straight into their use (a host-to-device copy,
   // a conversion) while the shard computes the next wave. Only where GradientArea() is not null;
   // UNIMPLEMENTED elsewhere.
-  virtual absl::StatusOr<v1::StepResult> CommitInPlace(double /*lr*/, float /*grad_multiplier*/,
-                                                       bool /*skip*/,
-                                                       const ParamWaveFn& /*on_wave*/,
-                                                       absl::Span<const double> /*group_lr*/ = {}) {
+  virtual absl::StatusOr<v1::StepResult> CommitInPlace(
+      double /*lr*/, float /*grad_multiplier*/, bool /*skip*/, const ParamWaveFn& /*on_wave*/,
+      absl::Span<const double> /*group_lr*/ = {},
+      absl::Span<const RangeStep> /*range_steps*/ = {}) {
     return absl::UnimplementedError("this data plane has no zero-copy commit");
   }
 };

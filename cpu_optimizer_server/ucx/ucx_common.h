@@ -36,9 +36,11 @@ constexpr size_t kRndvThreshold = size_t{64} << 10;
 
 enum class Kind : uint32_t {
   // trainer -> shard
-  kOpen = 1,    // step
-  kGrad = 2,    // offset, dtype (v1::DType), accumulate; payload: the gradient bytes
-  kCommit = 3,  // step, lr, grad_multiplier, skip; payload: the group lrs, fp64 each (or none)
+  kOpen = 1,  // step
+  kGrad = 2,  // offset, dtype (v1::DType), accumulate; payload: the gradient bytes
+  // step, lr, grad_multiplier, skip, n = the number of group lrs; payload: the n group lrs, fp64
+  // each, then the range steps, a RangeStep record (range_steps.h) each, to the payload's end.
+  kCommit = 3,
   kAbandon = 4,
   kPing = 5,  // probe round trip
   // shard -> trainer

@@ -396,24 +396,31 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
       args.lr = h.lr;
       args.grad_multiplier = h.grad_multiplier;
       args.skip = h.skip != 0;
-      // The payload is the group lrs. A refusal here ends the step as a refused commit does.
+      // The payload is h.n group lrs, then range steps. A refusal here ends the step as a
+      // refused commit does.
       absl::Status payload = c->status;
-      if (payload.ok() && c->data.size() % sizeof(double) != 0) {
+      const size_t lr_bytes = h.n >= 0 && h.n <= kMaxParamGroups ? h.n * sizeof(double) : 0;
+      if (payload.ok() && (h.n < 0 || h.n > kMaxParamGroups)) {
+        payload = absl::InvalidArgumentError(absl::StrCat("commit carries ", h.n,
+                                                          " group lrs; at most ", kMaxParamGroups,
+                                                          " parameter groups are allowed"));
+      } else if (payload.ok() && (c->data.size() < lr_bytes ||
+                                  (c->data.size() - lr_bytes) % sizeof(RangeStep) != 0)) {
         payload = absl::InvalidArgumentError(absl::StrCat(
-            "commit payload of ", c->data.size(), " bytes is not a whole number of fp64 lrs"));
-      } else if (payload.ok() && c->data.size() > kMaxParamGroups * sizeof(double)) {
-        payload = absl::InvalidArgumentError(
-            absl::StrCat("commit carries ", c->data.size() / sizeof(double), " group lrs; at most ",
-                         kMaxParamGroups, " parameter groups are allowed"));
+            "commit payload of ", c->data.size(), " bytes is not ", h.n,
+            " fp64 lrs and a whole number of ", sizeof(RangeStep), "-byte range steps"));
       }
       if (!payload.ok()) {
         session.reset();  // the lease goes before the trainer hears of it
         ReplyError(s, h, payload);
         return;
       }
-      args.group_lr.resize(c->data.size() / sizeof(double));
-      if (!args.group_lr.empty()) {
-        std::memcpy(args.group_lr.data(), c->data.data(), c->data.size());
+      args.group_lr.resize(h.n);
+      if (!args.group_lr.empty()) std::memcpy(args.group_lr.data(), c->data.data(), lr_bytes);
+      // Their values are the session's to check, as gRPC's are.
+      args.range_steps.resize((c->data.size() - lr_bytes) / sizeof(RangeStep));
+      if (!args.range_steps.empty()) {
+        std::memcpy(args.range_steps.data(), c->data.data() + lr_bytes, c->data.size() - lr_bytes);
       }
       absl::StatusOr<StepOutcome> outcome;
       bool delivered;

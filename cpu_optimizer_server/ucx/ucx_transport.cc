@@ -366,8 +366,8 @@ class UcxStepStream final : public StepStream {
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate) override;
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
-                                        void* params_out,
-                                        absl::Span<const double> group_lr = {}) override;
+                                        void* params_out, absl::Span<const double> group_lr = {},
+                                        absl::Span<const RangeStep> range_steps = {}) override;
   void Abandon() override;
 
   absl::Status Open();
@@ -459,7 +459,8 @@ absl::Status UcxStepStream::SendGradients(int64_t offset, const void* data, DTyp
 
 absl::StatusOr<v1::StepResult> UcxStepStream::Commit(double lr, float grad_multiplier, bool skip,
                                                      void* params_out,
-                                                     absl::Span<const double> group_lr) {
+                                                     absl::Span<const double> group_lr,
+                                                     absl::Span<const RangeStep> range_steps) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   done_ = true;
   OFFLOAD_RETURN_IF_ERROR(ShardError());
@@ -471,12 +472,17 @@ absl::StatusOr<v1::StepResult> UcxStepStream::Commit(double lr, float grad_multi
   h.lr = lr;
   h.grad_multiplier = grad_multiplier;
   h.skip = skip ? 1 : 0;
-  // The group lrs are the payload, owned by the send: a commit that gives up early must not
-  // leave UCX reading the caller's memory.
+  h.n = static_cast<int64_t>(group_lr.size());
+  // The group lrs and the range steps are the payload, owned by the send: a commit that gives up
+  // early must not leave UCX reading the caller's memory.
   std::string payload;
   if (!group_lr.empty()) {  // an empty span's data() may be null
     payload.assign(reinterpret_cast<const char*>(group_lr.data()),
                    group_lr.size() * sizeof(double));
+  }
+  if (!range_steps.empty()) {
+    payload.append(reinterpret_cast<const char*>(range_steps.data()),
+                   range_steps.size() * sizeof(RangeStep));
   }
   absl::Status s = transport_->worker()->SendOwned(att_->ep, ucx::kToShardAm, h, std::move(payload),
                                                    state_->sends);

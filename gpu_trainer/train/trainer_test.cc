@@ -703,10 +703,10 @@ class HoldSendsUntilGradientsAreReduced final : public OptimizerBackend {
     return inner_->SendGradients(offset, grads, n, accumulate);
   }
   absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
-                                            uint16_t* params16,
-                                            absl::Span<const double> group_lr) override {
+                                            uint16_t* params16, absl::Span<const double> group_lr,
+                                            absl::Span<const RangeStep> range_steps) override {
     open_ = false;
-    return inner_->Commit(lr, grad_multiplier, skip, params16, group_lr);
+    return inner_->Commit(lr, grad_multiplier, skip, params16, group_lr, range_steps);
   }
   void AbortSlices() override {
     open_ = false;

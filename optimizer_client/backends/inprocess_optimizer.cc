@@ -133,16 +133,21 @@ absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint
   return sessions_[slice]->AddGradients(offset, grad_dtype(), accumulate, std::move(data));
 }
 
-absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(double lr, float grad_multiplier,
-                                                              bool skip, uint16_t* partition16,
-                                                              absl::Span<const double> group_lr) {
+absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(
+    double lr, float grad_multiplier, bool skip, uint16_t* partition16,
+    absl::Span<const double> group_lr, absl::Span<const RangeStep> range_steps) {
   DirectParamSink sink(partition16, partition_offset());
-  const StepCommitArgs args{step_, lr, grad_multiplier, skip,
-                            std::vector<double>(group_lr.begin(), group_lr.end())};
+  StepCommitArgs args{
+      step_, lr, grad_multiplier, skip, std::vector<double>(group_lr.begin(), group_lr.end()), {}};
   StepCounters counters;
   absl::Status first;
-  for (auto& session : sessions_) {
+  for (size_t i = 0; i < sessions_.size(); ++i) {
+    std::unique_ptr<StepSession>& session = sessions_[i];
     if (session == nullptr) continue;  // another rank's slice
+    // The same list a server's shard gets over the wire: this slice's part.
+    const v1::ShardSlice& s = map_.slices(static_cast<int>(i));
+    args.range_steps = ClipRangeSteps(range_steps, static_cast<int64_t>(s.offset()),
+                                      static_cast<int64_t>(s.offset() + s.length()));
     absl::StatusOr<StepOutcome> outcome = session->Commit(args, &sink);
     if (!outcome.ok()) {
       first.Update(outcome.status());

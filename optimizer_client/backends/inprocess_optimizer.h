@@ -35,7 +35,8 @@ class InProcessOptimizer final : public OptimizerBackend {
                          bool accumulate) override;
   absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
                                             uint16_t* partition16,
-                                            absl::Span<const double> group_lr) override;
+                                            absl::Span<const double> group_lr,
+                                            absl::Span<const RangeStep> range_steps) override;
   void AbortSlices() override;
 
   ThreadPool pool_;

@@ -159,11 +159,40 @@ uint64_t OptimizerBackend::GradientPlaceId(int64_t offset, int64_t n) {
 
 absl::StatusOr<StepCounters> OptimizerBackend::Commit(double lr, float grad_multiplier, bool skip,
                                                       uint16_t* partition16,
-                                                      absl::Span<const double> group_lr) {
+                                                      absl::Span<const double> group_lr,
+                                                      absl::Span<const RangeStep> range_steps) {
   if (!in_step_) return absl::FailedPreconditionError("Commit outside a step");
   in_step_ = false;
+  // Checked here, where the list is whole: a slice sees only its part, and clipping an
+  // unsorted or overlapping list could hand a shard a list that looks valid.
+  const int64_t padded = static_cast<int64_t>(map_.padded_length());
+  int64_t prev_end = 0;
+  for (size_t i = 0; i < range_steps.size(); ++i) {
+    const RangeStep& rs = range_steps[i];
+    absl::Status bad;
+    if (rs.offset < 0 || rs.length <= 0 || rs.offset > padded || rs.length > padded - rs.offset) {
+      bad = absl::InvalidArgumentError(
+          absl::StrCat("range_steps[", i, "] [", rs.offset, ", +", rs.length,
+                       ") is empty or not inside the flat space [0, ", padded, ")"));
+    } else if (rs.offset < prev_end) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "range_steps[", i, "] starts at ", rs.offset, ", before range_steps[", i - 1,
+          "] ends at ", prev_end, ": range steps must be sorted by offset and not overlap"));
+    } else if (rs.t > step_) {
+      // The shards bound t by their adam_step + 1, which is at most this step; checked here too
+      // so that every shard refuses it, not only those holding the run.
+      bad = absl::InvalidArgumentError(
+          absl::StrCat("range_steps[", i, "] has t ", rs.t, ", past step ", step_,
+                       " being committed: no element has had more updates than steps"));
+    }
+    if (!bad.ok()) {
+      AbortSlices();
+      return bad;
+    }
+    prev_end = rs.offset + rs.length;
+  }
   absl::StatusOr<StepCounters> counters =
-      CommitSlices(lr, grad_multiplier, skip, partition16, group_lr);
+      CommitSlices(lr, grad_multiplier, skip, partition16, group_lr, range_steps);
   if (counters.ok() && counters->completed_step != step_) {
     return absl::DataLossError(
         absl::StrCat("the shards completed step ", counters->completed_step, " for step ", step_));

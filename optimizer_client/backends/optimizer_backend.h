@@ -19,6 +19,7 @@
 #include "absl/types/span.h"
 #include "base/dtype.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/shard/range_steps.h"
 #include "offload/v1/checkpoint.pb.h"
 #include "offload/v1/optimizer.pb.h"
 
@@ -99,9 +100,18 @@ class OptimizerBackend {
   // partition16 (partition_length,), this rank's partition, unless skipped (flat element i at
   // partition16[i - partition_offset()]). Returns the step counters after the step. group_lr:
   // empty for `lr` in every parameter group, else one lr per group of CreateJob's groups.
+  // range_steps: torch's per-parameter skip and step count (StepCommit.range_steps) over global
+  // flat offsets inside [0, padded_length), sorted by offset, not overlapping, not empty; t == 0
+  // leaves those elements as they are (their weights still land in partition16), t > 0 updates
+  // them with bias correction t. Parts outside this rank's partition are ignored, so every rank
+  // may pass the whole model's list; each slice gets its part. A list that breaks those rules
+  // (or has a t above `step`) is INVALID_ARGUMENT and ends the step unapplied on every shard,
+  // as a refused commit does. A t above the shards' adam_step + 1 (after skipped steps) is
+  // refused by the shards holding that run, and only there, as a shard's refusal of its
+  // gradients is: committing the step again replays it where it was applied.
   absl::StatusOr<StepCounters> Commit(double lr, float grad_multiplier, bool skip,
-                                      uint16_t* partition16,
-                                      absl::Span<const double> group_lr = {});
+                                      uint16_t* partition16, absl::Span<const double> group_lr = {},
+                                      absl::Span<const RangeStep> range_steps = {});
   void AbortStep();
 
   // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
@@ -123,10 +133,12 @@ class OptimizerBackend {
   virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                                  bool accumulate) = 0;
   // Commits every open slice, writing partition16 (partition_length,) at each slice's offset
-  // less partition_offset(); group_lr as Commit's.
+  // less partition_offset(); group_lr as Commit's; range_steps as Commit's, checked, global
+  // offsets: each slice's commit carries ClipRangeSteps(range_steps, its [offset, end)).
   virtual absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
                                                     uint16_t* partition16,
-                                                    absl::Span<const double> group_lr) = 0;
+                                                    absl::Span<const double> group_lr,
+                                                    absl::Span<const RangeStep> range_steps) = 0;
   virtual void AbortSlices() = 0;
   // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
   // of this backend has one).

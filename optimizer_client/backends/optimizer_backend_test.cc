@@ -120,15 +120,21 @@ class OptimizerBackendTest : public ::testing::Test {
   std::vector<std::vector<uint16_t>> grads_;  // (padded,) bf16 per step
 };
 
-TEST_F(OptimizerBackendTest, InProcessAndEveryPlaneGiveTheSameBitsWithGroups) {
-  InProcessOptimizer in_process(map_, 2, BestSimdPath());
-  const Run reference = Train(&in_process, groups_, true);
-  LocalShards shards(2);
+// Every data plane a RemoteOptimizer can take, by the name TransportNames() gives it.
+std::vector<std::pair<std::string, TransportChoice>> RemotePlanes() {
   std::vector<std::pair<std::string, TransportChoice>> planes = {{"grpc", TransportChoice::kGrpc},
                                                                  {"shm", TransportChoice::kShm}};
 #ifdef OFFLOAD_HAVE_UCX
   planes.push_back({"ucx", TransportChoice::kUcx});
 #endif
+  return planes;
+}
+
+TEST_F(OptimizerBackendTest, InProcessAndEveryPlaneGiveTheSameBitsWithGroups) {
+  InProcessOptimizer in_process(map_, 2, BestSimdPath());
+  const Run reference = Train(&in_process, groups_, true);
+  LocalShards shards(2);
+  const std::vector<std::pair<std::string, TransportChoice>> planes = RemotePlanes();
   for (const auto& [name, plane] : planes) {
     std::unique_ptr<RemoteOptimizer> remote = Remote(shards, plane);
     ASSERT_NE(remote, nullptr) << name;
@@ -176,6 +182,100 @@ TEST_F(OptimizerBackendTest, BadGroupsAndGroupLrsAreRefusedThroughBoth) {
       absl::StatusOr<StepCounters> c = backend->Commit(1e-3f, 1.0f, false, weights16.data(), lrs);
       EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
       EXPECT_NE(c.status().message().find("group_lr"), std::string::npos) << c.status();
+    }
+    std::vector<float> after(padded_);
+    ASSERT_TRUE(backend->ReadMasterWeights(after.data()).ok());
+    EXPECT_EQ(std::memcmp(after.data(), master_.data(), padded_ * 4), 0);
+    ASSERT_TRUE(backend->DropJob().ok());
+  }
+}
+
+// Range steps in global offsets reach each slice's shard as its part: a skipped run and a run
+// with its own t across the shard boundary give the same bits in process and on every plane,
+// the skipped run keeps its master weights (and sends them rounded), and a bad list is refused
+// by the backend before any shard sees it, ending the step unapplied.
+TEST_F(OptimizerBackendTest, RangeStepsAcrossTheShardBoundary) {
+  ASSERT_EQ(map_.slices_size(), 2);
+  const int64_t boundary = static_cast<int64_t>(map_.slices(1).offset());
+  // Per step: step 1 plain; step 2 skips a run across the boundary (and one at the very end);
+  // step 3 gives a run across the boundary t 2 and one inside group 0 t 1.
+  const std::vector<std::vector<RangeStep>> steps = {
+      {},
+      {{10, 100, 1}, {boundary - 700, 1400, 0}, {padded_ - 50, 50, 0}},
+      {{33, 77, 1}, {boundary - 300, 600, 2}}};
+  auto train = [&](OptimizerBackend* backend) {
+    Run run;
+    EXPECT_TRUE(backend->CreateJob(kJob, groups_[0].adam(), DType::kBf16, groups_).ok());
+    EXPECT_TRUE(backend->LoadMasterWeights(master_.data()).ok());
+    std::vector<float> before(padded_);
+    for (uint64_t step = 1; step <= 3; ++step) {
+      EXPECT_TRUE(backend->ReadMasterWeights(before.data()).ok());
+      const std::vector<double> lrs = {1e-3 / step, 5e-4, 2e-3 * step};
+      run.weights16.emplace_back(padded_, 0);
+      EXPECT_TRUE(backend->BeginStep(step).ok());
+      EXPECT_TRUE(backend->SendGradients(0, grads_[step - 1].data(), padded_).ok());
+      absl::StatusOr<StepCounters> counters =
+          backend->Commit(lrs[0], 0.5f, false, run.weights16.back().data(), lrs, steps[step - 1]);
+      EXPECT_TRUE(counters.ok()) << counters.status();
+      if (counters.ok()) {
+        EXPECT_EQ(counters->adam_step, step);
+      }
+      std::vector<float> after(padded_);
+      EXPECT_TRUE(backend->ReadMasterWeights(after.data()).ok());
+      for (const RangeStep& rs : steps[step - 1]) {
+        if (rs.t != 0) continue;
+        EXPECT_EQ(std::memcmp(after.data() + rs.offset, before.data() + rs.offset, rs.length * 4),
+                  0)
+            << "step " << step << " skipped run at " << rs.offset;
+        int64_t wrong = -1;  // the first element not sent as its master weight rounded
+        for (int64_t i = rs.offset; i < rs.offset + rs.length && wrong < 0; ++i) {
+          if (run.weights16.back()[i] != FloatToBf16(before[i])) wrong = i;
+        }
+        EXPECT_EQ(wrong, -1) << "step " << step;
+      }
+    }
+    run.master.resize(padded_);
+    EXPECT_TRUE(backend->ReadMasterWeights(run.master.data()).ok());
+    EXPECT_TRUE(backend->DropJob().ok());
+    return run;
+  };
+  InProcessOptimizer in_process(map_, 2, BestSimdPath());
+  const Run reference = train(&in_process);
+  // The range steps did matter.
+  EXPECT_FALSE(Same(Train(&in_process, groups_, true), reference));
+  LocalShards shards(2);
+  const std::vector<std::pair<std::string, TransportChoice>> planes = RemotePlanes();
+  for (const auto& [name, plane] : planes) {
+    std::unique_ptr<RemoteOptimizer> remote = Remote(shards, plane);
+    ASSERT_NE(remote, nullptr) << name;
+    EXPECT_TRUE(Same(train(remote.get()), reference)) << name;
+  }
+
+  // Refused by the backend, whole, through both; the step is over and nothing changed.
+  std::unique_ptr<RemoteOptimizer> remote = Remote(shards, TransportChoice::kGrpc);
+  ASSERT_NE(remote, nullptr);
+  for (OptimizerBackend* backend : std::vector<OptimizerBackend*>{&in_process, remote.get()}) {
+    ASSERT_TRUE(backend->CreateJob(kJob, groups_[0].adam(), DType::kBf16, groups_).ok());
+    ASSERT_TRUE(backend->LoadMasterWeights(master_.data()).ok());
+    std::vector<uint16_t> weights16(padded_);
+    struct Case {
+      std::vector<RangeStep> steps;
+      const char* names;
+    };
+    const std::vector<Case> cases = {
+        // Each half alone is valid on its shard: only the whole list shows the overlap.
+        {{{boundary - 10, 20, 0}, {boundary - 5, 20, 1}}, "range_steps[1] starts at"},
+        {{{padded_ - 5, 10, 0}}, "not inside the flat space"},
+        {{{5, 0, 0}}, "range_steps[0]"},
+        {{{5, 10, 7}}, "has t 7"},  // the shard's check
+    };
+    for (const Case& c : cases) {
+      ASSERT_TRUE(backend->BeginStep(1).ok());
+      ASSERT_TRUE(backend->SendGradients(0, grads_[0].data(), padded_).ok());
+      absl::StatusOr<StepCounters> r =
+          backend->Commit(1e-3, 1.0f, false, weights16.data(), {}, c.steps);
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+      EXPECT_NE(r.status().message().find(c.names), std::string::npos) << r.status();
     }
     std::vector<float> after(padded_);
     ASSERT_TRUE(backend->ReadMasterWeights(after.data()).ok());

@@ -171,9 +171,9 @@ uint64_t RemoteOptimizer::SliceGradientAreaId(int slice) {
   return streams_[slice]->GradientAreaId();
 }
 
-absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(double lr, float grad_multiplier,
-                                                           bool skip, uint16_t* partition16,
-                                                           absl::Span<const double> group_lr) {
+absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(
+    double lr, float grad_multiplier, bool skip, uint16_t* partition16,
+    absl::Span<const double> group_lr, absl::Span<const RangeStep> range_steps) {
   std::vector<int> open;  // the slices of this rank's step
   for (int i = 0; i < static_cast<int>(streams_.size()); ++i) {
     if (streams_[i] != nullptr) open.push_back(i);
@@ -183,8 +183,12 @@ absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(double lr, float grad
   // Every shard streams its parameters back at once: each slice on its own thread.
   auto commit = [&](int i) {
     const v1::ShardSlice& s = map_.slices(i);
-    results[i] = streams_[i]->Commit(lr, grad_multiplier, skip,
-                                     partition16 + (s.offset() - partition_offset()), group_lr);
+    const std::vector<RangeStep> slice_steps =
+        ClipRangeSteps(range_steps, static_cast<int64_t>(s.offset()),
+                       static_cast<int64_t>(s.offset() + s.length()));
+    results[i] =
+        streams_[i]->Commit(lr, grad_multiplier, skip,
+                            partition16 + (s.offset() - partition_offset()), group_lr, slice_steps);
   };
   std::vector<std::thread> threads;
   for (size_t k = 1; k < open.size(); ++k) threads.emplace_back(commit, open[k]);

@@ -23,6 +23,7 @@
 #include "base/host_buffer.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "cpu_optimizer_server/shard/range_steps.h"
 #include "model_spec/partition.h"
 #include "optimizer_client/backends/inprocess_optimizer.h"
 #include "optimizer_client/backends/remote_optimizer.h"
@@ -64,6 +65,8 @@ struct OffloadOptimizer {
   std::vector<SentRange> first_micro_batch;  // guarded by first_mu
   offload::HostBuffer acc_buffer;
   uint64_t open_step = 0;  // the step offload_begin_step opened
+  // offload_set_range_steps's list for the open step's commit (global flat offsets).
+  std::vector<offload::RangeStep> range_steps;
   // The delayed parameter update: the shards' commit of a decided step, run by a thread of its
   // own between offload_commit_async and offload_wait_commit.
   std::future<absl::StatusOr<offload::StepCounters>> pending_commit;
@@ -405,6 +408,7 @@ void AbortStep(OffloadOptimizer* opt) {
   opt->sender->TakeStats();
   opt->backend->AbortStep();
   EndMicroBatches(opt);
+  opt->range_steps.clear();
   opt->in_step = false;
   opt->step_stats = GradStats{};
 }
@@ -475,6 +479,33 @@ absl::StatusOr<StepDecision> DecideCommit(OffloadOptimizer* opt, const double* g
   return d;
 }
 
+absl::Status SetRangeSteps(OffloadOptimizer* opt, const OffloadRangeStep* ranges, int32_t n) {
+  if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
+  if (n < 0 || (n > 0 && ranges == nullptr)) {
+    return absl::InvalidArgumentError("n < 0, or ranges missing");
+  }
+  const uint64_t padded = static_cast<uint64_t>(opt->backend->partition().padded_length());
+  std::vector<RangeStep> steps;
+  uint64_t next = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    const OffloadRangeStep& r = ranges[i];
+    if (r.length == 0 || r.offset < next || r.offset > padded || r.length > padded - r.offset) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("range step ", i, " is [", r.offset, ", ", r.offset + r.length,
+                       "); ranges must be non-empty, sorted, not overlapping and inside the ",
+                       padded, " elements of the flat space"));
+    }
+    if (r.t > opt->open_step) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("range step ", i, ": t ", r.t, " is past the open step ", opt->open_step));
+    }
+    next = r.offset + r.length;
+    steps.push_back(RangeStep{static_cast<int64_t>(r.offset), static_cast<int64_t>(r.length), r.t});
+  }
+  opt->range_steps = std::move(steps);
+  return absl::OkStatus();
+}
+
 void FillReport(const OffloadOptimizer* opt, const StepDecision& d, const StepCounters& counters,
                 OffloadStepReport* report) {
   report->step = counters.completed_step;
@@ -494,12 +525,14 @@ absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const dou
   OFFLOAD_ASSIGN_OR_RETURN(
       const StepDecision d,
       DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm, params16, report));
+  const std::vector<RangeStep> range_steps = std::move(opt->range_steps);
+  opt->range_steps.clear();
   absl::StatusOr<StepCounters> counters;
   {
     TracePhase phase(opt->trace.get(), "commit", opt->open_step);
     counters = opt->backend->Commit(group_lr[0], d.grad_multiplier, d.skip,
                                     params16 + opt->backend->partition_offset(),
-                                    absl::MakeConstSpan(group_lr, num_groups));
+                                    absl::MakeConstSpan(group_lr, num_groups), range_steps);
   }
   if (!counters.ok()) return counters.status();
   opt->policy->Finish(d);
@@ -520,13 +553,16 @@ absl::Status CommitAsync(OffloadOptimizer* opt, const double* global_stats, cons
   report->adam_step = 0;  // the shards' count is known at offload_wait_commit
   report->skipped_steps = 0;
   opt->pending_decision = d;
+  std::vector<RangeStep> range_steps = std::move(opt->range_steps);
+  opt->range_steps.clear();
   opt->pending_commit = std::async(
       std::launch::async, [opt, d, lrs = std::vector<double>(group_lr, group_lr + num_groups),
-                           out = params16 + opt->backend->partition_offset(), step] {
+                           out = params16 + opt->backend->partition_offset(), step,
+                           range_steps = std::move(range_steps)] {
         // In the trace beside the next step's phases: what the delayed update overlaps.
         TracePhase phase(opt->trace.get(), "commit_delayed", step);
         return opt->backend->Commit(lrs[0], d.grad_multiplier, d.skip, out,
-                                    absl::MakeConstSpan(lrs));
+                                    absl::MakeConstSpan(lrs), range_steps);
       });
   return absl::OkStatus();
 }
@@ -699,6 +735,7 @@ int32_t offload_begin_step(OffloadOptimizer* opt, uint64_t step) {
     if (absl::Status s = opt->backend->BeginStep(step); !s.ok()) return s;
     opt->sender->set_step(step);
     offload::EndMicroBatches(opt);
+    opt->range_steps.clear();
     opt->open_step = step;
     opt->in_step = true;
     opt->step_stats = offload::GradStats{};
@@ -748,6 +785,10 @@ int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const
     offload::EnqueueGradients(opt, offset, n, buffer, &stats);
     return absl::OkStatus();
   });
+}
+
+int32_t offload_set_range_steps(OffloadOptimizer* opt, const OffloadRangeStep* ranges, int32_t n) {
+  return Guard([&] { return offload::SetRangeSteps(opt, ranges, n); });
 }
 
 int32_t offload_next_micro_batch(OffloadOptimizer* opt) {

@@ -219,6 +219,22 @@ int32_t offload_gradients_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t
  * ranks) and rounded to the job's 16-bit type in one pass, then queued as above. */
 int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const float* grads,
                                    uint64_t n, float scale);
+/* A run of the flat space and how the open step's commit updates it: t == 0 not at all (torch
+ * skips a parameter without a gradient: weights, moments and its step count stay), t > 0 with the
+ * bias correction of step t (a parameter's own step count, torch's state["step"] after this
+ * update, where it missed updates before). */
+typedef struct {
+  uint64_t offset;
+  uint64_t length;
+  uint64_t t;
+} OffloadRangeStep;
+
+/* The open step's range steps (replacing an earlier call's in this step; ended with the step):
+ * sorted by offset, not overlapping, non-empty, inside the padded flat space, t at most the open
+ * step, else INVALID_ARGUMENT and nothing kept. Elements no range covers update as the job's
+ * step count says. Every rank may pass the whole model's list: each commits its partition's
+ * part. Ignored by a step that is skipped (overflow). */
+int32_t offload_set_range_steps(OffloadOptimizer* opt, const OffloadRangeStep* ranges, int32_t n);
 /* Gradient accumulation: ends the open step's current micro-batch (waits until its gradients are
  * sent) and starts the next, whose gradients are added to the earlier ones: the shards sum them in
  * fp32, in micro-batch order, and the step is decided (overflow, norm, clipping) on that sum, of

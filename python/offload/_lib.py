@@ -65,6 +65,12 @@ class NamedTensor(ctypes.Structure):
                 ("shape", ctypes.POINTER(ctypes.c_int64))]
 
 
+class RangeStep(ctypes.Structure):
+    """OffloadRangeStep: t 0 leaves the range alone this step; t > 0 is its bias-correction
+    step."""
+    _fields_ = [("offset", ctypes.c_uint64), ("length", ctypes.c_uint64), ("t", ctypes.c_uint64)]
+
+
 class StepReport(ctypes.Structure):
     _fields_ = [("step", ctypes.c_uint64), ("skipped", ctypes.c_int32),
                 ("loss_scale", ctypes.c_float), ("next_loss_scale", ctypes.c_float),
@@ -152,6 +158,7 @@ def lib() -> ctypes.CDLL:
         "offload_next_micro_batch": (i32, [P]),
         "offload_micro_batch": (i32, [P]),
         "offload_local_stats": (i32, [P, ctypes.POINTER(dbl)]),
+        "offload_set_range_steps": (i32, [P, ctypes.POINTER(RangeStep), i32]),
         "offload_commit": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
         "offload_commit_async": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
         "offload_wait_commit": (i32, [P, ctypes.POINTER(StepReport)]),

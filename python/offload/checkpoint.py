@@ -41,6 +41,12 @@ class Manifest:
     loss_scale: Tuple[float, int, int]  # scale, clean steps, skipped steps
     param_groups: List[Dict[str, Any]]  # hyper-parameters; "params" holds parameter names
     params: List[Tuple[str, List[int]]]  # (name, shape) in the saving run's flat order
+    # Each parameter's own count of updates (torch's state["step"]) where it differs from
+    # adam_step: a parameter without a gradient in some steps was not updated in them.
+    param_steps: Dict[str, int]
+
+    def step_of(self, name: str) -> int:
+        return self.param_steps.get(name, self.adam_step)
 
 
 def find(path: str) -> str:
@@ -66,7 +72,8 @@ def parse_manifest(text: str, directory: str) -> Manifest:
         loss_scale=(float(scale.get("scale", 1.0)), int(scale.get("clean_steps", 0)),
                     int(scale.get("skipped_steps", 0))),
         param_groups=front_end.get("param_groups", []),
-        params=[(p["name"], [int(d) for d in p.get("shape", [])]) for p in m.get("params", [])])
+        params=[(p["name"], [int(d) for d in p.get("shape", [])]) for p in m.get("params", [])],
+        param_steps={str(k): int(v) for k, v in front_end.get("param_steps", {}).items()})
 
 
 def find_manifest(path: str) -> Tuple[str, str]:
@@ -125,7 +132,10 @@ def load_into_torch(path: str, model: Any, optimizer: Any = None) -> Manifest:
         v = read_safetensors(os.path.join(manifest.directory, "exp_avg_sq.safetensors"))
         for name, _ in manifest.params:
             p = named[name]
-            optimizer.state[p] = {"step": torch.tensor(float(manifest.adam_step)),
+            step = manifest.step_of(name)
+            if step == 0:
+                continue  # never updated: torch has no state for it yet
+            optimizer.state[p] = {"step": torch.tensor(float(step)),
                                   "exp_avg": m[name], "exp_avg_sq": v[name]}
         for saved, group in zip(manifest.param_groups, optimizer.param_groups):
             group["lr"] = saved["lr"]

@@ -23,7 +23,6 @@ import os
 import secrets
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -145,8 +144,9 @@ class AdamW(torch.optim.Optimizer):
     Parameters with ``requires_grad=False`` when the optimizer is built are frozen: cast to
     ``dtype`` with the others, but never sent, stepped or changed, and the servers hold nothing
     for them (no moments, no memory); unfreezing one later is refused at ``step()`` with an
-    error (build a new optimizer). A trained parameter that gets no gradient in a step is stepped
-    with a zero gradient (a warning says so), where torch skips it.
+    error (build a new optimizer). A trained parameter that gets no gradient in a step is skipped
+    as torch skips it: its weights, moments and own step count (``state_dict()``'s per-parameter
+    ``step``) stay.
 
     The fp32 values the parameters hold when the optimizer is built go to the servers in
     chunks as each parameter is cast; no fp32 copy of the model is made. For a model built on
@@ -521,7 +521,9 @@ class AdamW(torch.optim.Optimizer):
         self._sent = [False] * len(self._params)  # in the current micro-batch
         self._seen = [False] * len(self._params)  # in any micro-batch of the step
         self._micro = 0  # the current micro-batch of the step (backward() calls before it)
-        self._warned_unused = False
+        # Per parameter, the updates it missed (applied steps in which it had no gradient): its
+        # own step count, torch's state["step"], is adam_step minus this.
+        self._lag = [0] * len(self._params)
         self._gradients_done = False
         self._pending: List[Tuple[int, int, int]] = []  # (offset, n, where)
         self._pending_elements = 0
@@ -676,16 +678,6 @@ class AdamW(torch.optim.Optimizer):
                     "the servers hold no state for it and the job's parameters are fixed. "
                     "Build a new optimizer after unfreezing, or set its .grad to None to keep "
                     "it frozen")
-        unused = [i for i, seen in enumerate(self._seen) if not seen]
-        if unused and not self._warned_unused:
-            self._warned_unused = True
-            warnings.warn(
-                f"{len(unused)} parameter(s) got no gradient in step {self._step + 1} (the "
-                f"first: parameter {unused[0]} of shape {tuple(self._shapes[unused[0]])}): "
-                "offload.torch steps them with a zero gradient (weight decay and the moments' "
-                "decay apply) where torch.optim leaves them alone. Freeze parameters that do "
-                "not train (requires_grad=False) before building the optimizer: those are "
-                "never changed.", stacklevel=4)
         if self._reducer is not None:
             self._reducer.finish()
             self._sent = [True] * len(self._params)
@@ -822,6 +814,8 @@ class AdamW(torch.optim.Optimizer):
                 # for parameters without gradients (every rank must agree, as with DDP).
                 return loss
             stats = self._gradients_out()
+            unused = self._unused()
+            self._set_range_steps(unused)
             lrs = (ctypes.c_double * len(self._trained))(
                 *[float(self.param_groups[gi]["lr"]) for gi in self._trained])
             max_norm = self._step_max_norm if self._step_max_norm is not None else -1.0
@@ -845,6 +839,9 @@ class AdamW(torch.optim.Optimizer):
             self._agree(rc, error, "committing the step")
             self._in_flight = delayed
         self._trace("step", begin)
+        if not report.skipped:
+            for i in unused:
+                self._lag[i] += 1
         self._step = int(report.step)
         if delayed:  # the shards' count comes with offload_wait_commit; this is what it will be
             self._adam_step += 0 if report.skipped else 1
@@ -856,6 +853,40 @@ class AdamW(torch.optim.Optimizer):
             self._gather_weights(self._host16)
         self.last_report = {f: getattr(report, f) for f, _ in _lib.StepReport._fields_}
         return loss
+
+    def _unused(self) -> List[int]:
+        """The parameters without a gradient this step, on every rank (torch skips those)."""
+        seen = self._seen
+        if self._world > 1:
+            import torch.distributed as dist
+            device = self.device if dist.get_backend(self._group) == "nccl" else "cpu"
+            t = torch.tensor(seen, dtype=torch.int32, device=device)
+            dist.all_reduce(t, group=self._group)
+            seen = [bool(x) for x in t.cpu().tolist()]
+        return [i for i, s in enumerate(seen) if not s]
+
+    def _set_range_steps(self, unused: List[int]) -> None:
+        """Tells the commit what torch does per parameter: a parameter without a gradient is not
+        updated (t 0), and one that missed updates before takes its own bias-correction step;
+        neighbours in the flat space with the same t go as one range. Any failure ends the
+        step, nothing applied."""
+        skip = set(unused)
+        runs: List[List[int]] = []
+        for i, off in enumerate(self._offsets):
+            t = 0 if i in skip else self._adam_step + 1 - self._lag[i]
+            if t == self._adam_step + 1:
+                continue  # the job's own
+            n = self._shapes[i].numel()
+            if runs and runs[-1][0] + runs[-1][1] == off and runs[-1][2] == t:
+                runs[-1][1] += n
+            else:
+                runs.append([off, n, t])
+        array = (_lib.RangeStep * max(1, len(runs)))(*[_lib.RangeStep(*r) for r in runs])
+        try:
+            check(_lib.lib().offload_set_range_steps(self._handle, array, len(runs)))
+        except BaseException:
+            self._abort()
+            raise
 
     def _wait_commit(self) -> None:
         """The delayed commit in flight, if any, done on the servers: its weights wait in
@@ -972,7 +1003,7 @@ class AdamW(torch.optim.Optimizer):
             state: Dict[int, Dict[str, torch.Tensor]] = {}
             for i, off in enumerate(self._offsets):
                 n, shape = self._shapes[i].numel(), self._shapes[i]
-                state[self._packed[i]] = {"step": torch.tensor(float(adam_step)),
+                state[self._packed[i]] = {"step": torch.tensor(float(adam_step - self._lag[i])),
                             "exp_avg": self._read(_lib.EXP_AVG, off, n).view(shape),
                             "exp_avg_sq": self._read(_lib.EXP_AVG_SQ, off, n).view(shape),
                             "master": self._read(_lib.MASTER, off, n).view(shape)}
@@ -1075,6 +1106,14 @@ class AdamW(torch.optim.Optimizer):
                         "model")
         L = _lib.lib()
         completed, adam = int(meta["completed_step"]), int(meta["adam_step"])
+        lags = []
+        for i in range(len(self._params)):
+            step = state[self._packed[i]].get("step", adam)
+            step = int(step.item() if isinstance(step, torch.Tensor) else step)
+            if not 0 <= step <= adam:
+                raise ValueError(f"parameter {self._packed[i]}: step {step} is outside [0, "
+                                 f"{adam}], the updates applied")
+            lags.append(adam - step)
 
         def load() -> int:
             rc = L.offload_load_begin(self._handle, 1, completed, adam)
@@ -1089,6 +1128,7 @@ class AdamW(torch.optim.Optimizer):
         self._load_with_scaler((meta["loss_scale"], meta["clean_steps"], meta["skipped_steps"]),
                                load, "loading the state")
         self._step, self._adam_step = completed, adam
+        self._lag = lags
         self.last_report = None
         self._restore_groups(groups)
         with torch.no_grad():
@@ -1141,8 +1181,13 @@ class AdamW(torch.optim.Optimizer):
         it (rank 0 writes). Returns the checkpoint's directory."""
         names = self._param_names(model)
         array, keep_alive = self._named_tensors(names)
+        with self._lock:
+            self._live()
+            self._apply_pending()  # the counters and lags below are then the shards'
         front_end = json.dumps({"optimizer": type(self).__name__, "dtype": str(self.dtype),
-                                "param_groups": self._packed_groups(names)})
+                                "param_groups": self._packed_groups(names),
+                                "param_steps": {names[i]: self._adam_step - lag
+                                                for i, lag in enumerate(self._lag) if lag}})
         L = _lib.lib()
         out = ctypes.create_string_buffer(4096 + len(path.encode()))
         with self._lock:
@@ -1197,12 +1242,17 @@ class AdamW(torch.optim.Optimizer):
         L = _lib.lib()
         check(L.offload_check_checkpoint(directory.encode(), array, len(names)))
         self._fixed_hyperparameters_match(manifest.param_groups, names)
+        lags = [manifest.adam_step - manifest.step_of(name) for name in names]
+        if any(not 0 <= lag <= manifest.adam_step for lag in lags):
+            raise ValueError(f"checkpoint {directory}: a parameter's step is outside [0, "
+                             f"{manifest.adam_step}], the updates applied")
         self._load_with_scaler(
             manifest.loss_scale,
             lambda: L.offload_load_checkpoint(self._handle, directory.encode(), array, len(names)),
             "loading the checkpoint")
         del keep_alive
         self._step, self._adam_step = manifest.step, manifest.adam_step
+        self._lag = lags
         self.last_report = None
         self._restore_groups(manifest.param_groups)
         with self._lock:

@@ -15,7 +15,6 @@ import os
 import sys
 import tempfile
 import unittest
-import warnings
 from typing import Optional
 
 import torch
@@ -385,19 +384,89 @@ class FrozenAndUnused(unittest.TestCase):
         finally:
             opt.close()
 
-    def test_a_parameter_without_gradient_is_named_in_a_warning(self) -> None:
-        model = make_model()
-        opt = otorch.AdamW(model.parameters(), lr=LR, servers="inprocess", threads=1)
-        try:
-            x = torch.randint(0, 37, (2, 9))
+    def test_parameters_without_a_gradient_are_skipped_as_torch_skips_them(self) -> None:
+        # fc2 has no gradient in steps 0-4 (its first update is torch's step 1 at step 5) and in
+        # every third step after; the norm none in steps 1, 5, 9, ...: each skipped step leaves
+        # it, its moments and its own step count as they were, as torch.optim.AdamW does.
+        def branch_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
             F = torch.nn.functional
-            # fc2 unused: an unused branch.
-            h = F.linear(F.embedding(x, model.emb.weight.float()), model.fc1.weight.float())
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                opt.backward(h.sum())
+            g = torch.Generator().manual_seed(500 + step)
+            x = torch.randint(0, 37, (2, 9), generator=g)
+            y = torch.randint(0, 37, (2, 9), generator=g)
+            f = lambda t: t.float()  # noqa: E731
+            h = F.linear(F.embedding(x, f(model.emb.weight)), f(model.fc1.weight),
+                         f(model.fc1.bias))
+            if step % 4 != 1:
+                h = F.layer_norm(h, (53,), f(model.norm.weight), f(model.norm.bias))
+            if step < 5 or step % 3 == 0:
+                return h.square().mean()
+            logits = F.linear(torch.tanh(h), f(model.fc2.weight), f(model.fc2.bias))
+            return F.cross_entropy(logits.view(-1, 37), y.view(-1))
+
+        base = make_model()
+        ours_model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+        masters = [p.detach().clone() for p in ref_model.parameters()]
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p.data = p.data.to(torch.bfloat16)
+        ref = reference_adamw(groups_of(ref_model, masters))
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lr_lambda)
+        opt = otorch.AdamW(groups_of(ours_model), lr=LR, betas=BETAS, eps=EPS,
+                           servers=None, threads=1)
+        try:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+            for step in range(STEPS):
+                opt.zero_grad()
+                opt.backward(branch_loss(ours_model, step))
                 opt.step()
-            self.assertTrue(any("got no gradient" in str(w.message) for w in caught))
+                sched.step()
+                for p in ref_model.parameters():
+                    p.grad = None
+                branch_loss(ref_model, step).backward()
+                for m, p in zip(masters, ref_model.parameters()):
+                    m.grad = None if p.grad is None else p.grad.float()
+                ref.step()
+                ref_sched.step()
+                with torch.no_grad():
+                    for p, m in zip(ref_model.parameters(), masters):
+                        p.copy_(m)
+                for p, q in zip(ours_model.parameters(), ref_model.parameters()):
+                    self.assertTrue(torch.equal(p.view(torch.int16), q.view(torch.int16)),
+                                    f"step {step}")
+            want = torch.cat([m.reshape(-1) for g in ref.param_groups for m in g["params"]])
+            self.assertEqual(ulps(opt.master_weights(), want), 0)
+            # torch's per-parameter steps and moments, in torch's state_dict indices.
+            sd, ref_sd = opt.state_dict(), ref.state_dict()
+            for i, s in ref_sd["state"].items():
+                self.assertEqual(float(sd["state"][i]["step"]), float(s["step"]), f"param {i}")
+                self.assertEqual(ulps(sd["state"][i]["exp_avg"], s["exp_avg"]), 0)
+                self.assertEqual(ulps(sd["state"][i]["exp_avg_sq"], s["exp_avg_sq"]), 0)
+            steps = sorted({float(s["step"]) for s in ref_sd["state"].values()})
+            self.assertGreater(len(steps), 2)  # three different counts really ran
+
+            # The steps come back from a checkpoint and a state_dict: both continue as torch.
+            with tempfile.TemporaryDirectory() as d:
+                opt.save_checkpoint(d, model=ours_model)
+                for how in ("checkpoint", "state_dict"):
+                    twin = copy.deepcopy(ours_model)
+                    other = otorch.AdamW(groups_of(twin), lr=LR, betas=BETAS, eps=EPS,
+                                         servers="inprocess", threads=1)
+                    try:
+                        if how == "checkpoint":
+                            other.load_checkpoint(d, model=twin)
+                        else:
+                            other.load_state_dict(sd)
+                        self.assertEqual(other._lag, opt._lag, how)
+                    finally:
+                        other.close()
+                plain = copy.deepcopy(base)
+                plain_opt = torch.optim.AdamW(groups_of(plain), lr=LR, betas=BETAS, eps=EPS)
+                from offload.checkpoint import load_into_torch
+                load_into_torch(d, plain, plain_opt)
+                flat = [p for g in plain_opt.param_groups for p in g["params"]]
+                for i, p in enumerate(flat):
+                    self.assertEqual(float(plain_opt.state[p]["step"]),
+                                     float(ref_sd["state"][i]["step"]))
         finally:
             opt.close()
 
