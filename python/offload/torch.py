@@ -328,9 +328,14 @@ class AdamW(torch.optim.Optimizer):
             self.close()  # no job left on the servers, no server left running
             raise
         if self._world > 1:
-            # The servers hold rank 0's values: every rank computes with them (as DDP does).
+            # The servers hold rank 0's values: every rank computes with them (as DDP does), and
+            # with rank 0's frozen parameters (as bytes: gloo has no bfloat16).
             import torch.distributed as dist
             dist.broadcast(self._flat16.view(torch.int32), src=self._src0(), group=self._group)
+            for gi, pj in self._frozen:
+                frozen = self.param_groups[gi]["params"][pj].data
+                dist.broadcast(frozen.view(-1).view(torch.uint8), src=self._src0(),
+                               group=self._group)
 
         self._init_gradients(keep_grads)
 
@@ -360,7 +365,7 @@ class AdamW(torch.optim.Optimizer):
                 if done[index]:
                     raise RuntimeError(f"parameter {index} was given values twice")
                 if p is not self._params[index]:
-                    gi, pj = where[index]
+                    gi, pj = where[self._packed[index]]
                     self.param_groups[gi]["params"][pj] = p
                     self._params[index] = p
                 self._take_values(index, p, loading)
@@ -391,8 +396,8 @@ class AdamW(torch.optim.Optimizer):
                     raise ValueError(f"a frozen parameter (shape {tuple(p.shape)}) is on the meta "
                                      "device but no module of the model holds it")
                 self.param_groups[gi]["params"][pj] = p
-                if p.dtype != self.dtype or p.device != self.device:
-                    p.data = p.data.to(device=self.device, dtype=self.dtype)
+                if p.dtype != self.dtype or p.device != self.device or not p.is_contiguous():
+                    p.data = p.data.to(device=self.device, dtype=self.dtype).contiguous()
 
     def _take_values(self, index: int, p: torch.nn.Parameter, loading: bool) -> None:
         """p's values: to the servers as fp32 (rank 0), into the flat buffer rounded to 16 bits,

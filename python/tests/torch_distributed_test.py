@@ -44,6 +44,14 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
     # those (the optimizer broadcasts them, as DDP does).
     torch.manual_seed(5 + rank)
     model = TinyNet(31, 20, 45)
+    # A frozen parameter: never trained, and rank 0's on every rank (the optimizer broadcasts
+    # it with the rest).
+    model.fc1.bias.requires_grad_(False)
+    frozen0 = None
+    if world > 1:
+        import torch.distributed as dist
+        frozen0 = model.fc1.bias.detach().to(torch.float16).clone()
+        dist.broadcast(frozen0, src=0)
     opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=torch.float16,
                        servers=[address], token=token, loss_scale=loss_scale, process_group=group,
                        bucket_elements=500, threads=1)
@@ -60,6 +68,8 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
                                                      part[:, 1:].reshape(-1)) / micro
             opt.backward(loss)
         opt.step()
+    if frozen0 is not None and not torch.equal(model.fc1.bias, frozen0):
+        raise SystemExit(f"rank {rank}: the frozen parameter is not rank 0's")
     if rank == 0:
         torch.save(opt.master_weights(), out)
     opt.close()

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offload.torch as otorch  # noqa: E402
-from torch_adamw_test import (BETAS, EPS, LR, Reference, groups_of, lr_lambda,  # noqa: E402
-                              make_model, reference_adamw, ulps)
+from torch_adamw_test import (BETAS, EPS, LR, OddNet, Reference, groups_of,  # noqa: E402
+                              lr_lambda, make_model, reference_adamw, ulps)
 
 STEPS = 20
 MICRO = 4
@@ -341,6 +341,37 @@ class FrozenAndUnused(unittest.TestCase):
                     other.close()
         finally:
             opt.close()
+
+    def test_a_frozen_layer_of_a_model_on_the_meta_device(self) -> None:
+        def build(device=None) -> OddNet:
+            torch.manual_seed(0)
+            model = OddNet(device=device)
+            model.fc1.weight.requires_grad_(False)
+            model.fc1.bias.requires_grad_(False)
+            return model
+
+        eager, meta = build(), build("meta")
+        opts = [otorch.AdamW(eager.parameters(), lr=LR, servers="inprocess", threads=1),
+                otorch.materialize(meta, lr=LR, servers="inprocess", threads=1)]
+        try:
+            # The frozen layer got its values too, in 16 bits, everywhere the model holds it.
+            self.assertFalse(meta.fc1.weight.is_meta)
+            self.assertEqual(meta.fc1.weight.dtype, torch.bfloat16)
+            self.assertTrue(all(a is b for a, b in zip(opts[1].param_groups[0]["params"],
+                                                       meta.parameters())))
+            frozen = meta.fc1.weight.detach().clone()
+            for step in range(3):
+                for model, opt in zip((eager, meta), opts):
+                    opt.zero_grad()
+                    opt.backward(micro_loss(model, step, 0))
+                    opt.step()
+            self.assertTrue(torch.equal(meta.fc1.weight, frozen))
+            for p, q in zip(eager.parameters(), meta.parameters()):
+                self.assertTrue(torch.equal(p.view(torch.int16), q.view(torch.int16)))
+            self.assertTrue(torch.equal(opts[0].master_weights(), opts[1].master_weights()))
+        finally:
+            for opt in opts:
+                opt.close()
 
     def test_unfreezing_is_refused_and_changes_nothing(self) -> None:
         model = self.make()
