@@ -21,6 +21,7 @@ without a GPU.
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -240,7 +241,8 @@ class BucketReducer:
     def __init__(self, buckets: Sequence[Tuple[int, int, Sequence[int]]],
                  offsets: Sequence[int], device: torch.device, lo: int, hi: int,
                  copies: HostCopies, all_reduce: Callable[[torch.Tensor], Any],
-                 send: Callable[[int, torch.Tensor], None]) -> None:
+                 send: Callable[[int, torch.Tensor], None],
+                 trace: Optional[Callable[[str, float], None]] = None) -> None:
         self._buckets = [(start, end) for start, end, _ in buckets]
         self._size = [len(members) for _, _, members in buckets]
         self._bucket_of: Dict[int, int] = {i: j for j, (_, _, members) in enumerate(buckets)
@@ -251,6 +253,9 @@ class BucketReducer:
         self._copies = copies
         self._all_reduce = all_reduce
         self._send = send
+        # trace(name, begin): a span from `begin` (time.monotonic()) to now, for the step's trace:
+        # each bucket's reduction from its launch until its sum is handed on.
+        self._trace = trace
         self.order = list(reversed(range(len(self._buckets))))
         self.reset()
 
@@ -259,6 +264,7 @@ class BucketReducer:
         self._missing = list(self._size)
         self._flat: Dict[int, torch.Tensor] = {}
         self._next = 0  # the position in `order` of the next bucket to launch
+        self._launched: Dict[int, float] = {}  # bucket -> when its reduction was launched
         self._reducing: Deque[Tuple[int, Any, torch.Tensor]] = collections.deque()
         self._landing: Deque[Tuple[int, torch.Tensor, Any]] = collections.deque()
 
@@ -312,11 +318,14 @@ class BucketReducer:
             j = self.order[self._next]
             flat = self._buffer(j)
             del self._flat[j]
+            self._launched[j] = time.monotonic()
             self._reducing.append((j, self._all_reduce(flat), flat))
             self._next += 1
 
     def _land(self, j: int, work: Any, flat: torch.Tensor) -> None:
         work.wait()  # its error, if any; on NCCL, the current stream waits for the sum
+        if self._trace is not None:
+            self._trace("all_reduce", self._launched.pop(j))
         start, end = self._buckets[j]
         a, b = max(start, self._lo), min(end, self._hi)
         if a >= b:

@@ -544,7 +544,8 @@ class AdamW(torch.optim.Optimizer):
                 self._buckets(), self._offsets, self.device, self._part_offset,
                 self._part_offset + self._part_length, copies,
                 lambda flat: ref()._all_reduce(flat),
-                lambda offset, grads: ref()._send_share(offset, grads))
+                lambda offset, grads: ref()._send_share(offset, grads),
+                lambda name, begin: ref()._trace(name, begin))
         elif self.device.type == "cuda" or self._stage_on_cpu:
             self._ring = StagingRing(self._STAGING_SLOTS,
                                      min(self.bucket_elements, self.padded_length), self.dtype,

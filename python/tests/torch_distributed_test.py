@@ -14,6 +14,7 @@ bound is 4 floors, leaving room for the maximum over elements of such a walk.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ ROWS = 8
 
 
 def train(rank: int, world: int, address: str, token: str, out: str, loss_scale: float,
-          init_file: str, micro: int = 1) -> None:
+          init_file: str, micro: int = 1, trace: str = "") -> None:
     import offload.torch as otorch
     group = None
     if world > 1:
@@ -54,7 +55,8 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
         dist.broadcast(frozen0, src=0)
     opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=torch.float16,
                        servers=[address], token=token, loss_scale=loss_scale, process_group=group,
-                       bucket_elements=500, threads=1)
+                       bucket_elements=500, threads=1,
+                       trace_file=trace if trace and rank == 0 else None)
     rows = ROWS // world
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
@@ -79,18 +81,36 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
 
 class TwoRanks(unittest.TestCase):
 
+    def assert_reductions_inside_backward(self, trace_file: str) -> None:
+        """Rank 0's trace: in every step, buckets' reductions started before its backward ended
+        (they overlap the backward that fills them, not all at step())."""
+        with open(trace_file) as f:
+            events = json.load(f)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        spans = {}
+        for e in events:
+            if e.get("ph") == "X":
+                spans.setdefault((e["name"], e["args"]["step"]), []).append(
+                    (e["ts"], e["ts"] + e["dur"]))
+        for step in range(1, STEPS + 1):
+            backward_end = max(end for _, end in spans[("backward", step)])
+            reductions = spans.get(("all_reduce", step), [])
+            self.assertTrue(reductions, f"step {step}: no reduction traced")
+            inside = [b for b, _ in reductions if b < backward_end]
+            self.assertTrue(inside, f"step {step}: every reduction began after backward")
+
     def test_two_ranks_train_what_one_rank_trains(self) -> None:
         from offload.server import LocalServer
         server = LocalServer(threads=1)
         try:
             with tempfile.TemporaryDirectory() as d:
-                def run(world: int, scale: float, micro: int = 1) -> torch.Tensor:
+                def run(world: int, scale: float, micro: int = 1, trace: str = "") -> torch.Tensor:
                     out = os.path.join(d, f"w{world}-{int(scale)}-{micro}.pt")
                     init = os.path.join(d, f"init-{world}-{int(scale)}-{micro}")
                     procs = [subprocess.Popen(
                         [sys.executable, __file__, "--rank", str(r), "--world", str(world),
                          "--address", server.address, "--out", out, "--loss_scale", str(scale),
-                         "--init", init, "--micro", str(micro)],
+                         "--init", init, "--micro", str(micro), "--trace", trace],
                         env=dict(os.environ, OFFLOAD_TOKEN=server.token))
                         for r in range(world)]
                     for p in procs:
@@ -99,7 +119,9 @@ class TwoRanks(unittest.TestCase):
 
                 one = run(1, 1024.0)
                 floor = (run(1, 3 * 1024.0) - one).abs().max().item()
-                two = run(2, 1024.0)
+                trace = os.path.join(d, "two_ranks.json")
+                two = run(2, 1024.0, trace=trace)
+                self.assert_reductions_inside_backward(trace)
                 diff = (two - one).abs().max().item()
                 self.assertGreater(floor, 0.0)
                 print(f"two ranks vs one: max |diff| {diff:.3e}, floor {floor:.3e}")
@@ -130,9 +152,10 @@ if __name__ == "__main__":
     ap.add_argument("--loss_scale", type=float, default=1024.0)
     ap.add_argument("--init")
     ap.add_argument("--micro", type=int, default=1)
+    ap.add_argument("--trace", default="")
     args, rest = ap.parse_known_args()
     if args.rank >= 0:
         train(args.rank, args.world, args.address, os.environ["OFFLOAD_TOKEN"], args.out,
-              args.loss_scale, args.init, args.micro)
+              args.loss_scale, args.init, args.micro, args.trace)
     else:
         unittest.main(argv=[sys.argv[0]] + rest)
