@@ -843,16 +843,7 @@ void Trainer::AccumulatePartition(bool first) {
 }
 
 GradStats Trainer::AccumulatedStats() const {
-  const float* acc = acc32_.data();  // (P,)
-  const int64_t n = static_cast<int64_t>(acc32_.size());
-  double sum = 0;
-  bool nonfinite = false;
-#pragma omp parallel for reduction(+ : sum) reduction(|| : nonfinite) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    nonfinite = nonfinite || !std::isfinite(acc[i]);
-    sum += static_cast<double>(acc[i]) * acc[i];
-  }
-  return GradStats{sum, nonfinite};
+  return MeasureGradients32(acc32_.data(), static_cast<int64_t>(acc32_.size()));
 }
 
 absl::Status Trainer::AllGatherPartitions(uint16_t* buffer) {

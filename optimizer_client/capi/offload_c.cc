@@ -4,6 +4,7 @@
 #include "optimizer_client/capi/offload_c.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -64,6 +65,10 @@ struct OffloadOptimizer {
   std::mutex first_mu;                       // autograd's threads record sends
   std::vector<SentRange> first_micro_batch;  // guarded by first_mu
   offload::HostBuffer acc_buffer;
+  // acc32's statistics, measured once after the last range added to it (a step may ask twice:
+  // offload_local_stats, then the commit).
+  offload::GradStats acc_stats;
+  std::atomic<bool> acc_stats_stale{true};
   uint64_t open_step = 0;  // the step offload_begin_step opened
   // offload_set_range_steps's list for the open step's commit (global flat offsets).
   std::vector<offload::RangeStep> range_steps;
@@ -253,7 +258,12 @@ uint16_t* GradientBuffer(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
   return place != nullptr ? place : opt->grads16 + offset;
 }
 
-absl::Status NoCommitInFlight(const OffloadOptimizer* opt);
+// What may not run while a delayed commit is in flight: anything else on the shards.
+absl::Status NoCommitInFlight(const OffloadOptimizer* opt) {
+  if (!opt->pending_commit.valid()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "a delayed commit is in flight (offload_commit_async): offload_wait_commit first");
+}
 
 absl::Status LoadBegin(OffloadOptimizer* opt, const StepCounters* counters) {
   if (opt->in_step) return absl::FailedPreconditionError("a step is open");
@@ -367,7 +377,9 @@ absl::Status LoadCheckpoint(OffloadOptimizer* opt, const char* dir,
 void EnqueueGradients(OffloadOptimizer* opt, uint64_t offset, uint64_t n, const uint16_t* src,
                       const GradStats* known = nullptr) {
   const bool accumulate = opt->micro_batch > 0;
-  if (!accumulate) {
+  if (accumulate) {
+    opt->acc_stats_stale = true;
+  } else {
     std::lock_guard<std::mutex> lock(opt->first_mu);
     opt->first_micro_batch.push_back({offset, n, src});
   }
@@ -382,14 +394,10 @@ absl::Status TakeStats(OffloadOptimizer* opt) {
   opt->step_stats.Merge(opt->sender->TakeStats());
   if (sent.ok() && opt->micro_batch > 0) {
     // The step is decided on the sum, as the shards will apply it.
-    const float* acc = Accumulator(opt);  // (partition_length,)
-    const int64_t n = opt->backend->partition_length();
-    GradStats sum;
-    for (int64_t i = 0; i < n; ++i) {
-      sum.nonfinite = sum.nonfinite || !std::isfinite(acc[i]);
-      sum.sum_squares += static_cast<double>(acc[i]) * acc[i];
+    if (opt->acc_stats_stale.exchange(false)) {
+      opt->acc_stats = MeasureGradients32(Accumulator(opt), opt->backend->partition_length());
     }
-    opt->step_stats = sum;
+    opt->step_stats = opt->acc_stats;
   }
   return sent;
 }
@@ -438,6 +446,7 @@ absl::Status NextMicroBatch(OffloadOptimizer* opt) {
       AddAsFloat(r.src, opt->dtype, static_cast<int64_t>(r.n), acc + (r.offset - lo));
     }
     opt->first_micro_batch.clear();
+    opt->acc_stats_stale = true;
     opt->sender->AccumulateInto(acc, lo);
   }
   ++opt->micro_batch;
@@ -445,12 +454,13 @@ absl::Status NextMicroBatch(OffloadOptimizer* opt) {
 }
 
 // Everything of a commit but the shards' part: the arguments checked, every gradient sent, the
-// step decided by the policy and closed here. On an error the step stays open (the caller aborts
-// it) unless a send failed, which aborts it.
+// step decided by the policy and closed here, its range steps handed to *range_steps. On an
+// error the step stays open (the caller aborts it) unless a send failed, which aborts it.
 absl::StatusOr<StepDecision> DecideCommit(OffloadOptimizer* opt, const double* global_stats,
                                           const double* group_lr, int32_t num_groups,
                                           float max_grad_norm, uint16_t* params16,
-                                          OffloadStepReport* report) {
+                                          OffloadStepReport* report,
+                                          std::vector<RangeStep>* range_steps) {
   if (!opt->in_step) return absl::FailedPreconditionError("offload_commit outside a step");
   if (params16 == nullptr || report == nullptr || group_lr == nullptr) {
     return absl::InvalidArgumentError("null params16, report or group_lr");
@@ -476,6 +486,8 @@ absl::StatusOr<StepDecision> DecideCommit(OffloadOptimizer* opt, const double* g
   opt->in_step = false;
   opt->step_stats = GradStats{};
   EndMicroBatches(opt);
+  *range_steps = std::move(opt->range_steps);
+  opt->range_steps.clear();
   return d;
 }
 
@@ -522,11 +534,10 @@ void FillReport(const OffloadOptimizer* opt, const StepDecision& d, const StepCo
 absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
                     int32_t num_groups, float max_grad_norm, uint16_t* params16,
                     OffloadStepReport* report) {
-  OFFLOAD_ASSIGN_OR_RETURN(
-      const StepDecision d,
-      DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm, params16, report));
-  const std::vector<RangeStep> range_steps = std::move(opt->range_steps);
-  opt->range_steps.clear();
+  std::vector<RangeStep> range_steps;
+  OFFLOAD_ASSIGN_OR_RETURN(const StepDecision d,
+                           DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm,
+                                        params16, report, &range_steps));
   absl::StatusOr<StepCounters> counters;
   {
     TracePhase phase(opt->trace.get(), "commit", opt->open_step);
@@ -543,9 +554,10 @@ absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const dou
 absl::Status CommitAsync(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
                          int32_t num_groups, float max_grad_norm, uint16_t* params16,
                          OffloadStepReport* report) {
-  OFFLOAD_ASSIGN_OR_RETURN(
-      const StepDecision d,
-      DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm, params16, report));
+  std::vector<RangeStep> range_steps;
+  OFFLOAD_ASSIGN_OR_RETURN(const StepDecision d,
+                           DecideCommit(opt, global_stats, group_lr, num_groups, max_grad_norm,
+                                        params16, report, &range_steps));
   // The loss scale moves now: the next step's backward runs before this commit is done.
   opt->policy->Finish(d);
   const uint64_t step = opt->open_step;
@@ -553,8 +565,6 @@ absl::Status CommitAsync(OffloadOptimizer* opt, const double* global_stats, cons
   report->adam_step = 0;  // the shards' count is known at offload_wait_commit
   report->skipped_steps = 0;
   opt->pending_decision = d;
-  std::vector<RangeStep> range_steps = std::move(opt->range_steps);
-  opt->range_steps.clear();
   opt->pending_commit = std::async(
       std::launch::async, [opt, d, lrs = std::vector<double>(group_lr, group_lr + num_groups),
                            out = params16 + opt->backend->partition_offset(), step,
@@ -575,13 +585,6 @@ absl::Status WaitCommit(OffloadOptimizer* opt, OffloadStepReport* report) {
   if (!counters.ok()) return counters.status();
   if (report != nullptr) FillReport(opt, opt->pending_decision, *counters, report);
   return absl::OkStatus();
-}
-
-// What may not run while a delayed commit is in flight: anything else on the shards.
-absl::Status NoCommitInFlight(const OffloadOptimizer* opt) {
-  if (!opt->pending_commit.valid()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      "a delayed commit is in flight (offload_commit_async): offload_wait_commit first");
 }
 
 }  // namespace
@@ -795,8 +798,6 @@ int32_t offload_next_micro_batch(OffloadOptimizer* opt) {
   return Guard([&] { return offload::NextMicroBatch(opt); });
 }
 
-int32_t offload_micro_batch(const OffloadOptimizer* opt) { return opt->micro_batch; }
-
 int32_t offload_local_stats(OffloadOptimizer* opt, double out[2]) {
   return Guard([&] {
     if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
@@ -832,10 +833,6 @@ int32_t offload_commit_async(OffloadOptimizer* opt, const double* global_stats,
 
 int32_t offload_wait_commit(OffloadOptimizer* opt, OffloadStepReport* report) {
   return Guard([&] { return offload::WaitCommit(opt, report); });
-}
-
-int32_t offload_commit_in_flight(const OffloadOptimizer* opt) {
-  return opt->pending_commit.valid() ? 1 : 0;
 }
 
 int32_t offload_preview(OffloadOptimizer* opt, const double* global_stats, float max_grad_norm,

@@ -246,8 +246,6 @@ int32_t offload_set_range_steps(OffloadOptimizer* opt, const OffloadRangeStep* r
  * are summed as they are: a mean over micro-batches is the caller's (its loss divided by their
  * number, as in torch). */
 int32_t offload_next_micro_batch(OffloadOptimizer* opt);
-/* 0 in the first micro-batch of the open step (or outside a step), k in the (k+1)-th. */
-int32_t offload_micro_batch(const OffloadOptimizer* opt);
 /* Waits until every queued gradient is sent; out[0] = sum of squares, out[1] = 1 if any was inf
  * or NaN, over this rank's gradients (still multiplied by the loss scale). W > 1: sum them over
  * ranks and pass the sums to offload_commit. A send that failed ends the step (nothing applied)
@@ -276,7 +274,6 @@ int32_t offload_commit_async(OffloadOptimizer* opt, const double* global_stats,
 /* Waits for the commit offload_commit_async started; report (may be null) as offload_commit's.
  * The commit's error, if it failed (then the shards applied nothing). */
 int32_t offload_wait_commit(OffloadOptimizer* opt, OffloadStepReport* report);
-int32_t offload_commit_in_flight(const OffloadOptimizer* opt);
 /* Adds a span [begin, end) of the caller's (seconds of CLOCK_MONOTONIC: Python's
  * time.monotonic()) to the trace, e.g. "backward"; nothing without a trace_file. */
 void offload_trace_phase(OffloadOptimizer* opt, const char* name, uint64_t step, double begin,

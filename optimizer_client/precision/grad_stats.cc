@@ -34,6 +34,17 @@ GradStats MeasureGradients16(const uint16_t* g, int64_t n, DType dtype) {
   return GradStats{sum, nonfinite};
 }
 
+GradStats MeasureGradients32(const float* g, int64_t n) {
+  double sum = 0;
+  bool nonfinite = false;
+#pragma omp parallel for reduction(+ : sum) reduction(|| : nonfinite) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    nonfinite = nonfinite || !std::isfinite(g[i]);
+    sum += static_cast<double>(g[i]) * g[i];
+  }
+  return GradStats{sum, nonfinite};
+}
+
 float ClipCoefficient(double global_norm, float max_norm) {
   if (max_norm <= 0) return 1.0f;
   const double coef = max_norm / (global_norm + 1e-6);

@@ -26,6 +26,8 @@ GradStats RoundGradients(const float* grads, int64_t n, DType dtype, uint16_t* o
 
 // The same statistics of gradients already rounded: g (n,) fp16 or bf16.
 GradStats MeasureGradients16(const uint16_t* g, int64_t n, DType dtype);
+// The same of fp32 sums of rounded gradients (a micro-batch accumulator): g (n,).
+GradStats MeasureGradients32(const float* g, int64_t n);
 
 // clip_coef of torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + 1e-6)); 1 when
 // max_norm <= 0 (clipping off).

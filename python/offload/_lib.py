@@ -156,7 +156,6 @@ def lib() -> ctypes.CDLL:
         "offload_gradients_ready": (i32, [P, u64, u64, P]),
         "offload_send_gradients_f32": (i32, [P, u64, P, u64, f32]),
         "offload_next_micro_batch": (i32, [P]),
-        "offload_micro_batch": (i32, [P]),
         "offload_local_stats": (i32, [P, ctypes.POINTER(dbl)]),
         "offload_set_range_steps": (i32, [P, ctypes.POINTER(RangeStep), i32]),
         "offload_commit": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),

@@ -525,7 +525,7 @@ class AdamW(torch.optim.Optimizer):
         self.keep_grads = bool(keep_grads)
         self._sent = [False] * len(self._params)  # in the current micro-batch
         self._seen = [False] * len(self._params)  # in any micro-batch of the step
-        self._micro = 0  # the current micro-batch of the step (backward() calls before it)
+        self._unused: List[int] = []  # of the step being decided (_global_stats)
         # Per parameter, the updates it missed (applied steps in which it had no gradient): its
         # own step count, torch's state["step"], is adam_step minus this.
         self._lag = [0] * len(self._params)
@@ -617,7 +617,6 @@ class AdamW(torch.optim.Optimizer):
             self._abort()  # the step ends, nothing applied: zero_grad() and retry
             raise
         self._sent = [False] * len(self._params)
-        self._micro += 1
 
     def _hand_over(self, pieces: List[Piece]) -> None:
         """A staging slot whose copies have landed: into the library's place, then ready."""
@@ -675,15 +674,15 @@ class AdamW(torch.optim.Optimizer):
         """Every gradient of this rank's partition on its way (once per step)."""
         if self._gradients_done:
             return
-        for gi, pj in self._frozen:
-            if self.param_groups[gi]["params"][pj].grad is not None:
-                p = self.param_groups[gi]["params"][pj]
-                raise RuntimeError(
-                    f"a parameter of group {gi} (shape {tuple(p.shape)}) was frozen "
-                    "(requires_grad=False) when the optimizer was built and has a gradient now: "
-                    "the servers hold no state for it and the job's parameters are fixed. "
-                    "Build a new optimizer after unfreezing, or set its .grad to None to keep "
-                    "it frozen")
+        unfrozen = self._frozen_with_grad()
+        if unfrozen is not None:
+            gi, p = unfrozen
+            raise RuntimeError(
+                f"a parameter of group {gi} (shape {tuple(p.shape)}) was frozen "
+                "(requires_grad=False) when the optimizer was built and has a gradient now: "
+                "the servers hold no state for it and the job's parameters are fixed. "
+                "Build a new optimizer after unfreezing, or set its .grad to None to keep "
+                "it frozen")
         if self._reducer is not None:
             self._reducer.finish()
             self._sent = [True] * len(self._params)
@@ -726,7 +725,6 @@ class AdamW(torch.optim.Optimizer):
         self._gradients_done = False
         self._sent = [False] * len(self._params)
         self._seen = [False] * len(self._params)
-        self._micro = 0
         self._pending = []
         self._pending_elements = 0
         if getattr(self, "_ring", None) is not None:
@@ -765,17 +763,22 @@ class AdamW(torch.optim.Optimizer):
         check(_lib.lib().offload_write_trace(self._handle))
 
     def _global_stats(self) -> Optional[ctypes.Array]:
+        """The statistics summed over the ranks (None with one rank), and in _unused the
+        parameters no rank had a gradient for (torch skips those): one all-reduce for both."""
         if self._world == 1:
+            self._unused = [i for i, seen in enumerate(self._seen) if not seen]
             return None
         local = (ctypes.c_double * 2)()
         check(_lib.lib().offload_local_stats(self._handle, local))
         import torch.distributed as dist
         # On the parameters' device: NCCL reduces device tensors only.
         device = self.device if dist.get_backend(self._group) == "nccl" else "cpu"
-        t = torch.tensor([local[0], local[1]], dtype=torch.float64, device=device)
+        t = torch.tensor([local[0], local[1]] + [float(s) for s in self._seen],
+                         dtype=torch.float64, device=device)
         dist.all_reduce(t, group=self._group)
-        t = t.cpu()
-        return (ctypes.c_double * 2)(float(t[0]), float(t[1]))
+        summed = t.cpu().tolist()
+        self._unused = [i for i, seen in enumerate(summed[2:]) if seen == 0]
+        return (ctypes.c_double * 2)(summed[0], summed[1])
 
     def _gradients_out(self) -> Optional[ctypes.Array]:
         """Every gradient of the step on its way, and the statistics to decide it by (summed
@@ -815,12 +818,12 @@ class AdamW(torch.optim.Optimizer):
         self._live()
         begin = time.monotonic()
         with self._lock:
-            if not L.offload_in_step(self._handle) and not self._frozen_with_grads():
+            if not L.offload_in_step(self._handle) and self._frozen_with_grad() is None:
                 # No gradient since the last step: nothing to do, as torch.optim does nothing
                 # for parameters without gradients (every rank must agree, as with DDP).
                 return loss
             stats = self._gradients_out()
-            unused = self._unused()
+            unused = self._unused
             self._set_range_steps(unused)
             lrs = (ctypes.c_double * len(self._trained))(
                 *[float(self.param_groups[gi]["lr"]) for gi in self._trained])
@@ -860,17 +863,6 @@ class AdamW(torch.optim.Optimizer):
         self.last_report = {f: getattr(report, f) for f, _ in _lib.StepReport._fields_}
         return loss
 
-    def _unused(self) -> List[int]:
-        """The parameters without a gradient this step, on every rank (torch skips those)."""
-        seen = self._seen
-        if self._world > 1:
-            import torch.distributed as dist
-            device = self.device if dist.get_backend(self._group) == "nccl" else "cpu"
-            t = torch.tensor(seen, dtype=torch.int32, device=device)
-            dist.all_reduce(t, group=self._group)
-            seen = [bool(x) for x in t.cpu().tolist()]
-        return [i for i, s in enumerate(seen) if not s]
-
     def _set_range_steps(self, unused: List[int]) -> None:
         """Tells the commit what torch does per parameter: a parameter without a gradient is not
         updated (t 0), and one that missed updates before takes its own bias-correction step;
@@ -887,7 +879,9 @@ class AdamW(torch.optim.Optimizer):
                 runs[-1][1] += n
             else:
                 runs.append([off, n, t])
-        array = (_lib.RangeStep * max(1, len(runs)))(*[_lib.RangeStep(*r) for r in runs])
+        if not runs:
+            return  # the library starts every step with none
+        array = (_lib.RangeStep * len(runs))(*[_lib.RangeStep(*r) for r in runs])
         try:
             check(_lib.lib().offload_set_range_steps(self._handle, array, len(runs)))
         except BaseException:
@@ -921,9 +915,14 @@ class AdamW(torch.optim.Optimizer):
             self._live()
             self._apply_pending()
 
-    def _frozen_with_grads(self) -> bool:
-        return any(self.param_groups[gi]["params"][pj].grad is not None
-                   for gi, pj in self._frozen)
+    def _frozen_with_grad(self) -> Optional[Tuple[int, torch.nn.Parameter]]:
+        """(group, parameter) of the first frozen parameter that has a gradient (unfrozen
+        since the optimizer was built), or None."""
+        for gi, pj in self._frozen:
+            p = self.param_groups[gi]["params"][pj]
+            if p.grad is not None:
+                return gi, p
+        return None
 
     def _gather_weights(self, src: torch.Tensor) -> None:
         """After a commit: this rank's partition is in src; every rank's, in the parameters."""

@@ -172,9 +172,7 @@ class Reference:
         (loss * self.scale).backward()
         grads = [p.grad for p in self.model.parameters()]
         if not all(bool(torch.isfinite(g.float()).all()) for g in grads):
-            self.scale = max(1.0, self.scale / 2) if self.dtype == torch.float16 else 1.0
-            self.clean = 0
-            self.sched.step()
+            self.skipped()
             return True, 1.0
         for m, g in zip(self.masters, grads):
             m.grad = g.float() * (1.0 / self.scale)
@@ -190,12 +188,22 @@ class Reference:
         with torch.no_grad():
             for p, m in zip(self.model.parameters(), self.masters):
                 p.copy_(m)
+        self.applied()
+        return False, coef
+
+    def skipped(self) -> None:
+        """GradScaler after an overflow: the scale halves (bf16: stays 1), the step is lost."""
+        self.scale = max(1.0, self.scale / 2) if self.dtype == torch.float16 else 1.0
+        self.clean = 0
+        self.sched.step()
+
+    def applied(self) -> None:
+        """GradScaler after a clean step: the scale doubles after `window` of them."""
         if self.dtype == torch.float16:
             self.clean += 1
             if self.clean >= self.window:
                 self.scale *= 2
                 self.clean = 0
-        return False, coef
 
     def flat_masters(self) -> torch.Tensor:
         """In the optimizer's flat order: group by group."""

@@ -69,9 +69,7 @@ class AccumulatingReference(Reference):
                     p.copy_(w)
         self.pending = None
         if not all(bool(torch.isfinite(s).all()) for s in sums):
-            self.scale = max(1.0, self.scale / 2) if self.dtype == torch.float16 else 1.0
-            self.clean = 0
-            self.sched.step()
+            self.skipped()
             return True
         for m, s in zip(self.masters, sums):
             m.grad = s * (1.0 / self.scale)
@@ -83,11 +81,7 @@ class AccumulatingReference(Reference):
             with torch.no_grad():
                 for p, m in zip(self.model.parameters(), self.masters):
                     p.copy_(m)
-        if self.dtype == torch.float16:
-            self.clean += 1
-            if self.clean >= self.window:
-                self.scale *= 2
-                self.clean = 0
+        self.applied()
         return False
 
 
