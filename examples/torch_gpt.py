@@ -109,6 +109,8 @@ def main() -> None:
                     help="backward() calls per step, each on batch / micro_batches sequences")
     ap.add_argument("--delay_update", action="store_true",
                     help="offload: the delayed parameter update (after 20 ordinary steps)")
+    ap.add_argument("--update_in_backward", action="store_true",
+                    help="offload: the servers update each bucket during backward")
     args = ap.parse_args()
     if args.micro_batches < 1 or args.batch % args.micro_batches:
         ap.error(f"--batch {args.batch} does not split into {args.micro_batches} micro-batches")
@@ -140,7 +142,8 @@ def main() -> None:
     if args.optimizer == "offload":
         opt = offload.torch.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), dtype=dtype,
                                   servers=servers, max_grad_norm=1.0,
-                                  delay_update=args.delay_update)
+                                  delay_update=args.delay_update,
+                                  update_in_backward=args.update_in_backward)
         where = f"{opt.transport} ({'local server' if servers is None else servers})"
     else:
         extra = {"fused": True} if device.type == "cuda" and torch.__version__ >= "2" else {}
@@ -196,7 +199,8 @@ def main() -> None:
         timed = sorted(step_times[len(step_times) // 4:]) or [0.0]  # past the warm-up
         print(f"torch_gpt optimizer={args.optimizer} device={device.type} params={n_params} "
               f"batch={args.batch}x{args.seq} micro_batches={args.micro_batches} "
-              f"dpu={int(args.delay_update)} dtype={args.dtype} "
+              f"dpu={int(args.delay_update)} uib={int(args.update_in_backward)} "
+              f"dtype={args.dtype} "
               f"step_s={timed[len(timed) // 2]:.4f} val_loss={val_loss:.4f}")
         idx = data[:args.seq // 2].view(1, -1).to(device)
         for _ in range(args.sample):

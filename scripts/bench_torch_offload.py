@@ -11,7 +11,11 @@ is timed three ways on the same batches:
           adds is offload's step minus (its forward+backward without hooks + bare);
   delayed offload with delay_update=True (no warm-up): the time step() waits after backward,
           and the whole step, against the synchronous step's; from its Chrome trace, the share
-          of the servers' commits that ran outside step() (under the next forward/backward).
+          of the servers' commits that ran outside step() (under the next forward/backward);
+  during  offload with update_in_backward=True: the time step() waits after backward, the share
+          of the elements the server updated before the commit (last_report), and, from the
+          Chrome trace of the same run on the in-process engine (whose early updates are spans
+          of the sender's thread), the share of the update's time that lay inside backward.
 It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
 
     PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
@@ -52,21 +56,28 @@ def timed(fn, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def load_spans(trace_file: str, name: str):
+    events = json.load(open(trace_file))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return [(e["ts"], e["ts"] + e["dur"]) for e in events
+            if e.get("name") == name and e.get("ph") == "X"]
+
+
+def inside_fraction(trace_file: str, name: str, within: str) -> float:
+    """The share of the time of `name`'s spans that lies inside `within`'s spans."""
+    outer = load_spans(trace_file, within)
+    total = inside = 0.0
+    for a, b in load_spans(trace_file, name):
+        total += b - a
+        inside += sum(max(0.0, min(b, d) - max(a, c)) for c, d in outer)
+    return inside / total if total else 0.0
+
+
 def overlap_fraction(trace_file: str) -> float:
     """From a Chrome trace of delayed steps: the share of the servers' commits
     (commit_delayed spans) that ran outside step(), i.e. while the script's forward and
     backward did."""
-    events = json.load(open(trace_file))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    spans = lambda name: [(e["ts"], e["ts"] + e["dur"]) for e in events  # noqa: E731
-                          if e.get("name") == name and e.get("ph") == "X"]
-    steps = spans("step")
-    total = hidden = 0.0
-    for a, b in spans("commit_delayed"):
-        inside = sum(max(0.0, min(b, d) - max(a, c)) for c, d in steps)
-        total += b - a
-        hidden += b - a - inside
-    return hidden / total if total else 0.0
+    return 1.0 - inside_fraction(trace_file, "commit_delayed", "step")
 
 
 def main() -> None:
@@ -166,6 +177,22 @@ def main() -> None:
         opt.close()  # writes the trace
         overlap = overlap_fraction(trace)
 
+    # during: the update during backward, through the same local server, then on the in-process
+    # engine with a trace (its early updates are the sender's spans there).
+    model = copy.deepcopy(base)
+    opt = otorch.AdamW(model.parameters(), lr=1e-4, update_in_backward=True)
+    during_step_s, during_opt_s = offload_steps()
+    early_share = opt.last_report["early_updated"] / opt.num_params
+    opt.close()
+    model = copy.deepcopy(base)
+    with tempfile.TemporaryDirectory() as d:
+        trace = os.path.join(d, "during.json")
+        opt = otorch.AdamW(model.parameters(), lr=1e-4, update_in_backward=True,
+                           servers="inprocess", trace_file=trace)
+        offload_steps()
+        opt.close()
+        inside_backward = inside_fraction(trace, "update_early", "backward")
+
     print(f"torch_offload model=gpt params={n} layers={args.layers} channels={args.channels} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} plane={transport}")
     print(f"optimizer step  torch_foreach_fp32_s={torch_opt_s:.4f} offload_step_s={offload_opt_s:.4f}"
@@ -177,6 +204,12 @@ def main() -> None:
           f"delayed_vs_sync={offload_step_s / delayed_step_s:.2f}x "
           f"delayed_vs_torch={torch_step_s / delayed_step_s:.2f}x "
           f"commit_outside_step={overlap:.2f}")
+    print(f"during backward sync_s={offload_opt_s:.4f} during_s={during_opt_s:.4f} "
+          f"whole_step_during_s={during_step_s:.4f} whole_step_sync_s={offload_step_s:.4f} "
+          f"during_vs_sync={offload_step_s / during_step_s:.2f}x "
+          f"wait_vs_sync={during_opt_s / offload_opt_s:.2f} "
+          f"updated_before_commit={early_share:.2f} "
+          f"update_inside_backward={inside_backward:.2f} (in-process trace)")
     print(f"front end       offload_step_s={offload_step_s:.4f} fwd_bwd_bf16_s={plain_s:.4f} "
           f"bare_commit_s={bare_s:.4f} cost={offload_step_s / (plain_s + bare_s):.3f}x of "
           "fwd+bwd+bare (target <= 1.2x)")

@@ -54,6 +54,10 @@ struct StateSliceRef {
 struct StepCounters {
   uint64_t completed_step = 0;
   uint64_t adam_step = 0;
+  // After a commit, summed over the slices committed (StepResult): elements updated during
+  // backward whose update stood, and those undone and redone or skipped. Not part of a checkpoint.
+  uint64_t early_updated = 0;
+  uint64_t early_rolled_back = 0;
 };
 
 // One LoadState stream to one shard (ARCHITECTURE.md section 4.2): chunks go out as they are added,

@@ -226,6 +226,8 @@ grpc::Status OptimizerService::Step(
   result->set_skipped(outcome->skipped);
   result->set_adam_step(outcome->adam_step);
   result->set_skipped_steps(outcome->skipped_steps);
+  result->set_early_updated(outcome->early_updated);
+  result->set_early_rolled_back(outcome->early_rolled_back);
   stream->Write(response);
   return grpc::Status::OK;
 }

@@ -140,7 +140,7 @@ int64_t Job::state_bytes() const {
   int64_t bytes = state_reservation.bytes();
   for (const auto& r : ranges) {
     std::lock_guard<std::mutex> lock(r->mu);
-    bytes += r->accumulator_reservation.bytes();
+    bytes += r->accumulator_reservation.bytes() + r->rollback_reservation.bytes();
   }
   return bytes;
 }

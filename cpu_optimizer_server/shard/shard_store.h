@@ -97,6 +97,13 @@ struct RangeState {
   HostBuffer accumulator_storage;  // (length,) fp32, allocated on the first accumulating chunk
   float* accumulator = nullptr;
   Reservation accumulator_reservation;
+  // Where an update during backward (StepSession::UpdateEarly) copies the state it overwrites:
+  // (3, length) fp32, master weights, exp_avg, exp_avg_sq at range-relative positions. Allocated
+  // on the first such update and kept, as the accumulator is: a buffer made anew every step
+  // costs its page faults every step (1.2 GB of them for 100M parameters).
+  HostBuffer rollback_storage;
+  float* rollback = nullptr;
+  Reservation rollback_reservation;
 
   // Guards the counters and the step lease; held only briefly.
   mutable std::mutex mu;

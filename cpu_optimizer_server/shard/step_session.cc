@@ -46,9 +46,19 @@ absl::StatusOr<std::unique_ptr<StepSession>> StepSession::Open(ShardStore* store
 
 StepSession::StepSession(ShardStore* store, std::shared_ptr<Job> job, RangeState* range,
                          uint64_t step, bool replay)
-    : store_(store), job_(std::move(job)), range_(range), step_(step), replay_(replay) {}
+    : store_(store),
+      job_(std::move(job)),
+      range_(range),
+      step_(step),
+      replay_(replay),
+      to_half_(internal::GetFloatToHalf(store->simd_path())) {}
 
 StepSession::~StepSession() {
+  // Before the lease goes: the next stream of the range must find the state as it was.
+  if (!committed_ && !early_.empty()) {
+    std::lock_guard<std::mutex> tensors_lock(range_->tensors_mu);
+    RestoreAll();
+  }
   std::lock_guard<std::mutex> lock(range_->mu);
   range_->step_in_progress = false;
 }
@@ -162,6 +172,11 @@ absl::Status StepSession::AddGradientsView(int64_t offset, DType dtype, const vo
 absl::Status StepSession::StartAccumulating() {
   RangeState* r = range_;
   const int64_t length = r->spec.length;
+  // The early updates used the first micro-batch's gradients alone: the sum is another step.
+  if (!early_.empty()) {
+    std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+    RestoreAll();
+  }
   if (r->accumulator == nullptr) {
     const int64_t bytes = length * 4;
     absl::StatusOr<Reservation> reservation =
@@ -185,82 +200,87 @@ absl::Status StepSession::StartAccumulating() {
   return absl::OkStatus();
 }
 
+void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t base, int64_t hi,
+                          uint16_t* out, const StateWave& state) const {
+  const RangeState* r = range_;
+  const DType out_dtype = job_->config.param_dtype;
+  const AdamKernelFn kernel = store_->adam_kernel();
+  float* const master = state.master - state.lo;  // indexed by range element
+  float* const exp_avg = state.exp_avg - state.lo;
+  float* const exp_avg_sq = state.exp_avg_sq - state.lo;
+  // The 16-bit copy of master weights [b, e) only, as a replay or a skipped range sends it.
+  // A replay only converts: the SIMD conversion of the store's path, bit-identical to dtype.h's.
+  auto convert = [&](int64_t b, int64_t e) {
+    if (out == nullptr) return;
+    if (to_half_ != nullptr) {
+      to_half_(master + b, out_dtype, out + (b - base), e - b);
+    } else {
+      ConvertFromFloat(master + b, e - b, out_dtype, out + (b - base));
+    }
+  };
+  if (update.empty()) {
+    convert(base, hi);
+    return;
+  }
+  AdamSpan span;
+  span.out_dtype = out_dtype;
+  // [b, e) is cut where a parameter group ends and where an update run (range_steps) ends:
+  // each piece runs with its group's scalars for its run's t, or only converts where the run
+  // is skipped. The update is elementwise, so the cuts change no bit (one group and no range
+  // steps: one piece, as before either).
+  auto run = [&](int64_t b, int64_t e, const void* grad, DType grad_dtype) {
+    const int grad_size = DTypeSize(grad_dtype);
+    auto g = std::upper_bound(r->group_pieces.begin(), r->group_pieces.end(), b,
+                              [](int64_t pos, const RangeGroupPiece& p) { return pos < p.end; });
+    auto u = std::upper_bound(update.begin(), update.end(), b,
+                              [](int64_t pos, const UpdateRun& run) { return pos < run.end; });
+    for (const int64_t first = b; b < e;) {
+      const int64_t pe = std::min({e, g->end, u->end});
+      if (u->scalars == nullptr) {
+        convert(b, pe);
+      } else {
+        span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
+        span.grad_dtype = grad_dtype;
+        span.param = master + b;
+        span.exp_avg = exp_avg + b;
+        span.exp_avg_sq = exp_avg_sq + b;
+        span.out = out != nullptr ? out + (b - base) : nullptr;
+        span.n = pe - b;
+        kernel(u->scalars[g->group], span);
+      }
+      b = pe;
+      if (b == g->end) ++g;
+      if (b == u->end) ++u;
+    }
+  };
+  if (accumulating_) {
+    run(base, hi, r->accumulator + base, DType::kFp32);
+    return;
+  }
+  // The pieces tile [base, hi) exactly (checked before the commit or the update gets here).
+  int64_t lo = base;
+  auto it = std::upper_bound(pieces_.begin(), pieces_.end(), lo,
+                             [](int64_t pos, const Piece& p) { return pos < p.begin; });
+  for (--it; lo < hi; ++it) {
+    const int64_t e = std::min(hi, it->begin + it->n);
+    run(lo, e, it->bytes() + (lo - it->begin) * DTypeSize(it->dtype), it->dtype);
+    lo = e;
+  }
+}
+
 absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& update,
                                               ParamSink* sink) {
   const RangeState* r = range_;
   const int64_t length = r->spec.length;
   const int64_t wave = store_->options().wave_elements;
-  const DType out_dtype = job_->config.param_dtype;
-  const AdamKernelFn kernel = store_->adam_kernel();
   ThreadPool* pool = store_->pool();
   const int threads = pool->num_threads();
   std::sort(pieces_.begin(), pieces_.end(),
             [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
-
   // Applies Adam (if asked) and writes the 16-bit copy for range elements [base, hi) into out,
   // with the state of those elements in `state` (the range's own views, or a disk wave's slot).
-  // A replay only converts: the SIMD conversion of the store's path, bit-identical to dtype.h's.
-  const internal::FloatToHalfFn to_half = internal::GetFloatToHalf(store_->simd_path());
-  auto process = [&](const int64_t base, int64_t hi, uint16_t* out, const StateWave& state) {
-    float* const master = state.master - state.lo;  // indexed by range element
-    float* const exp_avg = state.exp_avg - state.lo;
-    float* const exp_avg_sq = state.exp_avg_sq - state.lo;
-    // The 16-bit copy of master weights [b, e) only, as a replay or a skipped range sends it.
-    auto convert = [&](int64_t b, int64_t e) {
-      if (to_half != nullptr) {
-        to_half(master + b, out_dtype, out + (b - base), e - b);
-      } else {
-        ConvertFromFloat(master + b, e - b, out_dtype, out + (b - base));
-      }
-    };
-    if (update.empty()) {
-      convert(base, hi);
-      return;
-    }
-    AdamSpan span;
-    span.out_dtype = out_dtype;
-    // [b, e) is cut where a parameter group ends and where an update run (range_steps) ends:
-    // each piece runs with its group's scalars for its run's t, or only converts where the run
-    // is skipped. The update is elementwise, so the cuts change no bit (one group and no range
-    // steps: one piece, as before either).
-    auto run = [&](int64_t b, int64_t e, const void* grad, DType grad_dtype) {
-      const int grad_size = DTypeSize(grad_dtype);
-      auto g = std::upper_bound(r->group_pieces.begin(), r->group_pieces.end(), b,
-                                [](int64_t pos, const RangeGroupPiece& p) { return pos < p.end; });
-      auto u = std::upper_bound(update.begin(), update.end(), b,
-                                [](int64_t pos, const UpdateRun& run) { return pos < run.end; });
-      for (const int64_t first = b; b < e;) {
-        const int64_t pe = std::min({e, g->end, u->end});
-        if (u->scalars == nullptr) {
-          convert(b, pe);
-        } else {
-          span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
-          span.grad_dtype = grad_dtype;
-          span.param = master + b;
-          span.exp_avg = exp_avg + b;
-          span.exp_avg_sq = exp_avg_sq + b;
-          span.out = out + (b - base);
-          span.n = pe - b;
-          kernel(u->scalars[g->group], span);
-        }
-        b = pe;
-        if (b == g->end) ++g;
-        if (b == u->end) ++u;
-      }
-    };
-    if (accumulating_) {
-      run(base, hi, r->accumulator + base, DType::kFp32);
-      return;
-    }
-    // The pieces tile [0, length) exactly (checked before the commit gets here).
-    int64_t lo = base;
-    auto it = std::upper_bound(pieces_.begin(), pieces_.end(), lo,
-                               [](int64_t pos, const Piece& p) { return pos < p.begin; });
-    for (--it; lo < hi; ++it) {
-      const int64_t e = std::min(hi, it->begin + it->n);
-      run(lo, e, it->bytes() + (lo - it->begin) * DTypeSize(it->dtype), it->dtype);
-      lo = e;
-    }
+  auto process = [this, &update](int64_t base, int64_t hi, uint16_t* out, const StateWave& state) {
+    Process(update, base, hi, out, state);
   };
 
   // A range on disk: each wave's state comes through the tier's ring (read ahead while the wave
@@ -316,7 +336,8 @@ absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& upda
   return sink_ok;
 }
 
-absl::Status StepSession::ValidateRangeSteps(const std::vector<RangeStep>& steps) const {
+absl::Status StepSession::ValidateRangeSteps(const std::vector<RangeStep>& steps,
+                                             const char* what) const {
   uint64_t adam_step;
   {
     std::lock_guard<std::mutex> lock(range_->mu);
@@ -330,17 +351,17 @@ absl::Status StepSession::ValidateRangeSteps(const std::vector<RangeStep>& steps
     if (s.offset < 0 || s.length <= 0 ||
         s.length > std::numeric_limits<int64_t>::max() - s.offset) {
       return absl::InvalidArgumentError(
-          absl::StrCat("commit.range_steps[", i, "] has offset ", s.offset, " and length ",
+          absl::StrCat(what, ".range_steps[", i, "] has offset ", s.offset, " and length ",
                        s.length, "; a range step must be a non-empty range of the flat space"));
     }
     if (i > 0 && s.offset < prev_end) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "commit.range_steps[", i, "] starts at ", s.offset, ", before range_steps[", i - 1,
+          what, ".range_steps[", i, "] starts at ", s.offset, ", before range_steps[", i - 1,
           "] ends at ", prev_end, ": range steps must be sorted by offset and not overlap"));
     }
     if (s.t > max_t) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "commit.range_steps[", i, "] [", s.offset, ", ", s.offset + s.length, ") has t ", s.t,
+          what, ".range_steps[", i, "] [", s.offset, ", ", s.offset + s.length, ") has t ", s.t,
           " but range ", range_->index, " of job ", job_->config.job_id, " has applied ", adam_step,
           " updates, so no element's step can be past ", max_t));
     }
@@ -349,28 +370,24 @@ absl::Status StepSession::ValidateRangeSteps(const std::vector<RangeStep>& steps
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, ParamSink* sink) {
-  if (committed_) return absl::FailedPreconditionError("the step was already committed");
-  if (args.step != step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("commit.step is ", args.step, " but the stream opened step ", step_));
-  }
+absl::Status StepSession::ValidateArgs(const StepCommitArgs& args, const char* what) const {
   const std::vector<ParamGroupSpec>& groups = job_->config.groups;
   if (args.group_lr.empty()) {
     if (!std::isfinite(args.lr) || args.lr < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("commit.lr is ", args.lr, "; it must be finite and >= 0"));
+          absl::StrCat(what, ".lr is ", args.lr, "; it must be finite and >= 0"));
     }
   } else {
     // With group_lr, `lr` is unused (StepCommit), so only these are checked.
     if (args.group_lr.size() != groups.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "commit.group_lr has ", args.group_lr.size(), " values but job ", job_->config.job_id,
-          " has ", groups.size(), " parameter groups: send one per group, or none for commit.lr"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ".group_lr has ", args.group_lr.size(), " values but job ",
+                       job_->config.job_id, " has ", groups.size(),
+                       " parameter groups: send one per group, or none for ", what, ".lr"));
     }
     for (size_t i = 0; i < args.group_lr.size(); ++i) {
       if (!std::isfinite(args.group_lr[i]) || args.group_lr[i] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("commit.group_lr[", i, "] (parameter group ",
+        return absl::InvalidArgumentError(absl::StrCat(what, ".group_lr[", i, "] (parameter group ",
                                                        i, ") is ", args.group_lr[i],
                                                        "; it must be finite and >= 0"));
       }
@@ -380,9 +397,233 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
   // gradients while the moments and the step count still advance.
   if (!std::isfinite(args.grad_multiplier) || args.grad_multiplier <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "commit.grad_multiplier is ", args.grad_multiplier, "; it must be finite and > 0"));
+        what, ".grad_multiplier is ", args.grad_multiplier, "; it must be finite and > 0"));
   }
-  OFFLOAD_RETURN_IF_ERROR(ValidateRangeSteps(args.range_steps));
+  return ValidateRangeSteps(args.range_steps, what);
+}
+
+std::vector<double> StepSession::GroupLrs(const StepCommitArgs& args) const {
+  if (!args.group_lr.empty()) return args.group_lr;
+  return std::vector<double>(job_->config.groups.size(), args.lr);
+}
+
+const AdamStepScalars* StepSession::ScalarSets::For(uint64_t t) {
+  std::vector<AdamStepScalars>& scalars = by_t_[t];
+  if (scalars.empty()) {
+    scalars.reserve(groups_->size());
+    for (size_t i = 0; i < groups_->size(); ++i) {
+      scalars.push_back(ComputeAdamStepScalars((*groups_)[i].adam, group_lr_[i],
+                                               static_cast<int64_t>(t), grad_multiplier_));
+    }
+  }
+  return scalars.data();
+}
+
+// Neighbours with one t are one run: the commit and an early update then describe the same
+// elements the same way, and a run's cut changes no bit (the update is elementwise).
+void StepSession::AppendRun(std::vector<StepRun>* runs, int64_t end, uint64_t t) {
+  if (!runs->empty() && runs->back().t == t) {
+    runs->back().end = end;
+  } else {
+    runs->push_back(StepRun{end, t});
+  }
+}
+
+std::vector<StepSession::StepRun> StepSession::ResolveSteps(
+    const std::vector<RangeStep>& range_steps, uint64_t range_t) const {
+  const RangeSpec& spec = range_->spec;
+  std::vector<StepRun> runs;
+  auto add = [&runs](int64_t end, uint64_t t) { AppendRun(&runs, end, t); };
+  int64_t at = 0;
+  for (const RangeStep& rs : ClipRangeSteps(range_steps, spec.offset, spec.offset + spec.length)) {
+    const int64_t b = rs.offset - spec.offset;
+    if (b > at) add(b, range_t);
+    at = b + rs.length;
+    add(at, rs.t);
+  }
+  if (at < spec.length) add(spec.length, range_t);
+  return runs;
+}
+
+std::vector<StepSession::UpdateRun> StepSession::ToUpdateRuns(const std::vector<StepRun>& steps,
+                                                              ScalarSets* scalars) {
+  std::vector<UpdateRun> runs;
+  runs.reserve(steps.size());
+  for (const StepRun& s : steps) {
+    runs.push_back(UpdateRun{s.end, s.t == 0 ? nullptr : scalars->For(s.t)});
+  }
+  return runs;
+}
+
+bool StepSession::SameSteps(const EarlyUpdate& early, const std::vector<StepRun>& steps) {
+  auto c = std::upper_bound(steps.begin(), steps.end(), early.begin,
+                            [](int64_t pos, const StepRun& run) { return pos < run.end; });
+  int64_t at = early.begin;
+  for (const StepRun& mine : early.steps) {
+    while (at < mine.end) {
+      if (c == steps.end() || c->t != mine.t) return false;
+      at = std::min(mine.end, c->end);
+      if (at == c->end) ++c;
+    }
+  }
+  return true;
+}
+
+std::vector<StepSession::StepRun> StepSession::ConvertOnly(
+    const std::vector<StepRun>& steps, const std::vector<IntervalSet::Interval>& keep) {
+  std::vector<StepRun> runs;
+  auto add = [&runs](int64_t end, uint64_t t) { AppendRun(&runs, end, t); };
+  auto step = steps.begin();
+  int64_t at = 0;
+  // Copies `steps` over [at, limit).
+  auto copy_until = [&](int64_t limit) {
+    while (at < limit) {
+      while (step->end <= at) ++step;
+      at = std::min(limit, step->end);
+      add(at, step->t);
+    }
+  };
+  for (const IntervalSet::Interval& k : keep) {
+    copy_until(k.first);
+    add(k.second, 0);
+    at = k.second;
+  }
+  copy_until(steps.empty() ? 0 : steps.back().end);
+  return runs;
+}
+
+void StepSession::Restore(const EarlyUpdate& early) const {
+  RangeState* r = range_;
+  const float* const saved = r->rollback;  // (3, length)
+  const int64_t length = r->spec.length;
+  store_->ParallelTiles(early.begin, early.begin + early.n, [&](int64_t lo, int64_t hi) {
+    const size_t bytes = (hi - lo) * sizeof(float);
+    std::memcpy(r->param + lo, saved + lo, bytes);
+    std::memcpy(r->exp_avg + lo, saved + length + lo, bytes);
+    std::memcpy(r->exp_avg_sq + lo, saved + 2 * length + lo, bytes);
+  });
+}
+
+void StepSession::RestoreAll() {
+  for (const EarlyUpdate& e : early_) {
+    Restore(e);
+    rolled_back_ += e.n;
+  }
+  early_.clear();
+  early_covered_ = IntervalSet();
+}
+
+absl::StatusOr<bool> StepSession::UpdateEarly(const StepCommitArgs& args, int64_t offset,
+                                              int64_t n) {
+  if (committed_) {
+    return absl::FailedPreconditionError("an update during backward after the commit");
+  }
+  if (args.step != step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("update.step is ", args.step, " but the stream opened step ", step_));
+  }
+  if (args.skip) {
+    return absl::InvalidArgumentError(
+        "an update during backward cannot skip: only the commit decides a skip");
+  }
+  OFFLOAD_RETURN_IF_ERROR(ValidateArgs(args, "update"));
+  RangeState* r = range_;
+  const RangeSpec& spec = r->spec;
+  if (n <= 0 || offset < spec.offset || offset >= spec.offset + spec.length ||
+      n > spec.offset + spec.length - offset) {
+    return absl::OutOfRangeError(absl::StrCat("update during backward [", offset, ", ", offset + n,
+                                              ") is not a non-empty part of range ", r->index, " [",
+                                              spec.offset, ", ", spec.offset + spec.length, ")"));
+  }
+  // A replay applies nothing, so there is nothing to do early (and it keeps no gradients).
+  if (replay_) return false;
+  const int64_t begin = offset - spec.offset, end = begin + n;
+  if (auto gap = covered_.FirstGap(begin, end)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("update during backward [", offset, ", ", offset + n, ") of range ", r->index,
+                     ": no gradient for element ", *gap + spec.offset,
+                     " yet; an update needs every gradient of its elements"));
+  }
+  if (auto overlap = early_covered_.FindOverlap(begin, end)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("update during backward [", offset, ", ", offset + n, ") overlaps [",
+                     overlap->first + spec.offset, ", ", overlap->second + spec.offset,
+                     "), updated during backward already in this step"));
+  }
+  // Declines: the commit updates these elements as usual. An accumulating step's sum is not
+  // known before the commit; the disk tier streams the state wave by wave only at the commit; an
+  // inf or NaN means the step is skipped.
+  if (accumulating_ || non_finite_ || r->file != nullptr || job_->dropped) return false;
+  std::vector<double> lrs = GroupLrs(args);
+  // The commit keeps the early updates only if they all agree with it, so they share one set.
+  if (!early_.empty() &&
+      (lrs.size() != early_lr_.size() ||
+       std::memcmp(lrs.data(), early_lr_.data(), lrs.size() * sizeof(double)) != 0 ||
+       std::memcmp(&args.grad_multiplier, &early_multiplier_, sizeof(float)) != 0)) {
+    return false;
+  }
+  if (r->rollback == nullptr) {
+    const int64_t bytes = 12 * spec.length;
+    absl::StatusOr<Reservation> reservation = store_->budget()->Take(
+        bytes, absl::StrCat("the rollback copy of updates during backward of range ", r->index));
+    if (!reservation.ok()) return false;
+    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(bytes);
+    if (!storage.ok()) return false;
+    std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+    std::lock_guard<std::mutex> lock(r->mu);  // DescribeShard reads the reservation under mu
+    r->rollback_storage = *std::move(storage);
+    r->rollback = static_cast<float*>(r->rollback_storage.data());
+    r->rollback_reservation = *std::move(reservation);
+  }
+
+  std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
+  if (!r->state_lost.empty()) return false;
+  uint64_t range_t;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    range_t = r->adam_step + 1;
+  }
+  const std::vector<StepRun> steps = ResolveSteps(args.range_steps, range_t);
+  EarlyUpdate early{begin, n, {}};
+  // This update's part of the runs, cut at [begin, end).
+  auto first = std::upper_bound(steps.begin(), steps.end(), begin,
+                                [](int64_t pos, const StepRun& run) { return pos < run.end; });
+  for (auto s = first; s != steps.end(); ++s) {
+    early.steps.push_back(StepRun{std::min(s->end, end), s->t});
+    if (s->end >= end) break;
+  }
+  ScalarSets scalars(&job_->config.groups, lrs, args.grad_multiplier);
+  const std::vector<UpdateRun> runs = ToUpdateRuns(steps, &scalars);
+  std::sort(pieces_.begin(), pieces_.end(),
+            [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+  // Each tile is copied aside and then updated by the thread that owns it, as StreamWaves
+  // updates it. No 16-bit output: the commit converts these elements from the same bits.
+  float* const saved = r->rollback;  // (3, length)
+  const int64_t length = spec.length;
+  const StateWave state{0, length, r->param, r->exp_avg, r->exp_avg_sq};
+  store_->ParallelTiles(begin, end, [&](int64_t lo, int64_t hi) {
+    const size_t bytes = (hi - lo) * sizeof(float);
+    std::memcpy(saved + lo, r->param + lo, bytes);
+    std::memcpy(saved + length + lo, r->exp_avg + lo, bytes);
+    std::memcpy(saved + 2 * length + lo, r->exp_avg_sq + lo, bytes);
+    Process(runs, lo, hi, nullptr, state);
+  });
+  if (early_.empty()) {
+    early_lr_ = std::move(lrs);
+    early_multiplier_ = args.grad_multiplier;
+  }
+  early_covered_.Insert(begin, end);
+  early_.push_back(std::move(early));
+  return true;
+}
+
+absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, ParamSink* sink) {
+  if (committed_) return absl::FailedPreconditionError("the step was already committed");
+  if (args.step != step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("commit.step is ", args.step, " but the stream opened step ", step_));
+  }
+  OFFLOAD_RETURN_IF_ERROR(ValidateArgs(args, "commit"));
   if (job_->dropped) {
     return absl::NotFoundError(absl::StrCat("job ", job_->config.job_id, " was dropped"));
   }
@@ -412,6 +653,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     if (!sent.ok()) return sent.status();  // a replay only reads: the state is unchanged
     outcome.receiver_gone = !*sent;
   } else if (args.skip) {
+    RestoreAll();
     outcome.skipped = true;
     ServerMetrics::Get().StepSkipped();
   } else {
@@ -420,34 +662,34 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
       std::lock_guard<std::mutex> lock(r->mu);
       t = r->adam_step + 1;
     }
-    // One set of scalars per group and bias-correction step: the group's own hyper-parameters
-    // and lr, the range's t or a range step's. A node of the map never moves, so the runs
-    // below may point into it.
-    std::map<uint64_t, std::vector<AdamStepScalars>> scalars_by_t;
-    auto scalars_for = [&](uint64_t step_t) -> const AdamStepScalars* {
-      std::vector<AdamStepScalars>& scalars = scalars_by_t[step_t];
-      if (scalars.empty()) {
-        scalars.reserve(groups.size());
-        for (size_t i = 0; i < groups.size(); ++i) {
-          const double lr = args.group_lr.empty() ? args.lr : args.group_lr[i];
-          scalars.push_back(ComputeAdamStepScalars(groups[i].adam, lr, static_cast<int64_t>(step_t),
-                                                   args.grad_multiplier));
+    // The range cut where range steps begin and end (validated, sorted; clipped to the range),
+    // each run with the t it updates with.
+    std::vector<StepRun> steps = ResolveSteps(args.range_steps, t);
+    std::vector<double> lrs = GroupLrs(args);
+    // An early update stands where this commit would compute exactly what it computed: the same
+    // scalars (lrs, multiplier and t) on the same gradients and state. Those elements are only
+    // converted below; every other early update is undone first and updated as any element.
+    if (!early_.empty()) {
+      const bool same_args =
+          std::memcmp(lrs.data(), early_lr_.data(), lrs.size() * sizeof(double)) == 0 &&
+          std::memcmp(&args.grad_multiplier, &early_multiplier_, sizeof(float)) == 0;
+      std::vector<IntervalSet::Interval> standing;
+      for (const EarlyUpdate& e : early_) {
+        if (same_args && SameSteps(e, steps)) {
+          standing.emplace_back(e.begin, e.begin + e.n);
+          outcome.early_updated += e.n;
+        } else {
+          Restore(e);
+          rolled_back_ += e.n;
         }
       }
-      return scalars.data();
-    };
-    const AdamStepScalars* const range_t = scalars_for(t);
-    // The range cut where range steps begin and end (validated, sorted; clipped to the range).
-    std::vector<UpdateRun> runs;
-    int64_t at = 0;
-    for (const RangeStep& rs :
-         ClipRangeSteps(args.range_steps, r->spec.offset, r->spec.offset + length)) {
-      const int64_t b = rs.offset - r->spec.offset;
-      if (b > at) runs.push_back(UpdateRun{b, range_t});
-      at = b + rs.length;
-      runs.push_back(UpdateRun{at, rs.t == 0 ? nullptr : scalars_for(rs.t)});
+      std::sort(standing.begin(), standing.end());
+      steps = ConvertOnly(steps, standing);
+      early_.clear();
+      early_covered_ = IntervalSet();
     }
-    if (at < length) runs.push_back(UpdateRun{length, range_t});
+    ScalarSets scalars(&job_->config.groups, std::move(lrs), args.grad_multiplier);
+    const std::vector<UpdateRun> runs = ToUpdateRuns(steps, &scalars);
     // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
     const auto begin = std::chrono::steady_clock::now();
     absl::StatusOr<bool> sent = StreamWaves(runs, sink);
@@ -468,6 +710,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     ServerMetrics::Get().StepApplied(
         length, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
   }
+  outcome.early_rolled_back = rolled_back_;
   std::lock_guard<std::mutex> lock(r->mu);
   if (!replay_) {
     r->completed_step = step_;

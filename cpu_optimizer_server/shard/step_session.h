@@ -1,16 +1,20 @@
 // One training step of one range, as one step stream carries it (ARCHITECTURE.md section 4): open,
-// gradient chunks, commit. Nothing touches the range's state before the commit, and a commit
-// either applies the whole update or none of it, so a stream that breaks off or sends a bad
-// chunk leaves the shard exactly as it was.
+// gradient chunks, commit. A commit either applies the whole update or none of it, and a stream
+// that breaks off or sends a bad chunk leaves the shard exactly as it was. Before the commit only
+// an update during backward (UpdateEarly) touches the range's state, and it keeps a copy of what
+// it overwrote, so that the shard can still be put back bit for bit.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_STEP_SESSION_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_STEP_SESSION_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cpu_optimizer_server/disk/state_pass.h"
 #include "cpu_optimizer_server/shard/range_steps.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 
@@ -48,6 +52,10 @@ struct StepOutcome {
   uint64_t adam_step = 0;
   uint64_t skipped_steps = 0;
   bool receiver_gone = false;  // the sink refused a wave (the update was still applied whole)
+  // Updates during backward (StepSession::UpdateEarly): elements whose early update stood at
+  // the commit, and elements restored at the commit or when a second micro-batch began.
+  uint64_t early_updated = 0;
+  uint64_t early_rolled_back = 0;
 };
 
 class StepSession {
@@ -57,7 +65,9 @@ class StepSession {
   static absl::StatusOr<std::unique_ptr<StepSession>> Open(ShardStore* store,
                                                            const std::string& job_id,
                                                            uint32_t range_index, uint64_t step);
-  ~StepSession();  // releases the lease; received gradients are dropped unless committed
+  // Releases the lease; received gradients are dropped unless committed, and without a commit
+  // every update during backward is first undone.
+  ~StepSession();
 
   // Takes a chunk of n = data.size() / DTypeSize(dtype) gradients of flat elements from
   // `offset`. `data` is moved in and read in place by the commit (no copy).
@@ -67,6 +77,23 @@ class StepSession {
   // they are read in place by the commit, so `data` must stay valid and unchanged until the
   // commit returns or the session ends. The shared-memory data plane passes its gradient area.
   absl::Status AddGradientsView(int64_t offset, DType dtype, const void* data, int64_t n);
+
+  // The update during backward (ARCHITECTURE.md sections 4.3 and 16): Adam now on range elements
+  // of flat [offset, offset + n), with args' lr / group_lr / grad_multiplier / range_steps
+  // (args.skip must be false; args.step must be the session's), as the commit would run it if
+  // it repeats those arguments. Every element must have its gradient, and none may have been
+  // updated early in this session. The master weights and moments it overwrites are copied aside
+  // first, into the range's rollback copy (12 bytes an element of the range, from the store's
+  // budget, allocated on the first such update and kept): the commit keeps the update where it
+  // agrees (the same lrs, multiplier and t, not skipped) and only converts those elements to
+  // 16 bits; everywhere else, and when a second micro-batch starts or the session ends without a
+  // commit, the copy is put back exactly. So the result is the same bits with or without it.
+  // Until then a read of the range's state (ShardStore::ReadState) sees the updated values.
+  // true: applied; false: declined, nothing changed (a replay, an accumulating step, a range on
+  // disk or whose state is lost, an inf or NaN received, arguments other than this session's
+  // earlier early updates', no memory for the copy): the commit updates those elements as usual.
+  // An error is a malformed request, to be failed as a bad chunk is; nothing changed either.
+  absl::StatusOr<bool> UpdateEarly(const StepCommitArgs& args, int64_t offset, int64_t n);
 
   // Applies (or skips, or replays) the step and streams the 16-bit parameters into `sink`.
   // May be called once.
@@ -98,12 +125,72 @@ class StepSession {
     int64_t end;
     const AdamStepScalars* scalars;
   };
-  // Checks commit.range_steps against the range; OK means they may be applied.
-  absl::Status ValidateRangeSteps(const std::vector<RangeStep>& steps) const;
+  // A run of range-relative elements ending at `end` and the bias-correction step they update
+  // with: 0 for elements a range step leaves alone.
+  struct StepRun {
+    int64_t end;
+    uint64_t t;
+  };
+  // The scalars of UpdateRuns: one set per parameter group for each t, for one set of lrs and
+  // multiplier. A node of the map never moves, so runs may point into it while it lives.
+  class ScalarSets {
+   public:
+    ScalarSets(const std::vector<ParamGroupSpec>* groups, std::vector<double> group_lr,
+               float grad_multiplier)
+        : groups_(groups), group_lr_(std::move(group_lr)), grad_multiplier_(grad_multiplier) {}
+    const AdamStepScalars* For(uint64_t t);
+
+   private:
+    const std::vector<ParamGroupSpec>* const groups_;
+    const std::vector<double> group_lr_;
+    const float grad_multiplier_;
+    std::map<uint64_t, std::vector<AdamStepScalars>> by_t_;
+  };
+  // An update during backward: range-relative elements [begin, begin + n) and the t each run of
+  // them was updated with. Their state before it is at the same positions of the range's
+  // rollback copy (RangeState::rollback) until the commit or a restore.
+  struct EarlyUpdate {
+    int64_t begin;
+    int64_t n;
+    std::vector<StepRun> steps;  // in order, the last ending at begin + n
+  };
+
+  // The checks of a commit's or an update's lr, group_lr, grad_multiplier and range_steps, its
+  // messages naming them `what`.lr and so on; OK means they may be applied.
+  absl::Status ValidateArgs(const StepCommitArgs& args, const char* what) const;
+  // Checks range_steps against the range; OK means they may be applied.
+  absl::Status ValidateRangeSteps(const std::vector<RangeStep>& steps, const char* what) const;
+  // args' lr of every parameter group of the job.
+  std::vector<double> GroupLrs(const StepCommitArgs& args) const;
+  // Appends the run ending at `end` with step t, merged into the last run if it has that t.
+  static void AppendRun(std::vector<StepRun>* runs, int64_t end, uint64_t t);
+  // The range [0, length) cut where `range_steps` (validated) begin and end, each run with its
+  // t: `range_t` (the range's next) where no range step says otherwise.
+  std::vector<StepRun> ResolveSteps(const std::vector<RangeStep>& range_steps,
+                                    uint64_t range_t) const;
+  // The runs of `steps` with their scalars from `scalars`; a run with t == 0 only converts.
+  static std::vector<UpdateRun> ToUpdateRuns(const std::vector<StepRun>& steps,
+                                             ScalarSets* scalars);
+  // Whether `steps` (over the whole range) give every element of `early` the t it had.
+  static bool SameSteps(const EarlyUpdate& early, const std::vector<StepRun>& steps);
+  // `steps` (over [0, length)) with the elements of `keep` (sorted, disjoint, range-relative
+  // [first, second)) given t 0: only converted, not updated again.
+  static std::vector<StepRun> ConvertOnly(const std::vector<StepRun>& steps,
+                                          const std::vector<IntervalSet::Interval>& keep);
+  // Applies `update` (as StreamWaves takes it; empty: none) to range elements [base, hi), whose
+  // state is in `state`, and writes their 16-bit copy to out (indexed from base; null: none).
+  // The gradients come from pieces_ (sorted, covering [base, hi)) or the accumulator.
+  void Process(const std::vector<UpdateRun>& update, int64_t base, int64_t hi, uint16_t* out,
+               const StateWave& state) const;
   // Streams the 16-bit copy of [0, length) in waves; `update` (runs in order, the last ending
   // at length) first applies Adam to each wave, empty for a replay. False when the receiver
   // went away; an error only from a range on disk whose pass failed.
   absl::StatusOr<bool> StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink);
+  // Puts the state an early update overwrote back, bit for bit. Under range_->tensors_mu.
+  void Restore(const EarlyUpdate& early) const;
+  // Restores every early update and forgets them, counting the elements in rolled_back_. Under
+  // range_->tensors_mu.
+  void RestoreAll();
 
   ShardStore* const store_;
   const std::shared_ptr<Job> job_;
@@ -118,6 +205,17 @@ class StepSession {
   bool non_finite_ = false;
   int64_t first_non_finite_offset_ = -1;
   Reservation held_bytes_;  // gradient bytes held by this stream
+
+  // Updates during backward not yet decided by the commit, in the order they came.
+  std::vector<EarlyUpdate> early_;
+  IntervalSet early_covered_;  // their elements, range-relative
+  // The lr of every group and the multiplier all of them used (every early update of a session
+  // uses one set); set by the first.
+  std::vector<double> early_lr_;
+  float early_multiplier_ = 0;
+  uint64_t rolled_back_ = 0;  // elements restored before the commit (a second micro-batch)
+  // The SIMD path's fp32 to 16-bit conversion, null for the scalar path (dtype.h's).
+  void (*const to_half_)(const float* in, DType dtype, uint16_t* half, int64_t n);
 };
 
 }  // namespace offload

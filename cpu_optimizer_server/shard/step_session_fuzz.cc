@@ -5,9 +5,13 @@
 // sends a bad chunk retries from the same master weights, moments and step counters.
 //
 // After every operation the target reads the whole state back through ShardStore::ReadState and
-// the ranges' counters, and hashes it: the fingerprint. It must be unchanged after any refused
-// (non-OK) operation, and after every operation that is not allowed to touch the state even when
-// it succeeds (open, gradient chunks, the parts of a load before Apply); abort() otherwise.
+// the ranges' counters, and hashes it per range: the fingerprint. It must be unchanged after any
+// refused (non-OK) operation, and after every operation that is not allowed to touch the state
+// even when it succeeds (open, gradient chunks, the parts of a load before Apply); abort()
+// otherwise. An update during backward (UpdateEarly) does change its range before the commit:
+// while a session holds one, its range may change only by another applied update, and once the
+// session ends (closed, a second micro-batch, a commit) the range must be what it would be
+// without any: the fingerprint from before the first, or the commit's (which may change it).
 //
 // Input: byte 0 configures the shard (memory headroom, SIMD path, 16-bit dtype, weight decay, two
 // parameter groups cutting range 1 inside a tile); then operations, each an opcode byte and its
@@ -28,6 +32,9 @@
 //                 for gradients; offset int16, count u16 % 512, seed)
 //   6 load steps  (completed u8, adam u8)    7 load apply    8 load abandon
 //   9 read        (tensor, dtype, offset int16, length u16, chunk u8): ReadState of any window
+//  10 update      slot, offset (int16, from the range's offset), count (u16 % (length + 16)), t
+//                 (u8 % 4: 0 the range's next), lr choice, multiplier choice, flags (bit 0 skip,
+//                 bit 1 another step, bits 2-3 group lrs as a commit's): UpdateEarly
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -86,10 +93,11 @@ struct Hasher {
   void Add(uint64_t v) { Add(&v, sizeof(v)); }
 };
 
-// Master weights, both moments, and every range's step counters and loaded elements.
-uint64_t Fingerprint(ShardStore& store) {
-  Hasher hash;
+// Per range: master weights, both moments, step counters and loaded elements.
+std::vector<uint64_t> Fingerprint(ShardStore& store) {
+  std::vector<uint64_t> hashes;
   for (uint32_t i = 0; i < kRanges.size(); ++i) {
+    Hasher hash;
     for (StateTensor t :
          {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
       absl::Status s = store.ReadState(kJob, t, DType::kFp32, kRanges[i].offset, kRanges[i].length,
@@ -105,8 +113,9 @@ uint64_t Fingerprint(ShardStore& store) {
     hash.Add(r->range->completed_step);
     hash.Add(r->range->adam_step);
     hash.Add(static_cast<uint64_t>(r->range->loaded.covered()));
+    hashes.push_back(hash.h);
   }
-  return hash.h;
+  return hashes;
 }
 
 uint64_t CompletedStep(ShardStore& store, uint32_t range) {
@@ -176,11 +185,44 @@ struct Slot {
   uint32_t range = 0;
   uint64_t step = 0;
   std::vector<std::unique_ptr<std::string>> views;  // AddGradientsView's bytes, until the end
+  bool early = false;  // the session holds an applied update during backward
   void Close() {
     session.reset();  // first: the session may read the views until it ends
     views.clear();
+    early = false;
   }
 };
+
+// The lr choices of commits and updates.
+float LrChoice(uint8_t b) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  return Choice(b, {1e-3f, 0.0f, 0.1f, -1e-3f, nan, inf, 1e30f});
+}
+float MultiplierChoice(uint8_t b) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  return Choice(b, {1.0f, 0.5f, 0.0f, -1.0f, nan, inf, 1e-30f});
+}
+// Group lrs as flags bits 0-1 say: none, one per group from the lr choices, one too many, a NaN.
+std::vector<double> GroupLrChoice(uint8_t bits, uint8_t lr_choice, int groups) {
+  std::vector<double> lrs;
+  switch (bits & 3) {
+    case 1:
+      for (int g = 0; g < groups; ++g) {
+        lrs.push_back(LrChoice(static_cast<uint8_t>(lr_choice >> (4 * g))));
+      }
+      break;
+    case 2:
+      lrs.assign(groups + 1, 1e-3f);
+      break;
+    case 3:
+      lrs.assign(groups, 1e-3f);
+      lrs.back() = std::numeric_limits<float>::quiet_NaN();
+      break;
+  }
+  return lrs;
+}
 
 ThreadPool* Pool() {
   static ThreadPool* pool = new ThreadPool(ThreadPool::Options{2, false});
@@ -237,11 +279,14 @@ void Run(const uint8_t* data, size_t size) {
 
   Slot slots[2];
   std::unique_ptr<StateLoader> loader;
-  uint64_t before = Fingerprint(store);
+  // Per range: the state as it is without updates during backward, and as it is.
+  std::vector<uint64_t> before = Fingerprint(store);
+  std::vector<uint64_t> last = before;
   for (int op = 0; op < kMaxOps && !in.done(); ++op) {
-    const uint8_t code = in.U8() % 10;
+    const uint8_t code = in.U8() % 11;
     absl::Status status;
     bool may_change = false;  // only a successful commit or load apply may change the state
+    int updated_range = -1;   // the range an applied update during backward changed
     switch (code) {
       case 0: {  // open
         Slot& slot = slots[in.U8() & 1];
@@ -277,6 +322,12 @@ void Run(const uint8_t* data, size_t size) {
           status = slot.session->AddGradientsView(offset, dtype, slot.views.back()->data(), n);
         } else {
           status = slot.session->AddGradients(offset, dtype, (flags & 1) != 0, std::move(bytes));
+          if ((flags & 1) != 0 && slot.early) {
+            // A second micro-batch undoes the early updates. A refused one may or may not have
+            // got that far, so the stream ends here, as a server ends it on a refused chunk.
+            if (!status.ok()) slot.Close();
+            slot.early = false;
+          }
         }
         break;
       }
@@ -284,29 +335,13 @@ void Run(const uint8_t* data, size_t size) {
         Slot& slot = slots[in.U8() & 1];
         StepCommitArgs args;
         args.step = slot.step + in.I8();
-        const float inf = std::numeric_limits<float>::infinity();
-        const float nan = std::numeric_limits<float>::quiet_NaN();
         const uint8_t lr_choice = in.U8();
-        args.lr = Choice(lr_choice, {1e-3f, 0.0f, 0.1f, -1e-3f, nan, inf, 1e30f});
-        args.grad_multiplier = Choice(in.U8(), {1.0f, 0.5f, 0.0f, -1.0f, nan, inf, 1e-30f});
+        args.lr = LrChoice(lr_choice);
+        args.grad_multiplier = MultiplierChoice(in.U8());
         const uint8_t flags = in.U8();
         args.skip = (flags & 1) != 0;
         const int groups = (config & 32) != 0 ? 2 : 1;
-        switch ((flags >> 3) & 3) {
-          case 1:
-            for (int g = 0; g < groups; ++g) {
-              args.group_lr.push_back(Choice(static_cast<uint8_t>(lr_choice >> (4 * g)),
-                                             {1e-3f, 0.0f, 0.1f, -1e-3f, nan, inf, 1e30f}));
-            }
-            break;
-          case 2:
-            args.group_lr.assign(groups + 1, 1e-3f);
-            break;
-          case 3:
-            args.group_lr.assign(groups, 1e-3f);
-            args.group_lr.back() = nan;
-            break;
-        }
+        args.group_lr = GroupLrChoice(flags >> 3, lr_choice, groups);
         struct RawRangeStep {
           int16_t offset;
           uint16_t length;
@@ -355,6 +390,7 @@ void Run(const uint8_t* data, size_t size) {
           Fail("an applied commit changed elements its range steps skip");
         }
         if (outcome.ok() && outcome->step != slot.step) Fail("the commit reports another step");
+        if (outcome.ok()) slot.early = false;  // decided: kept or undone
         break;
       }
       case 3:  // close
@@ -399,6 +435,33 @@ void Run(const uint8_t* data, size_t size) {
       case 8:  // load abandon
         loader.reset();
         break;
+      case 10: {  // update during backward
+        Slot& slot = slots[in.U8() & 1];
+        const int16_t rel = in.I16();
+        const uint16_t count = in.U16();
+        const uint8_t t = in.U8() % 4;
+        const uint8_t lr_choice = in.U8();
+        const uint8_t multiplier_choice = in.U8();
+        const uint8_t flags = in.U8();
+        if (slot.session == nullptr) continue;
+        const RangeSpec& r = kRanges[slot.range];
+        StepCommitArgs args;
+        args.step = slot.step + ((flags & 2) != 0 ? 1 : 0);
+        args.skip = (flags & 1) != 0;
+        args.lr = LrChoice(lr_choice);
+        args.grad_multiplier = MultiplierChoice(multiplier_choice);
+        args.group_lr = GroupLrChoice(flags >> 2, lr_choice, (config & 32) != 0 ? 2 : 1);
+        const int64_t offset = r.offset + rel;
+        const int64_t n = count % (r.length + 16);
+        if (t > 0) args.range_steps.push_back(RangeStep{offset, n, t});
+        absl::StatusOr<bool> applied = slot.session->UpdateEarly(args, offset, n);
+        status = applied.status();
+        if (applied.ok() && *applied) {
+          slot.early = true;
+          updated_range = static_cast<int>(slot.range);
+        }
+        break;
+      }
       case 9: {  // read any window
         const uint8_t tensor = in.U8() % 3;
         const DType dtype = DTypeOf(in.U8());
@@ -416,13 +479,27 @@ void Run(const uint8_t* data, size_t size) {
         break;
       }
     }
-    const uint64_t after = Fingerprint(store);
-    if (after != before && (!status.ok() || !may_change)) {
-      Fail("operation " + std::to_string(op) + " (code " + std::to_string(code) +
-           ") changed the state though it " +
-           (status.ok() ? std::string("may not") : "was refused: " + status.ToString()));
+    const std::vector<uint64_t> after = Fingerprint(store);
+    for (size_t i = 0; i < kRanges.size(); ++i) {
+      const bool speculating =
+          (slots[0].session != nullptr && slots[0].early && slots[0].range == i) ||
+          (slots[1].session != nullptr && slots[1].early && slots[1].range == i);
+      if (speculating) {
+        if (after[i] != last[i] && updated_range != static_cast<int>(i)) {
+          Fail("operation " + std::to_string(op) + " (code " + std::to_string(code) +
+               ") changed range " + std::to_string(i) + " while it was updated early");
+        }
+      } else {
+        if (after[i] != before[i] && (!status.ok() || !may_change)) {
+          Fail("operation " + std::to_string(op) + " (code " + std::to_string(code) +
+               ") changed range " + std::to_string(i) + " though it " +
+               (status.ok() ? std::string("may not") : "was refused: " + status.ToString()) +
+               " (or an update during backward was not undone)");
+        }
+        before[i] = after[i];
+      }
+      last[i] = after[i];
     }
-    before = after;
   }
   // Sessions end before the store, then loaders: what a closing connection does.
   slots[0].Close();

@@ -21,7 +21,9 @@ inline constexpr char kShmMagic[4] = {'O', 'F', 'S', 'M'};
 // 2: a COMMIT carries per-group learning rates, so ShmCommand grew and the header with it.
 // 3: the learning rates are doubles (torch's Python floats), so it grew again.
 // 4: a COMMIT may carry range steps in a chunk slot (its `slot` and `n`).
-inline constexpr uint32_t kShmVersion = 4;
+// 5: the UPDATE command (an update during backward) and its `t`, so ShmCommand grew; the reply
+//    counts the elements updated early that stood and those rolled back.
+inline constexpr uint32_t kShmVersion = 5;
 // The header's ten pages (its command ring is most of them); the areas follow it.
 inline constexpr uint64_t kShmHeaderBytes = 40960;
 inline constexpr int kShmSecretBytes = 32;
@@ -29,7 +31,15 @@ inline constexpr uint32_t kShmRingSize = 64;  // commands in flight
 inline constexpr int kShmMaxChunkSlots = 64;
 inline constexpr int kShmMessageBytes = 1024;  // status messages longer than this are cut
 
-enum class ShmCommandKind : uint32_t { kOpen = 1, kGrad = 2, kCommit = 3, kAbandon = 4 };
+enum class ShmCommandKind : uint32_t {
+  kOpen = 1,
+  kGrad = 2,
+  kCommit = 3,
+  kAbandon = 4,
+  // Adam now on part of the range, before the commit (StepSession::UpdateEarly). No reply: the
+  // shard may decline (nothing to tell), and an error fails the step as a bad GRAD does.
+  kUpdate = 5,
+};
 
 // A GRAD's `slot` when its gradients were written in place into the gradient area.
 inline constexpr uint32_t kShmInPlace = 0xffffffffu;
@@ -45,19 +55,22 @@ struct ShmCommand {
   // records (range_steps.h) from the slot's start; n == 0: none, and no slot is used. They travel
   // in a slot, not in the command, because a commit may carry one per parameter tensor.
   uint32_t slot;
-  int64_t offset;  // GRAD: flat element offset
-  int64_t n;       // GRAD: elements; COMMIT: range steps
-  uint64_t step;   // OPEN, COMMIT
-  double lr;       // COMMIT
+  int64_t offset;  // GRAD, UPDATE: flat element offset
+  int64_t n;       // GRAD, UPDATE: elements; COMMIT: range steps
+  uint64_t step;   // OPEN, COMMIT, UPDATE
+  double lr;       // COMMIT, UPDATE
   float grad_multiplier;
   uint32_t skip;
-  // COMMIT: group_lr[0, group_count) are the lrs of the job's parameter groups; none (0) means
-  // `lr` for every group. The shard refuses a count above kMaxParamGroups.
+  // COMMIT, UPDATE: group_lr[0, group_count) are the lrs of the job's parameter groups; none (0)
+  // means `lr` for every group. The shard refuses a count above kMaxParamGroups.
   uint32_t group_count;
-  uint32_t reserved;  // keeps group_lr 8-byte aligned, spelled out
+  uint32_t reserved;  // keeps t and group_lr 8-byte aligned, spelled out
+  // UPDATE: the bias-correction step of its elements; 0 means the range's next step.
+  uint64_t t;
   double group_lr[kMaxParamGroups];
 };
-static_assert(sizeof(ShmCommand) == 64 + 8 * kMaxParamGroups,
+static_assert(sizeof(ShmCommand) == 72 + 8 * kMaxParamGroups &&
+                  offsetof(ShmCommand, group_lr) % 8 == 0,
               "ShmCommand is part of the segment layout");
 
 // The shard's answer to the last OPEN or COMMIT, or the first error of a step.
@@ -71,6 +84,8 @@ struct ShmReply {
   uint32_t replayed;
   uint32_t skipped;
   uint32_t reserved;
+  uint64_t early_updated;  // StepResult.early_updated, early_rolled_back
+  uint64_t early_rolled_back;
   char message[kShmMessageBytes];
 };
 

@@ -184,6 +184,8 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
     r.applied = outcome->applied;
     r.replayed = outcome->replayed;
     r.skipped = outcome->skipped;
+    r.early_updated = outcome->early_updated;
+    r.early_rolled_back = outcome->early_rolled_back;
     h->reply_seq.store(seq, std::memory_order_release);
     h->shard_event.fetch_add(1, std::memory_order_release);
     ShmWake(&h->shard_event);
@@ -320,6 +322,27 @@ void ShmServer::ServeCommands(ShmSegment* segment, const std::string& job_id, ui
         } else {
           fail(seq, outcome.status());
         }
+        break;
+      }
+      case ShmCommandKind::kUpdate: {
+        if (session == nullptr) break;  // the step failed already; its COMMIT hears why
+        // The count comes from memory the trainer writes: bound it before reading the lrs.
+        if (cmd.group_count > static_cast<uint32_t>(kMaxParamGroups)) {
+          fail(seq, absl::InvalidArgumentError(absl::StrCat("update carries ", cmd.group_count,
+                                                            " group lrs; at most ", kMaxParamGroups,
+                                                            " parameter groups are allowed")));
+          break;
+        }
+        StepCommitArgs args;
+        args.step = cmd.step;
+        args.lr = cmd.lr;
+        args.grad_multiplier = cmd.grad_multiplier;
+        args.group_lr.assign(cmd.group_lr, cmd.group_lr + cmd.group_count);
+        // One t for all of them; its bound (the range's next step) is the session's to check.
+        if (cmd.t > 0 && cmd.n > 0) args.range_steps.push_back(RangeStep{cmd.offset, cmd.n, cmd.t});
+        // A decline needs no answer: the commit updates those elements as usual.
+        absl::StatusOr<bool> applied = session->UpdateEarly(args, cmd.offset, cmd.n);
+        if (!applied.ok()) fail(seq, applied.status());
         break;
       }
       case ShmCommandKind::kAbandon:

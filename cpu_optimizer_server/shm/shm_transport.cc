@@ -167,6 +167,8 @@ class ShmStepStream final : public StepStream {
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out, absl::Span<const double> group_lr = {},
                                         absl::Span<const RangeStep> range_steps = {}) override;
+  absl::Status UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr, float grad_multiplier,
+                           absl::Span<const double> group_lr) override;
   void* GradientArea() override { return done_ ? nullptr : a_->segment().grad_area(); }
   uint64_t GradientAreaId() override { return done_ ? 0 : a_->id(); }
   absl::StatusOr<v1::StepResult> CommitInPlace(
@@ -253,6 +255,31 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
     OFFLOAD_RETURN_IF_ERROR(PendingError());
   }
   return absl::OkStatus();
+}
+
+absl::Status ShmStepStream::UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr,
+                                        float grad_multiplier, absl::Span<const double> group_lr) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
+  if (group_lr.size() > static_cast<size_t>(kMaxParamGroups)) {
+    return absl::InvalidArgumentError(absl::StrCat("update carries ", group_lr.size(),
+                                                   " group lrs; at most ", kMaxParamGroups,
+                                                   " parameter groups are allowed"));
+  }
+  OFFLOAD_RETURN_IF_ERROR(PendingError());
+  // Pushed behind the gradients it needs, as a GRAD without a slot: the shard runs it when it
+  // gets there, and a refusal comes back as the step's error.
+  ShmCommand cmd{};
+  cmd.kind = static_cast<uint32_t>(ShmCommandKind::kUpdate);
+  cmd.offset = offset;
+  cmd.n = n;
+  cmd.step = step_;
+  cmd.lr = lr;
+  cmd.grad_multiplier = grad_multiplier;
+  cmd.t = t;
+  cmd.group_count = static_cast<uint32_t>(group_lr.size());
+  std::copy(group_lr.begin(), group_lr.end(), cmd.group_lr);
+  OFFLOAD_RETURN_IF_ERROR(a_->Push(cmd).status());
+  return PendingError();
 }
 
 absl::StatusOr<v1::StepResult> ShmStepStream::Commit(double lr, float grad_multiplier, bool skip,
@@ -355,6 +382,8 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(
   result.set_skipped(r.skipped != 0);
   result.set_adam_step(r.adam_step);
   result.set_skipped_steps(r.skipped_steps);
+  result.set_early_updated(r.early_updated);
+  result.set_early_rolled_back(r.early_rolled_back);
   if (result.step() != step_) {
     return absl::DataLossError(
         absl::StrCat("shard answered step ", result.step(), " to the commit of step ", step_));

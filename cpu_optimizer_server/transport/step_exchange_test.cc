@@ -922,6 +922,87 @@ TEST_P(StepExchangeTest, AbandonedStepAppliesNothingAndTheSameStepWorks) {
   EXPECT_TRUE(p == e2) << FirstDifference(p, e2) << " seed " << seed_;
 }
 
+// The update during backward (StepStream::UpdateEarly): on shared memory the shard updates each
+// half as soon as its gradients are in, and the commit gives the kernel's bits whether it keeps
+// the early updates (the same arguments), redoes them (another lr) or undoes them (a skip); a
+// refused update fails the step with nothing changed. The other planes answer UNIMPLEMENTED and
+// their commits are as always.
+TEST_P(StepExchangeTest, UpdateDuringBackwardOnSharedMemoryOnly) {
+  const bool shm = GetParam().kind == "shm";
+  const int64_t half = 30011;
+  struct Case {
+    const char* what;
+    double lr;  // the commit's; the early updates take kLr
+    bool skip;
+  };
+  const std::vector<Case> cases = {{"the same arguments", kLr, false},
+                                   {"another lr", 2 * kLr, false},
+                                   {"a skip", kLr, true},
+                                   {"the same arguments again", kLr, false}};
+  uint64_t step = 1;
+  for (const Case& c : cases) {
+    const std::vector<uint16_t> g = Bf16Grads(kLen0);
+    const std::vector<float> before = MasterWeights();
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, step);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    // The second half first, as backward finishes it first; each updated once it is sent.
+    ASSERT_TRUE((*stream)->SendGradients(half, g.data() + half, DType::kBf16, kLen0 - half).ok());
+    absl::Status early = (*stream)->UpdateEarly(half, kLen0 - half, 0, kLr, 1.0f, {});
+    ASSERT_TRUE((*stream)->SendGradients(0, g.data(), DType::kBf16, half).ok());
+    if (shm) {
+      ASSERT_TRUE(early.ok()) << early;
+      early = (*stream)->UpdateEarly(0, half, 0, kLr, 1.0f, {});
+      ASSERT_TRUE(early.ok()) << early;
+    } else {
+      EXPECT_EQ(early.code(), absl::StatusCode::kUnimplemented) << early;
+    }
+    std::vector<uint16_t> p(kLen0, kSentinel);
+    auto r = (*stream)->Commit(c.lr, 1.0f, c.skip, p.data());
+    ASSERT_TRUE(r.ok()) << c.what << ": " << r.status();
+    const bool stood = shm && !c.skip && c.lr == kLr;
+    EXPECT_EQ(r->early_updated(), stood ? static_cast<uint64_t>(kLen0) : 0u) << c.what;
+    EXPECT_EQ(r->early_rolled_back(), shm && !stood ? static_cast<uint64_t>(kLen0) : 0u) << c.what;
+    if (c.skip) {
+      EXPECT_TRUE(r->skipped()) << c.what;
+      EXPECT_TRUE(MasterWeights() == before) << c.what << " seed " << seed_;
+    } else {
+      const std::vector<uint16_t> e = Reference(0, g.data(), DType::kBf16, c.lr);
+      EXPECT_TRUE(p == e) << c.what << ": " << FirstDifference(p, e) << " seed " << seed_;
+      EXPECT_EQ(r->adam_step(), ref_adam_step_[0]) << c.what;
+    }
+    ++step;
+  }
+  EXPECT_TRUE(MasterWeights() == ref_p_) << "seed " << seed_;
+  if (!shm) return;
+
+  // Refused by the shard (an element without its gradient yet): the step fails at the next call
+  // with the shard's error, and nothing changed.
+  const std::string state = StateFingerprint();
+  const std::vector<uint16_t> g = Bf16Grads(kLen0);
+  auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, step);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_TRUE((*stream)->SendGradients(0, g.data(), DType::kBf16, half).ok());
+  ASSERT_TRUE((*stream)->UpdateEarly(0, half, 0, kLr, 1.0f, {}).ok());
+  absl::Status refused = (*stream)->UpdateEarly(half, 10, 0, kLr, 1.0f, {});
+  if (refused.ok()) {
+    refused = (*stream)->SendGradients(half, g.data() + half, DType::kBf16, kLen0 - half);
+  }
+  if (refused.ok()) {
+    std::vector<uint16_t> p(kLen0);
+    refused = (*stream)->Commit(kLr, 1.0f, false, p.data()).status();
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "no gradient for element")) << refused;
+  stream->reset();
+  EXPECT_EQ(StateFingerprint(), state);
+  // And the same step then works, early updates and all.
+  std::vector<uint16_t> p;
+  auto r = ExchangeAfterAbandon(0, step, Whole(0, g.data()), &p);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::vector<uint16_t> e = Reference(0, g.data(), DType::kBf16);
+  EXPECT_TRUE(p == e) << FirstDifference(p, e) << " seed " << seed_;
+}
+
 TEST_P(StepExchangeTest, TwoRangesCommittedConcurrently) {
   constexpr int kSteps = 3;
   // grads[r][s]: range r's gradients of step s + 1, made up front (the rng is not shared).

@@ -43,6 +43,20 @@ class StepStream {
   // Ends the step without committing (the shard drops the gradients).
   virtual void Abandon() = 0;
 
+  // The update during backward (StepSession::UpdateEarly; ARCHITECTURE.md section 4.3): Adam now
+  // on flat elements [offset, offset + n) of the range, all of whose gradients were sent, with
+  // the arguments the commit is expected to carry: lr / group_lr / grad_multiplier as Commit's,
+  // and t the bias-correction step of those elements (0: the range's next). The commit keeps it
+  // where it agrees and redoes it exactly otherwise, so the bits never depend on it. Asynchronous
+  // where the plane is (shared memory: queued behind the gradients, its error surfacing at the
+  // next call or the commit); the shard may decline it silently. UNIMPLEMENTED on the planes
+  // without it (gRPC, UCX): the commit then updates those elements as always.
+  virtual absl::Status UpdateEarly(int64_t /*offset*/, int64_t /*n*/, uint64_t /*t*/, double /*lr*/,
+                                   float /*grad_multiplier*/,
+                                   absl::Span<const double> /*group_lr*/) {
+    return absl::UnimplementedError("this data plane has no update during backward");
+  }
+
   // Zero-copy, where the plane has it (shared memory; null elsewhere): the range's gradient
   // area, (range length,) 16-bit values in the job's dtype, in memory the shard reads in place.
   // A caller that writes a chunk's gradients at their range-relative position there sends them

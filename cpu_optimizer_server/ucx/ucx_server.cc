@@ -443,6 +443,8 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
       result.set_skipped(outcome->skipped);
       result.set_adam_step(outcome->adam_step);
       result.set_skipped_steps(outcome->skipped_steps);
+      result.set_early_updated(outcome->early_updated);
+      result.set_early_rolled_back(outcome->early_rolled_back);
       Reply(s, h, Kind::kResult, result.SerializeAsString());
       return;
     }

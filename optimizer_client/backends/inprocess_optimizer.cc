@@ -153,7 +153,10 @@ absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(
       first.Update(outcome.status());
       continue;
     }
-    counters = StepCounters{outcome->step, outcome->adam_step};
+    counters.completed_step = outcome->step;
+    counters.adam_step = outcome->adam_step;
+    counters.early_updated += outcome->early_updated;
+    counters.early_rolled_back += outcome->early_rolled_back;
   }
   sessions_.clear();
   if (!first.ok()) return first;
@@ -161,5 +164,15 @@ absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(
 }
 
 void InProcessOptimizer::AbortSlices() { sessions_.clear(); }
+
+absl::Status InProcessOptimizer::UpdateSlice(int slice, int64_t offset, int64_t n, uint64_t t,
+                                             double lr, float grad_multiplier,
+                                             absl::Span<const double> group_lr) {
+  StepCommitArgs args{
+      step_, lr, grad_multiplier, false, std::vector<double>(group_lr.begin(), group_lr.end()), {}};
+  if (t > 0) args.range_steps.push_back(RangeStep{offset, n, t});
+  // A decline (false) is no error: the commit updates those elements as usual.
+  return sessions_[slice]->UpdateEarly(args, offset, n).status();
+}
 
 }  // namespace offload

@@ -38,6 +38,8 @@ class InProcessOptimizer final : public OptimizerBackend {
                                             absl::Span<const double> group_lr,
                                             absl::Span<const RangeStep> range_steps) override;
   void AbortSlices() override;
+  absl::Status UpdateSlice(int slice, int64_t offset, int64_t n, uint64_t t, double lr,
+                           float grad_multiplier, absl::Span<const double> group_lr) override;
 
   ThreadPool pool_;
   std::vector<std::unique_ptr<ShardStore>> stores_;     // one per shard

@@ -131,6 +131,31 @@ absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* gra
   return absl::OkStatus();
 }
 
+absl::Status OptimizerBackend::UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr,
+                                           float grad_multiplier,
+                                           absl::Span<const double> group_lr) {
+  if (!in_step_) return absl::FailedPreconditionError("UpdateEarly outside a step");
+  const int64_t end = offset + n;
+  if (offset < partition_offset() || n < 0 || end > partition_offset() + partition_length()) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "update during backward [", offset, ", ", end, ") outside the partition of rank ", rank_,
+        " [", partition_offset(), ", ", partition_offset() + partition_length(), ")"));
+  }
+  if (t > step_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("update during backward [", offset, ", ", end, ") has t ", t, ", past step ",
+                     step_, " being taken: no element has had more updates than steps"));
+  }
+  auto it = FirstSliceEndingAfter(offset);
+  for (; it != map_.slices().end() && static_cast<int64_t>(it->offset()) < end; ++it) {
+    const int64_t lo = std::max<int64_t>(offset, it->offset());
+    const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
+    const int slice = static_cast<int>(it - map_.slices().begin());
+    OFFLOAD_RETURN_IF_ERROR(UpdateSlice(slice, lo, hi - lo, t, lr, grad_multiplier, group_lr));
+  }
+  return absl::OkStatus();
+}
+
 int OptimizerBackend::PlaceSlice(int64_t offset, int64_t n) const {
   if (!in_step_ || n <= 0 || offset < partition_offset() ||
       offset + n > partition_offset() + partition_length()) {

@@ -114,6 +114,19 @@ class OptimizerBackend {
                                       absl::Span<const RangeStep> range_steps = {});
   void AbortStep();
 
+  // The update during backward (ARCHITECTURE.md sections 4.3 and 16): asks the shards to run Adam
+  // now on flat elements [offset, offset + n) of this rank's partition, whose gradients were all
+  // sent in this step, with the arguments the commit is expected to carry (lr, group_lr and
+  // grad_multiplier as Commit's; t the bias-correction step of all of them, 0 for the range's
+  // next, else at most the open step). Split over the slices it touches. The commit keeps what
+  // it agrees with and redoes the rest exactly, so the bits never depend on it; a shard or plane
+  // that cannot do it declines silently (OK). FAILED_PRECONDITION outside a step, OUT_OF_RANGE
+  // outside the partition, INVALID_ARGUMENT for a t past the step; a shard's refusal (missing
+  // gradients, a part updated early before) fails the step as a refused chunk does, here or, on
+  // an asynchronous plane, at a later call or the commit. Counted in Commit's StepCounters.
+  absl::Status UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr, float grad_multiplier,
+                           absl::Span<const double> group_lr = {});
+
   // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
   // elements [offset, offset + n) go so that SendGradients from exactly there copies nothing (the
   // segment's gradient area), or null where they do not all lie in one slice whose plane has such
@@ -140,6 +153,13 @@ class OptimizerBackend {
                                                     absl::Span<const double> group_lr,
                                                     absl::Span<const RangeStep> range_steps) = 0;
   virtual void AbortSlices() = 0;
+  // The update during backward of flat [offset, offset + n) inside one open slice, as
+  // UpdateEarly's. OK for a decline; the default declines everything.
+  virtual absl::Status UpdateSlice(int /*slice*/, int64_t /*offset*/, int64_t /*n*/, uint64_t /*t*/,
+                                   double /*lr*/, float /*grad_multiplier*/,
+                                   absl::Span<const double> /*group_lr*/) {
+    return absl::OkStatus();
+  }
   // The gradient area of an open slice, (slice length,) 16-bit, or null (the default: no plane
   // of this backend has one).
   virtual uint16_t* SliceGradientArea(int /*slice*/) { return nullptr; }

@@ -284,6 +284,78 @@ TEST_F(OptimizerBackendTest, RangeStepsAcrossTheShardBoundary) {
   }
 }
 
+// The update during backward (OptimizerBackend::UpdateEarly) through both backends: parts updated
+// as their gradients arrive, one across the shard boundary, give the plain commit's bits on every
+// backend, kept where the commit agrees (step 1; step 3, one part with the range's t spelled out)
+// and redone where it does not (step 2: another multiplier). In process and over shared memory
+// the counters say so; gRPC and UCX decline silently. Bad calls are refused by the backend.
+TEST_F(OptimizerBackendTest, UpdateDuringBackwardGivesTheSameBits) {
+  InProcessOptimizer plain(map_, 2, BestSimdPath());
+  const Run reference = Train(&plain, groups_, true);
+  const int64_t cut = 60001;  // the second part runs across the shard boundary
+  ASSERT_LT(cut, static_cast<int64_t>(map_.slices(1).offset()));
+  auto train = [&](OptimizerBackend* backend, bool early, const std::string& name) {
+    Run run;
+    EXPECT_TRUE(backend->CreateJob(kJob, groups_[0].adam(), DType::kBf16, groups_).ok());
+    EXPECT_TRUE(backend->LoadMasterWeights(master_.data()).ok());
+    for (uint64_t step = 1; step <= 3; ++step) {
+      const std::vector<double> lrs = {1e-3 / step, 5e-4, 2e-3 * step};
+      const float multiplier = step == 2 ? 1.0f : 0.5f;  // the commit's is 0.5
+      const uint16_t* g = grads_[step - 1].data();
+      run.weights16.emplace_back(padded_, 0);
+      EXPECT_TRUE(backend->BeginStep(step).ok());
+      EXPECT_TRUE(backend->SendGradients(cut, g + cut, padded_ - cut).ok());
+      absl::Status s = backend->UpdateEarly(cut, padded_ - cut, 0, lrs[0], multiplier, lrs);
+      EXPECT_TRUE(s.ok()) << name << ": " << s;
+      EXPECT_TRUE(backend->SendGradients(0, g, cut).ok());
+      s = backend->UpdateEarly(0, cut, step == 3 ? step : 0, lrs[0], multiplier, lrs);
+      EXPECT_TRUE(s.ok()) << name << ": " << s;
+      absl::StatusOr<StepCounters> counters =
+          backend->Commit(lrs[0], 0.5f, false, run.weights16.back().data(), lrs);
+      EXPECT_TRUE(counters.ok()) << name << ": " << counters.status();
+      if (!counters.ok()) continue;
+      EXPECT_EQ(counters->adam_step, step);
+      const uint64_t all = early ? static_cast<uint64_t>(padded_) : 0;
+      EXPECT_EQ(counters->early_updated, step == 2 ? 0 : all) << name << " step " << step;
+      EXPECT_EQ(counters->early_rolled_back, step == 2 ? all : 0) << name << " step " << step;
+    }
+    run.master.resize(padded_);
+    EXPECT_TRUE(backend->ReadMasterWeights(run.master.data()).ok());
+    EXPECT_TRUE(backend->DropJob().ok());
+    return run;
+  };
+  InProcessOptimizer in_process(map_, 2, BestSimdPath());
+  EXPECT_TRUE(Same(train(&in_process, true, "in process"), reference));
+  LocalShards shards(2);
+  for (const auto& [name, plane] : RemotePlanes()) {
+    std::unique_ptr<RemoteOptimizer> remote = Remote(shards, plane);
+    ASSERT_NE(remote, nullptr) << name;
+    EXPECT_TRUE(Same(train(remote.get(), plane == TransportChoice::kShm, name), reference)) << name;
+  }
+
+  // Refused by the backend, and by the in-process shard; the step then fails as a refused chunk
+  // does, and nothing changed.
+  ASSERT_TRUE(in_process.CreateJob(kJob, groups_[0].adam(), DType::kBf16, groups_).ok());
+  ASSERT_TRUE(in_process.LoadMasterWeights(master_.data()).ok());
+  const std::vector<double> lrs = {1e-3, 5e-4, 2e-3};
+  EXPECT_EQ(in_process.UpdateEarly(0, 10, 0, 1e-3, 1.0f, lrs).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(in_process.BeginStep(1).ok());
+  EXPECT_EQ(in_process.UpdateEarly(padded_ - 5, 10, 0, 1e-3, 1.0f, lrs).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(in_process.UpdateEarly(-1, 10, 0, 1e-3, 1.0f, lrs).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(in_process.UpdateEarly(0, 10, 2, 1e-3, 1.0f, lrs).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(in_process.SendGradients(0, grads_[0].data(), cut).ok());
+  const absl::Status missing = in_process.UpdateEarly(cut - 10, 20, 0, 1e-3, 1.0f, lrs);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kFailedPrecondition) << missing;
+  in_process.AbortStep();
+  std::vector<float> after(padded_);
+  ASSERT_TRUE(in_process.ReadMasterWeights(after.data()).ok());
+  EXPECT_EQ(std::memcmp(after.data(), master_.data(), padded_ * 4), 0);
+}
+
 // Occurrences of `needle` in `haystack`.
 int Count(absl::string_view haystack, absl::string_view needle) {
   int n = 0;

@@ -143,6 +143,8 @@ absl::Status RemoteOptimizer::DropJob() {
 
 absl::Status RemoteOptimizer::OpenSlice(int slice, uint64_t step) {
   streams_.resize(map_.slices_size());
+  no_early_.resize(map_.slices_size());
+  no_early_[slice] = false;
   const v1::ShardSlice& s = map_.slices(slice);
   absl::StatusOr<std::unique_ptr<StepStream>> stream = transports_[s.shard_index()]->OpenStep(
       job_id_, s.range_index(), s.offset(), s.length(), step);
@@ -155,6 +157,19 @@ absl::Status RemoteOptimizer::SendSlice(int slice, int64_t offset, const uint16_
                                         bool accumulate) {
   return Annotate(streams_[slice]->SendGradients(offset, grads, grad_dtype(), n, accumulate),
                   addresses_[map_.slices(slice).shard_index()]);
+}
+
+absl::Status RemoteOptimizer::UpdateSlice(int slice, int64_t offset, int64_t n, uint64_t t,
+                                          double lr, float grad_multiplier,
+                                          absl::Span<const double> group_lr) {
+  if (no_early_[slice]) return absl::OkStatus();
+  absl::Status s = streams_[slice]->UpdateEarly(offset, n, t, lr, grad_multiplier, group_lr);
+  if (s.code() == absl::StatusCode::kUnimplemented) {
+    // The plane declines: the commit updates these elements as always.
+    no_early_[slice] = true;
+    return absl::OkStatus();
+  }
+  return Annotate(s, addresses_[map_.slices(slice).shard_index()]);
 }
 
 uint16_t* RemoteOptimizer::SliceGradientArea(int slice) {
@@ -200,7 +215,10 @@ absl::StatusOr<StepCounters> RemoteOptimizer::CommitSlices(
     if (!results[i].ok()) {
       return Annotate(results[i].status(), addresses_[map_.slices(i).shard_index()]);
     }
-    counters = StepCounters{results[i]->step(), results[i]->adam_step()};
+    counters.completed_step = results[i]->step();
+    counters.adam_step = results[i]->adam_step();
+    counters.early_updated += results[i]->early_updated();
+    counters.early_rolled_back += results[i]->early_rolled_back();
   }
   return counters;
 }

@@ -46,6 +46,8 @@ class RemoteOptimizer final : public OptimizerBackend {
                                             absl::Span<const double> group_lr,
                                             absl::Span<const RangeStep> range_steps) override;
   void AbortSlices() override;
+  absl::Status UpdateSlice(int slice, int64_t offset, int64_t n, uint64_t t, double lr,
+                           float grad_multiplier, absl::Span<const double> group_lr) override;
   uint16_t* SliceGradientArea(int slice) override;
   uint64_t SliceGradientAreaId(int slice) override;
 
@@ -55,6 +57,9 @@ class RemoteOptimizer final : public OptimizerBackend {
   std::vector<std::unique_ptr<StepTransport>> owned_transports_;  // shm or UCX, per shard
   std::vector<StepTransport*> transports_;                        // one per shard
   std::vector<std::unique_ptr<StepStream>> streams_;  // per slice, this rank's during a step
+  // Per slice: its plane has no update during backward (UNIMPLEMENTED once), so this step asks
+  // no more.
+  std::vector<bool> no_early_;
 };
 
 }  // namespace offload

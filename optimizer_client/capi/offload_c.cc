@@ -72,6 +72,10 @@ struct OffloadOptimizer {
   uint64_t open_step = 0;  // the step offload_begin_step opened
   // offload_set_range_steps's list for the open step's commit (global flat offsets).
   std::vector<offload::RangeStep> range_steps;
+  // The update during backward (offload_speculate): whether the open step speculates, and the
+  // range steps its early updates take their t from.
+  bool speculating = false;
+  std::vector<offload::RangeStep> speculative_steps;
   // The delayed parameter update: the shards' commit of a decided step, run by a thread of its
   // own between offload_commit_async and offload_wait_commit.
   std::future<absl::StatusOr<offload::StepCounters>> pending_commit;
@@ -406,6 +410,8 @@ absl::Status TakeStats(OffloadOptimizer* opt) {
 void EndMicroBatches(OffloadOptimizer* opt) {
   if (opt->micro_batch > 0) opt->sender->AccumulateInto(nullptr, 0);
   opt->micro_batch = 0;
+  opt->speculating = false;
+  opt->speculative_steps.clear();
   std::lock_guard<std::mutex> lock(opt->first_mu);
   opt->first_micro_batch.clear();
 }
@@ -450,6 +456,25 @@ absl::Status NextMicroBatch(OffloadOptimizer* opt) {
     opt->sender->AccumulateInto(acc, lo);
   }
   ++opt->micro_batch;
+  // The shards restore what they updated early once the second micro-batch's gradients come.
+  opt->speculating = false;
+  return absl::OkStatus();
+}
+
+// One finite, non-negative lr per parameter group of the job.
+absl::Status CheckGroupLrs(const OffloadOptimizer* opt, const double* group_lr,
+                           int32_t num_groups) {
+  if (group_lr == nullptr) return absl::InvalidArgumentError("null group_lr");
+  if (num_groups != opt->num_groups) {
+    return absl::InvalidArgumentError(absl::StrCat(num_groups, " learning rates for a job of ",
+                                                   opt->num_groups, " parameter groups"));
+  }
+  for (int i = 0; i < num_groups; ++i) {
+    if (!std::isfinite(group_lr[i]) || group_lr[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("the lr of parameter group ", i, " is ",
+                                                     group_lr[i], "; it must be finite and >= 0"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -465,16 +490,7 @@ absl::StatusOr<StepDecision> DecideCommit(OffloadOptimizer* opt, const double* g
   if (params16 == nullptr || report == nullptr || group_lr == nullptr) {
     return absl::InvalidArgumentError("null params16, report or group_lr");
   }
-  if (num_groups != opt->num_groups) {
-    return absl::InvalidArgumentError(absl::StrCat(num_groups, " learning rates for a job of ",
-                                                   opt->num_groups, " parameter groups"));
-  }
-  for (int i = 0; i < num_groups; ++i) {
-    if (!std::isfinite(group_lr[i]) || group_lr[i] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("the lr of parameter group ", i, " is ",
-                                                     group_lr[i], "; it must be finite and >= 0"));
-    }
-  }
+  OFFLOAD_RETURN_IF_ERROR(CheckGroupLrs(opt, group_lr, num_groups));
   if (std::isnan(max_grad_norm)) return absl::InvalidArgumentError("max_grad_norm is NaN");
   if (absl::Status sent = TakeStats(opt); !sent.ok()) {
     AbortStep(opt);
@@ -491,7 +507,10 @@ absl::StatusOr<StepDecision> DecideCommit(OffloadOptimizer* opt, const double* g
   return d;
 }
 
-absl::Status SetRangeSteps(OffloadOptimizer* opt, const OffloadRangeStep* ranges, int32_t n) {
+// offload_set_range_steps's list checked (sorted, non-empty, inside the flat space, t at most the
+// open step) and in the library's form.
+absl::StatusOr<std::vector<RangeStep>> ParseRangeSteps(const OffloadOptimizer* opt,
+                                                       const OffloadRangeStep* ranges, int32_t n) {
   if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
   if (n < 0 || (n > 0 && ranges == nullptr)) {
     return absl::InvalidArgumentError("n < 0, or ranges missing");
@@ -514,7 +533,54 @@ absl::Status SetRangeSteps(OffloadOptimizer* opt, const OffloadRangeStep* ranges
     next = r.offset + r.length;
     steps.push_back(RangeStep{static_cast<int64_t>(r.offset), static_cast<int64_t>(r.length), r.t});
   }
-  opt->range_steps = std::move(steps);
+  return steps;
+}
+
+absl::Status SetRangeSteps(OffloadOptimizer* opt, const OffloadRangeStep* ranges, int32_t n) {
+  OFFLOAD_ASSIGN_OR_RETURN(opt->range_steps, ParseRangeSteps(opt, ranges, n));
+  return absl::OkStatus();
+}
+
+absl::Status Speculate(OffloadOptimizer* opt, const double* group_lr, int32_t num_groups,
+                       const OffloadRangeStep* ranges, int32_t n) {
+  if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
+  if (opt->micro_batch > 0) {
+    return absl::FailedPreconditionError(
+        "the step has a second micro-batch: its sum is not known before the commit");
+  }
+  OFFLOAD_RETURN_IF_ERROR(CheckGroupLrs(opt, group_lr, num_groups));
+  OFFLOAD_ASSIGN_OR_RETURN(std::vector<RangeStep> steps, ParseRangeSteps(opt, ranges, n));
+  // What the policy decides for a step with nothing to skip or clip (a zero norm clips nothing).
+  const StepDecision clean = opt->policy->Decide(GradStats{});
+  opt->sender->Speculate(std::vector<double>(group_lr, group_lr + num_groups),
+                         clean.grad_multiplier);
+  opt->speculative_steps = std::move(steps);
+  opt->speculating = true;
+  return absl::OkStatus();
+}
+
+absl::Status UpdateReady(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
+  if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
+  const uint64_t padded = static_cast<uint64_t>(opt->backend->partition().padded_length());
+  if (n == 0 || offset > padded || n > padded - offset) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "[", offset, ", ", offset + n, ") is not inside the flat space of ", padded, " elements"));
+  }
+  if (!opt->speculating) return absl::OkStatus();
+  const int64_t lo =
+      std::max<int64_t>(static_cast<int64_t>(offset), opt->backend->partition_offset());
+  const int64_t hi =
+      std::min<int64_t>(static_cast<int64_t>(offset + n),
+                        opt->backend->partition_offset() + opt->backend->partition_length());
+  // Cut where the speculative range steps begin and end: each piece goes with its own t (0:
+  // the range's next step), and a piece a range step skips is not updated at all.
+  int64_t at = lo;
+  for (const RangeStep& rs : ClipRangeSteps(opt->speculative_steps, lo, hi)) {
+    if (rs.offset > at) opt->sender->EnqueueUpdate(at, rs.offset - at, 0);
+    if (rs.t > 0) opt->sender->EnqueueUpdate(rs.offset, rs.length, rs.t);
+    at = rs.offset + rs.length;
+  }
+  if (at < hi) opt->sender->EnqueueUpdate(at, hi - at, 0);
   return absl::OkStatus();
 }
 
@@ -529,6 +595,8 @@ void FillReport(const OffloadOptimizer* opt, const StepDecision& d, const StepCo
   report->grad_multiplier = d.grad_multiplier;
   report->adam_step = counters.adam_step;
   report->skipped_steps = counters.completed_step - counters.adam_step;
+  report->early_updated = counters.early_updated;
+  report->early_rolled_back = counters.early_rolled_back;
 }
 
 absl::Status Commit(OffloadOptimizer* opt, const double* global_stats, const double* group_lr,
@@ -792,6 +860,15 @@ int32_t offload_send_gradients_f32(OffloadOptimizer* opt, uint64_t offset, const
 
 int32_t offload_set_range_steps(OffloadOptimizer* opt, const OffloadRangeStep* ranges, int32_t n) {
   return Guard([&] { return offload::SetRangeSteps(opt, ranges, n); });
+}
+
+int32_t offload_speculate(OffloadOptimizer* opt, const double* group_lr, int32_t num_groups,
+                          const OffloadRangeStep* ranges, int32_t n) {
+  return Guard([&] { return offload::Speculate(opt, group_lr, num_groups, ranges, n); });
+}
+
+int32_t offload_update_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
+  return Guard([&] { return offload::UpdateReady(opt, offset, n); });
 }
 
 int32_t offload_next_micro_batch(OffloadOptimizer* opt) {

@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 /* Bumped on any change of a struct below or of a function's meaning. */
-#define OFFLOAD_C_ABI_VERSION 3
+#define OFFLOAD_C_ABI_VERSION 4
 
 typedef struct OffloadOptimizer OffloadOptimizer;
 
@@ -121,6 +121,11 @@ typedef struct {
   float grad_multiplier; /* what the shards multiplied every gradient by */
   uint64_t adam_step;    /* updates applied so far (the t of bias correction) */
   uint64_t skipped_steps;
+  /* The update during backward (offload_speculate): elements of this rank's partition the
+   * shards updated before the commit and kept, and those they restored and updated again (or
+   * skipped) at the commit because it decided otherwise. */
+  uint64_t early_updated;
+  uint64_t early_rolled_back;
 } OffloadStepReport;
 
 const char* offload_last_error(void);
@@ -246,6 +251,26 @@ int32_t offload_set_range_steps(OffloadOptimizer* opt, const OffloadRangeStep* r
  * are summed as they are: a mean over micro-batches is the caller's (its loss divided by their
  * number, as in torch). */
 int32_t offload_next_micro_batch(OffloadOptimizer* opt);
+/* The update during backward (ARCHITECTURE.md section 16): the open step speculates that its
+ * commit will carry these group lrs (num_groups of them, one per group), these range steps
+ * (ranges, n: as offload_set_range_steps's, for every parameter that gets a gradient) and the
+ * gradient multiplier of a step with nothing clipped and nothing skipped (1 / the loss scale).
+ * From then on offload_update_ready lets the shards run Adam on a range as soon as its gradients
+ * are all out. A shard keeps what it overwrote (12 bytes an element of its range, its host memory,
+ * allocated at its first update during backward and kept) and at the commit keeps each early update the commit agrees with and
+ * restores the others exactly: skipped on overflow, clipped, another lr or range step, or a
+ * second micro-batch. So the weights are the same bits as without speculation in every case;
+ * only the time differs. A shard that cannot (no memory for the copy, state on disk, a data
+ * plane without it: gRPC and UCX today) declines and updates those elements at the commit. Only
+ * in the first micro-batch; ends with the step or offload_next_micro_batch. */
+int32_t offload_speculate(OffloadOptimizer* opt, const double* group_lr, int32_t num_groups,
+                          const OffloadRangeStep* ranges, int32_t n);
+/* Flat [offset, offset + n) inside [0, padded_length): the gradients of every element of it in
+ * this rank's partition were handed over in this micro-batch (offload_gradients_ready,
+ * offload_send_gradients_f32), and none will follow before the commit. Queued behind them for an
+ * update with offload_speculate's arguments; the part outside the partition is ignored, as are
+ * elements a range step skips (t == 0). Ignored (0) when the step does not speculate. */
+int32_t offload_update_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t n);
 /* Waits until every queued gradient is sent; out[0] = sum of squares, out[1] = 1 if any was inf
  * or NaN, over this rank's gradients (still multiplied by the loss scale). W > 1: sum them over
  * ranks and pass the sums to offload_commit. A send that failed ends the step (nothing applied)

@@ -22,9 +22,25 @@ void GradientSender::Enqueue(int64_t offset, int64_t n, bool accumulate, const u
   if (n <= 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Range{offset, n, accumulate, src != nullptr ? src : grads16_ + offset,
-                           PhaseTrace::Clock::now(), known != nullptr,
-                           known != nullptr ? *known : GradStats{}});
+    queue_.push_back(Range{offset, n, false, 0, accumulate,
+                           src != nullptr ? src : grads16_ + offset, PhaseTrace::Clock::now(),
+                           known != nullptr, known != nullptr ? *known : GradStats{}});
+  }
+  cv_.notify_all();
+}
+
+void GradientSender::Speculate(std::vector<double> group_lr, float grad_multiplier) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spec_lr_ = std::move(group_lr);
+  spec_multiplier_ = grad_multiplier;
+}
+
+void GradientSender::EnqueueUpdate(int64_t offset, int64_t n, uint64_t t) {
+  if (n <= 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(
+        Range{offset, n, true, t, false, nullptr, PhaseTrace::Clock::now(), false, GradStats{}});
   }
   cv_.notify_all();
 }
@@ -68,6 +84,22 @@ void GradientSender::Loop() {
     float* const acc =
         range.accumulate && acc_ != nullptr ? acc_ + (range.offset - acc_base_) : nullptr;
     ++in_flight_;
+    if (range.update) {
+      // Copied under the lock: Speculate may be called for the next step while this runs.
+      const std::vector<double> lrs = spec_lr_;
+      const float multiplier = spec_multiplier_;
+      lock.unlock();
+      absl::Status s;
+      if (!failed && !lrs.empty()) {
+        TracePhase phase(trace_, "update_early", step_.load(std::memory_order_relaxed));
+        s = backend_->UpdateEarly(range.offset, range.n, range.t, lrs[0], multiplier, lrs);
+      }
+      lock.lock();
+      --in_flight_;
+      if (!s.ok() && error_.ok()) error_ = s;
+      cv_.notify_all();
+      continue;
+    }
     lock.unlock();
     absl::Status s;
     GradStats stats = range.stats;

@@ -9,6 +9,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "optimizer_client/backends/optimizer_backend.h"
@@ -33,6 +34,13 @@ class GradientSender {
   // already (rounding them, RoundGradients): summed as they are instead of measured again.
   void Enqueue(int64_t offset, int64_t n, bool accumulate = false, const uint16_t* src = nullptr,
                const GradStats* known = nullptr);
+  // The update during backward (OptimizerBackend::UpdateEarly): queues an update of flat
+  // elements [offset, offset + n) with bias-correction step t (0: the range's next), run after
+  // everything queued before it (their gradients) with the arguments of the last Speculate. On
+  // the in-process engine the Adam runs on this thread; a server runs it on its own.
+  void Speculate(std::vector<double> group_lr, float grad_multiplier);
+  void EnqueueUpdate(int64_t offset, int64_t n, uint64_t t);
+
   // Waits until everything queued is sent; returns the first error since the last Drain.
   absl::Status Drain();
 
@@ -58,6 +66,8 @@ class GradientSender {
   std::condition_variable cv_;
   struct Range {
     int64_t offset, n;
+    bool update;  // an update during backward of [offset, offset + n), not gradients
+    uint64_t t;   // its bias-correction step
     bool accumulate;
     const uint16_t* src;  // (n,)
     PhaseTrace::Clock::time_point queued;
@@ -70,9 +80,11 @@ class GradientSender {
   bool stop_ = false;        // guarded by mu_
   bool measure_ = false;     // guarded by mu_
   DType measure_dtype_ = DType::kBf16;
-  float* acc_ = nullptr;  // guarded by mu_
-  int64_t acc_base_ = 0;  // guarded by mu_
-  GradStats stats_;       // guarded by mu_
+  float* acc_ = nullptr;         // guarded by mu_
+  int64_t acc_base_ = 0;         // guarded by mu_
+  GradStats stats_;              // guarded by mu_
+  std::vector<double> spec_lr_;  // guarded by mu_: Speculate's
+  float spec_multiplier_ = 1;    // guarded by mu_
   std::thread thread_;
 };
 

@@ -13,7 +13,7 @@ import os
 import pathlib
 from typing import Optional
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 FP16, BF16 = 2, 3
 ADAM, ADAMW = 1, 2
 FORM_TORCH_1_13, FORM_LERP = 0, 1  # OffloadConfig.adam_form
@@ -76,7 +76,8 @@ class StepReport(ctypes.Structure):
                 ("loss_scale", ctypes.c_float), ("next_loss_scale", ctypes.c_float),
                 ("grad_norm", ctypes.c_double), ("clip_coef", ctypes.c_float),
                 ("grad_multiplier", ctypes.c_float), ("adam_step", ctypes.c_uint64),
-                ("skipped_steps", ctypes.c_uint64)]
+                ("skipped_steps", ctypes.c_uint64), ("early_updated", ctypes.c_uint64),
+                ("early_rolled_back", ctypes.c_uint64)]
 
 
 def _build_dir() -> pathlib.Path:
@@ -158,6 +159,8 @@ def lib() -> ctypes.CDLL:
         "offload_next_micro_batch": (i32, [P]),
         "offload_local_stats": (i32, [P, ctypes.POINTER(dbl)]),
         "offload_set_range_steps": (i32, [P, ctypes.POINTER(RangeStep), i32]),
+        "offload_speculate": (i32, [P, dptr, i32, ctypes.POINTER(RangeStep), i32]),
+        "offload_update_ready": (i32, [P, u64, u64]),
         "offload_commit": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
         "offload_commit_async": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
         "offload_wait_commit": (i32, [P, ctypes.POINTER(StepReport)]),

@@ -233,15 +233,16 @@ class BucketReducer:
     bucket j only once every bucket before it in that order was launched (DDP's rule: every rank
     launches the same collectives in the same order, whatever order its gradients came in). Once
     a sum is done, this rank's share of it (``[lo, hi)``) is copied to host memory and handed to
-    ``send(offset, host_fp32)``, and the buffer is dropped: memory holds the buckets in flight,
-    not every gradient. ``finish`` completes the buckets some parameter never filled with zeros,
-    launches them in the same order and waits for everything.
+    ``send(offset, host_fp32, complete)``, and the buffer is dropped: memory holds the buckets in
+    flight, not every gradient. ``finish`` completes the buckets some parameter never filled with
+    zeros, launches them in the same order and waits for everything; ``complete`` is False for
+    those (a parameter without a gradient this step is in them).
     """
 
     def __init__(self, buckets: Sequence[Tuple[int, int, Sequence[int]]],
                  offsets: Sequence[int], device: torch.device, lo: int, hi: int,
                  copies: HostCopies, all_reduce: Callable[[torch.Tensor], Any],
-                 send: Callable[[int, torch.Tensor], None],
+                 send: Callable[[int, torch.Tensor, bool], None],
                  trace: Optional[Callable[[str, float], None]] = None) -> None:
         self._buckets = [(start, end) for start, end, _ in buckets]
         self._size = [len(members) for _, _, members in buckets]
@@ -265,8 +266,10 @@ class BucketReducer:
         self._flat: Dict[int, torch.Tensor] = {}
         self._next = 0  # the position in `order` of the next bucket to launch
         self._launched: Dict[int, float] = {}  # bucket -> when its reduction was launched
+        self._zero_filled: set = set()  # buckets finish() completed with zeros
         self._reducing: Deque[Tuple[int, Any, torch.Tensor]] = collections.deque()
-        self._landing: Deque[Tuple[int, torch.Tensor, Any]] = collections.deque()
+        # (offset, host share, event, complete)
+        self._landing: Deque[Tuple[int, torch.Tensor, Any, bool]] = collections.deque()
 
     @property
     def buffers(self) -> int:
@@ -288,21 +291,23 @@ class BucketReducer:
         while self._reducing and self._reducing[0][1].is_completed():
             self._land(*self._reducing.popleft())
         while self._landing and self._landing[0][2].query():
-            offset, host, _ = self._landing.popleft()
-            self._send(offset, host)
+            offset, host, _, complete = self._landing.popleft()
+            self._send(offset, host, complete)
 
     def finish(self) -> None:
         """Zeros for the buckets not complete, every bucket launched, and everything handed on."""
         for j in self.order[self._next:]:
             self._buffer(j)  # zeros where no gradient came
+            if self._missing[j] > 0:
+                self._zero_filled.add(j)
             self._missing[j] = 0
         self._launch_ready()
         while self._reducing:
             self._land(*self._reducing.popleft())
         while self._landing:
-            offset, host, event = self._landing.popleft()
+            offset, host, event, complete = self._landing.popleft()
             event.synchronize()
-            self._send(offset, host)
+            self._send(offset, host, complete)
 
     def _buffer(self, j: int) -> torch.Tensor:
         flat = self._flat.get(j)
@@ -331,10 +336,11 @@ class BucketReducer:
         if a >= b:
             return
         share = flat[a - start:b - start]
+        complete = j not in self._zero_filled
         if share.device.type == "cpu":
-            self._landing.append((a, share, _Landed()))
+            self._landing.append((a, share, _Landed(), complete))
             return
         host = torch.empty(b - a, dtype=torch.float32, pin_memory=self._copies.pinned)
         self._copies.after_current(flat)
         self._copies.copy(host, share)
-        self._landing.append((a, host, self._copies.record()))
+        self._landing.append((a, host, self._copies.record(), complete))

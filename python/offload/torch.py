@@ -132,6 +132,19 @@ class AdamW(torch.optim.Optimizer):
         the update in flight into the parameters, so a run resumed from them computes with the
         same weights as the run that saved. On the CPU the update waits in a second 16-bit
         copy (2 bytes a parameter of host memory); on a GPU in the pinned copy there is anyway.
+      update_in_backward: the servers run Adam on each bucket as soon as backward has produced
+        all of its gradients, so by the end of backward most of the update is done and
+        ``step()`` waits for the tail. The step's decision is speculated (nothing skipped or
+        clipped, the lrs the groups have when backward begins): each server keeps what it
+        overwrote (12 bytes a parameter of server memory, kept from the first such step) and
+        at the commit restores and redoes exactly what the decision changed (an fp16 overflow,
+        clipping that bites, a changed lr, a second ``backward()``), so the weights are the
+        same bits as without it, always. After a step it had to undo, it pauses for a few
+        steps (1, 3, 7, ... up to 63 while undos repeat); with several micro-batches per step
+        it stays off. Where a server cannot (no memory for the copy, state on disk, the gRPC
+        and UCX planes today) it updates at the commit as usual. ``last_report``'s
+        ``early_updated`` and ``early_rolled_back`` count the elements. Not with
+        ``delay_update``, which overlaps the same update with the next step instead.
 
     Gradient accumulation: any number of ``backward()`` calls per ``step()``. Each
     micro-batch's gradients leave during its backward (device memory stays a bucket); the servers
@@ -169,6 +182,7 @@ class AdamW(torch.optim.Optimizer):
                  device: Any = None, state_dir: Optional[str] = None,
                  optimizer_state: str = "auto", server_memory_mib: int = 0,
                  delay_update: bool = False, delay_warmup_steps: int = 20,
+                 update_in_backward: bool = False,
                  _values: Optional[Callable[[List[torch.nn.Parameter]],
                                             Iterable[Tuple[int, torch.nn.Parameter]]]] = None):
         if amsgrad:
@@ -202,6 +216,19 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"delay_warmup_steps is {delay_warmup_steps}; it must be >= 0")
         self._delay = bool(delay_update)
         self._delay_warmup = int(delay_warmup_steps)
+        if update_in_backward and delay_update:
+            raise ValueError("update_in_backward and delay_update both overlap the servers' "
+                             "update with the model's compute (in this step's backward, or in "
+                             "the next step): choose one")
+        # The update during backward: wanted, on in the open step, micro-batches of the open
+        # and of the last step, and the pause after undone speculation (steps left, undos in
+        # a row).
+        self._speculate_wanted = bool(update_in_backward)
+        self._speculating = False
+        self._micro_batches = 0
+        self._last_micro_batches = 1
+        self._speculation_pause = 0
+        self._speculation_misses = 0
         self._in_flight = False  # a delayed commit runs on the servers
         self._pending_update = False  # _next16 holds an update the parameters have not
 
@@ -544,7 +571,7 @@ class AdamW(torch.optim.Optimizer):
                 self._buckets(), self._offsets, self.device, self._part_offset,
                 self._part_offset + self._part_length, copies,
                 lambda flat: ref()._all_reduce(flat),
-                lambda offset, grads: ref()._send_share(offset, grads),
+                lambda offset, grads, complete: ref()._send_share(offset, grads, complete),
                 lambda name, begin: ref()._trace(name, begin))
         elif self.device.type == "cuda" or self._stage_on_cpu:
             self._ring = StagingRing(self._STAGING_SLOTS,
@@ -563,6 +590,28 @@ class AdamW(torch.optim.Optimizer):
             # update waits for step() (the parameters must not change under backward).
             self._wait_commit()
             check(_lib.lib().offload_begin_step(self._handle, self._step + 1))
+            self._micro_batches = 1
+            if self._speculation_due():
+                self._speculate()
+
+    def _speculation_due(self) -> bool:
+        """Whether the step opening now updates during backward."""
+        if not self._speculate_wanted or self._last_micro_batches != 1:
+            return False
+        if self._speculation_pause > 0:
+            self._speculation_pause -= 1
+            return False
+        return True
+
+    def _speculate(self) -> None:
+        """The commit this step will most likely make: every parameter gets its gradient (each
+        its own t), the groups' lrs as they are now, nothing skipped or clipped."""
+        lrs = (ctypes.c_double * len(self._trained))(
+            *[float(self.param_groups[gi]["lr"]) for gi in self._trained])
+        runs = self._range_step_runs([])
+        array = (_lib.RangeStep * max(1, len(runs)))(*[_lib.RangeStep(*r) for r in runs])
+        check(_lib.lib().offload_speculate(self._handle, lrs, len(lrs), array, len(runs)))
+        self._speculating = True
 
     def _on_gradient(self, index: int) -> None:
         """Parameter index's gradient is in p.grad, accumulated over every use of p in the
@@ -612,6 +661,8 @@ class AdamW(torch.optim.Optimizer):
             elif self._ring is not None:
                 self._ring.flush()
             self._flush()
+            self._speculating = False  # the library and the servers undo what it updated
+            self._micro_batches += 1
             check(_lib.lib().offload_next_micro_batch(self._handle))
         except BaseException:
             self._abort()  # the step ends, nothing applied: zero_grad() and retry
@@ -637,11 +688,14 @@ class AdamW(torch.optim.Optimizer):
         import torch.distributed as dist
         return dist.all_reduce(flat, group=self._group, async_op=True)
 
-    def _send_share(self, offset: int, grads: torch.Tensor) -> None:
+    def _send_share(self, offset: int, grads: torch.Tensor, complete: bool) -> None:
         """This rank's share of a bucket's fp32 sum over the ranks (host memory): the library
-        takes the mean and rounds it to 16 bits in one pass."""
+        takes the mean and rounds it to 16 bits in one pass. complete: every parameter of the
+        bucket had its gradient (not zeros of finish()), so it may be updated early."""
         check(_lib.lib().offload_send_gradients_f32(self._handle, offset, _ptr(grads),
                                                     grads.numel(), 1.0 / self._world))
+        if self._speculating and complete:
+            check(_lib.lib().offload_update_ready(self._handle, offset, grads.numel()))
 
     def _flush(self) -> None:
         """Hands the pending gradients to the sender, contiguous runs merged."""
@@ -653,8 +707,11 @@ class AdamW(torch.optim.Optimizer):
                 runs[-1][1] += n
             else:
                 runs.append([off, n, ptr])
+        L = _lib.lib()
         for off, n, ptr in runs:
-            check(_lib.lib().offload_gradients_ready(self._handle, off, n, ptr))
+            check(L.offload_gradients_ready(self._handle, off, n, ptr))
+            if self._speculating:
+                check(L.offload_update_ready(self._handle, off, n))
         self._pending = []
         self._pending_elements = 0
 
@@ -684,11 +741,16 @@ class AdamW(torch.optim.Optimizer):
                 "Build a new optimizer after unfreezing, or set its .grad to None to keep "
                 "it frozen")
         if self._reducer is not None:
+            # The buckets finish() fills with zeros say so (complete=False): they update at
+            # the commit.
             self._reducer.finish()
+            self._speculating = False
             self._sent = [True] * len(self._params)
         else:
             if self._ring is not None:
                 self._ring.flush()
+            self._flush()  # backward's last bucket: still updated early, before the commit
+            self._speculating = False  # the zeros of _fill_missing update at the commit
             self._fill_missing()
         self._gradients_done = True
 
@@ -723,6 +785,7 @@ class AdamW(torch.optim.Optimizer):
         if self._handle:
             _lib.lib().offload_abort_step(self._handle)
         self._gradients_done = False
+        self._speculating = False
         self._sent = [False] * len(self._params)
         self._seen = [False] * len(self._params)
         self._pending = []
@@ -848,6 +911,14 @@ class AdamW(torch.optim.Optimizer):
             self._agree(rc, error, "committing the step")
             self._in_flight = delayed
         self._trace("step", begin)
+        self._last_micro_batches = self._micro_batches
+        if report.early_rolled_back:
+            # Speculation that had to be undone cost its copies for nothing: wait longer each
+            # time it happens again.
+            self._speculation_misses += 1
+            self._speculation_pause = min(2 ** self._speculation_misses - 1, 63)
+        elif report.early_updated:
+            self._speculation_misses = 0
         if not report.skipped:
             for i in unused:
                 self._lag[i] += 1
@@ -863,11 +934,11 @@ class AdamW(torch.optim.Optimizer):
         self.last_report = {f: getattr(report, f) for f, _ in _lib.StepReport._fields_}
         return loss
 
-    def _set_range_steps(self, unused: List[int]) -> None:
-        """Tells the commit what torch does per parameter: a parameter without a gradient is not
-        updated (t 0), and one that missed updates before takes its own bias-correction step;
-        neighbours in the flat space with the same t go as one range. Any failure ends the
-        step, nothing applied."""
+    def _range_step_runs(self, unused: List[int]) -> List[List[int]]:
+        """[offset, n, t] runs of what torch does per parameter: a parameter without a gradient
+        is not updated (t 0), and one that missed updates before takes its own bias-correction
+        step; neighbours in the flat space with the same t go as one run, and the job's own t
+        needs none."""
         skip = set(unused)
         runs: List[List[int]] = []
         for i, off in enumerate(self._offsets):
@@ -879,6 +950,12 @@ class AdamW(torch.optim.Optimizer):
                 runs[-1][1] += n
             else:
                 runs.append([off, n, t])
+        return runs
+
+    def _set_range_steps(self, unused: List[int]) -> None:
+        """Tells the commit the range steps of _range_step_runs. Any failure ends the step,
+        nothing applied."""
+        runs = self._range_step_runs(unused)
         if not runs:
             return  # the library starts every step with none
         array = (_lib.RangeStep * len(runs))(*[_lib.RangeStep(*r) for r in runs])

@@ -33,7 +33,7 @@ ROWS = 8
 
 
 def train(rank: int, world: int, address: str, token: str, out: str, loss_scale: float,
-          init_file: str, micro: int = 1, trace: str = "") -> None:
+          init_file: str, micro: int = 1, trace: str = "", speculate: bool = False) -> None:
     import offload.torch as otorch
     group = None
     if world > 1:
@@ -55,9 +55,10 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
         dist.broadcast(frozen0, src=0)
     opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=torch.float16,
                        servers=[address], token=token, loss_scale=loss_scale, process_group=group,
-                       bucket_elements=500, threads=1,
+                       bucket_elements=500, threads=1, update_in_backward=speculate,
                        trace_file=trace if trace and rank == 0 else None)
     rows = ROWS // world
+    early = []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         x = torch.randint(0, 31, (ROWS, 6), generator=g)[rank * rows:(rank + 1) * rows]
@@ -70,6 +71,9 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
                                                      part[:, 1:].reshape(-1)) / micro
             opt.backward(loss)
         opt.step()
+        early.append(opt.last_report["early_updated"])
+    if speculate and not all(early):
+        raise SystemExit(f"rank {rank}: steps without an update during backward: {early}")
     if frozen0 is not None and not torch.equal(model.fc1.bias, frozen0):
         raise SystemExit(f"rank {rank}: the frozen parameter is not rank 0's")
     if rank == 0:
@@ -104,13 +108,16 @@ class TwoRanks(unittest.TestCase):
         server = LocalServer(threads=1)
         try:
             with tempfile.TemporaryDirectory() as d:
-                def run(world: int, scale: float, micro: int = 1, trace: str = "") -> torch.Tensor:
-                    out = os.path.join(d, f"w{world}-{int(scale)}-{micro}.pt")
-                    init = os.path.join(d, f"init-{world}-{int(scale)}-{micro}")
+                def run(world: int, scale: float, micro: int = 1, trace: str = "",
+                        speculate: bool = False) -> torch.Tensor:
+                    name = f"{world}-{int(scale)}-{micro}-{int(speculate)}"
+                    out = os.path.join(d, f"w{name}.pt")
+                    init = os.path.join(d, f"init-{name}")
                     procs = [subprocess.Popen(
                         [sys.executable, __file__, "--rank", str(r), "--world", str(world),
                          "--address", server.address, "--out", out, "--loss_scale", str(scale),
-                         "--init", init, "--micro", str(micro), "--trace", trace],
+                         "--init", init, "--micro", str(micro), "--trace", trace]
+                        + (["--speculate"] if speculate else []),
                         env=dict(os.environ, OFFLOAD_TOKEN=server.token))
                         for r in range(world)]
                     for p in procs:
@@ -127,6 +134,10 @@ class TwoRanks(unittest.TestCase):
                 print(f"two ranks vs one: max |diff| {diff:.3e}, floor {floor:.3e}")
                 self.assertLessEqual(diff, 4 * floor, f"two ranks {diff}, floor {floor}")
                 self.assertGreater(diff, 0.0)  # the ranks really ran their own halves
+                # The update during backward on both ranks (each its partition, as its reduced
+                # buckets arrive): the same bits as without it.
+                speculated = run(2, 1024.0, speculate=True)
+                self.assertTrue(torch.equal(speculated.view(torch.int32), two.view(torch.int32)))
                 # Two ranks of two micro-batches each: every micro-batch's gradients are reduced
                 # between the ranks during its backward and the server adds the two means in
                 # fp32: six roundings (four of the ranks' micro-batch gradients, two of the
@@ -153,9 +164,10 @@ if __name__ == "__main__":
     ap.add_argument("--init")
     ap.add_argument("--micro", type=int, default=1)
     ap.add_argument("--trace", default="")
+    ap.add_argument("--speculate", action="store_true")
     args, rest = ap.parse_known_args()
     if args.rank >= 0:
         train(args.rank, args.world, args.address, os.environ["OFFLOAD_TOKEN"], args.out,
-              args.loss_scale, args.init, args.micro, args.trace)
+              args.loss_scale, args.init, args.micro, args.trace, args.speculate)
     else:
         unittest.main(argv=[sys.argv[0]] + rest)

@@ -373,6 +373,7 @@ class Reducer(unittest.TestCase):
     def setUp(self) -> None:
         self.launched: List[Tuple[int, FakeWork]] = []
         self.sent: List[Tuple[int, torch.Tensor]] = []
+        self.complete: List[bool] = []  # per share sent: not a bucket finish() filled with zeros
 
         def all_reduce(flat: torch.Tensor) -> FakeWork:
             work = FakeWork(flat)
@@ -381,7 +382,8 @@ class Reducer(unittest.TestCase):
 
         self.reducer = BucketReducer(self.BUCKETS, self.OFFSETS, torch.device("cpu"), 4, 26,
                                      grad_hooks.HostCopies(torch.device("cpu")), all_reduce,
-                                     lambda off, t: self.sent.append((off, t.clone())))
+                                     lambda off, t, complete: (self.sent.append((off, t.clone())),
+                                                               self.complete.append(complete)))
         torch.manual_seed(1)
         self.grads = [torch.randn(n).to(torch.bfloat16) for n in self.SIZES]
 
@@ -420,6 +422,8 @@ class Reducer(unittest.TestCase):
         self.assertTrue(torch.equal(seen[4:26], torch.ones(22, dtype=torch.int64)))
         self.assertEqual(int(seen[:4].sum() + seen[26:].sum()), 0)
         self.assertTrue(torch.equal(got[4:26], want[4:26]))
+        # Only the bucket finish() filled is marked incomplete (updated at the commit, not early).
+        self.assertEqual(self.complete, [True, True, True, False])
 
     def test_in_forward_order_nothing_launches_before_the_last_bucket(self) -> None:
         for i in range(5):
@@ -429,12 +433,14 @@ class Reducer(unittest.TestCase):
         self.assertEqual([s for s, _ in self.launched], [24, 16, 5, 0])
         self.reducer.finish()
         self.assertEqual(len(self.sent), 4)
+        self.assertEqual(self.complete, [True] * 4)
 
     def test_a_step_without_gradients_sends_zeros(self) -> None:
         self.reducer.finish()
         self.assertEqual([s for s, _ in self.launched], [24, 16, 5, 0])
         self.assertEqual(sum(t.numel() for _, t in self.sent), 22)
         self.assertTrue(all(bool((t == 0).all()) for _, t in self.sent))
+        self.assertEqual(self.complete, [False] * 4)
 
 
 class TwoRanks(unittest.TestCase):
