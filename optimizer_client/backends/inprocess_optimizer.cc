@@ -133,6 +133,12 @@ absl::Status InProcessOptimizer::SendSlice(int slice, int64_t offset, const uint
   return sessions_[slice]->AddGradients(offset, grad_dtype(), accumulate, std::move(data));
 }
 
+absl::Status InProcessOptimizer::SendSlice32(int slice, int64_t offset, const float* grads,
+                                             int64_t n) {
+  std::string data(reinterpret_cast<const char*>(grads), n * sizeof(float));
+  return sessions_[slice]->AddGradients(offset, DType::kFp32, /*accumulate=*/true, std::move(data));
+}
+
 absl::StatusOr<StepCounters> InProcessOptimizer::CommitSlices(
     double lr, float grad_multiplier, bool skip, uint16_t* partition16,
     absl::Span<const double> group_lr, absl::Span<const RangeStep> range_steps) {

@@ -1,6 +1,7 @@
 #include "optimizer_client/backends/optimizer_backend.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
@@ -107,53 +108,56 @@ OptimizerBackend::SliceIterator OptimizerBackend::FirstSliceEndingAfter(int64_t 
                           });
 }
 
-absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
-                                             bool accumulate) {
-  if (!in_step_) return absl::FailedPreconditionError("SendGradients outside a step");
+absl::Status OptimizerBackend::ForEachSlicePiece(
+    int64_t offset, int64_t n, const char* what,
+    const std::function<absl::Status(int slice, int64_t lo, int64_t hi)>& fn) {
+  if (!in_step_) return absl::FailedPreconditionError(absl::StrCat(what, " outside a step"));
   const int64_t end = offset + n;
   if (offset < partition_offset() || n < 0 || end > partition_offset() + partition_length()) {
     return absl::OutOfRangeError(
-        absl::StrCat("gradients [", offset, ", ", end, ") outside the partition of rank ", rank_,
-                     " [", partition_offset(), ", ", partition_offset() + partition_length(), ")"));
+        absl::StrCat(what, " [", offset, ", ", end, ") outside the partition of rank ", rank_, " [",
+                     partition_offset(), ", ", partition_offset() + partition_length(), ")"));
   }
   auto it = FirstSliceEndingAfter(offset);
   for (; it != map_.slices().end() && static_cast<int64_t>(it->offset()) < end; ++it) {
     const int64_t lo = std::max<int64_t>(offset, it->offset());
     const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
-    const int slice = static_cast<int>(it - map_.slices().begin());
-    const uint16_t* piece = grads + (lo - offset);
-    if (const uint16_t* area = SliceGradientArea(slice);
-        area != nullptr && piece == area + (lo - static_cast<int64_t>(it->offset()))) {
-      in_place_elements_ += hi - lo;
-    }
-    OFFLOAD_RETURN_IF_ERROR(SendSlice(slice, lo, piece, hi - lo, accumulate));
+    OFFLOAD_RETURN_IF_ERROR(fn(static_cast<int>(it - map_.slices().begin()), lo, hi));
   }
   return absl::OkStatus();
+}
+
+absl::Status OptimizerBackend::SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
+                                             bool accumulate) {
+  return ForEachSlicePiece(offset, n, "gradients", [&](int slice, int64_t lo, int64_t hi) {
+    const uint16_t* piece = grads + (lo - offset);
+    if (const uint16_t* area = SliceGradientArea(slice);
+        area != nullptr &&
+        piece == area + (lo - static_cast<int64_t>(map_.slices(slice).offset()))) {
+      in_place_elements_ += hi - lo;
+    }
+    return SendSlice(slice, lo, piece, hi - lo, accumulate);
+  });
+}
+
+absl::Status OptimizerBackend::SendGradients32(int64_t offset, const float* grads, int64_t n) {
+  return ForEachSlicePiece(offset, n, "gradients", [&](int slice, int64_t lo, int64_t hi) {
+    return SendSlice32(slice, lo, grads + (lo - offset), hi - lo);
+  });
 }
 
 absl::Status OptimizerBackend::UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr,
                                            float grad_multiplier,
                                            absl::Span<const double> group_lr) {
-  if (!in_step_) return absl::FailedPreconditionError("UpdateEarly outside a step");
-  const int64_t end = offset + n;
-  if (offset < partition_offset() || n < 0 || end > partition_offset() + partition_length()) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "update during backward [", offset, ", ", end, ") outside the partition of rank ", rank_,
-        " [", partition_offset(), ", ", partition_offset() + partition_length(), ")"));
+  if (in_step_ && t > step_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "update during backward [", offset, ", ", offset + n, ") has t ", t, ", past step ", step_,
+        " being taken: no element has had more updates than steps"));
   }
-  if (t > step_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("update during backward [", offset, ", ", end, ") has t ", t, ", past step ",
-                     step_, " being taken: no element has had more updates than steps"));
-  }
-  auto it = FirstSliceEndingAfter(offset);
-  for (; it != map_.slices().end() && static_cast<int64_t>(it->offset()) < end; ++it) {
-    const int64_t lo = std::max<int64_t>(offset, it->offset());
-    const int64_t hi = std::min<int64_t>(end, it->offset() + it->length());
-    const int slice = static_cast<int>(it - map_.slices().begin());
-    OFFLOAD_RETURN_IF_ERROR(UpdateSlice(slice, lo, hi - lo, t, lr, grad_multiplier, group_lr));
-  }
-  return absl::OkStatus();
+  return ForEachSlicePiece(
+      offset, n, "update during backward", [&](int slice, int64_t lo, int64_t hi) {
+        return UpdateSlice(slice, lo, hi - lo, t, lr, grad_multiplier, group_lr);
+      });
 }
 
 int OptimizerBackend::PlaceSlice(int64_t offset, int64_t n) const {

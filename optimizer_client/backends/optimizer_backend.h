@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +97,10 @@ class OptimizerBackend {
   // summed in fp32 on the shard).
   absl::Status SendGradients(int64_t offset, const uint16_t* grads, int64_t n,
                              bool accumulate = false);
+  // grads (n,) fp32 for flat elements [offset, offset + n) of this rank's partition, added to
+  // what the step received before (an accumulate chunk in fp32): a partial micro-batch sum
+  // restored from a checkpoint, which must keep every bit.
+  absl::Status SendGradients32(int64_t offset, const float* grads, int64_t n);
   // Applies the step (or skips it) on this rank's slices; their updated 16-bit weights land in
   // partition16 (partition_length,), this rank's partition, unless skipped (flat element i at
   // partition16[i - partition_offset()]). Returns the step counters after the step. group_lr:
@@ -145,6 +150,11 @@ class OptimizerBackend {
   virtual absl::Status OpenSlice(int slice, uint64_t step) = 0;
   virtual absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                                  bool accumulate) = 0;
+  // An fp32 accumulate chunk (SendGradients32); UNIMPLEMENTED where a backend has none.
+  virtual absl::Status SendSlice32(int /*slice*/, int64_t /*offset*/, const float* /*grads*/,
+                                   int64_t /*n*/) {
+    return absl::UnimplementedError("this optimizer backend sends no fp32 gradients");
+  }
   // Commits every open slice, writing partition16 (partition_length,) at each slice's offset
   // less partition_offset(); group_lr as Commit's; range_steps as Commit's, checked, global
   // offsets: each slice's commit carries ClipRangeSteps(range_steps, its [offset, end)).
@@ -174,6 +184,11 @@ class OptimizerBackend {
   using SliceIterator = google::protobuf::RepeatedPtrField<v1::ShardSlice>::const_iterator;
   // The first slice of the map that ends after flat element `offset`.
   SliceIterator FirstSliceEndingAfter(int64_t offset) const;
+  // Checks that a step is open and [offset, offset + n) lies in this rank's partition (errors
+  // naming `what`), then calls fn for each slice's piece [lo, hi) of it, in order.
+  absl::Status ForEachSlicePiece(
+      int64_t offset, int64_t n, const char* what,
+      const std::function<absl::Status(int slice, int64_t lo, int64_t hi)>& fn);
   // The slice that holds all of [offset, offset + n) of this rank's partition in an open step,
   // or -1.
   int PlaceSlice(int64_t offset, int64_t n) const;

@@ -172,6 +172,13 @@ absl::Status RemoteOptimizer::UpdateSlice(int slice, int64_t offset, int64_t n, 
   return Annotate(s, addresses_[map_.slices(slice).shard_index()]);
 }
 
+absl::Status RemoteOptimizer::SendSlice32(int slice, int64_t offset, const float* grads,
+                                          int64_t n) {
+  return Annotate(streams_[slice]->SendGradients(offset, grads, DType::kFp32, n,
+                                                 /*accumulate=*/true),
+                  addresses_[map_.slices(slice).shard_index()]);
+}
+
 uint16_t* RemoteOptimizer::SliceGradientArea(int slice) {
   if (slice < 0 || slice >= static_cast<int>(streams_.size()) || streams_[slice] == nullptr) {
     return nullptr;

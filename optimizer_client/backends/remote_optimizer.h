@@ -41,6 +41,7 @@ class RemoteOptimizer final : public OptimizerBackend {
   absl::Status OpenSlice(int slice, uint64_t step) override;
   absl::Status SendSlice(int slice, int64_t offset, const uint16_t* grads, int64_t n,
                          bool accumulate) override;
+  absl::Status SendSlice32(int slice, int64_t offset, const float* grads, int64_t n) override;
   absl::StatusOr<StepCounters> CommitSlices(double lr, float grad_multiplier, bool skip,
                                             uint16_t* partition16,
                                             absl::Span<const double> group_lr,

@@ -427,6 +427,78 @@ void AbortStep(OffloadOptimizer* opt) {
   opt->step_stats = GradStats{};
 }
 
+// acc32, (partition_length,) fp32, allocated at the first step that needs it.
+absl::Status EnsureAccumulator(OffloadOptimizer* opt) {
+  if (opt->acc_buffer.data() != nullptr) return absl::OkStatus();
+  OFFLOAD_ASSIGN_OR_RETURN(opt->acc_buffer,
+                           HostBuffer::Allocate(opt->backend->partition_length() * sizeof(float)));
+  return absl::OkStatus();
+}
+
+// out (n,) = the first micro-batch's gradients of flat [offset, offset + n), added in fp32 onto
+// zeros as the shards fold them (zeros where none was sent).
+void FirstMicroBatchSum(OffloadOptimizer* opt, int64_t offset, int64_t n, float* out) {
+  std::fill(out, out + n, 0.0f);
+  std::lock_guard<std::mutex> lock(opt->first_mu);
+  for (const OffloadOptimizer::SentRange& r : opt->first_micro_batch) {
+    const int64_t lo = std::max<int64_t>(offset, static_cast<int64_t>(r.offset));
+    const int64_t hi = std::min<int64_t>(offset + n, static_cast<int64_t>(r.offset + r.n));
+    if (lo >= hi) continue;
+    AddAsFloat(r.src + (lo - static_cast<int64_t>(r.offset)), opt->dtype, hi - lo,
+               out + (lo - offset));
+  }
+}
+
+absl::Status ReadGradientSum(OffloadOptimizer* opt, uint64_t offset, uint64_t n, float* out) {
+  OFFLOAD_RETURN_IF_ERROR(CheckGradientRange(opt, offset, n));
+  if (out == nullptr) return absl::InvalidArgumentError("null out");
+  // Everything handed over is sent (and, after the first micro-batch, in acc32) first.
+  if (absl::Status sent = opt->sender->Drain(); !sent.ok()) {
+    AbortStep(opt);
+    return sent;
+  }
+  opt->step_stats.Merge(opt->sender->TakeStats());
+  if (opt->micro_batch == 0) {
+    FirstMicroBatchSum(opt, static_cast<int64_t>(offset), static_cast<int64_t>(n), out);
+  } else {
+    const float* acc = Accumulator(opt) + (offset - opt->backend->partition_offset());
+    std::copy(acc, acc + n, out);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RestoreGradientSum(OffloadOptimizer* opt, const float* sums) {
+  if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
+  if (sums == nullptr) return absl::InvalidArgumentError("null sums");
+  {
+    std::lock_guard<std::mutex> lock(opt->first_mu);
+    if (opt->micro_batch > 0 || !opt->first_micro_batch.empty()) {
+      return absl::FailedPreconditionError(
+          "gradients were handed over in this step already: restore a sum into a step just "
+          "opened");
+    }
+  }
+  OFFLOAD_RETURN_IF_ERROR(EnsureAccumulator(opt));
+  const int64_t lo = opt->backend->partition_offset();
+  const int64_t n = opt->backend->partition_length();
+  float* acc = Accumulator(opt);  // (partition_length,)
+  std::copy(sums, sums + n, acc);
+  // To the shards as fp32 accumulate chunks, so their sum keeps every bit; in pieces of 4 MiB.
+  constexpr int64_t kPiece = int64_t{1} << 20;
+  for (int64_t done = 0; done < n; done += kPiece) {
+    const int64_t m = std::min(kPiece, n - done);
+    if (absl::Status s = opt->backend->SendGradients32(lo + done, acc + done, m); !s.ok()) {
+      AbortStep(opt);
+      return s;
+    }
+  }
+  opt->micro_batch = 1;
+  opt->speculating = false;
+  opt->acc_stats_stale = true;
+  opt->sender->AccumulateInto(acc, lo);
+  return absl::OkStatus();
+}
+
 absl::Status NextMicroBatch(OffloadOptimizer* opt) {
   if (!opt->in_step) return absl::FailedPreconditionError("no step is open");
   if (absl::Status sent = opt->sender->Drain(); !sent.ok()) {
@@ -435,22 +507,14 @@ absl::Status NextMicroBatch(OffloadOptimizer* opt) {
   }
   opt->sender->TakeStats();  // the sum's statistics replace the first micro-batch's
   if (opt->micro_batch == 0) {
+    if (absl::Status s = EnsureAccumulator(opt); !s.ok()) {
+      AbortStep(opt);
+      return s;
+    }
     const int64_t lo = opt->backend->partition_offset();
-    const int64_t n = opt->backend->partition_length();
-    if (opt->acc_buffer.data() == nullptr) {
-      absl::StatusOr<HostBuffer> acc = HostBuffer::Allocate(n * sizeof(float));
-      if (!acc.ok()) {
-        AbortStep(opt);
-        return acc.status();
-      }
-      opt->acc_buffer = std::move(*acc);
-    }
     float* acc = Accumulator(opt);  // (partition_length,)
-    std::fill(acc, acc + n, 0.0f);
+    FirstMicroBatchSum(opt, lo, opt->backend->partition_length(), acc);
     std::lock_guard<std::mutex> lock(opt->first_mu);
-    for (const OffloadOptimizer::SentRange& r : opt->first_micro_batch) {
-      AddAsFloat(r.src, opt->dtype, static_cast<int64_t>(r.n), acc + (r.offset - lo));
-    }
     opt->first_micro_batch.clear();
     opt->acc_stats_stale = true;
     opt->sender->AccumulateInto(acc, lo);
@@ -869,6 +933,14 @@ int32_t offload_speculate(OffloadOptimizer* opt, const double* group_lr, int32_t
 
 int32_t offload_update_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
   return Guard([&] { return offload::UpdateReady(opt, offset, n); });
+}
+
+int32_t offload_read_gradient_sum(OffloadOptimizer* opt, uint64_t offset, uint64_t n, float* out) {
+  return Guard([&] { return offload::ReadGradientSum(opt, offset, n, out); });
+}
+
+int32_t offload_restore_gradient_sum(OffloadOptimizer* opt, const float* sums) {
+  return Guard([&] { return offload::RestoreGradientSum(opt, sums); });
 }
 
 int32_t offload_next_micro_batch(OffloadOptimizer* opt) {

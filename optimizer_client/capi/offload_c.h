@@ -251,18 +251,27 @@ int32_t offload_set_range_steps(OffloadOptimizer* opt, const OffloadRangeStep* r
  * are summed as they are: a mean over micro-batches is the caller's (its loss divided by their
  * number, as in torch). */
 int32_t offload_next_micro_batch(OffloadOptimizer* opt);
+/* Gradient accumulation across a checkpoint. offload_read_gradient_sum: the fp32 sum of the open
+ * step's micro-batches so far for flat [offset, offset + n) of this rank's partition into out
+ * (n,), as the shards hold it (zeros where nothing was sent); waits until every gradient handed
+ * over is sent. offload_restore_gradient_sum: into a step just opened (nothing handed over in
+ * it yet), the whole partition's such sum, sums (partition_length,), which goes to the shards
+ * as fp32 and becomes the earlier micro-batches: the step continues in accumulation (what is
+ * handed over next is added), with every bit of the run that saved it. */
+int32_t offload_read_gradient_sum(OffloadOptimizer* opt, uint64_t offset, uint64_t n, float* out);
+int32_t offload_restore_gradient_sum(OffloadOptimizer* opt, const float* sums);
 /* The update during backward (ARCHITECTURE.md section 16): the open step speculates that its
  * commit will carry these group lrs (num_groups of them, one per group), these range steps
  * (ranges, n: as offload_set_range_steps's, for every parameter that gets a gradient) and the
  * gradient multiplier of a step with nothing clipped and nothing skipped (1 / the loss scale).
  * From then on offload_update_ready lets the shards run Adam on a range as soon as its gradients
  * are all out. A shard keeps what it overwrote (12 bytes an element of its range, its host memory,
- * allocated at its first update during backward and kept) and at the commit keeps each early update the commit agrees with and
- * restores the others exactly: skipped on overflow, clipped, another lr or range step, or a
- * second micro-batch. So the weights are the same bits as without speculation in every case;
- * only the time differs. A shard that cannot (no memory for the copy, state on disk, a data
- * plane without it: gRPC and UCX today) declines and updates those elements at the commit. Only
- * in the first micro-batch; ends with the step or offload_next_micro_batch. */
+ * allocated at its first update during backward and kept) and at the commit keeps each early update
+ * the commit agrees with and restores the others exactly: skipped on overflow, clipped, another lr
+ * or range step, or a second micro-batch. So the weights are the same bits as without speculation
+ * in every case; only the time differs. A shard that cannot (no memory for the copy, state on disk,
+ * a data plane without it: gRPC and UCX today) declines and updates those elements at the commit.
+ * Only in the first micro-batch; ends with the step or offload_next_micro_batch. */
 int32_t offload_speculate(OffloadOptimizer* opt, const double* group_lr, int32_t num_groups,
                           const OffloadRangeStep* ranges, int32_t n);
 /* Flat [offset, offset + n) inside [0, padded_length): the gradients of every element of it in

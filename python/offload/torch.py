@@ -1076,11 +1076,14 @@ class AdamW(torch.optim.Optimizer):
         whose state should not pass through the training process, use ``save_checkpoint``,
         which streams it to files 16 MiB at a time."""
         with self._lock:
+            accumulated = None
             if _lib.lib().offload_in_step(self._live()):
-                raise RuntimeError("state_dict() between backward() and step(): finish the step")
-            # The delayed update lands first: a run that resumes from this state computes with
-            # the weights this one computes with from now on.
-            self._apply_pending()
+                # Between two backward() calls of a step: its gradients' sum so far is saved too.
+                accumulated = self._accumulated()
+            else:
+                # The delayed update lands first: a run that resumes from this state computes
+                # with the weights this one computes with from now on.
+                self._apply_pending()
             adam_step = self._adam_step
             state: Dict[int, Dict[str, torch.Tensor]] = {}
             for i, off in enumerate(self._offsets):
@@ -1090,11 +1093,74 @@ class AdamW(torch.optim.Optimizer):
                             "exp_avg_sq": self._read(_lib.EXP_AVG_SQ, off, n).view(shape),
                             "master": self._read(_lib.MASTER, off, n).view(shape)}
         scale, clean, skipped = self._scaler()
-        return {"state": state, "param_groups": self._packed_groups(),
-                "offload": {"format": 1, "dtype": str(self.dtype), "num_params": self.num_params,
-                            "completed_step": self._step, "adam_step": adam_step,
-                            "loss_scale": scale, "clean_steps": clean,
-                            "skipped_steps": skipped}}
+        meta = {"format": 1, "dtype": str(self.dtype), "num_params": self.num_params,
+                "completed_step": self._step, "adam_step": adam_step, "loss_scale": scale,
+                "clean_steps": clean, "skipped_steps": skipped}
+        if accumulated is not None:
+            meta["accumulated"] = accumulated
+        return {"state": state, "param_groups": self._packed_groups(), "offload": meta}
+
+    def _accumulated(self) -> Dict[str, Any]:
+        """Mid-accumulation (a step open between two backward() calls): every gradient handed
+        over so far sent, and what a resumed run needs to go on with the step as this one
+        would: the fp32 sum of its micro-batches (as the servers hold it), which parameters had
+        a gradient, and how many micro-batches ran."""
+        where = ("state_dict() between backward() and step()")
+        if self._world > 1:
+            raise RuntimeError(f"{where} with several ranks: finish the step (each rank holds "
+                               "only its partition's sum)")
+        if self._speculate_wanted:
+            raise RuntimeError(f"{where} with update_in_backward=True: finish the step (the "
+                               "servers hold the step's early updates until it commits)")
+        if self._gradients_done:
+            raise RuntimeError(f"{where}, after clip_grad_norm_(): finish the step")
+        if self._pending_update:
+            raise RuntimeError(f"{where} with a delayed update still to land: finish the step")
+        if self._ring is not None:
+            self._ring.flush()
+        self._flush()
+        grad_sum = torch.empty(self.num_params, dtype=torch.float32)
+        try:
+            check(_lib.lib().offload_read_gradient_sum(self._handle, 0, self.num_params,
+                                                      _ptr(grad_sum)))
+        except BaseException:
+            self._abort()
+            raise
+        return {"grad_sum": grad_sum, "seen": [bool(x) for x in self._seen],
+                "micro_batches": self._micro_batches}
+
+    def _check_accumulated(self, acc: Any) -> None:
+        """A state_dict's mid-accumulation entry, checked before anything is loaded."""
+        ok = (isinstance(acc, dict) and isinstance(acc.get("grad_sum"), torch.Tensor)
+              and acc["grad_sum"].dtype == torch.float32
+              and tuple(acc["grad_sum"].shape) == (self.num_params,)
+              and isinstance(acc.get("seen"), list) and len(acc["seen"]) == len(self._params)
+              and isinstance(acc.get("micro_batches"), int) and acc["micro_batches"] >= 1)
+        if not ok:
+            raise ValueError("the state's mid-accumulation entry is malformed: it needs grad_sum "
+                             f"(float32, ({self.num_params},)), seen ({len(self._params)} "
+                             "flags) and micro_batches (>= 1)")
+        if self._world > 1:
+            raise ValueError("a state saved mid-accumulation resumes on one rank only")
+
+    def _resume_accumulation(self, acc: Dict[str, Any]) -> None:
+        """Opens the next step with the saved micro-batches' sum as its gradients so far: the
+        next backward() adds to it, as in the run that saved it."""
+        sums = torch.zeros(self._part_length, dtype=torch.float32)
+        sums[:self.num_params] = acc["grad_sum"]
+        with self._lock:
+            self._begin_step()
+            self._speculating = False
+            try:
+                check(_lib.lib().offload_restore_gradient_sum(self._handle, _ptr(sums)))
+            except BaseException:
+                self._abort()
+                raise
+            self._seen = [bool(x) for x in acc["seen"]]
+            self._sent = [False] * len(self._params)
+            # The next backward is the next micro-batch; its first gradient does not start one
+            # (the library adds to the sum already).
+            self._micro_batches = acc["micro_batches"] + 1
 
     def _scaler(self) -> Tuple[float, int, int]:
         scale = ctypes.c_float()
@@ -1171,6 +1237,9 @@ class AdamW(torch.optim.Optimizer):
                              f"one has {self.num_params}")
         groups = state_dict["param_groups"]
         self._fixed_hyperparameters_match(groups)
+        accumulated = meta.get("accumulated")
+        if accumulated is not None:
+            self._check_accumulated(accumulated)
         names = ("master", "exp_avg", "exp_avg_sq")
         tensors = (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ)
         state = state_dict["state"]
@@ -1217,6 +1286,8 @@ class AdamW(torch.optim.Optimizer):
             for i, off in enumerate(self._offsets):
                 self._flat16[off:off + self._shapes[i].numel()].copy_(
                     state[self._packed[i]]["master"].reshape(-1))  # rounded as the servers round
+        if accumulated is not None:
+            self._resume_accumulation(accumulated)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -1275,7 +1346,8 @@ class AdamW(torch.optim.Optimizer):
         with self._lock:
             if L.offload_in_step(self._live()):
                 raise RuntimeError("save_checkpoint() between backward() and step(): finish the "
-                                   "step")
+                                   "step, or save a state_dict(), which keeps the step's "
+                                   "gradients so far")
             self._apply_pending()  # as state_dict()
             rc = 0
             if self._rank == 0:

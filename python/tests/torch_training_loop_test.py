@@ -132,6 +132,100 @@ class Accumulation(unittest.TestCase):
         # skipped and the scale halves, as GradScaler does.
         self.run_case(torch.float16, "inprocess", poison=(6, 2))
 
+    def resume_case(self, dtype: torch.dtype, servers, save_at: tuple) -> None:
+        """Stopped at step save_at[0] after save_at[1] of its micro-batches: a state_dict (and the
+        model's and the scheduler's) taken there, a new model and optimizer built from them,
+        the step finished and training continued: the bits of the run never stopped."""
+        base = make_model()
+
+        def make(model):
+            opt = otorch.AdamW(groups_of(model), lr=LR, betas=BETAS, eps=EPS, dtype=dtype,
+                               servers=servers, loss_scale=1024.0, loss_scale_window=5,
+                               threads=1, bucket_elements=700)
+            return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+        def micro_batches(model, opt, step, ks):
+            for k in ks:
+                opt.backward(micro_loss(model, step, k))
+
+        whole_model = copy.deepcopy(base)
+        whole, whole_sched = make(whole_model)
+        model = copy.deepcopy(base)
+        opt, sched = make(model)
+        resumed = None
+        try:
+            for step in range(STEPS):
+                whole.zero_grad()
+                micro_batches(whole_model, whole, step, range(MICRO))
+                whole.step()
+                whole_sched.step()
+                if step != save_at[0]:
+                    opt.zero_grad()
+                    micro_batches(model, opt, step, range(MICRO))
+                    opt.step()
+                    sched.step()
+                    continue
+                opt.zero_grad()
+                micro_batches(model, opt, step, range(save_at[1]))
+                saved = copy.deepcopy((opt.state_dict(), model.state_dict(), sched.state_dict()))
+                self.assertIn("accumulated", saved[0]["offload"])
+                opt.close()  # the run stops here; a new one takes over
+                model = make_model(seed=1)  # other values, replaced by the saved ones
+                model.load_state_dict(saved[1])
+                opt, sched = make(model)
+                resumed = opt
+                opt.load_state_dict(saved[0])
+                sched.load_state_dict(saved[2])
+                micro_batches(model, opt, step, range(save_at[1], MICRO))
+                opt.step()
+                sched.step()
+            self.assertIsNotNone(resumed)
+            self.assertEqual(ulps(opt.master_weights(), whole.master_weights()), 0)
+            for p, q in zip(model.parameters(), whole_model.parameters()):
+                self.assertTrue(torch.equal(p.view(torch.int16), q.view(torch.int16)))
+        finally:
+            whole.close()
+            opt.close()
+
+    def test_bf16_resume_mid_accumulation_from_a_state_dict(self) -> None:
+        self.resume_case(torch.bfloat16, "inprocess", (7, 2))
+
+    def test_bf16_resume_after_the_first_micro_batch_through_a_local_server(self) -> None:
+        self.resume_case(torch.bfloat16, None, (5, 1))
+
+    def test_fp16_resume_mid_accumulation_from_a_state_dict(self) -> None:
+        self.resume_case(torch.float16, "inprocess", (9, 3))
+
+    def test_mid_accumulation_states_that_cannot_resume_are_refused(self) -> None:
+        model = make_model()
+        opt = otorch.AdamW(groups_of(model), lr=LR, servers="inprocess", threads=1)
+        opt.backward(micro_loss(model, 0, 0))
+        saved = copy.deepcopy(opt.state_dict())
+        opt.close()
+        other = make_model(seed=1)
+        opt = otorch.AdamW(groups_of(other), lr=LR, servers="inprocess", threads=1)
+        try:
+            before = opt.master_weights()
+            for key, value in (("grad_sum", torch.zeros(3)), ("seen", [True]),
+                               ("micro_batches", 0)):
+                bad = copy.deepcopy(saved)
+                bad["offload"]["accumulated"][key] = value
+                with self.assertRaisesRegex(ValueError, "mid-accumulation entry is malformed"):
+                    opt.load_state_dict(bad)
+                self.assertEqual(ulps(opt.master_weights(), before), 0)
+                self.assertFalse(otorch._lib.lib().offload_in_step(opt._handle))
+        finally:
+            opt.close()
+        # With the update during backward the servers hold the step's early updates.
+        opt = otorch.AdamW(groups_of(model), lr=LR, servers="inprocess", threads=1,
+                           update_in_backward=True)
+        try:
+            opt.backward(micro_loss(model, 0, 0))
+            with self.assertRaisesRegex(RuntimeError, "update_in_backward"):
+                opt.state_dict()
+        finally:
+            opt.close()
+
     def test_keep_grads_refuses_a_second_backward_and_the_step_can_be_redone(self) -> None:
         model = make_model()
         opt = otorch.AdamW(model.parameters(), lr=LR, servers="inprocess", threads=1,
