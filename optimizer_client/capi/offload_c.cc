@@ -345,12 +345,13 @@ absl::Status CopyOut(const std::string& s, char* out, uint64_t size) {
   return absl::OkStatus();
 }
 
+absl::Status ReadGradientSum(OffloadOptimizer* opt, uint64_t offset, uint64_t n, float* out);
+
 absl::Status SaveCheckpoint(OffloadOptimizer* opt, const char* root,
                             const OffloadNamedTensor* tensors, int32_t num_tensors,
                             uint64_t completed, uint64_t adam, const char* front_end, int32_t keep,
                             char* dir_out, uint64_t dir_out_size) {
   if (root == nullptr || *root == 0) return absl::InvalidArgumentError("no checkpoint directory");
-  if (opt->in_step) return absl::FailedPreconditionError("a step is open: finish it first");
   OFFLOAD_RETURN_IF_ERROR(NoCommitInFlight(opt));
   if (adam > completed) {
     return absl::InvalidArgumentError(
@@ -362,6 +363,22 @@ absl::Status SaveCheckpoint(OffloadOptimizer* opt, const char* root,
   info.loss_scale = opt->policy->State();
   info.param_dtype = opt->dtype;
   info.front_end = Str(front_end);
+  // Between two micro-batches: the step's gradient sum so far goes with the state, so that a
+  // run that loads it can go on with the step (offload_read_checkpoint_gradient_sum).
+  std::vector<float> grad_sum;
+  if (opt->in_step) {
+    const int64_t num_params = static_cast<int64_t>(opt->backend->partition().num_params());
+    if (opt->backend->partition_length() !=
+        static_cast<int64_t>(opt->backend->partition().padded_length())) {
+      return absl::FailedPreconditionError(
+          "a step is open on one of several ranks: each holds only its partition's gradients; "
+          "finish the step first");
+    }
+    grad_sum.resize(static_cast<size_t>(num_params));
+    OFFLOAD_RETURN_IF_ERROR(
+        ReadGradientSum(opt, 0, static_cast<uint64_t>(num_params), grad_sum.data()));
+    info.grad_sum = grad_sum.data();
+  }
   OFFLOAD_ASSIGN_OR_RETURN(std::string dir,
                            SaveParamState(root, params, info, opt->backend.get(), keep));
   return CopyOut(dir, dir_out, dir_out_size);
@@ -812,6 +829,17 @@ int32_t offload_save_checkpoint(OffloadOptimizer* opt, const char* root,
   return Guard([&] {
     return offload::SaveCheckpoint(opt, root, tensors, num_tensors, completed_step, adam_step,
                                    front_end, keep, dir_out, dir_out_size);
+  });
+}
+
+int32_t offload_read_checkpoint_gradient_sum(const char* dir, const OffloadNamedTensor* tensors,
+                                             int32_t num_tensors, uint64_t num_params, float* out) {
+  return Guard([&]() -> absl::Status {
+    if (dir == nullptr || *dir == 0) return absl::InvalidArgumentError("no checkpoint directory");
+    if (out == nullptr) return absl::InvalidArgumentError("null out");
+    OFFLOAD_ASSIGN_OR_RETURN(std::vector<offload::NamedParam> params,
+                             offload::NamedParams(tensors, num_tensors));
+    return offload::ReadParamGradSum(dir, params, static_cast<int64_t>(num_params), out);
   });
 }
 

@@ -170,13 +170,22 @@ int32_t offload_read_weights16(OffloadOptimizer* opt, uint64_t offset, uint64_t 
 /* Checkpoints of the shards' state by parameter name (optimizer_client/param_state/): rank 0 writes
  * <root>/step-<completed_step>/ {manifest.json, master.safetensors, exp_avg.safetensors,
  * exp_avg_sq.safetensors}, streamed from the shards, committed atomically, keeping the `keep`
- * newest; `front_end` (JSON, may be null) is kept in the manifest as it is. The committed
+ * newest; `front_end` (JSON, may be null) is kept in the manifest as it is. Saved while a step is
+ * open (between two micro-batches; one rank only), it also holds grad_sum.safetensors, the
+ * step's gradient sum so far (offload_read_gradient_sum's; 4 bytes a parameter of host memory
+ * while it is written). The committed
  * directory is written to dir_out (dir_out_size bytes). The counters and the loss scale are the
  * caller's and the step policy's now. */
 int32_t offload_save_checkpoint(OffloadOptimizer* opt, const char* root,
                                 const OffloadNamedTensor* tensors, int32_t num_tensors,
                                 uint64_t completed_step, uint64_t adam_step, const char* front_end,
                                 int32_t keep, char* dir_out, uint64_t dir_out_size);
+/* The gradient sum a checkpoint saved between two micro-batches holds, into out (num_params,):
+ * each parameter's at its offset, zeros elsewhere (for offload_restore_gradient_sum). NOT_FOUND
+ * when it has none (saved between steps); another model's checkpoint, or a file cut short or
+ * altered, refused as offload_load_checkpoint refuses them. Needs no optimizer. */
+int32_t offload_read_checkpoint_gradient_sum(const char* dir, const OffloadNamedTensor* tensors,
+                                             int32_t num_tensors, uint64_t num_params, float* out);
 /* The checkpoint directory `path` names (itself, or the one its `latest` file names) into dir_out;
  * NOT_FOUND when there is none. Needs no optimizer. */
 int32_t offload_find_checkpoint(const char* path, char* dir_out, uint64_t dir_out_size);

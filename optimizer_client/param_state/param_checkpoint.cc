@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -69,12 +70,13 @@ absl::Status MatchParams(const std::string& dir, const v1::ParamStateManifest& m
   return absl::OkStatus();
 }
 
-// Streams one state file into `load`: each tensor's bytes at its parameter's flat offset, the
+// Streams one state file into `add`: each tensor's bytes at its parameter's flat offset, the
 // file's CRC-32 computed over every byte on the way. DataLoss naming the file when its size or
 // CRC is not the manifest's, or its tensors are not the manifest's parameters.
-absl::Status StreamStateFile(const std::string& path, v1::StateTensor tensor,
-                             const v1::FileDigest& digest, const std::vector<NamedParam>& params,
-                             JobStateLoad* load) {
+using AddValues = std::function<absl::Status(int64_t offset, const float* values, int64_t n)>;
+
+absl::Status StreamStateFile(const std::string& path, const v1::FileDigest& digest,
+                             const std::vector<NamedParam>& params, const AddValues& add) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0) {
     return absl::DataLossError(absl::StrCat("cannot stat ", path, ": ", strerror(errno)));
@@ -137,8 +139,7 @@ absl::Status StreamStateFile(const std::string& path, v1::StateTensor tensor,
       const int64_t n = std::min(e.end - e.begin - done, kLoadChunkBytes);
       status = read_next(n);
       if (status.ok()) {
-        status = load->Add(tensor, p.offset + done / 4,
-                           reinterpret_cast<const float*>(buffer.data()), n / 4);
+        status = add(p.offset + done / 4, reinterpret_cast<const float*>(buffer.data()), n / 4);
         if (!status.ok()) {
           status = absl::Status(
               status.code(), absl::StrCat(path, ": parameter '", p.name, "': ", status.message()));
@@ -256,6 +257,30 @@ absl::StatusOr<std::string> SaveParamState(const std::string& root,
     f->mutable_digest()->set_crc32(checksum.crc32);
     files.push_back(file);
   }
+  if (info.grad_sum != nullptr) {
+    const std::string file = "grad_sum.safetensors";
+    std::vector<SafetensorsTensor> tensors;
+    for (const NamedParam* p : order) {
+      SafetensorsTensor t;
+      t.name = p->name;
+      t.dtype = TensorDType::kF32;
+      t.shape = p->shape;
+      t.fill = [sum = info.grad_sum + p->offset](int64_t byte_offset, int64_t nbytes, void* out) {
+        std::memcpy(out, reinterpret_cast<const char*>(sum) + byte_offset,
+                    static_cast<size_t>(nbytes));
+        return absl::OkStatus();
+      };
+      tensors.push_back(std::move(t));
+    }
+    FileChecksum checksum;
+    OFFLOAD_RETURN_IF_ERROR(
+        WriteSafetensors(staging.PathOf(file), tensors, {{"format", "pt"}}, &checksum));
+    v1::StateFile* f = m.mutable_grad_sum();
+    f->set_file(file);
+    f->mutable_digest()->set_bytes(static_cast<uint64_t>(checksum.bytes));
+    f->mutable_digest()->set_crc32(checksum.crc32);
+    files.push_back(file);
+  }
   return staging.Commit(MessageToJson(m), files, keep);
 }
 
@@ -306,6 +331,14 @@ absl::StatusOr<v1::ParamStateManifest> ParseParamStateManifest(absl::string_view
     }
     tensors.insert(f.tensor());
   }
+  if (m.has_grad_sum()) {
+    if (absl::Status s = CheckFileName("grad_sum.file", m.grad_sum().file()); !s.ok()) {
+      return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
+    }
+    if (!m.grad_sum().has_digest()) {
+      return absl::DataLossError(absl::StrCat(path, ": ", m.grad_sum().file(), " has no digest"));
+    }
+  }
   if (m.files_size() != 3 ||
       tensors != std::set<int>{v1::STATE_TENSOR_MASTER_WEIGHTS, v1::STATE_TENSOR_EXP_AVG,
                                v1::STATE_TENSOR_EXP_AVG_SQ}) {
@@ -313,6 +346,23 @@ absl::StatusOr<v1::ParamStateManifest> ParseParamStateManifest(absl::string_view
         absl::StrCat(path, ": files must name one file each of master, exp_avg and exp_avg_sq"));
   }
   return m;
+}
+
+absl::Status ReadParamGradSum(const std::string& dir, const std::vector<NamedParam>& params,
+                              int64_t num_params, float* out) {
+  OFFLOAD_RETURN_IF_ERROR(CheckNamedParams(params, num_params));
+  OFFLOAD_ASSIGN_OR_RETURN(v1::ParamStateManifest m, ReadParamStateManifest(dir));
+  OFFLOAD_RETURN_IF_ERROR(MatchParams(dir, m, params));
+  if (!m.has_grad_sum()) {
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", dir, " holds no gradient sum: it was saved between steps"));
+  }
+  std::fill(out, out + num_params, 0.0f);
+  return StreamStateFile(absl::StrCat(dir, "/", m.grad_sum().file()), m.grad_sum().digest(), params,
+                         [out](int64_t offset, const float* values, int64_t n) {
+                           std::memcpy(out + offset, values, static_cast<size_t>(n) * 4);
+                           return absl::OkStatus();
+                         });
 }
 
 absl::Status CheckParamState(const std::string& dir, const std::vector<NamedParam>& params) {
@@ -338,8 +388,11 @@ absl::StatusOr<v1::ParamStateManifest> LoadParamState(const std::string& dir,
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<JobStateLoad> load,
                            JobStateLoad::Begin(backend, &counters));
   for (const v1::StateFile& f : m.files()) {
-    OFFLOAD_RETURN_IF_ERROR(StreamStateFile(absl::StrCat(dir, "/", f.file()), f.tensor(),
-                                            f.digest(), params, load.get()));
+    OFFLOAD_RETURN_IF_ERROR(StreamStateFile(
+        absl::StrCat(dir, "/", f.file()), f.digest(), params,
+        [&load, tensor = f.tensor()](int64_t offset, const float* values, int64_t n) {
+          return load->Add(tensor, offset, values, n);
+        }));
   }
   // What no parameter covers starts from zero in every tensor (the padding: Finish's).
   std::vector<std::pair<int64_t, int64_t>> ranges;

@@ -44,6 +44,9 @@ struct ParamStateInfo {
   v1::LossScaleState loss_scale;
   DType param_dtype = DType::kBf16;
   std::string front_end;  // the front end's own record (JSON), kept as it is
+  // Saved between two micro-batches of a step: its fp32 gradient sum so far, (num_params,) in the
+  // flat space, not owned; written to grad_sum.safetensors by parameter name. Null: none.
+  const float* grad_sum = nullptr;
 };
 
 // InvalidArgument unless the names are non-empty and distinct, the shapes non-negative, and the
@@ -68,6 +71,13 @@ absl::StatusOr<v1::ParamStateManifest> ReadParamStateManifest(const std::string&
 // a digest, or anything but one file each of master, exp_avg and exp_avg_sq are DataLoss.
 absl::StatusOr<v1::ParamStateManifest> ParseParamStateManifest(absl::string_view json,
                                                                const std::string& path);
+
+// The gradient sum a checkpoint saved between two micro-batches holds (ParamStateInfo::grad_sum)
+// into out (num_params,): each parameter's at its offset, zeros elsewhere. NotFound when the
+// checkpoint has none; a checkpoint of another model and a file cut short or altered are refused
+// as LoadParamState refuses them.
+absl::Status ReadParamGradSum(const std::string& dir, const std::vector<NamedParam>& params,
+                              int64_t num_params, float* out);
 
 // InvalidArgument naming the first parameter in `params`' order that the checkpoint in `dir`
 // lacks or holds with another shape, or a parameter it has that `params` lacks: a checkpoint of

@@ -163,6 +163,8 @@ def lib() -> ctypes.CDLL:
         "offload_update_ready": (i32, [P, u64, u64]),
         "offload_read_gradient_sum": (i32, [P, u64, u64, P]),
         "offload_restore_gradient_sum": (i32, [P, P]),
+        "offload_read_checkpoint_gradient_sum": (i32, [ctypes.c_char_p, ctypes.POINTER(NamedTensor),
+                                                  i32, u64, P]),
         "offload_commit": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
         "offload_commit_async": (i32, [P, P, dptr, i32, f32, P, ctypes.POINTER(StepReport)]),
         "offload_wait_commit": (i32, [P, ctypes.POINTER(StepReport)]),

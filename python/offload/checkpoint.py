@@ -44,6 +44,9 @@ class Manifest:
     # Each parameter's own count of updates (torch's state["step"]) where it differs from
     # adam_step: a parameter without a gradient in some steps was not updated in them.
     param_steps: Dict[str, int]
+    # Saved between two micro-batches of a step: which parameters had a gradient and how many
+    # micro-batches ran (the gradient sum so far is in grad_sum.safetensors); None between steps.
+    accumulated: Optional[Dict[str, Any]] = None
 
     def step_of(self, name: str) -> int:
         return self.param_steps.get(name, self.adam_step)
@@ -73,7 +76,8 @@ def parse_manifest(text: str, directory: str) -> Manifest:
                     int(scale.get("skipped_steps", 0))),
         param_groups=front_end.get("param_groups", []),
         params=[(p["name"], [int(d) for d in p.get("shape", [])]) for p in m.get("params", [])],
-        param_steps={str(k): int(v) for k, v in front_end.get("param_steps", {}).items()})
+        param_steps={str(k): int(v) for k, v in front_end.get("param_steps", {}).items()},
+        accumulated=front_end.get("accumulated"))
 
 
 def find_manifest(path: str) -> Tuple[str, str]:

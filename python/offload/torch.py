@@ -1101,11 +1101,25 @@ class AdamW(torch.optim.Optimizer):
         return {"state": state, "param_groups": self._packed_groups(), "offload": meta}
 
     def _accumulated(self) -> Dict[str, Any]:
-        """Mid-accumulation (a step open between two backward() calls): every gradient handed
-        over so far sent, and what a resumed run needs to go on with the step as this one
-        would: the fp32 sum of its micro-batches (as the servers hold it), which parameters had
-        a gradient, and how many micro-batches ran."""
-        where = ("state_dict() between backward() and step()")
+        """Mid-accumulation (a step open between two backward() calls): _mid_accumulation's
+        record and the fp32 sum of the step's micro-batches so far (as the servers hold it)."""
+        acc = self._mid_accumulation("state_dict()")
+        grad_sum = torch.empty(self.num_params, dtype=torch.float32)
+        try:
+            check(_lib.lib().offload_read_gradient_sum(self._handle, 0, self.num_params,
+                                                      _ptr(grad_sum)))
+        except BaseException:
+            self._abort()
+            raise
+        acc["grad_sum"] = grad_sum
+        return acc
+
+    def _mid_accumulation(self, what: str) -> Dict[str, Any]:
+        """Saving between two backward() calls of a step: refused where a resumed run could not
+        go on as this one; else every gradient handed over so far is sent, and what a resumed
+        run needs besides their sum: which parameters had a gradient, how many micro-batches
+        ran."""
+        where = f"{what} between backward() and step()"
         if self._world > 1:
             raise RuntimeError(f"{where} with several ranks: finish the step (each rank holds "
                                "only its partition's sum)")
@@ -1119,15 +1133,7 @@ class AdamW(torch.optim.Optimizer):
         if self._ring is not None:
             self._ring.flush()
         self._flush()
-        grad_sum = torch.empty(self.num_params, dtype=torch.float32)
-        try:
-            check(_lib.lib().offload_read_gradient_sum(self._handle, 0, self.num_params,
-                                                      _ptr(grad_sum)))
-        except BaseException:
-            self._abort()
-            raise
-        return {"grad_sum": grad_sum, "seen": [bool(x) for x in self._seen],
-                "micro_batches": self._micro_batches}
+        return {"seen": [bool(x) for x in self._seen], "micro_batches": self._micro_batches}
 
     def _check_accumulated(self, acc: Any) -> None:
         """A state_dict's mid-accumulation entry, checked before anything is loaded."""
@@ -1334,21 +1340,21 @@ class AdamW(torch.optim.Optimizer):
         it (rank 0 writes). Returns the checkpoint's directory."""
         names = self._param_names(model)
         array, keep_alive = self._named_tensors(names)
-        with self._lock:
-            self._live()
-            self._apply_pending()  # the counters and lags below are then the shards'
-        front_end = json.dumps({"optimizer": type(self).__name__, "dtype": str(self.dtype),
-                                "param_groups": self._packed_groups(names),
-                                "param_steps": {names[i]: self._adam_step - lag
-                                                for i, lag in enumerate(self._lag) if lag}})
         L = _lib.lib()
-        out = ctypes.create_string_buffer(4096 + len(path.encode()))
+        record = {"optimizer": type(self).__name__, "dtype": str(self.dtype),
+                  "param_groups": self._packed_groups(names)}
         with self._lock:
-            if L.offload_in_step(self._live()):
-                raise RuntimeError("save_checkpoint() between backward() and step(): finish the "
-                                   "step, or save a state_dict(), which keeps the step's "
-                                   "gradients so far")
-            self._apply_pending()  # as state_dict()
+            # Between two backward() calls of a step, the library adds the step's gradient sum
+            # so far to the files, and the record says how to go on with the step.
+            mid = bool(L.offload_in_step(self._live()))
+            if mid:
+                record["accumulated"] = self._mid_accumulation("save_checkpoint()")
+            else:
+                self._apply_pending()  # the counters and lags below are then the shards'
+            record["param_steps"] = {names[i]: self._adam_step - lag
+                                     for i, lag in enumerate(self._lag) if lag}
+            front_end = json.dumps(record)
+            out = ctypes.create_string_buffer(4096 + len(path.encode()))
             rc = 0
             if self._rank == 0:
                 rc = L.offload_save_checkpoint(self._handle, path.encode(), array, len(names),
@@ -1400,6 +1406,18 @@ class AdamW(torch.optim.Optimizer):
         if any(not 0 <= lag <= manifest.adam_step for lag in lags):
             raise ValueError(f"checkpoint {directory}: a parameter's step is outside [0, "
                              f"{manifest.adam_step}], the updates applied")
+        accumulated = None
+        if manifest.accumulated is not None:
+            # Saved between two micro-batches: its gradient sum so far, read (and checked)
+            # before anything is loaded.
+            if self._world > 1:
+                raise ValueError(f"checkpoint {directory} was saved between two micro-batches of "
+                                 "a step, which resumes on one rank only")
+            grad_sum = torch.empty(self.num_params, dtype=torch.float32)
+            check(L.offload_read_checkpoint_gradient_sum(directory.encode(), array, len(names),
+                                                         self.num_params, _ptr(grad_sum)))
+            accumulated = dict(manifest.accumulated, grad_sum=grad_sum)
+            self._check_accumulated(accumulated)
         self._load_with_scaler(
             manifest.loss_scale,
             lambda: L.offload_load_checkpoint(self._handle, directory.encode(), array, len(names)),
@@ -1411,6 +1429,8 @@ class AdamW(torch.optim.Optimizer):
         self._restore_groups(manifest.param_groups)
         with self._lock:
             self._weights_from_masters()
+        if accumulated is not None:
+            self._resume_accumulation(accumulated)
         return directory
 
 

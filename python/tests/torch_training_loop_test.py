@@ -132,10 +132,12 @@ class Accumulation(unittest.TestCase):
         # skipped and the scale halves, as GradScaler does.
         self.run_case(torch.float16, "inprocess", poison=(6, 2))
 
-    def resume_case(self, dtype: torch.dtype, servers, save_at: tuple) -> None:
-        """Stopped at step save_at[0] after save_at[1] of its micro-batches: a state_dict (and the
-        model's and the scheduler's) taken there, a new model and optimizer built from them,
-        the step finished and training continued: the bits of the run never stopped."""
+    def resume_case(self, dtype: torch.dtype, servers, save_at: tuple,
+                    via: str = "state_dict") -> None:
+        """Stopped at step save_at[0] after save_at[1] of its micro-batches: a state_dict, or a
+        checkpoint (via), and the model's and the scheduler's state taken there, a new model and
+        optimizer built from them, the step finished and training continued: the bits of the
+        run never stopped."""
         base = make_model()
 
         def make(model):
@@ -148,6 +150,7 @@ class Accumulation(unittest.TestCase):
             for k in ks:
                 opt.backward(micro_loss(model, step, k))
 
+        checkpoints = tempfile.TemporaryDirectory()
         whole_model = copy.deepcopy(base)
         whole, whole_sched = make(whole_model)
         model = copy.deepcopy(base)
@@ -167,14 +170,23 @@ class Accumulation(unittest.TestCase):
                     continue
                 opt.zero_grad()
                 micro_batches(model, opt, step, range(save_at[1]))
-                saved = copy.deepcopy((opt.state_dict(), model.state_dict(), sched.state_dict()))
-                self.assertIn("accumulated", saved[0]["offload"])
+                if via == "checkpoint":
+                    directory = opt.save_checkpoint(checkpoints.name)
+                    self.assertTrue(os.path.exists(os.path.join(directory, "grad_sum.safetensors")))
+                    state = None
+                else:
+                    state = opt.state_dict()
+                    self.assertIn("accumulated", state["offload"])
+                saved = copy.deepcopy((state, model.state_dict(), sched.state_dict()))
                 opt.close()  # the run stops here; a new one takes over
                 model = make_model(seed=1)  # other values, replaced by the saved ones
                 model.load_state_dict(saved[1])
                 opt, sched = make(model)
                 resumed = opt
-                opt.load_state_dict(saved[0])
+                if via == "checkpoint":
+                    opt.load_checkpoint(checkpoints.name)
+                else:
+                    opt.load_state_dict(saved[0])
                 sched.load_state_dict(saved[2])
                 micro_batches(model, opt, step, range(save_at[1], MICRO))
                 opt.step()
@@ -186,6 +198,7 @@ class Accumulation(unittest.TestCase):
         finally:
             whole.close()
             opt.close()
+            checkpoints.cleanup()
 
     def test_bf16_resume_mid_accumulation_from_a_state_dict(self) -> None:
         self.resume_case(torch.bfloat16, "inprocess", (7, 2))
@@ -195,6 +208,12 @@ class Accumulation(unittest.TestCase):
 
     def test_fp16_resume_mid_accumulation_from_a_state_dict(self) -> None:
         self.resume_case(torch.float16, "inprocess", (9, 3))
+
+    def test_bf16_resume_mid_accumulation_from_a_checkpoint(self) -> None:
+        self.resume_case(torch.bfloat16, "inprocess", (7, 2), via="checkpoint")
+
+    def test_fp16_resume_after_the_first_micro_batch_from_a_checkpoint_on_a_server(self) -> None:
+        self.resume_case(torch.float16, None, (4, 1), via="checkpoint")
 
     def test_mid_accumulation_states_that_cannot_resume_are_refused(self) -> None:
         model = make_model()
@@ -340,14 +359,20 @@ class DelayedUpdate(unittest.TestCase):
                 finally:
                     opt.close()
 
-    def test_a_checkpoint_between_micro_batches_is_refused(self) -> None:
+    def test_a_checkpoint_between_micro_batches_with_an_update_to_land_is_refused(self) -> None:
+        # Past the warm-up a delayed update waits to land at step(): the parameters computing
+        # the remaining micro-batches are not the servers' weights, so nothing could resume.
         model = make_model()
         opt = self.make(model, torch.bfloat16)
         try:
-            opt.backward(micro_loss(model, 0, 0))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+            train_steps(model, opt, sched, range(self.WARMUP + 1), micro=1)
+            opt.backward(micro_loss(model, 9, 0))
             with tempfile.TemporaryDirectory() as d, self.assertRaisesRegex(
-                    RuntimeError, "between backward"):
+                    RuntimeError, "between backward.*delayed update still to land"):
                 opt.save_checkpoint(d)
+            with self.assertRaisesRegex(RuntimeError, "delayed update still to land"):
+                opt.state_dict()
         finally:
             opt.close()
 
