@@ -111,6 +111,10 @@ def main() -> None:
                     help="offload: the delayed parameter update (after 20 ordinary steps)")
     ap.add_argument("--update_in_backward", action="store_true",
                     help="offload: the servers update each bucket during backward")
+    ap.add_argument("--zero_stage", type=int, choices=[2, 3], default=2,
+                    help="offload: 3 keeps the 16-bit weights in host memory; they visit the "
+                    "device --window blocks at a time")
+    ap.add_argument("--window", type=int, default=2, help="--zero_stage 3: blocks on the device")
     args = ap.parse_args()
     if args.micro_batches < 1 or args.batch % args.micro_batches:
         ap.error(f"--batch {args.batch} does not split into {args.micro_batches} micro-batches")
@@ -126,12 +130,16 @@ def main() -> None:
         from transformers import GPT2Config, GPT2LMHeadModel
         cfg = GPT2Config(vocab_size=256, n_positions=args.seq, n_layer=args.layers,
                          n_head=args.channels // 32, n_embd=args.channels)
-        hf = GPT2LMHeadModel(cfg).to(device)
+        hf = GPT2LMHeadModel(cfg)
+        if args.zero_stage == 2 or args.optimizer != "offload":
+            hf = hf.to(device)  # ZeRO-3 leaves it on the host (and moves its buffers)
         model: nn.Module = hf
         forward = lambda idx: hf(idx).logits  # noqa: E731
     else:
         model = GPT(context=args.seq, layers=args.layers, heads=args.channels // 32,
-                    channels=args.channels).to(device)
+                    channels=args.channels)
+        if args.zero_stage == 2 or args.optimizer != "offload":
+            model = model.to(device)  # ZeRO-3 leaves it where it was built: the host
         forward = model
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -140,11 +148,16 @@ def main() -> None:
     servers = args.servers.split(",") if args.servers else None
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     if args.optimizer == "offload":
+        stage3 = (dict(zero_stage=3, model=model, window=args.window, device=device)
+                  if args.zero_stage == 3 else {})
         opt = offload.torch.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), dtype=dtype,
                                   servers=servers, max_grad_norm=1.0,
                                   delay_update=args.delay_update,
-                                  update_in_backward=args.update_in_backward)
+                                  update_in_backward=args.update_in_backward, **stage3)
         where = f"{opt.transport} ({'local server' if servers is None else servers})"
+        if args.zero_stage == 3:
+            where += (f"; ZeRO-3, {len(opt.param_window.blocks)} blocks, {args.window} at a "
+                      "time on the device")
     else:
         extra = {"fused": True} if device.type == "cuda" and torch.__version__ >= "2" else {}
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **extra)
@@ -200,7 +213,10 @@ def main() -> None:
         print(f"torch_gpt optimizer={args.optimizer} device={device.type} params={n_params} "
               f"batch={args.batch}x{args.seq} micro_batches={args.micro_batches} "
               f"dpu={int(args.delay_update)} uib={int(args.update_in_backward)} "
-              f"dtype={args.dtype} "
+              f"zero_stage={args.zero_stage} dtype={args.dtype} "
+              + (f"window={args.window} param_bytes_peak={opt.param_window.peak_resident_bytes} "
+                 f"param_bytes_all={2 * n_params} "
+                 if args.optimizer == "offload" and args.zero_stage == 3 else "") +
               f"step_s={timed[len(timed) // 2]:.4f} val_loss={val_loss:.4f}")
         idx = data[:args.seq // 2].view(1, -1).to(device)
         for _ in range(args.sample):

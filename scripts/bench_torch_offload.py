@@ -15,7 +15,12 @@ is timed three ways on the same batches:
   during  offload with update_in_backward=True: the time step() waits after backward, the share
           of the elements the server updated before the commit (last_report), and, from the
           Chrome trace of the same run on the in-process engine (whose early updates are spans
-          of the sender's thread), the share of the update's time that lay inside backward.
+          of the sender's thread), the share of the update's time that lay inside backward;
+  zero3   offload with zero_stage=3 (the 16-bit weights in host memory, each block copied to the
+          device before its forward and again for its backward), windows of 1 and 2 blocks: the
+          whole step against stage 2's, and the peak bytes of parameters on the device against
+          all of the 16-bit weights. On the CPU the "device" is host memory too, so the copies
+          are the cost and nothing overlaps them; on a GPU they run on a side stream.
 It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
 
     PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
@@ -193,6 +198,15 @@ def main() -> None:
         opt.close()
         inside_backward = inside_fraction(trace, "update_early", "backward")
 
+    # zero3: ZeRO-3, the same server and batches, windows of one and two blocks.
+    zero3 = {}
+    for window in (1, 2):
+        model = copy.deepcopy(base)
+        opt = otorch.AdamW(model.parameters(), lr=1e-4, zero_stage=3, model=model, window=window)
+        step_s, _ = offload_steps()
+        zero3[window] = (step_s, opt.param_window.peak_resident_bytes)
+        opt.close()
+
     print(f"torch_offload model=gpt params={n} layers={args.layers} channels={args.channels} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} plane={transport}")
     print(f"optimizer step  torch_foreach_fp32_s={torch_opt_s:.4f} offload_step_s={offload_opt_s:.4f}"
@@ -210,6 +224,10 @@ def main() -> None:
           f"wait_vs_sync={during_opt_s / offload_opt_s:.2f} "
           f"updated_before_commit={early_share:.2f} "
           f"update_inside_backward={inside_backward:.2f} (in-process trace)")
+    for window, (step_s, peak) in zero3.items():
+        print(f"zero3 window={window} step_s={step_s:.4f} whole_step_stage2_s={offload_step_s:.4f} "
+              f"stage3_vs_stage2={step_s / offload_step_s:.2f}x param_bytes_peak={peak} "
+              f"param_bytes_all={2 * n} device_share={peak / (2 * n):.3f}")
     print(f"front end       offload_step_s={offload_step_s:.4f} fwd_bwd_bf16_s={plain_s:.4f} "
           f"bare_commit_s={bare_s:.4f} cost={offload_step_s / (plain_s + bare_s):.3f}x of "
           "fwd+bwd+bare (target <= 1.2x)")

@@ -16,6 +16,7 @@ own step policy. This file only moves tensors and calls the library.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -32,6 +33,7 @@ from offload import _lib
 from offload import checkpoint as ckpt
 from offload._lib import OffloadError, check
 from offload.grad_hooks import BucketReducer, GradientHooks, HostCopies, Piece, StagingRing
+from offload.param_window import ParamWindow
 from offload.server import LocalServer
 
 __all__ = ["AdamW", "Adam", "OffloadError", "materialize", "save_safetensors"]
@@ -145,6 +147,24 @@ class AdamW(torch.optim.Optimizer):
         and UCX planes today) it updates at the commit as usual. ``last_report``'s
         ``early_updated`` and ``early_rolled_back`` count the elements. Not with
         ``delay_update``, which overlaps the same update with the next step instead.
+      zero_stage: 2 (default): the 16-bit weights stay on ``device``; 3 (ZeRO-3, needs
+        ``model``): they live in host memory (page-locked for a GPU; with several ranks each
+        rank holds its partition) and visit the device a block at a time through hooks on
+        ``model`` (``offload.param_window``): a block's parameters are copied there before its
+        forward and again when backward needs them, then released; the blocks after it (in the
+        last forward's order) are prefetched while they fit. The same bits as stage 2. Between
+        uses the parameters are empty: outside the model's forward use ``gathered()``. The
+        model may stay where it was built (the host) with ``device=`` the GPU: its buffers are
+        moved there.
+      model: the module whose forward uses the parameters (ZeRO-3).
+      window: ZeRO-3: the most blocks on the device at once (2: one computing, one prefetched).
+      max_resident_bytes: ZeRO-3: the most bytes of blocks and root set on the device (0: no
+        limit but the window); below the root set plus the largest block it is refused.
+      blocks: ZeRO-3: the modules fetched as units, as classes or a predicate (name, module);
+        default: the children of the model's nn.ModuleList and nn.Sequential containers.
+        Parameters outside every block stay on the device for the whole forward.
+      persist_elements: ZeRO-3: parameters of at most this many elements stay on the device
+        (default: 1-D ones of at most 65536, norms and biases).
 
     Gradient accumulation: any number of ``backward()`` calls per ``step()``. Each
     micro-batch's gradients leave during its backward (device memory stays a bucket); the servers
@@ -182,7 +202,10 @@ class AdamW(torch.optim.Optimizer):
                  device: Any = None, state_dir: Optional[str] = None,
                  optimizer_state: str = "auto", server_memory_mib: int = 0,
                  delay_update: bool = False, delay_warmup_steps: int = 20,
-                 update_in_backward: bool = False,
+                 update_in_backward: bool = False, zero_stage: int = 2,
+                 model: Optional[torch.nn.Module] = None, window: int = 2,
+                 max_resident_bytes: int = 0, persist_elements: Optional[int] = None,
+                 blocks: Any = None,
                  _values: Optional[Callable[[List[torch.nn.Parameter]],
                                             Iterable[Tuple[int, torch.nn.Parameter]]]] = None):
         if amsgrad:
@@ -197,6 +220,15 @@ class AdamW(torch.optim.Optimizer):
         if optimizer_state not in _lib.TIERS:
             raise ValueError(f"optimizer_state must be one of {sorted(_lib.TIERS)}, not "
                              f"{optimizer_state!r}")
+        if zero_stage not in (2, 3):
+            raise ValueError(f"zero_stage must be 2 or 3, not {zero_stage}")
+        if zero_stage == 3 and model is None:
+            raise ValueError("zero_stage=3 needs model=: the parameters visit the device module "
+                             "by module, through hooks on the model")
+        if zero_stage == 2 and (model is not None or blocks is not None or max_resident_bytes):
+            raise ValueError("model=, blocks= and max_resident_bytes= are zero_stage=3's")
+        if persist_elements is not None and persist_elements < 0:
+            raise ValueError(f"persist_elements is {persist_elements}")
         params, names = _split_names(params)
         self._building = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
@@ -340,14 +372,33 @@ class AdamW(torch.optim.Optimizer):
 
         # The parameters become views of one flat 16-bit buffer on their device; their current
         # values (or what _values makes of them) are the master weights, streamed to the servers.
-        self._flat16 = torch.empty(self.padded_length, dtype=dtype, device=self.device)
-        self._host16 = (self._flat16 if self.device.type == "cpu" else
+        # ZeRO-3: the flat buffer is the host copy (page-locked for a GPU), of this rank's
+        # partition only with several ranks (flat [_host_lo, _host_lo + its length)); the
+        # parameters visit the device through the window (offload.param_window).
+        self.zero_stage = zero_stage
+        self._window: Optional[ParamWindow] = None
+        self._persistent = [self._persists(p, persist_elements) for p in self._params]
+        host_only = zero_stage == 3 or self.device.type == "cpu"
+        partitioned = zero_stage == 3 and self._world > 1
+        self._host_lo = self._part_offset if partitioned else 0
+        self._flat16 = torch.empty(self._part_length if partitioned else self.padded_length,
+                                   dtype=dtype, device="cpu" if host_only else self.device,
+                                   pin_memory=zero_stage == 3 and self.device.type == "cuda")
+        self._host16 = (self._flat16 if host_only else
                         torch.empty(self.padded_length, dtype=dtype,
                                     pin_memory=torch.cuda.is_available()))
         # The delayed update's weights wait here while the parameters are in use: on a GPU the
         # host copy the commits write anyway, on the CPU a second copy (2 bytes a parameter).
         self._next16 = (self._host16 if not self._delay or self._host16 is not self._flat16 else
-                        torch.empty(self.padded_length, dtype=dtype))
+                        torch.empty_like(self._host16))
+        self._partitions: List[Tuple[int, int]] = []  # every rank's, for ZeRO-3's gathers
+        if partitioned:
+            import torch.distributed as dist
+            bounds: List[Any] = [None] * self._world
+            dist.all_gather_object(bounds, (self._part_offset,
+                                            self._part_offset + self._part_length),
+                                   group=self._group)
+            self._partitions = [tuple(b) for b in bounds]
         try:
             self._set_up_weights(_values)
             self._set_up_frozen(_values)
@@ -356,15 +407,38 @@ class AdamW(torch.optim.Optimizer):
             raise
         if self._world > 1:
             # The servers hold rank 0's values: every rank computes with them (as DDP does), and
-            # with rank 0's frozen parameters (as bytes: gloo has no bfloat16).
+            # with rank 0's frozen parameters (as bytes: gloo has no bfloat16). ZeRO-3: each
+            # rank reads its partition of them from the servers.
             import torch.distributed as dist
-            dist.broadcast(self._flat16.view(torch.int32), src=self._src0(), group=self._group)
+            if partitioned:
+                self._weights_from_masters()
+            else:
+                dist.broadcast(self._flat16.view(torch.int32), src=self._src0(),
+                               group=self._group)
             for gi, pj in self._frozen:
                 frozen = self.param_groups[gi]["params"][pj].data
                 dist.broadcast(frozen.view(-1).view(torch.uint8), src=self._src0(),
                                group=self._group)
 
         self._init_gradients(keep_grads)
+        if zero_stage == 3:
+            try:
+                self._window = ParamWindow(
+                    model, self._params, self._persistent, self._fill_from_host, self.device,
+                    dtype, window, max_resident_bytes, blocks,
+                    persistent_bytes=sum(s.numel() for s, keep in zip(self._shapes,
+                                                                      self._persistent) if keep)
+                    * self._flat16.element_size())
+            except BaseException:
+                self.close()
+                raise
+            self._weights_changed()
+            # The model's buffers (a BatchNorm's statistics, a causal mask) go where it computes:
+            # a model built on the host is not moved there whole.
+            for module in model.modules():
+                for name, b in module._buffers.items():
+                    if b is not None and b.device != self.device:
+                        module._buffers[name] = b.to(self.device)
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -400,7 +474,8 @@ class AdamW(torch.optim.Optimizer):
             missing = [k for k, d in enumerate(done) if not d]
             if missing:
                 raise RuntimeError(f"parameters {missing[:8]} got no values")
-            self._flat16[self.num_params:].zero_()  # the padding: the servers' is zero too
+            # The padding: the servers' is zero too.
+            self._flat16[max(0, self.num_params - self._host_lo):].zero_()
             rc = L.offload_load_finish(self._handle) if loading else 0
             error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
         except BaseException:
@@ -435,7 +510,8 @@ class AdamW(torch.optim.Optimizer):
             raise RuntimeError(f"parameter {index} has shape {tuple(p.shape)}, expected "
                                f"{tuple(self._shapes[index])}")
         src = p.detach().reshape(-1)
-        dst = self._flat16[off:off + n]
+        # ZeRO-3 over ranks: the host copies are read from the servers once they are loaded.
+        dst = self._flat16[off:off + n] if not self._partitions else None
         direct = src.device.type == "cpu" and src.dtype == torch.float32 and src.is_contiguous()
         with torch.no_grad():
             for a in range(0, n, _CHUNK):
@@ -444,12 +520,111 @@ class AdamW(torch.optim.Optimizer):
                 if loading:
                     check(L.offload_load_chunk(self._handle, _lib.MASTER, off + a, b - a,
                                                _ptr(piece)))
-                if dst.device.type == "cpu":
+                if dst is None:
+                    pass
+                elif dst.device.type == "cpu":
                     dst[a:b].copy_(piece)  # round to nearest even, as the servers round
                 else:
                     dst[a:b].copy_(piece.to(self.dtype), non_blocking=False)
-            p.data = dst.view(self._shapes[index])
+            p.data = self._stage3_data(index) if self.zero_stage == 3 else dst.view(
+                self._shapes[index])
             p.grad = None
+
+    @staticmethod
+    def _persists(p: torch.nn.Parameter, persist_elements: Optional[int]) -> bool:
+        """Whether ZeRO-3 keeps p on the device all the time: by default the small 1-D ones
+        (norms, biases), else those of at most persist_elements elements."""
+        if persist_elements is None:
+            return p.dim() <= 1 and p.numel() <= 1 << 16
+        return p.numel() <= persist_elements
+
+    def _stage3_data(self, index: int) -> torch.Tensor:
+        """ZeRO-3: what parameter index holds once its values are in the host copy. A persistent
+        one: its values on the device (on the CPU, a view of the host copy, as stage 2's); a
+        managed one: a stand-in of its shape that holds no memory, until the window releases it
+        (autograd's hooks are set up on the parameter's shape)."""
+        off, shape = self._offsets[index], self._shapes[index]
+        if self._persistent[index]:
+            if self._partitions:  # values gathered from the ranks by _weights_changed
+                return torch.empty(shape, dtype=self.dtype, device=self.device)
+            host = self._flat16[off:off + shape.numel()].view(shape)
+            return host if self.device.type == "cpu" else host.to(self.device)
+        return torch.empty(1, dtype=self.dtype, device=self.device).expand(shape)
+
+    def _host_ptr(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """The library's (padded_length,) view of a host copy: where flat offset 0 would be
+        (ZeRO-3 over ranks holds only the partition, the only part the library writes)."""
+        return ctypes.c_void_p(t.data_ptr() - t.element_size() * self._host_lo)
+
+    def _fill_from_host(self, indices: List[int], tensors: List[torch.Tensor]) -> None:
+        """The window's fetch: the parameters' 16-bit values from the host copy, or from every
+        rank's partition of it."""
+        if self._partitions:
+            self._gather_params(indices, tensors)
+            return
+        for i, t in zip(indices, tensors):
+            off = self._offsets[i]
+            t.copy_(self._flat16[off:off + t.numel()].view(t.shape), non_blocking=True)
+
+    def _gather_params(self, indices: List[int], tensors: List[torch.Tensor]) -> None:
+        """ZeRO-3 over ranks: the parameters' values from the ranks that hold them, in one
+        all_gather of the pieces each rank's partition has (as bytes: gloo has no bfloat16).
+        Every rank gathers the same parameters in the same order."""
+        import torch.distributed as dist
+        spans: List[List[Tuple[int, int, int, int]]] = []  # per rank: (k, start in k, n, flat)
+        for lo, hi in self._partitions:
+            pieces = []
+            for k, i in enumerate(indices):
+                off, n = self._offsets[i], self._shapes[i].numel()
+                a, b = max(off, lo), min(off + n, hi)
+                if a < b:
+                    pieces.append((k, a - off, b - a, a))
+            spans.append(pieces)
+        width = max(1, max(sum(n for _, _, n, _ in pieces) for pieces in spans))
+        where = self.device if dist.get_backend(self._group) == "nccl" else torch.device("cpu")
+        mine = torch.zeros(width, dtype=self.dtype, device=where)
+        pos = 0
+        for _, _, n, a in spans[self._rank]:
+            mine[pos:pos + n].copy_(self._flat16[a - self._host_lo:a - self._host_lo + n])
+            pos += n
+        out = [torch.empty(width, dtype=self.dtype, device=where) for _ in spans]
+        dist.all_gather([o.view(torch.uint8) for o in out], mine.view(torch.uint8),
+                        group=self._group)
+        for r, pieces in enumerate(spans):
+            pos = 0
+            for k, start, n, _ in pieces:
+                tensors[k].view(-1)[start:start + n].copy_(out[r][pos:pos + n], non_blocking=True)
+                pos += n
+
+    def _weights_changed(self) -> None:
+        """ZeRO-3, after the host copy changed (a step, a load): the persistent parameters that
+        are not views of it (on a GPU, or with several ranks) take the new values; copies on the
+        device are stale."""
+        if self._window is None:
+            return
+        if self.device.type != "cpu" or self._partitions:
+            keep = [i for i, k in enumerate(self._persistent) if k]
+            with torch.no_grad():
+                if self._partitions:
+                    if keep:
+                        self._gather_params(keep, [self._params[i].data for i in keep])
+                else:
+                    for i in keep:
+                        self._params[i].data.copy_(self._stage3_data(i))
+        self._window.invalidate()
+
+    def gathered(self) -> Any:
+        """ZeRO-3: a context in which every parameter is on the device with its current values
+        (evaluation or export outside the model's forward, ``model.state_dict()``). Stage 2: a
+        context that does nothing."""
+        if self._window is None:
+            return contextlib.nullcontext()
+        return self._window.gather()
+
+    @property
+    def param_window(self) -> Optional[ParamWindow]:
+        """ZeRO-3's device window (its blocks, resident_bytes(), peak_resident_bytes), or None."""
+        return self._window
 
     def _src0(self) -> int:
         """The global rank of the group's rank 0 (what torch.distributed's src= names)."""
@@ -522,6 +697,8 @@ class AdamW(torch.optim.Optimizer):
         optimizer cannot be used afterwards."""
         if getattr(self, "_grad_hooks", None) is not None:
             self._grad_hooks.remove()
+        if getattr(self, "_window", None) is not None:
+            self._window.remove()
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer()
         self._handle = None
@@ -623,6 +800,13 @@ class AdamW(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError(f"parameter {index} got a sparse gradient: offload.torch optimizers "
                                "take dense gradients only")
+        if grad.shape != self._shapes[index]:
+            raise RuntimeError(
+                f"parameter {index} (shape {tuple(self._shapes[index])}) got a gradient of shape "
+                f"{tuple(grad.shape)}"
+                + ("; with zero_stage=3 a parameter is empty outside the forward of the block "
+                   "that holds it: was it used elsewhere? (blocks= can name a module that holds "
+                   "both the parameter and its use)" if self._window is not None else ""))
         with self._lock:
             self._check_param(index)
             self._begin_step()
@@ -642,6 +826,8 @@ class AdamW(torch.optim.Optimizer):
                     self._flush()
             if not self.keep_grads:
                 p.grad = None
+            if self._window is not None:
+                self._window.arrived(index)
 
     def _next_micro_batch(self, index: int) -> None:
         """Parameter index has a gradient again: another backward() of the same step began (a
@@ -717,7 +903,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _fill_missing(self) -> None:
         """Zeros for parameters backward gave no gradient this step, and for the padding."""
-        missing = [(self._offsets[i], self._params[i].numel())
+        missing = [(self._offsets[i], self._shapes[i].numel())
                    for i, seen in enumerate(self._seen) if not seen]
         if self.padded_length > self.num_params:
             missing.append((self.num_params, self.padded_length - self.num_params))
@@ -772,6 +958,13 @@ class AdamW(torch.optim.Optimizer):
     def _check_param(self, index: int) -> None:
         p = self._params[index]
         off = self._offsets[index]
+        if self._window is not None:
+            if p.dtype != self.dtype or (p.shape != self._shapes[index] and p.numel() != 0):
+                raise RuntimeError(
+                    f"parameter {index} (shape {tuple(self._shapes[index])}) changed after the "
+                    f"optimizer was built: it is now {p.dtype} of shape {tuple(p.shape)}; build "
+                    "a new optimizer for a changed model")
+            return
         if (p.dtype != self.dtype or p.shape != self._shapes[index] or
                 p.data_ptr() != self._flat16.data_ptr() + 2 * off):
             raise RuntimeError(
@@ -898,10 +1091,10 @@ class AdamW(torch.optim.Optimizer):
                 # forward computes with it, one update behind the servers (the paper's DPU).
                 self._apply_pending()
                 rc = L.offload_commit_async(self._handle, stats, lrs, len(lrs), max_norm,
-                                            _ptr(self._next16), ctypes.byref(report))
+                                            self._host_ptr(self._next16), ctypes.byref(report))
             else:
                 rc = L.offload_commit(self._handle, stats, lrs, len(lrs), max_norm,
-                                      _ptr(self._host16), ctypes.byref(report))
+                                      self._host_ptr(self._host16), ctypes.byref(report))
             error = L.offload_last_error().decode("utf-8", "replace") if rc else ""
             # Whatever happened, this step is over on both sides (a commit refused before it
             # reached the shards leaves the library's step open: it ends here, nothing applied).
@@ -1004,9 +1197,9 @@ class AdamW(torch.optim.Optimizer):
     def _gather_weights(self, src: torch.Tensor) -> None:
         """After a commit: this rank's partition is in src; every rank's, in the parameters."""
         if src is not self._flat16:
-            lo, n = self._part_offset, self._part_length
+            lo, n = self._part_offset - self._host_lo, self._part_length
             self._flat16[lo:lo + n].copy_(src[lo:lo + n])
-        if self._world > 1:
+        if self._world > 1 and not self._partitions:
             import torch.distributed as dist
             # As int32 pairs: gloo has neither bfloat16 nor int16, and a copy keeps the bits
             # (partitions are whole 64-element blocks, so the pairs never straddle two).
@@ -1014,6 +1207,7 @@ class AdamW(torch.optim.Optimizer):
             parts = list(flat.chunk(self._world))
             mine = parts[self._rank].clone()
             dist.all_gather(parts, mine, group=self._group)
+        self._weights_changed()
 
     # ----------------------------------------------------------------------------- state
 
@@ -1063,7 +1257,7 @@ class AdamW(torch.optim.Optimizer):
         lo, n = self._part_offset, self._part_length
         for a in range(lo, lo + n, _CHUNK):
             m = min(_CHUNK, lo + n - a)
-            view = self._host16[a:a + m]
+            view = self._host16[a - self._host_lo:a - self._host_lo + m]
             check(L.offload_read_weights16(self._handle, a, m, _ptr(view)))
         self._gather_weights(self._host16)
 
@@ -1289,9 +1483,13 @@ class AdamW(torch.optim.Optimizer):
         self.last_report = None
         self._restore_groups(groups)
         with torch.no_grad():
+            lo, hi = self._host_lo, self._host_lo + self._flat16.numel()
             for i, off in enumerate(self._offsets):
-                self._flat16[off:off + self._shapes[i].numel()].copy_(
-                    state[self._packed[i]]["master"].reshape(-1))  # rounded as the servers round
+                a, b = max(off, lo), min(off + self._shapes[i].numel(), hi)
+                if a < b:  # rounded as the servers round
+                    self._flat16[a - lo:b - lo].copy_(
+                        state[self._packed[i]]["master"].reshape(-1)[a - off:b - off])
+        self._weights_changed()
         if accumulated is not None:
             self._resume_accumulation(accumulated)
 
@@ -1460,9 +1658,12 @@ def materialize(model: torch.nn.Module, params: Any = None, *,
     stay tied). ``params`` is what the optimizer would take (default
     ``model.named_parameters()``: groups of the meta model's parameters work too), ``optimizer``
     the class (default AdamW), and ``kwargs`` its arguments. If an init fails, the error is
-    raised and nothing is left on the servers."""
+    raised and nothing is left on the servers. With ``zero_stage=3`` the model is the one whose
+    modules the window hooks (``model=`` need not be given)."""
     from offload.materialize import MetaValues
     cls = optimizer or AdamW
+    if kwargs.get("zero_stage") == 3:
+        kwargs.setdefault("model", model)
     if params is None:
         params = list(model.named_parameters())
     device = kwargs.get("device")

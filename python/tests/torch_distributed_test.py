@@ -26,14 +26,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from torch_test_util import TinyNet  # noqa: E402
+from torch_test_util import SharedBlockModel, TinyNet  # noqa: E402
 
 STEPS = 8
 ROWS = 8
 
 
 def train(rank: int, world: int, address: str, token: str, out: str, loss_scale: float,
-          init_file: str, micro: int = 1, trace: str = "", speculate: bool = False) -> None:
+          init_file: str, micro: int = 1, trace: str = "", speculate: bool = False,
+          zero_stage: int = 2, blocks: bool = False) -> None:
     import offload.torch as otorch
     group = None
     if world > 1:
@@ -44,19 +45,27 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
     # Each rank its own initial values: the servers take rank 0's, and every rank computes with
     # those (the optimizer broadcasts them, as DDP does).
     torch.manual_seed(5 + rank)
-    model = TinyNet(31, 20, 45)
+    # blocks: a model of blocks in bf16, which ZeRO-3 fetches block by block (all-gathered from
+    # the ranks' partitions); else TinyNet in fp16, all of it fetched for the whole forward.
+    model = SharedBlockModel(31) if blocks else TinyNet(31, 20, 45)
+    dtype = torch.bfloat16 if blocks else torch.float16
     # A frozen parameter: never trained, and rank 0's on every rank (the optimizer broadcasts
     # it with the rest).
-    model.fc1.bias.requires_grad_(False)
+    frozen = model.head.bias if blocks else model.fc1.bias
+    frozen.requires_grad_(False)
     frozen0 = None
     if world > 1:
         import torch.distributed as dist
-        frozen0 = model.fc1.bias.detach().to(torch.float16).clone()
-        dist.broadcast(frozen0, src=0)
-    opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=torch.float16,
+        frozen0 = frozen.detach().to(dtype).clone()
+        dist.broadcast(frozen0.view(torch.uint8), src=0)
+    stage3 = dict(zero_stage=3, model=model, window=1, persist_elements=0) if zero_stage == 3 else {}
+    opt = otorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, dtype=dtype,
                        servers=[address], token=token, loss_scale=loss_scale, process_group=group,
                        bucket_elements=500, threads=1, update_in_backward=speculate,
-                       trace_file=trace if trace and rank == 0 else None)
+                       trace_file=trace if trace and rank == 0 else None, **stage3)
+    if zero_stage == 3 and world > 1 and not (
+            opt.param_window.fetches == 0 and opt._flat16.numel() * world == opt.padded_length):
+        raise SystemExit(f"rank {rank}: ZeRO-3 should hold 1/{world} of the 16-bit weights")
     rows = ROWS // world
     early = []
     for step in range(STEPS):
@@ -67,15 +76,17 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
         for part in x.chunk(micro):
             logits = model(part)
             # The mean over this rank's rows; the optimizer averages the ranks.
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 31),
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 31),
                                                      part[:, 1:].reshape(-1)) / micro
             opt.backward(loss)
         opt.step()
         early.append(opt.last_report["early_updated"])
     if speculate and not all(early):
         raise SystemExit(f"rank {rank}: steps without an update during backward: {early}")
-    if frozen0 is not None and not torch.equal(model.fc1.bias, frozen0):
+    if frozen0 is not None and not torch.equal(frozen, frozen0):
         raise SystemExit(f"rank {rank}: the frozen parameter is not rank 0's")
+    if zero_stage == 3 and not opt.param_window.fetches:
+        raise SystemExit(f"rank {rank}: ZeRO-3 fetched nothing")
     if rank == 0:
         torch.save(opt.master_weights(), out)
     opt.close()
@@ -109,15 +120,18 @@ class TwoRanks(unittest.TestCase):
         try:
             with tempfile.TemporaryDirectory() as d:
                 def run(world: int, scale: float, micro: int = 1, trace: str = "",
-                        speculate: bool = False) -> torch.Tensor:
-                    name = f"{world}-{int(scale)}-{micro}-{int(speculate)}"
+                        speculate: bool = False, zero_stage: int = 2,
+                        blocks: bool = False) -> torch.Tensor:
+                    name = f"{world}-{int(scale)}-{micro}-{int(speculate)}-{zero_stage}-{blocks}"
                     out = os.path.join(d, f"w{name}.pt")
                     init = os.path.join(d, f"init-{name}")
                     procs = [subprocess.Popen(
                         [sys.executable, __file__, "--rank", str(r), "--world", str(world),
                          "--address", server.address, "--out", out, "--loss_scale", str(scale),
-                         "--init", init, "--micro", str(micro), "--trace", trace]
-                        + (["--speculate"] if speculate else []),
+                         "--init", init, "--micro", str(micro), "--trace", trace,
+                         "--zero_stage", str(zero_stage)]
+                        + (["--speculate"] if speculate else [])
+                        + (["--blocks"] if blocks else []),
                         env=dict(os.environ, OFFLOAD_TOKEN=server.token))
                         for r in range(world)]
                     for p in procs:
@@ -138,6 +152,14 @@ class TwoRanks(unittest.TestCase):
                 # buckets arrive): the same bits as without it.
                 speculated = run(2, 1024.0, speculate=True)
                 self.assertTrue(torch.equal(speculated.view(torch.int32), two.view(torch.int32)))
+                # ZeRO-3 (each rank holds its partition of the 16-bit weights and the device
+                # gathers them from all ranks): the same bits as ZeRO-2, so within the bound
+                # against one rank too; and for a model fetched block by block.
+                zero3 = run(2, 1024.0, zero_stage=3)
+                self.assertTrue(torch.equal(zero3.view(torch.int32), two.view(torch.int32)))
+                blocks2 = run(2, 1.0, blocks=True)
+                blocks3 = run(2, 1.0, blocks=True, zero_stage=3)
+                self.assertTrue(torch.equal(blocks3.view(torch.int32), blocks2.view(torch.int32)))
                 # Two ranks of two micro-batches each: every micro-batch's gradients are reduced
                 # between the ranks during its backward and the server adds the two means in
                 # fp32: six roundings (four of the ranks' micro-batch gradients, two of the
@@ -165,9 +187,12 @@ if __name__ == "__main__":
     ap.add_argument("--micro", type=int, default=1)
     ap.add_argument("--trace", default="")
     ap.add_argument("--speculate", action="store_true")
+    ap.add_argument("--zero_stage", type=int, default=2)
+    ap.add_argument("--blocks", action="store_true")
     args, rest = ap.parse_known_args()
     if args.rank >= 0:
         train(args.rank, args.world, args.address, os.environ["OFFLOAD_TOKEN"], args.out,
-              args.loss_scale, args.init, args.micro, args.trace, args.speculate)
+              args.loss_scale, args.init, args.micro, args.trace, args.speculate,
+              args.zero_stage, args.blocks)
     else:
         unittest.main(argv=[sys.argv[0]] + rest)

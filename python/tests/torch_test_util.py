@@ -3,7 +3,7 @@ a process is alive."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -27,6 +27,39 @@ class TinyNet(torch.nn.Module):
         h = F.linear(F.embedding(x, self.emb.weight.float()), self.fc1.weight.float(),
                      self.fc1.bias.float())
         return F.linear(self.activation(h), self.fc2.weight.float(), self.fc2.bias.float())
+
+
+class Block(torch.nn.Module):
+    """(B, T, C) -> (B, T, C): a pre-norm residual MLP."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 2 * width)
+        self.proj = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class SharedBlockModel(torch.nn.Module):
+    """(B, T) tokens -> (B, T, vocab): blocks in a ModuleList, the first called twice in one
+    forward (a shared block); ``order`` picks the blocks' order per call (data-dependent
+    control flow)."""
+
+    def __init__(self, vocab: int = 40, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = torch.nn.Linear(width, vocab)
+        self.order: Optional[List[int]] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for k in (self.order if self.order is not None else [0, 1, 0, 2]):
+            h = self.blocks[k](h)
+        return self.head(h)
 
 
 def alive(pid: int) -> bool:
