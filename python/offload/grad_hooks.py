@@ -21,6 +21,7 @@ without a GPU.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -92,7 +93,9 @@ class _Landed:
 
 
 class HostCopies:
-    """Copies to host memory ordered after the work queued so far on the current stream.
+    """Copies between host and device memory ordered after the work queued so far on the
+    current stream: gradients down (the ring, the reducer), ZeRO-3's weights up
+    (``offload.param_window``).
 
     On CUDA: a side stream (``torch.cuda.Stream``), so the copies overlap the compute, and an
     event after each batch of them. On the CPU: stand-ins, a copy being done when it returns.
@@ -122,6 +125,12 @@ class HostCopies:
         with torch.cuda.stream(self._side):
             dst.copy_(src, non_blocking=True)
 
+    def on_side(self) -> Any:
+        """A context in which the copies a caller issues itself run on the side stream."""
+        if self._side is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._side)
+
     def record(self) -> Any:
         """An event that completes once every copy issued so far has landed."""
         if self._side is None:
@@ -129,6 +138,11 @@ class HostCopies:
         event = torch.cuda.Event()
         event.record(self._side)
         return event
+
+    def current_waits(self, event: Any) -> None:
+        """The current stream's coming work waits for `event`'s copies (what record() gave)."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
 
 # (flat offset, host tensor): a piece of 16-bit gradients of the flat space, ready to be read.

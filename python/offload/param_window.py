@@ -51,6 +51,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload.grad_hooks import HostCopies
+
 __all__ = ["ParamWindow", "Unit", "default_blocks"]
 
 # Fills the given managed parameters' device tensors with their 16-bit values from the host copy
@@ -96,42 +98,6 @@ class Unit:
         return f"Unit({self.name!r}, {len(self.params)} parameters, {self.nbytes} bytes)"
 
 
-class _Copies:
-    """Host-to-device copies: on CUDA a side stream (prefetches overlap compute), the compute
-    stream waiting for a unit's event before it uses the unit; on the CPU plain copies."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
-        self.device = device
-
-    def begin(self) -> Any:
-        if not self.cuda:
-            return None
-        # The side stream waits for the compute queued so far: the new tensors' memory may be
-        # freed memory the compute stream still reads.
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.side)
-
-    def written(self, tensors: List[torch.Tensor]) -> None:
-        """The side stream writes `tensors`: the caching allocator must not hand their memory
-        out again (a block evicted before use) until those writes are done."""
-        if self.cuda:
-            for t in tensors:
-                t.record_stream(self.side)
-
-    def end(self) -> Any:
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.side)
-        return event
-
-    def wait(self, event: Any) -> None:
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-
 class ParamWindow:
     """The device window of a model's managed parameters; see the module's docstring.
 
@@ -154,7 +120,7 @@ class ParamWindow:
         self.device = device
         self.dtype = dtype
         self._fill = fill
-        self._copies = _Copies(device)
+        self._copies = HostCopies(device)
         self._lock = threading.RLock()
         self._thread: Optional[int] = None  # the thread running the model's forward
         self._shapes = [p.shape for p in self.params]
@@ -181,6 +147,7 @@ class ParamWindow:
         # The forward order of the blocks, as the last forward ran them (unit indices), and this
         # forward's so far.
         self._order: List[int] = []
+        self._position: Dict[int, int] = {}  # block -> where _order first runs it
         self._recording: List[int] = []
         self._prefetched: List[int] = []  # blocks fetched ahead, not yet entered (oldest first)
         self._forward_depth = 0
@@ -276,8 +243,9 @@ class ParamWindow:
         except TypeError:
             self._handles.append(model.register_forward_hook(post))
             self._leave_always = False
-        for k, unit in enumerate(self.blocks):
-            u = self._units.index(unit)
+        for u, unit in enumerate(self._units):
+            if not unit.block:
+                continue
             self._handles.append(unit.module.register_forward_pre_hook(
                 lambda m, a, u=u: call("_enter", u)))
             leave = lambda m, a, out, u=u: call("_leave", u)  # noqa: E731
@@ -314,13 +282,12 @@ class ParamWindow:
         if missing:
             tensors = [torch.empty(self._shapes[i], dtype=self.dtype, device=self.device)
                        for i in missing]
-            context = self._copies.begin()
-            if context is not None:
-                with context:
-                    self._fill(missing, tensors)
-            else:
+            # The side stream waits for the compute queued so far (the new tensors' memory may
+            # be memory it still reads), and the allocator keeps them until the copies land (a
+            # block evicted before use).
+            self._copies.after_current(*tensors)
+            with self._copies.on_side():
                 self._fill(missing, tensors)
-            self._copies.written(tensors)
             for i, t in zip(missing, tensors):
                 self._standins.discard(i)
                 self.params[i].data = t
@@ -328,7 +295,7 @@ class ParamWindow:
                 self._alive.append((StorageWeakRef(_storage(t)), t.numel() * t.element_size()))
         # After every copy issued so far: those of a unit that prefetched a parameter this one
         # shares (a tied weight) too.
-        unit.event = self._copies.end()
+        unit.event = self._copies.record()
         for i in unit.params:
             self._holders[i].add(u)
         unit.resident = True
@@ -343,7 +310,7 @@ class ParamWindow:
     def _use(self, u: int) -> None:
         unit = self._units[u]
         if unit.event is not None:
-            self._copies.wait(unit.event)
+            self._copies.current_waits(unit.event)
             unit.event = None
         if u in self._prefetched:
             self._prefetched.remove(u)
@@ -477,6 +444,9 @@ class ParamWindow:
             for u in list(self._prefetched):
                 self._release(u)
             self._order = self._recording
+            self._position = {}
+            for k, v in enumerate(self._order):
+                self._position.setdefault(v, k)
             self._recording = []
 
     def _explain(self, error: Optional[BaseException]) -> None:
@@ -577,6 +547,9 @@ class ParamWindow:
         gradients arrive; the blocks before it in forward order prefetched."""
         u = self._owner[i]
         unit = self._units[u]
+        # The blocks before it are prefetched once, when it is fetched or its prefetch is first
+        # used, not at each of its saved tensors.
+        first = not self._resident(i) or u in self._prefetched
         if not self._resident(i):
             if unit.block:
                 self._make_room(u)
@@ -587,8 +560,8 @@ class ParamWindow:
                 self._use(v)
         if not unit.held and not all(self._arrived[j] for j in unit.params):
             unit.held = True
-        if unit.block and u in self._order:
-            self._prefetch_before(self._order.index(u))
+        if first and u in self._position:
+            self._prefetch_before(self._position[u])
 
     def _prefetch_before(self, position: int) -> None:
         """Fetches ahead, for backward, the blocks the recorded forward ran before `position`."""

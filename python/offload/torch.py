@@ -540,15 +540,16 @@ class AdamW(torch.optim.Optimizer):
 
     def _stage3_data(self, index: int) -> torch.Tensor:
         """ZeRO-3: what parameter index holds once its values are in the host copy. A persistent
-        one: its values on the device (on the CPU, a view of the host copy, as stage 2's); a
+        one: its place on the device (on the CPU with one rank, a view of the host copy, as stage
+        2's; else a tensor _weights_changed fills); a
         managed one: a stand-in of its shape that holds no memory, until the window releases it
         (autograd's hooks are set up on the parameter's shape)."""
         off, shape = self._offsets[index], self._shapes[index]
         if self._persistent[index]:
-            if self._partitions:  # values gathered from the ranks by _weights_changed
-                return torch.empty(shape, dtype=self.dtype, device=self.device)
-            host = self._flat16[off:off + shape.numel()].view(shape)
-            return host if self.device.type == "cpu" else host.to(self.device)
+            if self.device.type == "cpu" and not self._partitions:
+                return self._flat16[off:off + shape.numel()].view(shape)
+            # Filled by _weights_changed once the window is built.
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         return torch.empty(1, dtype=self.dtype, device=self.device).expand(shape)
 
     def _host_ptr(self, t: torch.Tensor) -> ctypes.c_void_p:
@@ -602,15 +603,10 @@ class AdamW(torch.optim.Optimizer):
         device are stale."""
         if self._window is None:
             return
-        if self.device.type != "cpu" or self._partitions:
-            keep = [i for i, k in enumerate(self._persistent) if k]
+        keep = [i for i, k in enumerate(self._persistent) if k]
+        if keep and (self.device.type != "cpu" or self._partitions):
             with torch.no_grad():
-                if self._partitions:
-                    if keep:
-                        self._gather_params(keep, [self._params[i].data for i in keep])
-                else:
-                    for i in keep:
-                        self._params[i].data.copy_(self._stage3_data(i))
+                self._fill_from_host(keep, [self._params[i].data for i in keep])
         self._window.invalidate()
 
     def gathered(self) -> Any:
