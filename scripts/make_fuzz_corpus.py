@@ -213,6 +213,17 @@ max_restarts: 3
     write(d, 'bad_two_documents.yaml', 'a: 1\n---\nb: 2\n')
     write(d, 'bad_unclosed.json', '{"name": [')
     write(d, 'anchors.yaml', 'base: &b {steps: 3}\ntraining: *b\n')
+    write(d, 'torch.yaml', '''name: torch job
+torch:
+  command: [python3, /data/train.py, "--steps=3"]
+  working_dir: /data
+  env: [HF_HOME=/data/hf, "A=b=c"]
+parallel: {ranks: 2, optimizerServers: 1, transport: auto}
+checkpoint: {dir: /ckpt}
+max_restarts: 2
+''')
+    write(d, 'torch.json', '{"torch": {"command": ["sh", "-c", "exit 0"], "env": []}}\n')
+    write(d, 'bad_torch_list.yaml', 'torch: {command: [[a], {b: c}], env: python3}\n')
 
 
 # --- REST requests -------------------------------------------------------------------------------
@@ -248,6 +259,8 @@ def rest_gateway_corpus():
     write(d, 'expect_continue.http', http('POST', '/v1/jobs', spec, headers=['Expect: 100-continue']))
     write(d, 'gzip.http', http('GET', '/v1/jobs/job-1', headers=['Accept-Encoding: gzip, br']))
     write(d, 'range.http', http('GET', '/v1/jobs/job-1', headers=['Range: bytes=0-5,7-9']))
+    write(d, 'submit_torch.http', http('POST', '/v1/jobs', '{"torch": {"command": ["python3", '
+                                       '"/t.py"], "env": ["A=1"]}, "parallel": {"ranks": 2}}'))
 
 
 # --- step streams (step_session_fuzz.cc's encoding) ---------------------------------------------

@@ -160,6 +160,49 @@ if firing:
 print(f"PASS {len(rules)} rules healthy, none firing")
 PY
 
+# A torch job (a PyTorch script on the pool, issue 43): its rank's training metrics, relayed from
+# the script's reports, come from its pool worker's endpoint under the same names, so the
+# dashboards' trainer panels show it. A second local pool runs it; its worker's target joins the
+# scrape job offload-trainer-worker for the check.
+build_dir=$(cd "$(dirname "$launcher")/.." && pwd)
+if "$py" -c 'import torch' 2>/dev/null; then
+  printf '{"name": "prom-torch", "torch": {"command": ["%s", "%s", "--steps=3000", "--step_seconds=0.02"]}}\n' \
+    "$py" "$root/examples/torch_job.py" > "$work/torch-job.json"
+  mkdir -p "$work/targets-torch"
+  PYTHONPATH="$root/python" OFFLOAD_BUILD_DIR="$build_dir" OMP_NUM_THREADS=1 \
+    "$launcher" --job="$work/torch-job.json" --metrics_targets_dir="$work/targets-torch" \
+    > "$work/torch.log" 2>&1 &
+  torch_pid=$!
+  pids+=($torch_pid)
+  for _ in $(seq 100); do [[ -s "$work/targets-torch/offload-trainer-worker.json" ]] && break; sleep 0.2; done
+  cp "$work/targets/offload-trainer-worker.json" "$work/workers-demo.json"
+  "$py" - "$work/workers-demo.json" "$work/targets-torch/offload-trainer-worker.json" \
+    "$work/targets/offload-trainer-worker.json" <<'PY' || fail "merging the torch worker's target"
+import json, os, sys
+groups = json.load(open(sys.argv[1])) + json.load(open(sys.argv[2]))
+with open(sys.argv[3] + ".tmp", "w") as f:
+    json.dump(groups, f)
+os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+PY
+  seen=0
+  for _ in $(seq 90); do
+    if [[ "$(query 'offload_trainer_info{job="offload-trainer-worker", model="torch"}' 2>/dev/null || echo 0)" -ge 1 ]] &&
+       [[ "$(query 'rate(offload_trainer_steps_total{job="offload-trainer-worker"}[5s]) > 0 and offload_trainer_loss{job="offload-trainer-worker"} > 0' 2>/dev/null || echo 0)" -ge 1 ]]; then
+      seen=1
+      break
+    fi
+    kill -0 "$torch_pid" 2>/dev/null || { tail -20 "$work/torch.log"; fail "the torch job ended early"; }
+    sleep 1
+  done
+  [[ $seen -eq 1 ]] || { tail -20 "$work/torch.log"; fail "no torch job metrics in Prometheus"; }
+  echo "PASS a torch job's steps, loss and info scraped from its pool worker"
+  kill -9 "$torch_pid" 2>/dev/null || true
+  cp "$work/workers-demo.json" "$work/targets/offload-trainer-worker.json.tmp"
+  mv "$work/targets/offload-trainer-worker.json.tmp" "$work/targets/offload-trainer-worker.json"
+else
+  fail "$py has no torch (scripts/bootstrap installs python3-torch): the torch job's metrics"
+fi
+
 # A shard dies: Prometheus sees it down and OffloadShardDown goes pending.
 server_target=$(awk '$1 == "offload-optimizer-server" {print $2}' <<< "$targets")
 server_pid=$(pgrep -f -- "--metrics_address=$server_target" | head -1)

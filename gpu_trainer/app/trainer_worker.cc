@@ -19,9 +19,11 @@
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/security/security.h"
+#include "gpu_trainer/train/trainer_metrics.h"
 #include "services/common/job_spec.h"
 #include "services/launcher/child_process.h"
 #include "services/launcher/rank_devices.h"
+#include "services/worker/torch_attempt.h"
 #include "services/worker/worker_agent.h"
 
 namespace offload {
@@ -76,6 +78,46 @@ class Mailbox {
   std::deque<v1::Assignment> starts_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::AttemptRef> stops_ ABSL_GUARDED_BY(mu_);
 };
+
+// A torch job's rank: the job's command instead of a gpu_trainer child, its progress relayed to
+// the controller and to this worker's trainer metrics.
+v1::AttemptResult RunTorchRank(const v1::Assignment& a, std::shared_ptr<grpc::Channel> channel,
+                               const std::string& token, const std::string& rank_address,
+                               Mailbox* mailbox, volatile std::sig_atomic_t* stop) {
+  TrainerInfo info;
+  info.job_id = a.job_id();
+  info.rank = static_cast<int>(a.rank());
+  info.world_size = static_cast<int>(a.world_size());
+  info.device = "script";
+  info.model = "torch";
+  TrainerInfoScope info_series(info);
+  TorchAttemptOptions options;
+  options.channel = std::move(channel);
+  options.token = token;
+  options.rank_address = rank_address;
+  options.tls_env = TorchTlsEnvironment(SecurityFlagsForChild());
+  options.output_prefix = absl::StrFormat("[%s rank %u] ", a.job_id(), a.rank());
+  options.withdrawn = [mailbox, &a] { return mailbox->Withdrawn(a); };
+  options.stop = stop;
+  // A restarted attempt starts again from its checkpoint's step: counters only grow.
+  uint64_t last_step = 0;
+  double last_tokens = 0;
+  options.on_progress = [&](const v1::ScriptProgress& p) {
+    ReportedProgress r;
+    r.step = p.step();
+    r.new_steps = p.step() > last_step ? p.step() - last_step : 0;
+    r.new_tokens = p.tokens() > last_tokens ? p.tokens() - last_tokens : 0;
+    last_step = std::max(last_step, p.step());
+    last_tokens = std::max(last_tokens, p.tokens());
+    r.loss = p.loss();
+    r.loss_scale = p.loss_scale();
+    r.lr = p.lr();
+    r.grad_norm = p.grad_norm();
+    r.tokens_per_s = p.tokens_per_s();
+    RecordReportedProgress(r);
+  };
+  return RunTorchAttempt(a, options);
+}
 
 }  // namespace
 
@@ -150,6 +192,14 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
     result.mutable_attempt()->set_job_id(a.job_id());
     result.mutable_attempt()->set_attempt(a.attempt());
     if (mailbox.Withdrawn(a)) continue;  // withdrawn before it started: nothing to report
+    if (a.spec().has_torch()) {
+      LOG(INFO) << absl::StrFormat(
+          "gpu_trainer: worker %s runs rank %u of %u of torch job %s (attempt %u)",
+          (*agent)->worker_id().c_str(), a.rank(), a.world_size(), a.job_id().c_str(), a.attempt());
+      (*agent)->Finished(
+          RunTorchRank(a, *channel, security->client_token, rank_address, &mailbox, stop));
+      continue;
+    }
     const std::string error_file =
         absl::StrCat("/tmp/offload-rank-", getpid(), "-", a.job_id(), "-", a.attempt(), ".err");
     unlink(error_file.c_str());

@@ -99,18 +99,50 @@ void ObservePhaseSeconds(const char* phase, double seconds) {
   m.phase_family.Add({{"phase", phase}}, DurationBuckets()).Observe(seconds);
 }
 
-void SetTrainerInfo(const TrainerInfo& info) {
+namespace {
+
+prometheus::Family<prometheus::Gauge>& InfoFamily() {
+  static prometheus::Family<prometheus::Gauge>& family =
+      prometheus::BuildGauge()
+          .Name("offload_trainer_info")
+          .Help("What this trainer rank runs; always 1.")
+          .Register(MetricsRegistry());
+  return family;
+}
+
+prometheus::Gauge& AddInfo(const TrainerInfo& info) {
   Metrics::Get();  // every trainer family exists from the start, before the first step
-  prometheus::BuildGauge()
-      .Name("offload_trainer_info")
-      .Help("What this trainer rank runs; always 1.")
-      .Register(MetricsRegistry())
-      .Add({{"job_id", info.job_id},
-            {"rank", absl::StrCat(info.rank)},
-            {"world_size", absl::StrCat(info.world_size)},
-            {"device", info.device},
-            {"model", info.model}})
-      .Set(1);
+  prometheus::Gauge& gauge = InfoFamily().Add({{"job_id", info.job_id},
+                                               {"rank", absl::StrCat(info.rank)},
+                                               {"world_size", absl::StrCat(info.world_size)},
+                                               {"device", info.device},
+                                               {"model", info.model}});
+  gauge.Set(1);
+  return gauge;
+}
+
+}  // namespace
+
+void SetTrainerInfo(const TrainerInfo& info) { AddInfo(info); }
+
+TrainerInfoScope::TrainerInfoScope(const TrainerInfo& info) : gauge_(&AddInfo(info)) {}
+
+TrainerInfoScope::~TrainerInfoScope() { InfoFamily().Remove(gauge_); }
+
+void RecordReportedProgress(const ReportedProgress& p) {
+  Metrics& m = Metrics::Get();
+  m.steps.Increment(static_cast<double>(p.new_steps));
+  m.tokens.Increment(p.new_tokens);
+  m.step.Set(static_cast<double>(p.step));
+  if (p.new_steps > 0) {
+    m.last_step_time.Set(
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  }
+  m.loss.Set(p.loss);
+  m.loss_scale.Set(p.loss_scale);
+  m.lr.Set(p.lr);
+  m.grad_norm.Set(p.grad_norm);
+  m.tokens_per_second.Set(p.tokens_per_s);
 }
 
 void RecordTrainerStep(const StepReport& report, double step_seconds, double tokens, double flops) {

@@ -212,8 +212,10 @@ def job_dashboard():
     info = "offload_trainer_info"
     d = Dashboard(
         "offload-job", "Offload / Training job",
-        "A training job seen from its trainer ranks (scrape job offload-trainer): throughput, "
-        "step time and its phases, loss and optimizer state, device memory.",
+        "A training job seen from its trainer ranks (scrape job offload-trainer; a torch job's "
+        "ranks through their pool workers, scrape job offload-trainer-worker, with steps, tokens "
+        "and loss as the script reports them): throughput, step time and its phases, loss and "
+        "optimizer state, device memory.",
         [datasource_var(),
          query_var("job", "Job", "label_values(offload_trainer_steps_total, job)"),
          query_var("job_id", "Training job", f'label_values({info}{{job=~"$job"}}, job_id)'),

@@ -5,10 +5,16 @@ live on optimizer servers (``cpu_optimizer_server``), reached through the C ABI 
 ``liboffload_c.so`` (``optimizer_client/capi/offload_c.h``). This package holds no numerics of its
 own: rounding, statistics, the loss scale, skipping and clipping are the C++ side's.
 
+A torch training script run as a job on the optimizer-server pool finds its servers, credential
+and checkpoint directory in its environment (``offload.job``) and reports its progress with
+``offload.report(step=..., loss=..., tokens=...)``.
+
 ``import offload.torch`` needs torch; ``import offload`` does not.
 """
 
+from offload import job
 from offload._lib import OffloadError, library_path
+from offload.job import report
 
-__all__ = ["OffloadError", "library_path"]
+__all__ = ["OffloadError", "job", "library_path", "report"]
 __version__ = "0.1.0"

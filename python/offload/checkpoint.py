@@ -60,6 +60,12 @@ def find(path: str) -> str:
     return out.value.decode()
 
 
+def has_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a checkpoint or a root that names one (its ``latest``)."""
+    return (os.path.isfile(os.path.join(path, "manifest.json")) or
+            os.path.isfile(os.path.join(path, "latest")))
+
+
 def parse_manifest(text: str, directory: str) -> Manifest:
     """A manifest.json's text (protobuf's JSON mapping: 64-bit integers are strings)."""
     import torch

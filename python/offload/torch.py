@@ -31,6 +31,7 @@ import torch
 
 from offload import _lib
 from offload import checkpoint as ckpt
+from offload import job as _job
 from offload._lib import OffloadError, check
 from offload.grad_hooks import BucketReducer, GradientHooks, HostCopies, Piece, StagingRing
 from offload.param_window import ParamWindow
@@ -87,6 +88,22 @@ def _split_names(params: Any) -> Tuple[Any, Optional[List[str]]]:
         raise ValueError("some parameters come with names and some without: name every "
                          "parameter (model.named_parameters()) or none")
     return (stripped if grouped else stripped[0]["params"]), names  # type: ignore[return-value]
+
+
+def _job_group() -> Any:
+    """A torch job's ranks (offload.job): torch.distributed's default group when the job has
+    several, which the script must have set up (the job's MASTER_ADDR, RANK... are in its
+    environment)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"this torch job has {world} ranks: call "
+                           "torch.distributed.init_process_group('gloo') (the job's MASTER_ADDR, "
+                           "MASTER_PORT, RANK and WORLD_SIZE are set) before building the "
+                           "optimizer, or pass process_group=")
+    return dist.group.WORLD
 
 
 class AdamW(torch.optim.Optimizer):
@@ -264,6 +281,17 @@ class AdamW(torch.optim.Optimizer):
         self._in_flight = False  # a delayed commit runs on the servers
         self._pending_update = False  # _next16 holds an update the parameters have not
 
+        if servers is None and _job.servers() is not None:
+            # A torch job on the pool (offload.job): its servers, credential and id.
+            servers = _job.servers()
+            job_id = job_id or _job.job_id()
+            if transport == "auto":
+                transport = os.environ.get("OFFLOAD_TRANSPORT") or "auto"
+            process_group = process_group if process_group is not None else _job_group()
+            tls_ca = tls_ca or os.environ.get("OFFLOAD_TLS_CA")
+            tls_cert = tls_cert or os.environ.get("OFFLOAD_TLS_CERT")
+            tls_key = tls_key or os.environ.get("OFFLOAD_TLS_KEY")
+            tls_server_name = tls_server_name or os.environ.get("OFFLOAD_TLS_SERVER_NAME")
         self._world, self._rank, self._group = 1, 0, process_group
         if process_group is not None:
             import torch.distributed as dist
@@ -616,6 +644,21 @@ class AdamW(torch.optim.Optimizer):
         if self._window is None:
             return contextlib.nullcontext()
         return self._window.gather()
+
+    @property
+    def completed_steps(self) -> int:
+        """Steps committed on the servers since the job began (skipped ones included), restored
+        by load_checkpoint: where a resumed training loop goes on from."""
+        return self._step
+
+    def _checkpoint_path(self, path: Optional[str], what: str) -> str:
+        if path is not None:
+            return path
+        path = _job.checkpoint_dir()
+        if path is None:
+            raise ValueError(f"{what}() needs a path: this process is no torch job with a "
+                             "checkpoint directory (checkpoint.dir, $OFFLOAD_CHECKPOINT_DIR)")
+        return path
 
     @property
     def param_window(self) -> Optional[ParamWindow]:
@@ -1121,7 +1164,28 @@ class AdamW(torch.optim.Optimizer):
         if not report.skipped and not delayed:
             self._gather_weights(self._host16)
         self.last_report = {f: getattr(report, f) for f, _ in _lib.StepReport._fields_}
+        if _job.active():
+            self._job_step()
         return loss
+
+    def _job_step(self) -> None:
+        """A torch job's step boundary (offload.job): the step count reported, and the
+        controller's requests carried out by every rank at the same step, as gpu_trainer does:
+        a checkpoint asked for is written to the job's directory; a pause or cancel writes one
+        too, then ends the script with exit code 130 (stopped as asked)."""
+        _job._optimizer_stepped(self._step, float(self.last_report["loss_scale"]))
+        decided: List[Any] = list(_job.request())
+        if self._world > 1:
+            import torch.distributed as dist
+            dist.broadcast_object_list(decided, src=self._src0(), group=self._group)
+        what, wanted = decided[0], int(decided[1])
+        stop = what in ("pause", "cancel")
+        if (stop or wanted > _job.checkpoint_request_done()) and _job.checkpoint_dir():
+            directory = self.save_checkpoint()
+            _job._checkpointed(directory, self._step, wanted)
+        if stop:
+            _job._flush()
+            raise SystemExit(130)
 
     def _range_step_runs(self, unused: List[int]) -> List[List[int]]:
         """[offset, n, t] runs of what torch does per parameter: a parameter without a gradient
@@ -1518,7 +1582,7 @@ class AdamW(torch.optim.Optimizer):
             array[i] = _lib.NamedTensor(encoded, self._offsets[i], len(self._shapes[i]), shape)
         return array, keep
 
-    def save_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None,
+    def save_checkpoint(self, path: Optional[str] = None, model: Optional[torch.nn.Module] = None,
                         keep: int = 2) -> str:
         """Writes the servers' fp32 state (master weights, exp_avg, exp_avg_sq), the step
         counters, the loss scale and the parameter groups as a new checkpoint under ``path``
@@ -1531,7 +1595,9 @@ class AdamW(torch.optim.Optimizer):
         optimizer was built with, else ``param.<index>``), so the checkpoint loads onto any
         number of servers and ranks. ``master.safetensors`` is the fp32 model: see
         ``offload.checkpoint.load_into_torch`` to continue with plain torch. Every rank calls
-        it (rank 0 writes). Returns the checkpoint's directory."""
+        it (rank 0 writes). Returns the checkpoint's directory. In a torch job on the pool
+        ``path`` defaults to the job's checkpoint directory (``$OFFLOAD_CHECKPOINT_DIR``)."""
+        path = self._checkpoint_path(path, "save_checkpoint")
         names = self._param_names(model)
         array, keep_alive = self._named_tensors(names)
         L = _lib.lib()
@@ -1563,9 +1629,12 @@ class AdamW(torch.optim.Optimizer):
             box = [directory]
             dist.broadcast_object_list(box, src=self._src0(), group=self._group)
             directory = box[0]
+        if _job.active():
+            _job._checkpointed(directory, self._step)
         return directory
 
-    def load_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None) -> str:
+    def load_checkpoint(self, path: Optional[str] = None,
+                        model: Optional[torch.nn.Module] = None) -> Optional[str]:
         """Restores a checkpoint written by save_checkpoint: ``path`` is its directory or the
         root that holds ``latest``. The servers' state and counters, the loss scale, the groups'
         lrs and the 16-bit weights (the master weights rounded) come back as they were saved,
@@ -1575,7 +1644,22 @@ class AdamW(torch.optim.Optimizer):
         apply the load only when everything matched. A checkpoint of another model (a parameter
         missing, extra, or of another shape: the first is named), a file cut short or altered
         (named), or other fixed hyper-parameters are refused, and then nothing changes. Every
-        rank calls it. Returns the checkpoint's directory."""
+        rank calls it. Returns the checkpoint's directory.
+
+        Without ``path``, the job's checkpoint directory in a torch job on the pool, and a
+        directory that holds no checkpoint yet (the first attempt), or no job, returns None with
+        nothing changed, so ``opt.load_checkpoint()`` at the start of a script resumes a restarted
+        attempt where the last checkpoint left it (``opt.completed_steps``)."""
+        if path is None:
+            path = _job.checkpoint_dir()
+            if path is None:
+                return None  # no job directory: nothing to resume from (a script run by hand)
+            found_one = [ckpt.has_checkpoint(path) if self._rank == 0 else False]
+            if self._world > 1:  # rank 0's answer: the others may not see its directory
+                import torch.distributed as dist
+                dist.broadcast_object_list(found_one, src=self._src0(), group=self._group)
+            if not found_one[0]:
+                return None
         names = self._param_names(model)
         found: List[Any] = [None, None, None]  # directory, manifest text, error
         if self._rank == 0:

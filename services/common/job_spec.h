@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "offload/v1/job.pb.h"
 
 namespace offload {
@@ -34,8 +35,15 @@ enum class PathRule { kAsGiven, kAbsolute };
 // them to its flags (JobSpecFromTrainerFlags).
 absl::Status ValidateSettings(const v1::JobSpec& spec, PathRule paths);
 
-// A job file's checks: a valid name, and the settings with absolute paths.
+// A job file's checks: a valid name, and the settings with absolute paths. A torch job (spec.torch
+// set) instead needs a command, sets none of the fields its script owns (model, data, optimizer,
+// training, eval; parallel beyond ranks, optimizer_servers and transport; checkpoint beyond dir),
+// and its env may not set TorchJobVariables().
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// The environment variables a torch job's worker gives its command (ARCHITECTURE.md section 7):
+// what a spec's torch.env may not override.
+absl::Span<const absl::string_view> TorchJobVariables();
 
 // The gpu_trainer flags of a spec: "--<flag>=<value>" for every set leaf that carries the
 // (offload.v1.flag) option, in descriptor order. Floats are printed so they parse back exactly.

@@ -22,11 +22,12 @@ std::string Quote(absl::string_view text);
 std::string JoinPath(absl::string_view parent, absl::string_view name);
 // What a field's value must look like, for "expected ..." messages.
 absl::string_view ExpectedKind(const google::protobuf::FieldDescriptor* field);
-// JobSpec has no repeated and no enum fields, so the readers handle neither; one added to
-// job.proto must be refused by name rather than half read.
+// The readers handle lists of strings (TorchSpec's) but no other repeated field and no enum; one
+// added to job.proto must be refused by name rather than half read.
 absl::Status UnsupportedField(const google::protobuf::FieldDescriptor* field,
                               absl::string_view where);
-// Parses `text` as the scalar `field` of `message` holds and stores it; errors name `where`.
+// Parses `text` as the scalar `field` of `message` holds and stores it (adds it, to a repeated
+// string field); errors name `where`.
 absl::Status StoreScalar(google::protobuf::Message* message,
                          const google::protobuf::FieldDescriptor* field, absl::string_view text,
                          absl::string_view where);

@@ -153,6 +153,7 @@ absl::string_view ExpectedKind(const FieldDescriptor* field) {
 
 absl::Status UnsupportedField(const FieldDescriptor* field, absl::string_view where) {
   const bool repeated = field->is_repeated();
+  if (repeated && field->cpp_type() == FieldDescriptor::CPPTYPE_STRING) return absl::OkStatus();
   if (!repeated && field->cpp_type() != FieldDescriptor::CPPTYPE_ENUM) return absl::OkStatus();
   return Invalid(where, absl::StrCat(field->full_name(), " is ", repeated ? "repeated" : "an enum",
                                      ", which job specs do not support"));
@@ -163,6 +164,9 @@ absl::Status UnsupportedField(const FieldDescriptor* field, absl::string_view wh
 absl::Status StoreScalar(Message* message, const FieldDescriptor* field, absl::string_view text,
                          absl::string_view where) {
   OFFLOAD_RETURN_IF_ERROR(UnsupportedField(field, where));
+  if (field->is_repeated() && field->cpp_type() != FieldDescriptor::CPPTYPE_STRING) {
+    return Invalid(where, "expected a list, got one value");
+  }
   const Reflection* r = message->GetReflection();
   switch (field->cpp_type()) {
     case FieldDescriptor::CPPTYPE_INT32: {
@@ -245,7 +249,11 @@ absl::Status StoreScalar(Message* message, const FieldDescriptor* field, absl::s
                          absl::StrCat("is not valid UTF-8 (byte ", at, " of ", Quote(text), ")"));
         }
       }
-      r->SetString(message, field, std::string(text));
+      if (field->is_repeated()) {  // one item of a list (TorchSpec's)
+        r->AddString(message, field, std::string(text));
+      } else {
+        r->SetString(message, field, std::string(text));
+      }
       return absl::OkStatus();
     case FieldDescriptor::CPPTYPE_ENUM:
     case FieldDescriptor::CPPTYPE_MESSAGE:

@@ -325,6 +325,92 @@ TEST(ValidateJobSpecTest, MessagesNameTheField) {
   }
 }
 
+TEST(TorchJobSpecTest, ParsesFromYamlAndJson) {
+  const char* yaml = R"(
+name: torch-demo
+torch:
+  command: [python3, /data/train.py, "--steps=300"]
+  working_dir: /data
+  env:
+    - HF_HOME=/data/hf
+parallel: {ranks: 2, optimizer_servers: 1}
+checkpoint: {dir: /ckpt/torch-demo}
+max_restarts: 3
+)";
+  absl::StatusOr<v1::JobSpec> from_yaml = ParseJobSpec(yaml);
+  ASSERT_TRUE(from_yaml.ok()) << from_yaml.status();
+  EXPECT_THAT(from_yaml->torch().command(),
+              ElementsAre("python3", "/data/train.py", "--steps=300"));
+  EXPECT_THAT(from_yaml->torch().env(), ElementsAre("HF_HOME=/data/hf"));
+  EXPECT_TRUE(ValidateJobSpec(*from_yaml).ok()) << ValidateJobSpec(*from_yaml);
+  absl::StatusOr<v1::JobSpec> from_json = ParseJobSpec(JobSpecToJson(*from_yaml));
+  ASSERT_TRUE(from_json.ok()) << from_json.status();
+  EXPECT_TRUE(MessageDifferencer::Equals(*from_yaml, *from_json));
+  // No gpu_trainer flag comes of TorchSpec's fields.
+  EXPECT_THAT(JobSpecToFlags(*from_yaml), ElementsAre("--checkpoint_dir=/ckpt/torch-demo"));
+
+  absl::StatusOr<v1::JobSpec> bad = ParseJobSpec("torch: {command: python3}");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("torch.command: expected a list of strings"));
+  bad = ParseJobSpec("torch: {command: [python3, caf\xe9]}");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("torch.command[1]: is not valid UTF-8"));
+  bad = ParseJobSpec("torch: {command: [python3, [nested]]}");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("torch.command[1]: expected a string, got a list"));
+}
+
+TEST(TorchJobSpecTest, MistakesNameTheField) {
+  struct Case {
+    std::function<void(v1::JobSpec*)> edit;
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](v1::JobSpec* s) { s->mutable_torch()->clear_command(); }, "torch.command: required"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->set_command(0, ""); }, "torch.command: required"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->add_command(std::string("a\0b", 3)); },
+       "torch.command[1]: holds a NUL character"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->set_working_dir("data"); },
+       "torch.working_dir: must be an absolute path"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->add_env("NOVALUE"); },
+       "torch.env[0]: must be NAME=value"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->add_env("1X=y"); },
+       "torch.env[0]: must be NAME=value"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->add_env("OFFLOAD_TOKEN=mine"); },
+       "torch.env[0]: OFFLOAD_TOKEN is the job's own"},
+      {[](v1::JobSpec* s) { s->mutable_torch()->add_env("RANK=3"); },
+       "torch.env[0]: RANK is the job's own"},
+      {[](v1::JobSpec* s) { s->mutable_model()->set_layers(4); },
+       "model.layers: a torch job's script sets its own model"},
+      {[](v1::JobSpec* s) { s->mutable_data()->set_path("/data/x"); },
+       "data.path: a torch job's script sets its own"},
+      {[](v1::JobSpec* s) { s->mutable_training()->set_steps(10); },
+       "training.steps: a torch job's script sets its own"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_zero_stage(3); },
+       "parallel.zero_stage: a torch job takes parallel.ranks, optimizer_servers and transport"},
+      {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_every(5); },
+       "checkpoint.every: a torch job takes checkpoint.dir only"},
+      {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_dir("ckpt"); },
+       "checkpoint.dir: must be an absolute path"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_ranks(0); },
+       "parallel.ranks: must be in [1, 1024]"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_transport("pigeon"); },
+       "parallel.transport: must be one of"},
+      {[](v1::JobSpec* s) { s->set_name("a/b"); }, "name: character"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec;
+    spec.mutable_torch()->add_command("python3");
+    c.edit(&spec);
+    absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(status.message(), HasSubstr(c.message));
+  }
+  v1::JobSpec minimal;
+  minimal.mutable_torch()->add_command("python3");
+  EXPECT_TRUE(ValidateJobSpec(minimal).ok()) << ValidateJobSpec(minimal);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Flags.
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -264,7 +265,132 @@ absl::Status ValidateEval(const v1::EvalSpec& e) {
   return s;
 }
 
+// The first set field anywhere under `message` ("model.layers"), or "" when none is set: what a
+// torch job must leave to its script.
+std::string FirstSetField(const Message& message, const std::string& path) {
+  const Descriptor* d = message.GetDescriptor();
+  const Reflection* r = message.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const FieldDescriptor* f = d->field(i);
+    const std::string field_path = JoinPath(path, f->name());
+    if (f->is_repeated()) {
+      if (r->FieldSize(message, f) > 0) return field_path;
+      continue;
+    }
+    if (!r->HasField(message, f)) continue;
+    if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) return field_path;
+    std::string inner = FirstSetField(r->GetMessage(message, f), field_path);
+    if (!inner.empty()) return inner;
+  }
+  return "";
+}
+
+absl::Status NoNul(absl::string_view path, absl::string_view value) {
+  if (value.find('\0') == absl::string_view::npos) return absl::OkStatus();
+  return Invalid(path, "holds a NUL character, which no command line or environment can carry");
+}
+
+absl::Status ValidateTorch(const v1::JobSpec& spec) {
+  const v1::TorchSpec& t = spec.torch();
+  constexpr int kMaxItems = 1024;
+  constexpr size_t kMaxItemBytes = 64 << 10;
+  if (t.command().empty() || t.command(0).empty()) {
+    return Invalid("torch.command",
+                   "required: the program and its arguments, e.g. [\"python3\", "
+                   "\"/data/train.py\"]");
+  }
+  if (t.command_size() > kMaxItems || t.env_size() > kMaxItems) {
+    return Invalid(t.command_size() > kMaxItems ? "torch.command" : "torch.env",
+                   absl::StrCat("at most ", kMaxItems, " entries"));
+  }
+  for (int i = 0; i < t.command_size(); ++i) {
+    const std::string path = absl::StrCat("torch.command[", i, "]");
+    OFFLOAD_RETURN_IF_ERROR(NoNul(path, t.command(i)));
+    if (t.command(i).size() > kMaxItemBytes) {
+      return Invalid(path, absl::StrCat("at most ", kMaxItemBytes, " bytes"));
+    }
+  }
+  OFFLOAD_RETURN_IF_ERROR(NoNul("torch.working_dir", t.working_dir()));
+  OFFLOAD_RETURN_IF_ERROR(CheckPath("torch.working_dir", t.working_dir(), PathRule::kAbsolute));
+  for (int i = 0; i < t.env_size(); ++i) {
+    const std::string path = absl::StrCat("torch.env[", i, "]");
+    const std::string& entry = t.env(i);
+    OFFLOAD_RETURN_IF_ERROR(NoNul(path, entry));
+    if (entry.size() > kMaxItemBytes) {
+      return Invalid(path, absl::StrCat("at most ", kMaxItemBytes, " bytes"));
+    }
+    const size_t eq = entry.find('=');
+    const absl::string_view name = absl::string_view(entry).substr(0, eq);
+    bool valid = eq != std::string::npos && !name.empty() && !absl::ascii_isdigit(name[0]);
+    for (char c : name) valid = valid && (absl::ascii_isalnum(c) || c == '_');
+    if (!valid) {
+      return Invalid(path, absl::StrCat("must be NAME=value with a NAME of A-Z a-z 0-9 _ (not "
+                                        "starting with a digit), got ",
+                                        Quote(entry)));
+    }
+    for (absl::string_view reserved : TorchJobVariables()) {
+      if (name == reserved) {
+        return Invalid(path, absl::StrCat(name, " is the job's own (its worker sets it)"));
+      }
+    }
+  }
+  // What the script decides for itself, and what only gpu_trainer reads.
+  const std::pair<const Message*, const char*> scripts_own[] = {{&spec.model(), "model"},
+                                                                {&spec.data(), "data"},
+                                                                {&spec.optimizer(), "optimizer"},
+                                                                {&spec.training(), "training"},
+                                                                {&spec.eval(), "eval"}};
+  for (const auto& [section, name] : scripts_own) {
+    const std::string set = FirstSetField(*section, name);
+    if (!set.empty()) {
+      return Invalid(set,
+                     "a torch job's script sets its own model, data, optimizer, training and "
+                     "eval: leave this out of the job and give it to the script "
+                     "(torch.command, torch.env)");
+    }
+  }
+  v1::ParallelSpec parallel = spec.parallel();
+  parallel.clear_ranks();
+  parallel.clear_optimizer_servers();
+  parallel.clear_transport();
+  if (const std::string set = FirstSetField(parallel, "parallel"); !set.empty()) {
+    return Invalid(set,
+                   "a torch job takes parallel.ranks, optimizer_servers and transport only; "
+                   "the script chooses the rest (offload.torch.AdamW's arguments)");
+  }
+  v1::CheckpointSpec checkpoint = spec.checkpoint();
+  checkpoint.clear_dir();
+  if (const std::string set = FirstSetField(checkpoint, "checkpoint"); !set.empty()) {
+    return Invalid(set,
+                   "a torch job takes checkpoint.dir only; the script decides when to save "
+                   "(opt.save_checkpoint()) and whether to resume (opt.load_checkpoint())");
+  }
+  OFFLOAD_RETURN_IF_ERROR(ValidateParallel(spec.parallel()));
+  return ValidateCheckpoint(spec.checkpoint(), PathRule::kAbsolute);
+}
+
 }  // namespace
+
+absl::Span<const absl::string_view> TorchJobVariables() {
+  static constexpr absl::string_view kNames[] = {"OFFLOAD_SERVERS",
+                                                 "OFFLOAD_TOKEN",
+                                                 "OFFLOAD_SHARD_TOKEN",
+                                                 "OFFLOAD_JOB_ID",
+                                                 "OFFLOAD_CHECKPOINT_DIR",
+                                                 "OFFLOAD_TRANSPORT",
+                                                 "OFFLOAD_CONTROL_DIR",
+                                                 "OFFLOAD_TLS_CA",
+                                                 "OFFLOAD_TLS_CERT",
+                                                 "OFFLOAD_TLS_KEY",
+                                                 "OFFLOAD_TLS_SERVER_NAME",
+                                                 "MASTER_ADDR",
+                                                 "MASTER_PORT",
+                                                 "RANK",
+                                                 "WORLD_SIZE",
+                                                 "LOCAL_RANK",
+                                                 "LOCAL_WORLD_SIZE"};
+  return kNames;
+}
 
 absl::Status ValidateSettings(const v1::JobSpec& spec, PathRule paths) {
   OFFLOAD_RETURN_IF_ERROR(CheckFinite(spec, ""));
@@ -279,6 +405,10 @@ absl::Status ValidateSettings(const v1::JobSpec& spec, PathRule paths) {
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   OFFLOAD_RETURN_IF_ERROR(ValidateName(spec.name()));
+  if (spec.has_torch()) {
+    OFFLOAD_RETURN_IF_ERROR(CheckFinite(spec, ""));
+    return ValidateTorch(spec);
+  }
   return ValidateSettings(spec, PathRule::kAbsolute);
 }
 

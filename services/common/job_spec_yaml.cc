@@ -99,6 +99,7 @@ class SpecWalker {
   absl::Status Field(const YAML::Node& node, google::protobuf::Message* message,
                      const FieldDescriptor* field, const std::string& path) {
     OFFLOAD_RETURN_IF_ERROR(UnsupportedField(field, path));
+    if (field->is_repeated()) return List(node, message, field, path);
     if (field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
       google::protobuf::Message* child = message->GetReflection()->MutableMessage(message, field);
       // "training:" with nothing under it is an empty section, not a mistake.
@@ -112,6 +113,25 @@ class SpecWalker {
                      absl::StrCat("expected ", ExpectedKind(field), ", got ", Describe(node)));
     }
     return StoreScalar(message, field, node.Scalar(), path);
+  }
+
+  // A list of strings (UnsupportedField refuses every other repeated field): each item a scalar,
+  // stored as written (and checked as any string is). A string field takes any text, so YAML's
+  // `[1, true]` is the strings "1" and "true".
+  absl::Status List(const YAML::Node& node, google::protobuf::Message* message,
+                    const FieldDescriptor* field, const std::string& path) {
+    if (!node.IsSequence()) {
+      return Invalid(path, absl::StrCat("expected a list of strings, got ", Describe(node)));
+    }
+    size_t i = 0;
+    for (const YAML::Node& item : node) {
+      const std::string item_path = absl::StrCat(path, "[", i++, "]");
+      if (!item.IsScalar()) {
+        return Invalid(item_path, absl::StrCat("expected a string, got ", Describe(item)));
+      }
+      OFFLOAD_RETURN_IF_ERROR(StoreScalar(message, field, item.Scalar(), item_path));
+    }
+    return absl::OkStatus();
   }
 
   std::string root_;

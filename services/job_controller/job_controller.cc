@@ -75,6 +75,14 @@ void LogError(const absl::Status& status) {
 }  // namespace
 
 absl::StatusOr<v1::PartitionMap> PartitionForSpec(const v1::JobSpec& spec) {
+  if (spec.has_torch()) {
+    // The script's model is unknown until it runs: its front end lays the parameters out on the
+    // servers itself (CreateJob), so the map says only how many ranks and shards there are.
+    v1::PartitionMap map;
+    map.set_world_size(Ranks(spec));
+    map.set_num_shards(OptimizerServers(spec));
+    return map;
+  }
   const v1::ModelSpec& m = spec.model();
   ModelShape shape;  // the shape gpu_trainer makes of the flags this spec becomes
   if (m.has_preset()) shape.preset = m.preset();

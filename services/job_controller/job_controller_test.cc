@@ -256,6 +256,43 @@ TEST_F(JobControllerTest, PartitionUsesTheTrainerDefaultsAndOverrides) {
   EXPECT_THAT(PartitionForSpec(bad).status().message(), HasSubstr("model.preset"));
 }
 
+// A torch job: no model to lay out (its script's front end does that on the servers), assigned
+// like gpu_trainer's, its TorchSpec handed to the trainer worker whole.
+TEST_F(JobControllerTest, TorchJobsTakeServersAndTrainersFromThePool) {
+  v1::JobSpec spec;
+  spec.mutable_torch()->add_command("python3");
+  spec.mutable_torch()->add_command("/data/train.py");
+  spec.mutable_parallel()->set_ranks(2);
+  spec.mutable_parallel()->set_optimizer_servers(2);
+  absl::StatusOr<v1::PartitionMap> partition = PartitionForSpec(spec);
+  ASSERT_TRUE(partition.ok()) << partition.status();
+  EXPECT_EQ(partition->num_params(), 0u);
+  EXPECT_EQ(partition->world_size(), 2u);
+  EXPECT_EQ(partition->num_shards(), 2u);
+  const std::string job_id = Submit(spec).id();
+  const std::string s0 = Server("s0"), s1 = Server("s1");
+  const std::string t0 = Trainer("t0"), t1 = Trainer("t1");
+  ASSERT_EQ(Get(job_id).state(), v1::JOB_STATE_RUNNING);
+  Beat(s0);
+  Beat(s1);
+  Beat(s0, {Ref(job_id, 1)});
+  Beat(s1, {Ref(job_id, 1)});
+  v1::HeartbeatResponse t = Beat(t0);
+  ASSERT_EQ(t.start_size(), 1);
+  EXPECT_THAT(t.start(0).spec().torch().command(), ElementsAre("python3", "/data/train.py"));
+  EXPECT_EQ(t.start(0).world_size(), 2u);
+  EXPECT_THAT(t.start(0).shard_addresses(), ElementsAre("s0:50051", "s1:50051"));
+  EXPECT_FALSE(t.start(0).shard_secret().empty());
+
+  v1::JobSpec no_command = spec;
+  no_command.mutable_torch()->clear_command();
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = no_command;
+  absl::StatusOr<v1::Job> refused = controller_->SubmitJob(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("torch.command: required"));
+}
+
 TEST_F(JobControllerTest, ServersGetTheirAssignmentBeforeTrainers) {
   const std::string job_id = Submit(Spec()).id();
   const std::string server = Server("s0");

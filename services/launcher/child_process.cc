@@ -29,8 +29,8 @@ void CloseFd(int fd) {
 
 // Only async-signal-safe calls from here to exec: the launcher has other threads whose locks
 // (malloc, stdio) may have been held at the fork and never get released in the child.
-[[noreturn]] void ExecChild(char* const* argv, char* const* envp, pid_t parent, int stdin_fd,
-                            int output_fd, int error_fd) {
+[[noreturn]] void ExecChild(char* const* argv, char* const* envp, const char* working_dir,
+                            pid_t parent, int stdin_fd, int output_fd, int error_fd) {
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The parent may have died before prctl took effect; then nobody would ever kill us.
@@ -51,7 +51,7 @@ void CloseFd(int fd) {
       (dup2(output_fd, STDOUT_FILENO) < 0 || dup2(output_fd, STDERR_FILENO) < 0)) {
     _exit(127);
   }
-  execve(argv[0], argv, envp);
+  if (working_dir == nullptr || chdir(working_dir) == 0) execve(argv[0], argv, envp);
   int error = errno;
   ssize_t ignored = write(error_fd, &error, sizeof(error));
   (void)ignored;
@@ -63,6 +63,15 @@ void CloseFd(int fd) {
 absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const SpawnOptions& options) {
   if (options.argv.empty()) return absl::InvalidArgumentError("no program to run");
   const std::string& program = options.argv[0];
+  // Checked here too, so that a missing directory is named as such (the child can only pass back
+  // an errno, which would read as the program's).
+  if (!options.working_dir.empty()) {
+    std::error_code error;
+    if (!std::filesystem::is_directory(options.working_dir, error)) {
+      return absl::NotFoundError(
+          absl::StrCat("working directory ", options.working_dir, " is not a directory"));
+    }
+  }
   std::vector<char*> argv;
   for (const std::string& arg : options.argv) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
@@ -109,7 +118,9 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const SpawnOpt
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid == 0) {
-    ExecChild(argv.data(), envp.data(), parent, stdin_fd, output_pipe[1], error_pipe[1]);
+    ExecChild(argv.data(), envp.data(),
+              options.working_dir.empty() ? nullptr : options.working_dir.c_str(), parent, stdin_fd,
+              output_pipe[1], error_pipe[1]);
   }
   int fork_error = errno;
   CloseFd(stdin_fd);

@@ -26,6 +26,8 @@ struct SpawnOptions {
   // "NAME=value" entries added to the child's environment (replacing a variable of the same
   // name): how a secret reaches a child without appearing in its argv, which any user can read.
   std::vector<std::string> env;
+  // The child's working directory; empty: the parent's.
+  std::string working_dir;
 };
 
 class ChildProcess {

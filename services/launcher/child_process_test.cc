@@ -85,6 +85,27 @@ TEST(ChildProcessTest, AddsToTheEnvironment) {
   unsetenv("OFFLOAD_CHILD_TEST_REPLACED");
 }
 
+TEST(ChildProcessTest, StartsInItsWorkingDirectory) {
+  SpawnOptions options;
+  options.argv = {"/bin/pwd"};
+  options.capture_output = true;
+  options.working_dir = "/usr/bin";
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(options);
+  ASSERT_TRUE(child.ok()) << child.status();
+  LineReader reader((*child)->TakeOutputFd());
+  std::string line;
+  ASSERT_EQ(reader.ReadLine(absl::Now() + absl::Seconds(10), -1, &line), LineReader::Result::kLine);
+  EXPECT_EQ(line, "/usr/bin");
+  EXPECT_TRUE((*child)->WaitFor(absl::Seconds(10)));
+
+  options.working_dir = "/nonexistent/dir";
+  child = ChildProcess::Spawn(options);
+  ASSERT_FALSE(child.ok());
+  EXPECT_EQ(child.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(child.status().message().find("working directory /nonexistent/dir"), std::string::npos)
+      << child.status();
+}
+
 TEST(ChildProcessTest, LineReaderTimesOut) {
   std::unique_ptr<ChildProcess> child = SpawnOrDie({"/bin/sleep", "30"}, /*capture=*/true);
   LineReader reader(child->TakeOutputFd());

@@ -218,6 +218,22 @@ absl::Status ControlledJob::StartPool() {
 }
 
 absl::StatusOr<v1::JobSpec> ControlledJob::MakeSpec() {
+  if (options_.job.has_value()) {
+    v1::JobSpec spec = *options_.job;
+    if (spec.name().empty()) spec.set_name("local");
+    if (spec.checkpoint().has_dir()) {
+      spec.mutable_checkpoint()->set_dir(Absolute(spec.checkpoint().dir()));
+    }
+    if (spec.data().has_path()) spec.mutable_data()->set_path(Absolute(spec.data().path()));
+    if (spec.model().has_init_from()) {
+      spec.mutable_model()->set_init_from(Absolute(spec.model().init_from()));
+    }
+    if (spec.has_torch()) {
+      v1::TorchSpec& torch = *spec.mutable_torch();
+      torch.set_working_dir(Absolute(torch.working_dir().empty() ? "." : torch.working_dir()));
+    }
+    return spec;
+  }
   // Flags of the job go into the spec; the others (display, timeouts, traces) are settings of
   // the trainers on this machine, which pass them to every rank they run.
   std::vector<std::string> job_args;

@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +34,10 @@ struct ControlledJobOptions : LocalJobOptions {
   // there as Prometheus file_sd target files, one per scrape job: offload-controller.json,
   // offload-optimizer-server.json, offload-trainer-worker.json, offload-trainer.json.
   std::string metrics_targets_dir;
+  // A job file to submit instead of a spec made from trainer_args (which must then be empty): any
+  // job, a torch job's included. num_ranks and num_shards must be its own. Relative paths in it
+  // are taken from this launcher's directory, which is also a torch job's default working_dir.
+  std::optional<v1::JobSpec> job;
 };
 
 class ControlledJob {

@@ -5,16 +5,19 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "base/logging.h"
+#include "services/common/job_spec.h"
 #include "services/launcher/child_process.h"
 #include "services/launcher/controlled_job.h"
 #include "services/launcher/local_job.h"
@@ -27,6 +30,10 @@ ABSL_FLAG(std::string, controller, "local",
 ABSL_FLAG(std::string, metrics_targets_dir, "",
           "with --controller=local: every process serves Prometheus /metrics on a free loopback "
           "port, listed in file_sd target files in this directory (see monitoring/)");
+ABSL_FLAG(std::string, job, "",
+          "with --controller=local: submit this job file (YAML or JSON, e.g. a torch job that runs "
+          "a PyTorch script) instead of a job made from the trainer flags; --ranks and --shards "
+          "come from its parallel section");
 ABSL_FLAG(std::string, store, "",
           "with --controller=local: keep the controller's job store in this SQLite file (default: "
           "a temporary one, removed at the end)");
@@ -120,6 +127,23 @@ int main(int argc, char** argv) {
     LOG(ERROR) << "offload_local: --metrics_targets_dir needs --controller=local";
     return 2;
   }
+  std::optional<offload::v1::JobSpec> job_file;
+  if (const std::string path = absl::GetFlag(FLAGS_job); !path.empty()) {
+    absl::StatusOr<offload::v1::JobSpec> spec = offload::ReadJobSpecFile(path);
+    if (!spec.ok() || mode != "local" || !options.trainer_args.empty()) {
+      LOG(ERROR) << "offload_local: --job="
+                 << (!spec.ok() ? spec.status().ToString()
+                                : absl::StrCat(path,
+                                               " needs --controller=local and no trainer "
+                                               "flags after --"));
+      return 2;
+    }
+    const offload::v1::ParallelSpec& parallel = spec->parallel();
+    options.num_ranks = parallel.has_ranks() ? static_cast<int>(parallel.ranks()) : 1;
+    options.num_shards =
+        parallel.has_optimizer_servers() ? static_cast<int>(parallel.optimizer_servers()) : 1;
+    job_file = *std::move(spec);
+  }
   offload::JobOutcome outcome;
   if (mode == "local") {
     offload::ControlledJobOptions controlled;
@@ -130,6 +154,7 @@ int main(int argc, char** argv) {
     }
     controlled.store = absl::GetFlag(FLAGS_store);
     controlled.metrics_targets_dir = absl::GetFlag(FLAGS_metrics_targets_dir);
+    controlled.job = std::move(job_file);
     offload::ControlledJob job(std::move(controlled), &*signals);
     outcome = job.Run();
   } else {

@@ -145,6 +145,11 @@ std::string JobDetails(const v1::Job& job, absl::Time now, absl::TimeZone zone) 
   rows.push_back({"ID:", job.id()});
   rows.push_back({"Name:", job.spec().name().empty() ? "-" : job.spec().name()});
   rows.push_back({"State:", StateName(job.state())});
+  if (job.spec().has_torch()) {
+    const v1::TorchSpec& torch = job.spec().torch();
+    rows.push_back({"Command:", absl::StrJoin(torch.command(), " ")});
+    if (!torch.working_dir().empty()) rows.push_back({"Directory:", torch.working_dir()});
+  }
   if (!job.reason().empty()) rows.push_back({"Reason:", job.reason()});
   if (job.request() != v1::JOB_REQUEST_NONE) {
     rows.push_back({"Request:", RequestName(job.request())});
@@ -173,8 +178,9 @@ std::string JobDetails(const v1::Job& job, absl::Time now, absl::TimeZone zone) 
       job.spec().parallel().has_optimizer_servers() ? job.spec().parallel().optimizer_servers() : 1;
   const v1::ParallelSpec& parallel = job.spec().parallel();
   const int zero_stage = parallel.has_zero_stage() ? parallel.zero_stage() : 2;
-  std::string zero = absl::StrCat(", ZeRO stage ", zero_stage);
-  if (zero_stage == 3) {
+  std::string zero =
+      job.spec().has_torch() ? ", a torch script" : absl::StrCat(", ZeRO stage ", zero_stage);
+  if (zero_stage == 3 && !job.spec().has_torch()) {
     absl::StrAppend(&zero, " (window ",
                     parallel.has_param_window_layers() ? parallel.param_window_layers() : 2,
                     " layers)");

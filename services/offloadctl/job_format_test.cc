@@ -165,6 +165,15 @@ TEST(JobDetailsTest, ShowsReasonAttemptProgressAndCheckpoint) {
   stage3.mutable_spec()->mutable_parallel()->set_zero_stage(3);
   EXPECT_NE(JobDetails(stage3, kNow, absl::UTCTimeZone()).find("ZeRO stage 3 (window 2 layers)"),
             std::string::npos);
+  v1::Job torch = job;
+  torch.mutable_spec()->mutable_torch()->add_command("python3");
+  torch.mutable_spec()->mutable_torch()->add_command("/data/train.py");
+  const std::string torch_details = JobDetails(torch, kNow, absl::UTCTimeZone());
+  for (const char* expected :
+       {"Command:", "python3 /data/train.py", "1 optimizer server(s), a torch script"}) {
+    EXPECT_NE(torch_details.find(expected), std::string::npos) << expected << " in\n"
+                                                               << torch_details;
+  }
   // Values start in one column.
   const std::vector<std::string> lines = absl::StrSplit(details, '\n', absl::SkipEmpty());
   const size_t value_column = lines[0].find("job-7");
