@@ -1,8 +1,11 @@
 """ctypes binding of liboffload_c.so (optimizer_client/capi/offload_c.h), and where to find it.
 
-The library is looked for, in order: ``$OFFLOAD_LIBRARY`` (a file), ``$OFFLOAD_BUILD_DIR/lib``
-(relative to the repository root unless absolute), the repository's ``build/lib``, then the
-system's library path (an installed ``liboffload_c.so``).
+The library is looked for, in order: ``$OFFLOAD_LIBRARY`` (a file), the package's own copy
+(``offload/lib/liboffload_c.so``, what the wheel of ``scripts/build-wheel`` installs), then, in a
+source tree only, ``$OFFLOAD_BUILD_DIR/lib`` (relative to the repository root unless absolute) or
+the repository's ``build/lib``, then the system's library path (an installed
+``liboffload_c.so``). ``cpu_optimizer_server`` likewise: the package's ``offload/bin/``, the build
+tree's ``bin/``, then ``PATH``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ FORM_TORCH_1_13, FORM_LERP = 0, 1  # OffloadConfig.adam_form
 MASTER, EXP_AVG, EXP_AVG_SQ = 1, 2, 3
 TIERS = {"auto": 0, "memory": 1, "disk": 2}
 
-_REPO = pathlib.Path(__file__).resolve().parents[2]
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+_REPO = _PACKAGE.parents[1]
+# A source tree (python/offload in the repository) has build trees beside it; an installed package
+# (site-packages/offload) has not, and a build/ that happens to lie two levels up is not ours.
+_IN_SOURCE_TREE = (_REPO / "CMakeLists.txt").is_file() and (_REPO / "python" / "offload").is_dir()
 
 # absl::StatusCode names, for messages.
 _CODES = {1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
@@ -90,8 +97,11 @@ def library_path() -> str:
     explicit = os.environ.get("OFFLOAD_LIBRARY")
     if explicit:
         return explicit
+    own = _PACKAGE / "lib" / "liboffload_c.so"
+    if own.exists():
+        return str(own)
     built = _build_dir() / "lib" / "liboffload_c.so"
-    if built.exists():
+    if _IN_SOURCE_TREE and built.exists():
         return str(built)
     found = ctypes.util.find_library("offload_c")
     if found:
@@ -101,9 +111,12 @@ def library_path() -> str:
 
 
 def server_binary() -> str:
-    """The cpu_optimizer_server next to the library in the build tree, else on PATH."""
+    """The package's own cpu_optimizer_server, else the build tree's, else the one on PATH."""
+    own = _PACKAGE / "bin" / "cpu_optimizer_server"
+    if own.exists():
+        return str(own)
     built = _build_dir() / "bin" / "cpu_optimizer_server"
-    if built.exists():
+    if _IN_SOURCE_TREE and built.exists():
         return str(built)
     import shutil
     found = shutil.which("cpu_optimizer_server")

@@ -1,5 +1,8 @@
 """An optimizer server of this process's own: ``cpu_optimizer_server`` as a child process.
 
+``python3 -m offload.server [flags]`` runs the package's ``cpu_optimizer_server`` itself (the same
+flags, ``--help`` included), e.g. a server for a pool from an installed wheel.
+
 ``offload.torch.AdamW(servers=None)`` starts one on 127.0.0.1 with a fresh token (handed over in
 the child's environment, never its argv), reaches it over shared memory, and stops it when the
 optimizer is closed or the interpreter exits. On Linux the child also dies with its parent
@@ -117,3 +120,15 @@ class LocalServer:
             os.unlink(log)
         except OSError:
             pass
+
+
+def main() -> None:
+    """Replaces this process with cpu_optimizer_server and the given flags: its signals, output
+    and exit code are the program's own."""
+    import sys
+    program = server_binary()
+    os.execv(program, [program] + sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
