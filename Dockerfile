@@ -50,20 +50,23 @@ RUN if [ -n "$CUDA_VERSION" ]; then \
     fi \
  && cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release $cuda \
  && cmake --build /build -j "$(nproc)" \
-      --target job_controller cpu_optimizer_server gpu_trainer offloadctl \
- && mkdir -p /out/bin /out/lib \
+      --target job_controller cpu_optimizer_server gpu_trainer offloadctl offload_c \
+ && mkdir -p /out/bin /out/lib /out/pylib \
  && cp /build/bin/job_controller /build/bin/cpu_optimizer_server /build/bin/gpu_trainer \
        /build/bin/offloadctl /out/bin/ \
- && strip --strip-unneeded /out/bin/*
+ && cp /build/lib/liboffload_c.so /out/pylib/ \
+ && strip --strip-unneeded /out/bin/* /out/pylib/*
 
-# scripts/build-image's staging: bin/ (stripped programs), lib/ (CUDA libraries, or empty).
+# scripts/build-image's staging: bin/ (stripped programs), lib/ (CUDA libraries, or empty),
+# pylib/ (liboffload_c.so, for the torch image).
 FROM scratch AS prebuilt
 COPY build/image/bin/ /out/bin/
 COPY build/image/lib/ /out/lib/
+COPY build/image/pylib/ /out/pylib/
 
 FROM ${PROGRAMS} AS programs
 
-FROM ${DEBIAN_IMAGE}
+FROM ${DEBIAN_IMAGE} AS runtime
 ARG CUDA_VERSION=""
 ENV DEBIAN_FRONTEND=noninteractive
 # Runtime libraries only (those of the -dev packages in scripts/bootstrap); ibverbs-providers
@@ -100,3 +103,27 @@ ENV PATH=/opt/offload/bin:$PATH
 WORKDIR /tmp
 USER 10001:10001
 CMD ["job_controller", "--help"]
+
+# The trainer image for torch jobs (k8s/overlays/torch; --target torch, scripts/build-image
+# --torch): the runtime image plus Debian's python3-torch and the offload package, laid out as
+# the wheel of scripts/build-wheel lays it out (offload/lib/liboffload_c.so, offload/bin/), and
+# the example script. A second image because torch is most of its size: the controller and the
+# optimizer servers do not need it. Debian's torch is a CPU build; for CUDA, build this stage
+# FROM an image with a CUDA torch instead.
+FROM runtime AS torch
+USER root
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends python3 python3-torch python3-numpy \
+ && rm -rf /var/lib/apt/lists/*
+COPY python/offload/*.py /usr/lib/python3/dist-packages/offload/
+COPY --from=programs /out/pylib/liboffload_c.so /usr/lib/python3/dist-packages/offload/lib/
+RUN mkdir -p /usr/lib/python3/dist-packages/offload/bin \
+ && ln -s /opt/offload/bin/cpu_optimizer_server /usr/lib/python3/dist-packages/offload/bin/
+COPY examples/torch_job.py /opt/offload/examples/torch_job.py
+# A read-only root: no .pyc written next to the sources.
+ENV PYTHONDONTWRITEBYTECODE=1
+RUN python3 -c 'import offload.torch, offload._lib as l; print(l.library_path(), l.server_binary())'
+USER 10001:10001
+
+# The default target: the image of the controller, the optimizer servers and the C++ trainer.
+FROM runtime

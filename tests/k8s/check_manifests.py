@@ -20,7 +20,8 @@ objects, for validate.py) and checks what the API schemas cannot express:
   docs/METRICS.md, the port it names exists on the selected pods (services) with the number
   METRICS.md gives, and every job of METRICS.md (bar dcgm-exporter) is scraped;
 - the PrometheusRules' groups equal those of monitoring/prometheus/rules/*.yml (as data);
-- the example job file agrees with the layout (ranks, shards, paths, transport);
+- the example job file agrees with the layout (ranks, shards, paths, transport); a torch job's
+  script is one the Dockerfile ships, and its trainers (only) run the torch image;
 - the namespace's Pod Security level admits the pods (IPC_LOCK needs `privileged`);
 - the app.kubernetes.io labels and the namespace.
 
@@ -44,6 +45,8 @@ TOKEN_SECRET = "offload-token"
 CHECKPOINT_DIR = "/var/lib/offload/checkpoints"
 CONTROLLER_STORE_DIR = "/var/lib/offload/controller"
 DATA_DIR = "/opt/offload/data/"
+EXAMPLES_DIR = "/opt/offload/examples/"
+TORCH_IMAGE = "offload-torch"
 NAMESPACE = "offload"
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet", "ReplicaSet", "Pod"}
 NOT_NAMESPACED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
@@ -619,10 +622,13 @@ def check_example_job(case, ctx):
         return
     job = d(job)
     parallel = d(job.get("parallel"))
-    data_path = d(job.get("data")).get("path") or ""
-    if not data_path.startswith(DATA_DIR) or \
-            not os.path.isfile(os.path.join(case.repo, "data", data_path[len(DATA_DIR):])):
-        case.error(cm, f"data.path {data_path!r} is not a file the image ships under {DATA_DIR}")
+    if job.get("torch") is not None:
+        check_torch_job(case, ctx, cm, d(job.get("torch")))
+    else:
+        data_path = d(job.get("data")).get("path") or ""
+        if not data_path.startswith(DATA_DIR) or \
+                not os.path.isfile(os.path.join(case.repo, "data", data_path[len(DATA_DIR):])):
+            case.error(cm, f"data.path {data_path!r} is not a file the image ships under {DATA_DIR}")
     if not (d(job.get("checkpoint")).get("dir") or "").startswith(CHECKPOINT_DIR + "/"):
         case.error(cm, f"checkpoint.dir is not under the checkpoint volume {CHECKPOINT_DIR}")
     trainer_pods = shards = 0
@@ -645,6 +651,30 @@ def check_example_job(case, ctx):
         case.error(cm, f"parallel.optimizer_servers {parallel.get('optimizer_servers', 1)} != {shards} optimizer servers")
     if rdma and parallel.get("transport") != "ucx":
         case.error(cm, "the layout has RDMA devices but the job's transport is not ucx")
+
+
+def check_torch_job(case, ctx, cm, torch):
+    """A torch job (a PyTorch script on the pool): the script it runs is one the torch image
+    ships, and every trainer pool worker runs from the torch image (the Dockerfile's `torch`
+    stage) while nothing else does."""
+    command = torch.get("command") or []
+    scripts = [a for a in command if isinstance(a, str) and a.startswith(EXAMPLES_DIR)]
+    if not scripts:
+        case.error(cm, f"torch.command {command!r} runs no script the image ships under {EXAMPLES_DIR}")
+    for script in scripts:
+        name = script[len(EXAMPLES_DIR):]
+        with open(os.path.join(case.repo, "Dockerfile"), encoding="utf-8") as f:
+            shipped = f"COPY examples/{name} {script}" in f.read()
+        if not os.path.isfile(os.path.join(case.repo, "examples", name)) or not shipped:
+            case.error(cm, f"torch.command's {script} is not examples/{name} copied by the Dockerfile")
+    for obj, _, ps in ctx["pods"]:
+        for c in containers(ps, init=False):
+            image = str(c.get("image", ""))
+            torch_image = image.split("/")[-1].startswith(TORCH_IMAGE + ":")
+            if binary(c) == "gpu_trainer" and not torch_image:
+                case.error(obj, f"trainer {image!r} is not the torch image ({TORCH_IMAGE}) a torch job needs")
+            if binary(c) != "gpu_trainer" and torch_image:
+                case.error(obj, f"{c.get('name')} runs the torch image, which only trainers need")
 
 
 def metrics_table(repo):
