@@ -71,6 +71,8 @@ ARG CUDA_VERSION=""
 ENV DEBIAN_FRONTEND=noninteractive
 # Runtime libraries only (those of the -dev packages in scripts/bootstrap); ibverbs-providers
 # and librdmacm1, UCX's way to RDMA NICs (k8s/overlays/rdma), are named though libucx0 pulls them.
+# apt-get clean: the base scripts/build-image makes with mmdebstrap lacks the docker-clean hook of
+# Docker's debian image, so the downloaded packages would otherwise stay in the layer.
 RUN apt-get update -q \
  && apt-get install -y -q --no-install-recommends ca-certificates \
       libabsl20220623 libgrpc++1.51 libgrpc29 libprotobuf32 libopenblas0-openmp libgomp1 \
@@ -88,7 +90,7 @@ RUN apt-get update -q \
       && ldconfig \
       && apt-get purge -y curl && apt-get autoremove -y; \
     fi \
- && rm -rf /var/lib/apt/lists/* \
+ && apt-get clean && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 offload \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin offload
@@ -114,15 +116,18 @@ FROM runtime AS torch
 USER root
 RUN apt-get update -q \
  && apt-get install -y -q --no-install-recommends python3 python3-torch python3-numpy \
- && rm -rf /var/lib/apt/lists/*
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
 COPY python/offload/*.py /usr/lib/python3/dist-packages/offload/
 COPY --from=programs /out/pylib/liboffload_c.so /usr/lib/python3/dist-packages/offload/lib/
 RUN mkdir -p /usr/lib/python3/dist-packages/offload/bin \
  && ln -s /opt/offload/bin/cpu_optimizer_server /usr/lib/python3/dist-packages/offload/bin/
 COPY examples/torch_job.py /opt/offload/examples/torch_job.py
-# A read-only root: no .pyc written next to the sources.
-ENV PYTHONDONTWRITEBYTECODE=1
-RUN python3 -c 'import offload.torch, offload._lib as l; print(l.library_path(), l.server_binary())'
+# A read-only root: no .pyc written next to the sources, and what scripts cache under ~ (torch.hub,
+# datasets) goes to the pods' /tmp emptyDir: uid 10001 has no home.
+ENV PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+RUN ! ldd /usr/lib/python3/dist-packages/offload/lib/liboffload_c.so \
+      | grep -v 'libcuda\.so' | grep 'not found' \
+ && python3 -c 'import offload.torch, offload._lib as l; print(l.library_path(), l.server_binary())'
 USER 10001:10001
 
 # The default target: the image of the controller, the optimizer servers and the C++ trainer.

@@ -16,10 +16,16 @@
 #   4. the same job again, with one optimizer server's container killed (SIGKILL) after the first
 #      checkpoint and started again, as its StatefulSet would: the job restarts from the
 #      checkpoint, succeeds, and its final checkpoint equals run 3's byte for byte;
-#   5. with podman: `podman kube play` of the rendered base with two optimizer pods (adapted
+#   5. the torch image (scripts/build-image --torch; OFFLOAD_CONTAINER_TORCH_IMAGE=NAME:TAG reuses
+#      one): python3 loads offload.torch and liboffload_c.so as uid 10001 on a read-only root;
+#      then the controller, an optimizer server and a trainer worker as `kubectl kustomize
+#      k8s/overlays/torch` runs them (the trainer on the torch image) train the overlay's example
+#      torch job (short) to SUCCEEDED through the REST port, and again with the script taken from
+#      the scripts ConfigMap's mount (/etc/offload/scripts), ending with the same weights;
+#   6. with podman: `podman kube play` of the rendered base with two optimizer pods (adapted
 #      where podman 4.3 differs from Kubernetes; pods.py kube prints each adaptation) trains the
 #      same job to SUCCEEDED through the played controller's REST port;
-#   6. the same with the single-node overlay, whose trainer must pick the shared-memory data
+#   7. the same with the single-node overlay, whose trainer must pick the shared-memory data
 #      plane to the shard in its own pod.
 # Everything it starts (containers, pods, networks, volumes) is removed at the end.
 set -euo pipefail
@@ -56,6 +62,7 @@ kube_net=$id-kube
 kube_yaml=""
 kube_volumes=""
 built_image=""
+built_torch_image=""
 cleanup() {
   set +e
   if [ -n "$kube_yaml" ] && [ "$ENGINE" = podman ]; then
@@ -67,7 +74,9 @@ cleanup() {
   $ENGINE ps -aq --filter label=offload-test="$id" | xargs -r $ENGINE rm -f >/dev/null 2>&1
   $ENGINE network rm -f "$net" >/dev/null 2>&1
   [ "$ENGINE" = podman ] && podman network rm -f "$kube_net" >/dev/null 2>&1
-  # The image this run built (1-2 GB); its base and package layers stay cached for the next.
+  # The images this run built (1-3 GB); their base and package layers stay cached for the next.
+  # The torch image first: it is the other's child.
+  [ -n "$built_torch_image" ] && $ENGINE rmi "$built_torch_image" >/dev/null 2>&1
   [ -n "$built_image" ] && $ENGINE rmi "$built_image" >/dev/null 2>&1
   rm -rf "$work"
 }
@@ -117,7 +126,7 @@ pass "every program starts as uid 10001 on a read-only root; ldd resolves $(tail
 # --- the rendered base, the token, the job ----------------------------------------------------
 kubectl kustomize k8s/base >"$work/base.yaml"
 token=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
-mkdir -p "$work/token" "$work/jobs" "$work/checkpoints" "$work/store"
+mkdir -p "$work/token" "$work/jobs" "$work/checkpoints" "$work/store" "$work/scripts"
 echo "$token" >"$work/token/token"
 # Kubernetes gives the pods' fsGroup (10001) the volumes; here the host directories.
 chown -R 10001:10001 "$work/token" "$work/checkpoints" "$work/store"
@@ -180,16 +189,20 @@ hosts=(--add-host="offload-controller:${ip[offload-controller]}"
        --add-host="offload-optimizer-0.offload-optimizer:${ip[offload-optimizer-0]}"
        --add-host="offload-optimizer-1.offload-optimizer:${ip[offload-optimizer-1]}"
        --add-host="offload-trainer-0.offload-trainer:${ip[offload-trainer-0]}")
+# The manifests start() runs, and the trainer's image (step 5 switches both to the torch overlay).
+rendered=$work/base.yaml
+trainer_image=$image
 start() {  # pod workload [--env K=V]...: runs the workload's container as pod
   local pod=$1 workload=$2
   shift 2
   local args
-  mapfile -t args < <("$python" tests/container/pods.py run-args "$work/base.yaml" "$workload" "$@" \
+  mapfile -t args < <("$python" tests/container/pods.py run-args "$rendered" "$workload" "$@" \
     --volume token="$work/token" --volume jobs="$work/jobs" --volume store="$work/store" \
-    --volume checkpoints="$work/checkpoints")
+    --volume checkpoints="$work/checkpoints" --volume scripts="$work/scripts")
   [ ${#args[@]} -gt 0 ] || fail "pods.py run-args $workload"
-  local i
-  for i in "${!args[@]}"; do [ "${args[$i]}" = IMAGE ] && args[$i]=$image; done
+  local i img=$image
+  [ "$workload" = offload-trainer ] && img=$trainer_image
+  for i in "${!args[@]}"; do [ "${args[$i]}" = IMAGE ] && args[$i]=$img; done
   $ENGINE run -d --name "$id-$pod" --hostname "$pod" --label offload-test="$id" \
     --network "$net" --ip "${ip[$pod]}" "${hosts[@]}" "${args[@]}" >/dev/null ||
     fail "starting $pod"
@@ -244,7 +257,93 @@ pass "job $job_b restarted from its checkpoint and ended with run 3's bytes ($(l
 $ENGINE ps -aq --filter label=offload-test="$id" | xargs -r $ENGINE rm -f >/dev/null
 $ENGINE network rm -f "$net" >/dev/null
 
-# --- 5, 6. podman kube play -------------------------------------------------------------------
+# --- 5. the torch image and k8s/overlays/torch ------------------------------------------------
+torch_image=${OFFLOAD_CONTAINER_TORCH_IMAGE:-}
+if [ -z "$torch_image" ]; then
+  step "building the torch image"
+  ./scripts/build-image --torch >"$work/build-torch.log" 2>&1 ||
+    { tail -30 "$work/build-torch.log"; fail "scripts/build-image --torch"; }
+  last=$(tail -1 "$work/build-torch.log")
+  echo "$last"
+  torch_image=$(echo "$last" | sed -n 's/^build-image: \([^ ]*\) (.*/\1/p')
+  [ -n "$torch_image" ] || fail "build-image --torch printed no image name: $last"
+  built_torch_image=$torch_image
+fi
+$ENGINE image inspect "$torch_image" >/dev/null 2>&1 || fail "no image $torch_image"
+$ENGINE run --rm "${secure[@]}" --entrypoint=/bin/sh "$torch_image" -c \
+  'ldd /usr/lib/python3/dist-packages/offload/lib/liboffload_c.so | grep -v "libcuda\.so" | grep "not found"
+   python3 -c "import offload.torch, offload._lib as l; l.lib(); print(l.server_binary())"' \
+  >"$work/torch-import" 2>&1 || true
+grep -q "=> not found" "$work/torch-import" &&
+  fail "unresolved libraries of liboffload_c.so: $(grep '=> not found' "$work/torch-import" | sort -u)"
+grep -qx /usr/lib/python3/dist-packages/offload/bin/cpu_optimizer_server "$work/torch-import" ||
+  fail "offload.torch in $torch_image as uid 10001 on a read-only root: $(tail -5 "$work/torch-import")"
+pass "torch image $torch_image: offload.torch and liboffload_c.so load as uid 10001 on a read-only root"
+
+step "controller, an optimizer server and a torch trainer as containers (k8s/overlays/torch)"
+kubectl kustomize k8s/overlays/torch >"$work/torch.yaml"
+rendered=$work/torch.yaml
+trainer_image=$torch_image
+# What `kubectl create configmap offload-torch-scripts --from-file=train.py` would mount.
+cp examples/torch_job.py "$work/scripts/train.py"
+chmod 0755 "$work/scripts"
+chmod 0644 "$work/scripts/train.py"
+# The overlay's example torch job, short, with SCRIPT (if given) in place of its script and a
+# checkpoint directory of its own; rank 0 writes the final weights next to the checkpoints.
+torch_job_json() {  # name [script] -> JSON on stdout
+  "$python" - "$work/torch.yaml" "$1" "$2" "$steps" <<'PY'
+import json, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "offload-example-job")
+job = yaml.safe_load(cm["data"]["job.yaml"])
+name, script, steps = sys.argv[2], sys.argv[3], sys.argv[4]
+job["name"] = name
+job["checkpoint"]["dir"] += "-" + name
+command = [(script or a) if a.endswith(".py") else a for a in job["torch"]["command"]
+           if not a.startswith(("--steps=", "--checkpoint_every=", "--out="))]
+job["torch"]["command"] = command + [f"--steps={steps}", "--checkpoint_every=20",
+                                     f"--out={job['checkpoint']['dir']}/final.safetensors"]
+print(json.dumps(job))
+PY
+}
+submit_torch() {  # name [script]: POSTs the torch job to $http, sets job_id
+  local reply
+  reply=$(post /v1/jobs "$(torch_job_json "$1" "${2:-}")" 2>&1) || true
+  job_id=$(echo "$reply" | json "['id']" 2>/dev/null) || fail "POST /v1/jobs to $http: $reply"
+}
+$ENGINE network create --subnet "${subnet}0/24" --label offload-test="$id" "$net" >/dev/null
+start offload-controller offload-controller
+start offload-optimizer-0 offload-optimizer --env POD_NAME=offload-optimizer-0
+# OMP_NUM_THREADS comes from the CPU limit in a cluster (a resourceFieldRef, which `run` has not);
+# one thread here, where three containers share two cores.
+start offload-trainer-0 offload-trainer --env POD_IP="${ip[offload-trainer-0]}" \
+  --env JOB_COMPLETION_INDEX=0 --env OMP_NUM_THREADS=1
+wait_http
+
+step "the torch overlay's example job through REST (curl): the script the image ships"
+submit_torch ct-t
+job_t=$job_id
+wait_state "$job_t" JOB_STATE_SUCCEEDED 300
+[ "$(get "/v1/jobs/$job_t" | json "['progress']['step']")" = "$steps" ] ||
+  fail "torch job $job_t did not end at step $steps: $(get "/v1/jobs/$job_t")"
+[ "$(get "/v1/jobs/$job_t" | json "['progress']['last_checkpoint_step']")" = "$steps" ] ||
+  fail "torch job $job_t has no checkpoint of step $steps: $(get "/v1/jobs/$job_t")"
+[ -s "$work/checkpoints/torch-demo-ct-t/final.safetensors" ] || fail "torch job $job_t wrote no final weights"
+pass "torch job $job_t SUCCEEDED at step $steps: the shipped script on the torch trainer image"
+
+step "the same job with the script from the scripts ConfigMap's mount"
+submit_torch ct-u /etc/offload/scripts/train.py
+wait_state "$job_id" JOB_STATE_SUCCEEDED 300
+cmp "$work/checkpoints/torch-demo-ct-t/final.safetensors" \
+  "$work/checkpoints/torch-demo-ct-u/final.safetensors" ||
+  fail "the script from /etc/offload/scripts ended with other weights than the shipped one"
+pass "torch job $job_id SUCCEEDED with /etc/offload/scripts/train.py, the same final weights"
+$ENGINE ps -aq --filter label=offload-test="$id" | xargs -r $ENGINE rm -f >/dev/null
+$ENGINE network rm -f "$net" >/dev/null
+rendered=$work/base.yaml
+trainer_image=$image
+
+# --- 6, 7. podman kube play -------------------------------------------------------------------
 if [ "$ENGINE" != podman ]; then
   echo "container_test: kube play needs podman (the engine here is $ENGINE); not run"
   echo "$passed passed, 0 failed"

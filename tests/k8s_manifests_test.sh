@@ -13,7 +13,10 @@
 #     version without a schema is an error;
 #   - the policy checks of tests/k8s/check_manifests.py hold (security contexts, resources,
 #     probes, Guaranteed optimizer pods, the Indexed trainer Job, /dev/shm, PodMonitor jobs and
-#     ports against docs/METRICS.md, the PrometheusRule against monitoring/prometheus/rules/).
+#     ports against docs/METRICS.md, the PrometheusRule against monitoring/prometheus/rules/,
+#     the example job against the layout: ranks and shards, and for the torch overlay's torch
+#     job its program and script in the Dockerfile's torch stage and the torch image on the
+#     trainers only).
 # Every case in tests/k8s/broken/ must be rejected with the message in its `expected` file, so
 # none of these checks can pass by checking nothing (among them a misspelt field and a wrong type
 # in a core kind and in a Prometheus Operator kind, and a removed API version).
@@ -138,7 +141,10 @@ for dir in "$tests"/broken/*/; do
   broken+=("$name")
   render "$name" "$dir"
 done
-[ ${#good[@]} -ge 4 ] || die "expected k8s/base and the single-node, multi-node and rdma overlays"
+# Named, so that an overlay removed (or renamed) fails here instead of going unchecked.
+for overlay in single-node multi-node rdma multi-gpu torch; do
+  [ -d "$root/k8s/overlays/$overlay" ] || die "expected the overlay k8s/overlays/$overlay"
+done
 [ ${#broken[@]} -ge 3 ] || die "expected the negative cases in tests/k8s/broken/"
 
 # --- policy (also writes the objects as JSON) and schemas ------------------------------------

@@ -4,7 +4,8 @@
 # Debian's torch), and from a directory outside the repository, with no PYTHONPATH,
 # OFFLOAD_BUILD_DIR or OFFLOAD_LIBRARY: the library and server it uses are its own, a short
 # training script runs (on a server of its own, and on one `python3 -m offload.server` started),
-# and `python3 -m offload.server --help` is the program's.
+# and `python3 -m offload.server --helpfull` is the program's; the module's process is the
+# installed program itself (exec), which SIGTERM stops with exit code 0.
 # usage: wheel_test.sh REPO_ROOT BUILD_DIR
 set -euo pipefail
 root=$1 build=$2
@@ -27,7 +28,8 @@ site=$("$work/env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()[
 
 mkdir "$work/elsewhere"
 cd "$work/elsewhere"
-clean() { env -u PYTHONPATH -u OFFLOAD_BUILD_DIR -u OFFLOAD_LIBRARY OMP_NUM_THREADS=1 "$@"; }
+clean_env=(env -u PYTHONPATH -u OFFLOAD_BUILD_DIR -u OFFLOAD_LIBRARY OMP_NUM_THREADS=1)
+clean() { "${clean_env[@]}" "$@"; }
 cat >train.py <<'PY'
 import sys
 import torch
@@ -63,16 +65,21 @@ echo "PASS $(tail -1 "$work/train.log") (a server of its own)"
 # absl's --helpfull exits 1; the module must answer exactly as the program does.
 rc=0; clean "$work/env/bin/python" -m offload.server --helpfull >"$work/help.log" 2>&1 || rc=$?
 expected=0; "$build/bin/cpu_optimizer_server" --helpfull >/dev/null 2>&1 || expected=$?
-[ "$rc" = "$expected" ] || { log=$work/help.log; fail "--helpfull exited $rc, the program $expected"; }
-grep -q -- "-listen" "$work/help.log" || { log=$work/help.log; fail "--helpfull is not the server's"; }
+[ "$rc" = "$expected" ] ||
+  { log=$work/help.log; fail "--helpfull exited $rc, the program $expected"; }
+grep -q -- "-listen" "$work/help.log" ||
+  { log=$work/help.log; fail "--helpfull is not the server's"; }
 echo "PASS python -m offload.server --helpfull (the program's flags, exit code $rc)"
 
 log=$work/server.log
 : >"$log"
 token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-OFFLOAD_TOKEN=$token clean "$work/env/bin/python" -m offload.server --listen=127.0.0.1:0 \
-  --threads=1 --ucx=false >"$log" 2>&1 &
-pids+=($!)
+# A simple command, not the function: $! is then the process that execs python, which execs the
+# server, so cleanup's kill reaches the server itself.
+OFFLOAD_TOKEN=$token "${clean_env[@]}" "$work/env/bin/python" -m offload.server \
+  --listen=127.0.0.1:0 --threads=1 --ucx=false >"$log" 2>&1 &
+server_pid=$!
+pids+=("$server_pid")
 port=""
 for _ in $(seq 200); do
   port=$(sed -n 's/.*listening port=\([0-9]*\).*/\1/p' "$log")
@@ -81,6 +88,17 @@ for _ in $(seq 200); do
 done
 [ -n "$port" ] || fail "python -m offload.server did not announce a port"
 OFFLOAD_TOKEN=$token clean "$work/env/bin/python" train.py "$site" "127.0.0.1:$port" \
-  >"$work/train2.log" 2>&1 || { log=$work/train2.log; fail "training against python -m offload.server"; }
+  >"$work/train2.log" 2>&1 ||
+  { log=$work/train2.log; fail "training against python -m offload.server"; }
 echo "PASS $(tail -1 "$work/train2.log") (python -m offload.server)"
+# The module execs the program: the process is the installed server, and SIGTERM is its own.
+exe=$(readlink "/proc/$server_pid/exe")
+[ "$exe" = "$site/offload/bin/cpu_optimizer_server" ] ||
+  fail "python -m offload.server runs $exe, not the installed server"
+kill -TERM "$server_pid"
+rc=0; wait "$server_pid" || rc=$?
+pids=()
+[ "$rc" = 0 ] || fail "python -m offload.server exited $rc on SIGTERM"
+grep -q "shutting down" "$log" || fail "python -m offload.server did not shut down on SIGTERM"
+echo "PASS python -m offload.server is the installed program; SIGTERM stops it (exit 0)"
 echo "PASS wheel $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"

@@ -106,6 +106,10 @@ def library_path() -> str:
     found = ctypes.util.find_library("offload_c")
     if found:
         return found
+    if not _IN_SOURCE_TREE:
+        raise OffloadError(5, f"liboffload_c.so is missing: this package has no {own} and none is "
+                              "installed: reinstall the wheel of scripts/build-wheel, or set "
+                              "OFFLOAD_LIBRARY")
     raise OffloadError(5, f"liboffload_c.so is not built ({built} is missing) and not installed: "
                           "run ./scripts/build, or set OFFLOAD_BUILD_DIR or OFFLOAD_LIBRARY")
 
@@ -122,6 +126,9 @@ def server_binary() -> str:
     found = shutil.which("cpu_optimizer_server")
     if found:
         return found
+    if not _IN_SOURCE_TREE:
+        raise OffloadError(5, f"cpu_optimizer_server is missing: this package has no {own} and "
+                              "none is on PATH: reinstall the wheel of scripts/build-wheel")
     raise OffloadError(5, f"cpu_optimizer_server is not built ({built} is missing) and not on "
                           "PATH: run ./scripts/build, or set OFFLOAD_BUILD_DIR")
 

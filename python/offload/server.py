@@ -64,8 +64,9 @@ class LocalServer:
             flags.append(f"--state_memory_mib={state_memory_mib}")
         flags += extra_flags or []
         env = dict(os.environ, OFFLOAD_TOKEN=self.token)
-        self.process = subprocess.Popen([server_binary()] + flags, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=self._log,
+        self.process = subprocess.Popen([server_binary()] + flags, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=self._log,
                                         preexec_fn=_die_with_parent(os.getpid()))
         self._log.close()  # the child writes it; log_tail() reads it by name
         self._finalizer = weakref.finalize(self, LocalServer._stop, self.process, self._log.name)

@@ -21,7 +21,8 @@ objects, for validate.py) and checks what the API schemas cannot express:
   METRICS.md gives, and every job of METRICS.md (bar dcgm-exporter) is scraped;
 - the PrometheusRules' groups equal those of monitoring/prometheus/rules/*.yml (as data);
 - the example job file agrees with the layout (ranks, shards, paths, transport); a torch job's
-  script is one the Dockerfile ships, and its trainers (only) run the torch image;
+  program is installed and its script shipped by the Dockerfile's torch stage (or the script
+  lies on a volume every trainer mounts), and its trainers (only) run the torch image;
 - the namespace's Pod Security level admits the pods (IPC_LOCK needs `privileged`);
 - the app.kubernetes.io labels and the namespace.
 
@@ -653,20 +654,45 @@ def check_example_job(case, ctx):
         case.error(cm, "the layout has RDMA devices but the job's transport is not ucx")
 
 
+def dockerfile_stage(repo, name):
+    """The lines of the Dockerfile's stage `FROM ... AS name`, continuations joined."""
+    with open(os.path.join(repo, "Dockerfile"), encoding="utf-8") as f:
+        text = f.read().replace("\\\n", " ")
+    stage, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            inside = line.split()[-2:] == ["AS", name]
+        elif inside:
+            stage.append(line)
+    return stage
+
+
 def check_torch_job(case, ctx, cm, torch):
-    """A torch job (a PyTorch script on the pool): the script it runs is one the torch image
-    ships, and every trainer pool worker runs from the torch image (the Dockerfile's `torch`
-    stage) while nothing else does."""
-    command = torch.get("command") or []
-    scripts = [a for a in command if isinstance(a, str) and a.startswith(EXAMPLES_DIR)]
+    """A torch job (a PyTorch script on the pool): its program is one the Dockerfile's `torch`
+    stage installs, the script it runs is one that stage ships or one on a volume every trainer
+    mounts, and every trainer pool worker runs from the torch image while nothing else does."""
+    command = [a for a in lst(torch.get("command")) if isinstance(a, str)]
+    stage = dockerfile_stage(case.repo, "torch")
+    if not stage:
+        case.error(cm, "a torch job, but the Dockerfile has no `torch` stage")
+    installed = {w for line in stage if "apt-get install" in line for w in line.split()}
+    if not command or (command[0] not in installed and not command[0].startswith(BIN)):
+        case.error(cm, f"torch.command[0] {command[:1]!r} is not a package the Dockerfile's torch stage installs")
+    trainers = [c for _, _, ps in ctx["pods"] for c in containers(ps, init=False)
+                if binary(c) == "gpu_trainer"]
+    scripts = [a for a in command[1:] if a.endswith(".py")]
     if not scripts:
-        case.error(cm, f"torch.command {command!r} runs no script the image ships under {EXAMPLES_DIR}")
+        case.error(cm, f"torch.command {command!r} names no script (.py)")
     for script in scripts:
-        name = script[len(EXAMPLES_DIR):]
-        with open(os.path.join(case.repo, "Dockerfile"), encoding="utf-8") as f:
-            shipped = f"COPY examples/{name} {script}" in f.read()
-        if not os.path.isfile(os.path.join(case.repo, "examples", name)) or not shipped:
-            case.error(cm, f"torch.command's {script} is not examples/{name} copied by the Dockerfile")
+        if script.startswith(EXAMPLES_DIR):
+            name = script[len(EXAMPLES_DIR):]
+            if not os.path.isfile(os.path.join(case.repo, "examples", name)) or \
+                    f"COPY examples/{name} {script}" not in stage:
+                case.error(cm, f"torch.command's {script} is not examples/{name} copied by the Dockerfile's torch stage")
+        elif not trainers or not all(
+                any(script.startswith(path.rstrip("/") + "/") for path in mounts(c)) for c in trainers):
+            case.error(cm, f"torch.command's {script} is neither shipped in the torch image "
+                           f"({EXAMPLES_DIR}) nor on a volume every trainer mounts")
     for obj, _, ps in ctx["pods"]:
         for c in containers(ps, init=False):
             image = str(c.get("image", ""))
