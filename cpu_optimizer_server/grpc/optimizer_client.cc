@@ -1,15 +1,25 @@
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype_proto.h"
 #include "base/grpc_status.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/grpc/grpc_tuning.h"
+#include "cpu_optimizer_server/grpc/step_wire.h"
 
 namespace offload {
+
+namespace {
+
+// The method the generated stub calls; the bytes are its messages (step_wire.h).
+constexpr char kStepMethod[] = "/offload.v1.OptimizerShard/Step";
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
     const ClientOptions& options) {
@@ -43,6 +53,9 @@ absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
                                                  absl::FormatDuration(options.connect_timeout)));
     }
     client->stubs_.push_back(v1::OptimizerShard::NewStub(channel));
+    client->raw_step_.push_back(std::make_unique<grpc::internal::RpcMethod>(
+        kStepMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel));
+    client->channels_.push_back(std::move(channel));
   }
   return client;
 }
@@ -53,8 +66,8 @@ void OptimizerClient::Prepare(grpc::ClientContext* context) const {
   AttachBearer(context, options_.token);
 }
 
-v1::OptimizerShard::Stub* OptimizerClient::NextStub() {
-  return stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()].get();
+size_t OptimizerClient::Next() {
+  return next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size();
 }
 
 absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
@@ -201,7 +214,11 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
   std::unique_ptr<GrpcStepStream> s(new GrpcStepStream());
   s->context_ = std::make_unique<grpc::ClientContext>();
   Prepare(s->context_.get());
-  s->stream_ = NextStub()->Step(s->context_.get());
+  const size_t channel = Next();
+  s->stream_.reset(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          channels_[channel].get(), *raw_step_[channel], s->context_.get()));
+  s->client_ = this;
   s->step_ = step;
   s->range_offset_ = range_offset;
   s->range_length_ = range_length;
@@ -210,7 +227,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
   open->set_job_id(job_id);
   open->set_range_index(range_index);
   open->set_step(step);
-  if (!s->stream_->Write(s->request_)) {
+  if (!s->WriteMessage(s->request_)) {
     s->done_ = true;
     return FromGrpcStatus(s->stream_->Finish());
   }
@@ -223,23 +240,65 @@ OptimizerClient::Attach(grpc::ClientContext* context) {
   return NextStub()->Attach(context);
 }
 
+bool GrpcStepStream::WriteMessage(const v1::StepRequest& request) {
+  return stream_->Write(SerializedMessage(request));
+}
+
 absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                                            bool accumulate) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
   const int size = DTypeSize(dtype);
-  const int64_t per_chunk = chunk_bytes_ / size;
-  v1::GradChunk* grad = request_.mutable_grad();
-  grad->set_dtype(DTypeToProto(dtype));
-  grad->set_accumulate(accumulate);
+  const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes_ / size);
+  const v1::DType wire_dtype = DTypeToProto(dtype);
   const char* bytes = static_cast<const char*>(data);
+  // Each chunk is copied once, into a buffer the message's slice owns (step_wire.h), and sent
+  // from there: the caller's memory is free again when this returns, whatever gRPC still holds.
   for (int64_t done = 0; done < n; done += per_chunk) {
     const int64_t m = std::min(per_chunk, n - done);
-    grad->set_offset(offset + done);
-    grad->mutable_data()->assign(bytes + done * size, m * size);
-    if (!stream_->Write(request_)) {
+    std::shared_ptr<std::vector<char>> buffer = client_->TakeChunkBuffer(m * size);
+    std::memcpy(buffer->data(), bytes + done * size, m * size);
+    if (!stream_->Write(GradChunkMessage(static_cast<uint64_t>(offset + done), wire_dtype,
+                                         accumulate, SharedSlice(buffer, m * size)))) {
       // The shard ended the stream (a refused chunk): its status says why.
       done_ = true;
       return FromGrpcStatus(stream_->Finish());
     }
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<std::vector<char>> OptimizerClient::TakeChunkBuffer(size_t bytes) {
+  std::lock_guard<std::mutex> lock(chunk_buffers_mu_);
+  for (const std::shared_ptr<std::vector<char>>& b : chunk_buffers_) {
+    // Only the pool holds it: gRPC released its last message (with release order).
+    if (b.use_count() == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      b->resize(bytes);
+      return b;
+    }
+  }
+  auto made = std::make_shared<std::vector<char>>(bytes);
+  // Enough for the chunks gRPC's write buffer holds for a few streams at once; a burst past that
+  // allocates and frees.
+  if (chunk_buffers_.size() < 64) chunk_buffers_.push_back(made);
+  return made;
+}
+
+absl::Status GrpcStepStream::UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr,
+                                         float grad_multiplier, absl::Span<const double> group_lr) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
+  v1::StepUpdate* update = request_.mutable_update();
+  update->set_step(step_);
+  // Negative values travel as huge ones, which the shard refuses as it would these.
+  update->set_offset(static_cast<uint64_t>(offset));
+  update->set_n(static_cast<uint64_t>(n));
+  update->set_t(t);
+  update->set_lr(lr);
+  update->set_grad_multiplier(grad_multiplier);
+  update->mutable_group_lr()->Assign(group_lr.begin(), group_lr.end());
+  if (!WriteMessage(request_)) {
+    done_ = true;
+    return FromGrpcStatus(stream_->Finish());
   }
   return absl::OkStatus();
 }
@@ -264,32 +323,32 @@ absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(double lr, float grad_mult
   commit->set_grad_multiplier(grad_multiplier);
   commit->set_skip(skip);
   done_ = true;
-  if (!stream_->Write(request_)) return FromGrpcStatus(stream_->Finish());
+  if (!WriteMessage(request_)) return FromGrpcStatus(stream_->Finish());
   stream_->WritesDone();
-  v1::StepResponse response;
   v1::StepResult result;
   bool have_result = false;
-  bool bad_chunk = false;
+  absl::Status bad_chunk;
   int64_t received = 0;
+  char* const out = static_cast<char*>(params_out);
+  ParamPlacement placement;
+  placement.place = [&](uint64_t offset, int /*dtype*/, size_t bytes) -> char* {
+    const int64_t at =
+        static_cast<int64_t>(std::min<uint64_t>(offset, uint64_t{1} << 62)) - range_offset_;
+    const int64_t n = static_cast<int64_t>(bytes / 2);
+    if (at < 0 || bytes % 2 != 0 || at + n > range_length_) return nullptr;
+    received += n;
+    return out + at * 2;
+  };
+  grpc::ByteBuffer response;
   while (stream_->Read(&response)) {
-    if (response.has_params()) {
-      const v1::ParamChunk& p = response.params();
-      const int64_t at = static_cast<int64_t>(p.offset()) - range_offset_;
-      const int64_t n = static_cast<int64_t>(p.data().size()) / 2;
-      if (at < 0 || at + n > range_length_) {
-        bad_chunk = true;
-        context_->TryCancel();
-        break;
-      }
-      std::memcpy(static_cast<char*>(params_out) + at * 2, p.data().data(), n * 2);
-      received += n;
-    } else if (response.has_result()) {
-      result = response.result();
-      have_result = true;
+    bad_chunk = ReadStepResponse(&response, placement, &result, &have_result);
+    if (!bad_chunk.ok()) {
+      context_->TryCancel();
+      break;
     }
   }
   absl::Status s = FromGrpcStatus(stream_->Finish());
-  if (bad_chunk) return absl::DataLossError("shard sent parameters outside the range");
+  if (!bad_chunk.ok()) return bad_chunk;
   if (!s.ok()) return s;
   if (!have_result) return absl::DataLossError("step stream ended without a result");
   if (result.step() != step_) {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -88,7 +89,9 @@ class StateLoadStream {
   bool done_ = false;   // Finish or Cancel ran
 };
 
-// One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep.
+// One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep. The stream
+// carries raw bytes (step_wire.h): a gradient chunk is copied once, into a buffer its message's
+// slice owns, and parameter waves are read from gRPC's receive slices straight into params_out.
 class GrpcStepStream final : public StepStream {
  public:
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
@@ -96,6 +99,10 @@ class GrpcStepStream final : public StepStream {
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out, absl::Span<const double> group_lr = {},
                                         absl::Span<const RangeStep> range_steps = {}) override;
+  // Sent behind the gradients as a StepUpdate; the shard runs it when it reads it, and a refusal
+  // ends the stream: the next call (at the latest the commit) returns the shard's error.
+  absl::Status UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr, float grad_multiplier,
+                           absl::Span<const double> group_lr) override;
   void Abandon() override;
   ~GrpcStepStream() override;
 
@@ -103,10 +110,13 @@ class GrpcStepStream final : public StepStream {
   friend class OptimizerClient;
 
   GrpcStepStream() = default;
+  // Writes a small message (open, update, commit); false when the shard ended the stream.
+  bool WriteMessage(const v1::StepRequest& request);
 
+  OptimizerClient* client_ = nullptr;
   std::unique_ptr<grpc::ClientContext> context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
-  v1::StepRequest request_;  // reused: its bytes buffer keeps its capacity between chunks
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
+  v1::StepRequest request_;  // reused for the small messages
   uint64_t step_ = 0;
   int64_t range_offset_ = 0;
   int64_t range_length_ = 0;
@@ -150,13 +160,25 @@ class OptimizerClient final : public StepTransport {
   const ClientOptions& options() const { return options_; }
 
  private:
+  friend class GrpcStepStream;
+
   explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
-  v1::OptimizerShard::Stub* NextStub();
+  // A buffer of `bytes` for a gradient chunk's payload, from a pool shared by the client's
+  // streams: one gRPC no longer holds, else a new one.
+  std::shared_ptr<std::vector<char>> TakeChunkBuffer(size_t bytes);
+  // The next channel's index, round robin.
+  size_t Next();
+  v1::OptimizerShard::Stub* NextStub() { return stubs_[Next()].get(); }
   // The call's deadline and credential.
   void Prepare(grpc::ClientContext* context) const;
 
   ClientOptions options_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::OptimizerShard::Stub>> stubs_;
+  // OptimizerShard.Step on each channel, for streams of raw bytes (step_wire.h).
+  std::vector<std::unique_ptr<grpc::internal::RpcMethod>> raw_step_;
+  std::mutex chunk_buffers_mu_;
+  std::vector<std::shared_ptr<std::vector<char>>> chunk_buffers_;
   std::atomic<uint64_t> next_{0};
 };
 

@@ -1,13 +1,18 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/grpc/grpc_tuning.h"
+#include "cpu_optimizer_server/grpc/step_wire.h"
+#include "cpu_optimizer_server/shard/param_groups.h"
 #include "cpu_optimizer_server/shard/state_loader.h"
 #include "cpu_optimizer_server/shard/step_session.h"
 #include "cpu_optimizer_server/shm/shm_server.h"
+#include "google/protobuf/descriptor.h"
 #ifdef OFFLOAD_HAVE_UCX
 #include "cpu_optimizer_server/ucx/ucx_server.h"
 #endif
@@ -31,31 +36,53 @@ int64_t WireOffset(uint64_t offset) {
   return static_cast<int64_t>(offset > kMax ? kMax : offset);
 }
 
-// Writes each finished wave of 16-bit parameters as one ParamChunk message. The kernel writes
-// straight into the message's bytes field, so the only copy is gRPC's serialization.
+// Writes each finished wave of 16-bit parameters as one ParamChunk message whose payload is a slice
+// over the buffer the kernel wrote the wave into (step_wire.h), so the only copies are the
+// kernel's. gRPC may still be sending a slot's last wave when the slot comes round again: the
+// slice keeps that buffer alive, and the slot takes another.
 class GrpcParamSink final : public ParamSink {
  public:
-  GrpcParamSink(grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream, DType dtype)
-      : stream_(stream) {
-    for (v1::StepResponse& m : messages_) m.mutable_params()->set_dtype(DTypeToProto(dtype));
-  }
+  GrpcParamSink(OptimizerService::RawStepStream* stream, DType dtype)
+      : stream_(stream), dtype_(DTypeToProto(dtype)) {}
   void* Buffer(int slot, int64_t offset, int64_t n) override {
-    v1::ParamChunk* chunk = messages_[slot].mutable_params();
-    chunk->set_offset(offset);
-    std::string* data = chunk->mutable_data();
-    data->resize(n * 2);
-    return data->data();
+    Slot& s = slots_[slot];
+    if (s.buffer == nullptr || s.buffer.use_count() > 1) {
+      s.buffer = std::make_shared<std::vector<char>>();
+    } else {
+      // gRPC released it (its reference dropped with release order): its reads are done.
+      std::atomic_thread_fence(std::memory_order_acquire);
+    }
+    s.buffer->resize(n * 2);
+    s.offset = offset;
+    s.n = n;
+    return s.buffer->data();
   }
   bool Send(int slot) override {
-    ServerMetrics::Get().Sent(DataPlane::kGrpc,
-                              static_cast<int64_t>(messages_[slot].params().data().size()));
-    return stream_->Write(messages_[slot]);
+    Slot& s = slots_[slot];
+    ServerMetrics::Get().Sent(DataPlane::kGrpc, s.n * 2);
+    return stream_->Write(
+        ParamChunkMessage(static_cast<uint64_t>(s.offset), dtype_, SharedSlice(s.buffer, s.n * 2)));
   }
 
  private:
-  grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* const stream_;
-  v1::StepResponse messages_[2];
+  struct Slot {
+    std::shared_ptr<std::vector<char>> buffer;
+    int64_t offset = 0;
+    int64_t n = 0;
+  };
+  OptimizerService::RawStepStream* const stream_;
+  const v1::DType dtype_;
+  Slot slots_[2];
 };
+
+// The index of OptimizerShard.Step among the service's methods (the generated code's order is the
+// proto's).
+int StepMethodIndex() {
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::OptimizerShard::service_full_name());
+  return service->FindMethodByName("Step")->index();
+}
 
 }  // namespace
 
@@ -152,43 +179,99 @@ grpc::Status OptimizerService::LoadState(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status OptimizerService::Step(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+void OptimizerService::ServeStepOnRawBytes() {
+  MarkMethodStreamed(StepMethodIndex(),
+                     new grpc::internal::BidiStreamingHandler<OptimizerService, grpc::ByteBuffer,
+                                                              grpc::ByteBuffer>(
+                         [](OptimizerService* service, grpc::ServerContext* context,
+                            RawStepStream* stream) { return service->RawStep(context, stream); },
+                         this));
+}
+
+grpc::Status OptimizerService::RawStep(grpc::ServerContext* context, RawStepStream* stream) {
   ShardAccess::Caller caller;  // a caller this server knows, before anything is read
   if (grpc::Status s = CheckCaller(*context, &caller); !s.ok()) return s;
-  v1::StepRequest request;
-  if (!stream->Read(&request)) {
+  // The received messages whose bytes gradient chunks are read from in place, and their bytes
+  // in the memory budget; both outlive the session, which reads them until its commit ends.
+  std::vector<grpc::ByteBuffer> held;
+  Reservation held_bytes;
+  grpc::ByteBuffer buffer;
+  StepRequestView view;
+  if (!stream->Read(&buffer)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty step stream");
   }
-  if (!request.has_open()) {
+  if (absl::Status s = ParseStepRequest(&buffer, &view); !s.ok()) return ToGrpcStatus(s);
+  if (view.is_grad || !view.request.has_open()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of a step stream must be `open`");
   }
-  if (grpc::Status s = CheckJob(*context, request.open().job_id()); !s.ok()) return s;
-  absl::StatusOr<std::unique_ptr<StepSession>> session = StepSession::Open(
-      store_, request.open().job_id(), request.open().range_index(), request.open().step());
+  const v1::StepOpen open = view.request.open();
+  if (grpc::Status s = CheckJob(*context, open.job_id()); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<StepSession>> session =
+      StepSession::Open(store_, open.job_id(), open.range_index(), open.step());
   if (!session.ok()) return ToGrpcStatus(session.status());
 
   StepCommitArgs commit;
   for (;;) {
-    if (!stream->Read(&request)) {
+    if (!stream->Read(&buffer)) {
       // The client went away or closed its side without committing: drop the gradients.
       return grpc::Status(grpc::StatusCode::CANCELLED,
                           "step stream ended before the commit; nothing was applied");
     }
-    if (request.has_grad()) {
-      v1::GradChunk* grad = request.mutable_grad();
-      absl::StatusOr<DType> dtype = DTypeFromProto(grad->dtype(), "grad.dtype");
-      if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-      const int64_t bytes = static_cast<int64_t>(grad->data().size());
-      if (absl::Status s =
-              (*session)->AddGradients(WireOffset(grad->offset()), *dtype, grad->accumulate(),
-                                       std::move(*grad->mutable_data()));
-          !s.ok()) {
-        return ToGrpcStatus(s);
+    if (absl::Status s = ParseStepRequest(&buffer, &view); !s.ok()) return ToGrpcStatus(s);
+    const v1::StepRequest& request = view.request;
+    if (view.is_grad) {
+      if (!v1::DType_IsValid(view.dtype)) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("grad.dtype ", view.dtype, " is not a DType"));
       }
+      absl::StatusOr<DType> dtype =
+          DTypeFromProto(static_cast<v1::DType>(view.dtype), "grad.dtype");
+      if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+      const int64_t bytes = static_cast<int64_t>(view.size);
+      const int size = DTypeSize(*dtype);
+      const bool in_place =
+          !view.accumulate && view.copied.empty() && bytes > 0 && bytes % size == 0;
+      absl::Status added;
+      if (in_place) {
+        // Read where gRPC received it: the buffer is kept (and counted) until the step ends.
+        absl::StatusOr<Reservation> taken = store_->budget()->Take(bytes, "gradients in flight");
+        if (!taken.ok()) return ToGrpcStatus(taken.status());
+        added =
+            (*session)->AddGradientsView(WireOffset(view.offset), *dtype, view.data, bytes / size);
+        if (added.ok()) {
+          held_bytes.Absorb(*std::move(taken));
+          held.push_back(std::move(buffer));
+        }
+      } else {
+        // Accumulated (folded at once), split across gRPC's slices (copied already), or
+        // malformed (the session says how).
+        std::string data =
+            view.copied.empty() ? std::string(view.data, view.size) : std::move(view.copied);
+        added = (*session)->AddGradients(WireOffset(view.offset), *dtype, view.accumulate,
+                                         std::move(data));
+      }
+      if (!added.ok()) return ToGrpcStatus(added);
       ServerMetrics::Get().Received(DataPlane::kGrpc, bytes);
+    } else if (request.has_update()) {
+      const v1::StepUpdate& u = request.update();
+      if (u.group_lr_size() > kMaxParamGroups) {
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("update carries ", u.group_lr_size(), " group lrs; at most ",
+                         kMaxParamGroups, " parameter groups are allowed"));
+      }
+      StepCommitArgs args;
+      args.step = u.step();
+      args.lr = u.lr();
+      args.grad_multiplier = u.grad_multiplier();
+      args.group_lr.assign(u.group_lr().begin(), u.group_lr().end());
+      const int64_t offset = WireOffset(u.offset()), n = WireOffset(u.n());
+      // One t for all of them; its bound (the range's next step) is the session's to check.
+      if (u.t() > 0 && n > 0) args.range_steps.push_back(RangeStep{offset, n, u.t()});
+      // A decline needs no answer: the commit updates those elements as usual.
+      absl::StatusOr<bool> applied = (*session)->UpdateEarly(args, offset, n);
+      if (!applied.ok()) return ToGrpcStatus(applied.status());
     } else if (request.has_commit()) {
       commit.step = request.commit().step();
       commit.lr = request.commit().lr();
@@ -228,7 +311,7 @@ grpc::Status OptimizerService::Step(
   result->set_skipped_steps(outcome->skipped_steps);
   result->set_early_updated(outcome->early_updated);
   result->set_early_rolled_back(outcome->early_rolled_back);
-  stream->Write(response);
+  stream->Write(SerializedMessage(response));
   return grpc::Status::OK;
 }
 

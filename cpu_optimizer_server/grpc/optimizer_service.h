@@ -28,7 +28,9 @@ class OptimizerService final : public v1::OptimizerShard::Service {
       : store_(store),
         max_message_bytes_(max_message_bytes),
         data_planes_(std::move(data_planes)),
-        setup_timeout_(setup_timeout) {}
+        setup_timeout_(setup_timeout) {
+    ServeStepOnRawBytes();
+  }
 
   // Who may call, for which jobs (shard_access.h); not owned. Without one every call is let in
   // (in-process tests and benchmarks). Set it before the service serves: it is read without a
@@ -40,8 +42,11 @@ class OptimizerService final : public v1::OptimizerShard::Service {
   grpc::Status LoadState(grpc::ServerContext* context,
                          grpc::ServerReader<v1::LoadStateRequest>* reader,
                          v1::LoadStateResponse* response) override;
-  grpc::Status Step(grpc::ServerContext* context,
-                    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
+  // OptimizerShard.Step, served on raw bytes (step_wire.h): the constructor installs it in place
+  // of the generated handler, so a gradient chunk is read where gRPC received it and a wave of
+  // parameters is sent from the buffer Adam wrote it into.
+  using RawStepStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+  grpc::Status RawStep(grpc::ServerContext* context, RawStepStream* stream);
   grpc::Status ReadState(grpc::ServerContext* context, const v1::ReadStateRequest* request,
                          grpc::ServerWriter<v1::StateChunk>* writer) override;
   grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
@@ -51,6 +56,7 @@ class OptimizerService final : public v1::OptimizerShard::Service {
   grpc::Status Attach(grpc::ServerContext* context, AttachStream* stream) override;
 
  private:
+  void ServeStepOnRawBytes();
   // ShardAccess::CheckJob / CheckCaller, or OK without an access policy.
   grpc::Status CheckJob(const grpc::ServerContextBase& context, const std::string& job_id) const;
   grpc::Status CheckCaller(const grpc::ServerContextBase& context,

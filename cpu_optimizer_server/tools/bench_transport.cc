@@ -4,19 +4,29 @@
 // gRPC and UCX over TCP.
 //
 // A partition is --mib MiB of 16-bit gradients (n = mib * 2^20 / 2 elements, one range); its
-// exchange moves those bytes in and as many bytes of 16-bit parameters out. What is timed, per
-// plane (each on its own in-process server with only that plane offered, best of --repeats):
+// exchange moves those bytes in and as many bytes of 16-bit parameters out. Each plane runs on its
+// own in-process server with only that plane offered (or on the server at --server, see below),
+// and is measured in --runs runs after a warm-up; each run times, per plane:
 //   in:  OpenStep + SendGradients(the whole partition) + Commit(skip=true). A skipping commit
 //        runs no Adam and sends no parameters, but the shard answers it only after it has taken
 //        (and validated) every gradient chunk before it, so this is the gradients' journey in.
 //   out: OpenStep + Commit of a replay of that step with no gradients: the shard runs no Adam and
 //        streams the partition's 16-bit parameters back (converted from its fp32 master weights
 //        wave by wave while earlier waves travel: that conversion is the only work in it).
-//   exchange = in + out of the same repeat; gbytes_per_s = 2 * partition bytes / exchange.
-// The bound moves the same 2 * partition bytes the same way round: two memcpys (in, then out)
-// between buffers that do not overlap, or a writer/reader thread pair over one loopback TCP
-// connection, one direction then the other, in 4 MiB send/recv calls.
-// For information the table also shows a full step (gradients in, Adam, parameters out).
+//   exchange = in + out of the same run; gbytes_per_s = 2 * partition bytes / exchange.
+// The bound moves the same 2 * partition bytes the same way round, timed in the same run just
+// before the plane's exchange: two memcpys (in, then out) between buffers that do not overlap,
+// or a writer/reader thread pair over one loopback TCP connection, one direction then the other,
+// in 4 MiB send/recv calls. A run's ratio is its bound's time over its exchange's; the table
+// shows the median of the runs' ratios and their spread (min-max), and the medians of the times.
+// For UCX on one host it also shows CMA's rate (process_vm_readv, 4 MiB calls, in then out):
+// the single copy UCX 1.13 has between two processes on one host, and the ceiling of its
+// shared-memory path. For information the table also shows a full step (gradients in, Adam,
+// parameters out).
+//
+// Across a network path (two network namespaces joined by a veth, or two hosts; scripts/
+// bench-netns): --server=HOST:PORT uses the cpu_optimizer_server there, and --tcp_peer=HOST:PORT
+// the TCP bound peer beside it (bench_transport --serve_tcp_bound=PORT), in place of loopback.
 //
 // Shared memory runs two ways. shm is zero-copy (StepStream::GradientArea and CommitInPlace): the
 // gradients are written into the segment where the shard reads them, and the parameters are
@@ -35,6 +45,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,28 +62,31 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/str_split.h"
 #include "base/host_buffer.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/adam/adam_kernel_internal.h"
 #include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
-#include "cpu_optimizer_server/shm/shm_transport.h"
+#include "cpu_optimizer_server/tools/bench_planes.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
+#include "cpu_optimizer_server/tools/run_stats.h"
 #include "cpu_optimizer_server/tools/tcp_bound.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
-#ifdef OFFLOAD_HAVE_UCX
-#include "cpu_optimizer_server/ucx/ucx_transport.h"
-#endif
 
 ABSL_FLAG(int64_t, mib, 64, "partition: MiB of 16-bit gradients (and as many of parameters)");
-ABSL_FLAG(int, repeats, 5, "timed exchanges per plane (after one warm-up); the best is reported");
+ABSL_FLAG(int, runs, 5, "timed runs per plane (after one warm-up); medians and spread reported");
 ABSL_FLAG(int, threads, 0, "the shard's worker threads (0: all cores)");
 ABSL_FLAG(int64_t, chunk_kib, 4096, "gRPC chunk payload and UCX chunk");
 ABSL_FLAG(std::string, dtype, "fp16", "fp16 or bf16 gradients and parameters");
 ABSL_FLAG(std::string, transports, "grpc,shm,shm-copy,ucx,ucx-tcp",
           "planes to measure (ucx and ucx-tcp only where the build has UCX)");
+ABSL_FLAG(std::string, server, "",
+          "a cpu_optimizer_server to measure against (host:port) instead of one in this process");
+ABSL_FLAG(std::string, tcp_peer, "",
+          "with --server: the TCP bound peer (host:port) on the server's side of the path");
+ABSL_FLAG(int, serve_tcp_bound, 0,
+          "serve as the TCP bound peer on this port (for another bench's --tcp_peer); no bench");
 
 namespace offload {
 namespace {
@@ -92,17 +106,34 @@ double MemcpyBothWaysSeconds(std::vector<char>* in_src, std::vector<char>* in_ds
   return Seconds(t0, Clock::now());
 }
 
-struct Plane {
-  std::string name;     // as printed: grpc, shm, shm-copy, ucx, ucx-tcp
-  std::string kind;     // grpc, shm or ucx
-  std::string ucx_tls;  // set for the server and the trainer; "" leaves UCX_TLS alone
-  bool memcpy_bound;    // else the TCP bound
-  bool zero_copy = false;
-};
+// The same two copies through the kernel's cross-memory attach, as UCX's cma transport makes
+// them: process_vm_readv from this process's own pid, 4 MiB per call. Negative on an error.
+double CmaBothWaysSeconds(std::vector<char>* in_src, std::vector<char>* in_dst,
+                          std::vector<char>* out_src, std::vector<char>* out_dst) {
+  auto copy = [](const std::vector<char>& src, std::vector<char>* dst) {
+    constexpr size_t kCall = 4 << 20;
+    for (size_t done = 0; done < src.size();) {
+      const size_t m = std::min(kCall, src.size() - done);
+      iovec local{dst->data() + done, m};
+      iovec remote{const_cast<char*>(src.data()) + done, m};
+      const ssize_t k = process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
+      if (k <= 0) return false;
+      done += static_cast<size_t>(k);
+    }
+    return true;
+  };
+  const auto t0 = Clock::now();
+  if (!copy(*in_src, in_dst) || !copy(*out_src, out_dst)) return -1;
+  return Seconds(t0, Clock::now());
+}
 
-struct Result {
-  double in_s = 1e30, out_s = 1e30, exchange_s = 1e30, step_s = 1e30;
+// One run of one plane.
+struct Sample {
+  double in_s = 0, out_s = 0, step_s = 0;
   double produce_s = 0;  // zero-copy: writing the gradients into the segment (not in in_s)
+  double bound_s = 0;    // the plane's bound, timed just before
+  double cma_s = 0;      // memcpy-bound planes: CMA's time for the same bytes (0: not measured)
+  double exchange_s() const { return in_s + out_s; }
 };
 
 class Bench {
@@ -117,122 +148,100 @@ class Bench {
       const float g = 0.01f * d(rng);
       grads_[i] = dtype == DType::kBf16 ? FloatToBf16(g) : FloatToFp16(g);
     }
+    for (auto* b : {&a_, &b_, &c_, &d_}) b->assign(n * 2, 1);  // touched before any timing
   }
 
   // Everything for one plane: its own server (only that plane offered), client, job and
   // transport, torn down before the next plane so no two shards hold the state at once.
-  absl::StatusOr<Result> Measure(const Plane& plane, int repeats) {
-    if (plane.ucx_tls.empty()) return MeasureWithEnv(plane, repeats);
-    const char* old = std::getenv("UCX_TLS");
-    const std::string saved = old != nullptr ? old : "";
-    setenv("UCX_TLS", plane.ucx_tls.c_str(), 1);
-    absl::StatusOr<Result> r = MeasureWithEnv(plane, repeats);
-    if (old != nullptr) {
-      setenv("UCX_TLS", saved.c_str(), 1);
-    } else {
-      unsetenv("UCX_TLS");
-    }
-    return r;
+  absl::StatusOr<std::vector<Sample>> Measure(const BenchPlane& plane, int runs) {
+    ScopedPlaneEnv env(plane);
+    return MeasureWithEnv(plane, runs);
   }
 
  private:
-  absl::StatusOr<Result> MeasureWithEnv(const Plane& plane, int repeats) {
+  // The plane's bound for one run, in seconds (negative on an error).
+  double Bound(const BenchPlane& plane) {
+    if (plane.memory_medium) return MemcpyBothWaysSeconds(&a_, &b_, &c_, &d_);
+    const std::string peer = absl::GetFlag(FLAGS_tcp_peer);
+    return peer.empty() ? TcpBothWaysSeconds(n_ * 2) : TcpBothWaysSecondsTo(peer, n_ * 2);
+  }
+
+  absl::StatusOr<std::vector<Sample>> MeasureWithEnv(const BenchPlane& plane, int runs) {
     ShardOptions shard_options;
     shard_options.memory_limit_bytes = int64_t{20} << 30;
     ShardStore store(shard_options, pool_, BestSimdPath());
-    ServerOptions server_options;
-    server_options.listen_address = "127.0.0.1:0";
-    server_options.enable_shm = plane.kind == "shm";
-    server_options.enable_ucx = plane.kind == "ucx";
-    auto server = OptimizerServer::Start(server_options, &store);
-    if (!server.ok()) return server.status();
+    std::unique_ptr<OptimizerServer> server;
     ClientOptions client_options;
-    client_options.address = "127.0.0.1:" + std::to_string((*server)->port());
+    client_options.address = absl::GetFlag(FLAGS_server);
+    if (client_options.address.empty()) {
+      ServerOptions server_options;
+      server_options.listen_address = "127.0.0.1:0";
+      server_options.enable_shm = plane.kind == "shm";
+      server_options.enable_ucx = plane.kind == "ucx";
+      OFFLOAD_ASSIGN_OR_RETURN(server, OptimizerServer::Start(server_options, &store));
+      client_options.address = "127.0.0.1:" + std::to_string(server->port());
+    }
     client_options.chunk_bytes = absl::GetFlag(FLAGS_chunk_kib) << 10;
-    auto client = OptimizerClient::Connect(client_options);
-    if (!client.ok()) return client.status();
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerClient> client,
+                             OptimizerClient::Connect(client_options));
+    // A job of its own per plane, so a remote server's earlier runs do not matter.
+    const std::string job = "bench-transport-" + plane.name;
+    client->DropJob(job).IgnoreError();
     AdamHyperParams adam;
     adam.lr = 1e-4f;
-    auto created = (*client)->CreateJob(MakeCreateJobRequest("bench", {{0, n_}}, adam, dtype_));
-    if (!created.ok()) return created.status();
-    if (absl::Status s =
-            (*client)->LoadState("bench", v1::STATE_TENSOR_MASTER_WEIGHTS, 0, weights_.data(), n_);
-        !s.ok()) {
-      return s;
-    }
+    OFFLOAD_RETURN_IF_ERROR(
+        client->CreateJob(MakeCreateJobRequest(job, {{0, n_}}, adam, dtype_)).status());
+    OFFLOAD_RETURN_IF_ERROR(
+        client->LoadState(job, v1::STATE_TENSOR_MASTER_WEIGHTS, 0, weights_.data(), n_));
 
-    std::unique_ptr<StepTransport> owned;
-    StepTransport* transport = client->get();
-    if (plane.kind == "shm") {
-      OFFLOAD_RETURN_IF_ERROR(ProbeShm(client->get()));
-      auto t = CreateShmTransport(client->get());
-      if (!t.ok()) return t.status();
-      owned = *std::move(t);
-#ifdef OFFLOAD_HAVE_UCX
-    } else if (plane.kind == "ucx") {
-      OFFLOAD_RETURN_IF_ERROR(ProbeUcx(client->get()));
-      UcxOptions ucx;
-      ucx.chunk_bytes = absl::GetFlag(FLAGS_chunk_kib) << 10;
-      auto t = CreateUcxTransport(client->get(), ucx);
-      if (!t.ok()) return t.status();
-      owned = *std::move(t);
-#endif
-    } else if (plane.kind != "grpc") {
-      return absl::UnimplementedError("no plane " + plane.kind + " in this build");
-    }
-    if (owned != nullptr) transport = owned.get();
+    OFFLOAD_ASSIGN_OR_RETURN(
+        std::unique_ptr<StepTransport> owned,
+        OpenBenchPlane(plane, client.get(), absl::GetFlag(FLAGS_chunk_kib) << 10));
+    StepTransport* transport = owned != nullptr ? owned.get() : client.get();
 
-    Result best;
+    std::vector<Sample> samples;
     uint64_t step = 0;
     // Round 0 is the warm-up: it attaches the plane and touches every buffer on both sides.
-    for (int round = 0; round <= repeats; ++round) {
+    for (int round = 0; round <= runs; ++round) {
+      Sample sample;
+      sample.bound_s = Bound(plane);
+      if (sample.bound_s < 0) return absl::UnavailableError("the plane's bound failed");
+      if (plane.kind == "ucx" && plane.memory_medium) {
+        sample.cma_s = CmaBothWaysSeconds(&a_, &b_, &c_, &d_);
+      }
       // in: the gradients, then a skipping commit (no Adam, no parameters).
       ++step;
-      double produce_s = 0;
       auto t0 = Clock::now();
-      absl::StatusOr<v1::StepResult> r =
-          Exchange(transport, plane.zero_copy, step, /*send=*/true, /*skip=*/true, &produce_s);
-      const double in_s = Seconds(t0, Clock::now()) - produce_s;
-      if (!r.ok()) return r.status();
-      if (!r->skipped()) return absl::InternalError("the skipping commit was not skipped");
+      OFFLOAD_ASSIGN_OR_RETURN(ExchangeResult r,
+                               Exchange(transport, job, plane.zero_copy, step, ExchangeMode::kIn));
+      sample.in_s = Seconds(t0, Clock::now()) - r.produce_s;
+      sample.produce_s = r.produce_s;
       // out: a replay of that step, which only sends the parameters back.
-      double unused = 0;
       t0 = Clock::now();
-      r = Exchange(transport, plane.zero_copy, step, /*send=*/false, /*skip=*/false, &unused);
-      const double out_s = Seconds(t0, Clock::now());
-      if (!r.ok()) return r.status();
-      if (!r->replayed()) return absl::InternalError("the replay was not a replay");
+      OFFLOAD_ASSIGN_OR_RETURN(r,
+                               Exchange(transport, job, plane.zero_copy, step, ExchangeMode::kOut));
+      sample.out_s = Seconds(t0, Clock::now());
       // For information: a full step, Adam included.
       ++step;
-      double step_produce_s = 0;
       t0 = Clock::now();
-      r = Exchange(transport, plane.zero_copy, step, /*send=*/true, /*skip=*/false,
-                   &step_produce_s);
-      const double step_s = Seconds(t0, Clock::now()) - step_produce_s;
-      if (!r.ok()) return r.status();
-      if (!r->applied()) return absl::InternalError("the step was not applied");
-      if (round == 0) continue;
-      if (best.in_s > in_s) best.produce_s = produce_s;
-      best.in_s = std::min(best.in_s, in_s);
-      best.out_s = std::min(best.out_s, out_s);
-      best.exchange_s = std::min(best.exchange_s, in_s + out_s);
-      best.step_s = std::min(best.step_s, step_s);
+      OFFLOAD_ASSIGN_OR_RETURN(
+          r, Exchange(transport, job, plane.zero_copy, step, ExchangeMode::kStep));
+      sample.step_s = Seconds(t0, Clock::now()) - r.produce_s;
+      if (round > 0) samples.push_back(sample);
     }
     owned.reset();
-    return best;
+    client->DropJob(job).IgnoreError();
+    return samples;
   }
 
-  // One step stream. zero_copy: the gradients are written into the plane's gradient area (the
-  // seconds that takes go to *produce_s) and the parameters are taken where they land.
-  absl::StatusOr<v1::StepResult> Exchange(StepTransport* transport, bool zero_copy, uint64_t step,
-                                          bool send, bool skip, double* produce_s) {
-    auto stream = transport->OpenStep("bench", 0, 0, n_, step);
-    if (!stream.ok()) return stream.status();
-    if (!zero_copy) {
-      if (send) OFFLOAD_RETURN_IF_ERROR((*stream)->SendGradients(0, grads_.data(), dtype_, n_));
-      return (*stream)->Commit(1e-4f, 1.0f, skip, params_.data());
-    }
-    return ExchangeInPlace(**stream, 0, grads_.data(), dtype_, n_, send, 1e-4f, skip, produce_s);
+  absl::StatusOr<ExchangeResult> Exchange(StepTransport* transport, const std::string& job,
+                                          bool zero_copy, uint64_t step, ExchangeMode mode) {
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StepStream> stream,
+                             transport->OpenStep(job, 0, 0, n_, step));
+    ExchangeOptions options;
+    options.mode = mode;
+    options.zero_copy = zero_copy;
+    return ExchangeRange(*stream, 0, grads_.data(), dtype_, n_, params_.data(), options);
   }
 
   const int64_t n_;
@@ -240,70 +249,38 @@ class Bench {
   ThreadPool* const pool_;
   std::vector<float> weights_;
   std::vector<uint16_t> grads_, params_;  // (n,) each: the trainer's side of the partition
+  std::vector<char> a_, b_, c_, d_;       // (2n,) bytes each: the bounds' buffers
 };
 
 int Run() {
+  if (const int port = absl::GetFlag(FLAGS_serve_tcp_bound); port > 0) return ServeTcpBound(port);
   const int64_t bytes = absl::GetFlag(FLAGS_mib) << 20;  // one direction
   const int64_t n = bytes / 2;
-  const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+  const int runs = std::max(1, absl::GetFlag(FLAGS_runs));
+  const bool remote = !absl::GetFlag(FLAGS_server).empty();
   ThreadPool::Options pool_options;
   pool_options.num_threads = absl::GetFlag(FLAGS_threads);
   ThreadPool pool(pool_options);
 
-  std::vector<Plane> planes;
-  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',')) {
-    if (name == "grpc") {
-      planes.push_back({"grpc", "grpc", "", false});
-    } else if (name == "shm") {
-      planes.push_back({"shm", "shm", "", true, /*zero_copy=*/true});
-    } else if (name == "shm-copy") {
-      planes.push_back({"shm-copy", "shm", "", true});
-    } else if (name == "ucx" || name == "ucx-tcp") {
-#ifdef OFFLOAD_HAVE_UCX
-      if (name == "ucx") {
-        planes.push_back({"ucx", "ucx", "", true});
-      } else {
-        planes.push_back({"ucx-tcp", "ucx", "tcp", false});
-      }
-#else
-      std::fprintf(stderr, "bench_transport: %s: this build has no UCX, skipped\n",
-                   std::string(name).c_str());
-#endif
-    } else if (!name.empty()) {
-      std::fprintf(stderr, "bench_transport: unknown plane %s\n", std::string(name).c_str());
-      return 2;
-    }
+  absl::StatusOr<std::vector<BenchPlane>> parsed =
+      ParseBenchPlanes(absl::GetFlag(FLAGS_transports), remote, "bench_transport");
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "bench_transport: %s\n", std::string(parsed.status().message()).c_str());
+    return 2;
   }
-
-  // The bounds first, on idle buffers of the same size (each touched before timing).
-  double memcpy_s = 1e30, tcp_s = 1e30;
-  {
-    std::vector<char> a(bytes, 1), b(bytes, 2), c(bytes, 3), d(bytes, 4);
-    for (int it = 0; it <= repeats; ++it) {
-      const double s = MemcpyBothWaysSeconds(&a, &b, &c, &d);
-      if (it > 0) memcpy_s = std::min(memcpy_s, s);
-    }
-  }
-  for (int it = 0; it <= repeats; ++it) {
-    const double s = TcpBothWaysSeconds(bytes);
-    if (s < 0) {
-      std::fprintf(stderr, "bench_transport: the TCP bound failed\n");
-      return 1;
-    }
-    if (it > 0) tcp_s = std::min(tcp_s, s);
-  }
+  const std::vector<BenchPlane> planes = *std::move(parsed);
 
   const DType dtype = absl::GetFlag(FLAGS_dtype) == "bf16" ? DType::kBf16 : DType::kFp16;
   // The only work in `out` besides the transfer: the shard's fp32 -> 16-bit conversion of the
   // partition, timed alone on the same pool (the replay overlaps it with sending, wave by wave).
-  double convert_s = 1e30;
+  std::vector<double> convert_s;
   {
     ShardStore store(ShardOptions{}, &pool, BestSimdPath());
     std::vector<float> master(n, 0.25f);
     std::vector<uint16_t> out(n);
     // The conversion a replay runs (step_session.cc): the SIMD one of the store's path.
     const internal::FloatToHalfFn to_half = internal::GetFloatToHalf(store.simd_path());
-    for (int it = 0; it <= repeats; ++it) {
+    for (int it = 0; it <= runs; ++it) {
       const auto t0 = Clock::now();
       store.ParallelTiles(0, n, [&](int64_t lo, int64_t hi) {
         if (to_half != nullptr) {
@@ -312,18 +289,18 @@ int Run() {
           ConvertFromFloat(master.data() + lo, hi - lo, dtype, out.data() + lo);
         }
       });
-      if (it > 0) convert_s = std::min(convert_s, Seconds(t0, Clock::now()));
+      if (it > 0) convert_s.push_back(Seconds(t0, Clock::now()));
     }
   }
   Bench bench(n, dtype, &pool);
   struct Row {
-    Plane plane;
-    Result result;
+    BenchPlane plane;
+    std::vector<Sample> samples;
   };
   std::vector<Row> rows;
   int rc = 0;
-  for (const Plane& plane : planes) {
-    absl::StatusOr<Result> r = bench.Measure(plane, repeats);
+  for (const BenchPlane& plane : planes) {
+    absl::StatusOr<std::vector<Sample>> r = bench.Measure(plane, runs);
     if (!r.ok()) {
       std::fprintf(stderr, "bench_transport: %s: %s\n", plane.name.c_str(),
                    r.status().ToString().c_str());
@@ -334,34 +311,64 @@ int Run() {
   }
 
   const double moved = 2.0 * static_cast<double>(bytes);  // in + out
+  auto median_of = [](const std::vector<Sample>& samples, auto field) {
+    std::vector<double> v;
+    for (const Sample& s : samples) v.push_back(field(s));
+    return SpreadOf(v);
+  };
   std::printf(
-      "partition: %lld MiB of %s gradients in, as many of parameters out "
-      "(n=%lld, shard threads=%d); best of %d; GB = 1e9 bytes\n",
+      "partition: %lld MiB of %s gradients in, as many of parameters out (n=%lld, shard "
+      "threads=%d); %d runs after a warm-up, medians; GB = 1e9 bytes; %s\n",
       static_cast<long long>(absl::GetFlag(FLAGS_mib)), std::string(DTypeName(dtype)).c_str(),
-      static_cast<long long>(n), pool.num_threads(), repeats);
+      static_cast<long long>(n), pool.num_threads(), runs,
+      remote ? ("server " + absl::GetFlag(FLAGS_server) + ", tcp bound to " +
+                absl::GetFlag(FLAGS_tcp_peer))
+                   .c_str()
+             : "server in this process on loopback");
   std::printf("the shard's fp32 -> %s conversion of the partition alone (inside out_ms): %.1f ms\n",
-              std::string(DTypeName(dtype)).c_str(), convert_s * 1e3);
-  std::printf("bounds: memcpy %.2f GB/s, tcp loopback %.2f GB/s (both directions, same bytes)\n",
-              moved / memcpy_s / 1e9, moved / tcp_s / 1e9);
-  std::printf("%-8s %-6s %8s %8s %8s %8s %8s %8s %6s %8s %10s\n", "plane", "bound", "in_ms",
-              "out_ms", "xchg_ms", "in_GB/s", "out_GB/s", "GB/s", "ratio", "step_ms", "produce_ms");
+              std::string(DTypeName(dtype)).c_str(), SpreadOf(convert_s).median * 1e3);
+  std::printf("%-8s %-6s %8s %8s %8s %8s %8s %8s %6s %11s %8s %10s\n", "plane", "bound", "in_ms",
+              "out_ms", "xchg_ms", "in_GB/s", "out_GB/s", "GB/s", "ratio", "[min-max]", "step_ms",
+              "bound_GB/s");
   for (const Row& row : rows) {
-    const double bound_s = row.plane.memcpy_bound ? memcpy_s : tcp_s;
-    const Result& r = row.result;
-    char produce[16] = "-";
-    if (row.plane.zero_copy) std::snprintf(produce, sizeof(produce), "%.1f", r.produce_s * 1e3);
-    std::printf("%-8s %-6s %8.1f %8.1f %8.1f %8.2f %8.2f %8.2f %6.2f %8.1f %10s\n",
-                row.plane.name.c_str(), row.plane.memcpy_bound ? "memcpy" : "tcp", r.in_s * 1e3,
-                r.out_s * 1e3, r.exchange_s * 1e3, bytes / r.in_s / 1e9, bytes / r.out_s / 1e9,
-                moved / r.exchange_s / 1e9, bound_s / r.exchange_s, r.step_s * 1e3, produce);
+    const auto& s = row.samples;
+    const double in = median_of(s, [](const Sample& x) { return x.in_s; }).median;
+    const double out = median_of(s, [](const Sample& x) { return x.out_s; }).median;
+    const double xchg = median_of(s, [](const Sample& x) { return x.exchange_s(); }).median;
+    const double step = median_of(s, [](const Sample& x) { return x.step_s; }).median;
+    const double bound = median_of(s, [](const Sample& x) { return x.bound_s; }).median;
+    const Spread ratio = median_of(s, [](const Sample& x) { return x.bound_s / x.exchange_s(); });
+    char spread[32];
+    std::snprintf(spread, sizeof(spread), "%.2f-%.2f", ratio.min, ratio.max);
+    std::printf("%-8s %-6s %8.1f %8.1f %8.1f %8.2f %8.2f %8.2f %6.2f %11s %8.1f %10.2f\n",
+                row.plane.name.c_str(), row.plane.memory_medium ? "memcpy" : "tcp", in * 1e3,
+                out * 1e3, xchg * 1e3, bytes / in / 1e9, bytes / out / 1e9, moved / xchg / 1e9,
+                ratio.median, spread, step * 1e3, moved / bound / 1e9);
+    if (row.plane.zero_copy) {
+      std::printf("%-8s   writing the gradients into the segment (not in in_ms): %.1f ms\n",
+                  row.plane.name.c_str(),
+                  median_of(s, [](const Sample& x) { return x.produce_s; }).median * 1e3);
+    }
+    if (s.front().cma_s > 0) {
+      const double cma = median_of(s, [](const Sample& x) { return x.cma_s; }).median;
+      const Spread to_cma = median_of(s, [](const Sample& x) { return x.cma_s / x.exchange_s(); });
+      std::printf(
+          "%-8s   CMA (process_vm_readv, UCX's one copy on one host) %.2f GB/s = %.2f of memcpy; "
+          "%s vs CMA %.2f [%.2f-%.2f]\n",
+          row.plane.name.c_str(), moved / cma / 1e9, bound / cma, row.plane.name.c_str(),
+          to_cma.median, to_cma.min, to_cma.max);
+    }
   }
   for (const Row& row : rows) {
-    const double bound_s = row.plane.memcpy_bound ? memcpy_s : tcp_s;
+    const auto& s = row.samples;
+    const double xchg = median_of(s, [](const Sample& x) { return x.exchange_s(); }).median;
+    const double bound = median_of(s, [](const Sample& x) { return x.bound_s; }).median;
+    const Spread ratio = median_of(s, [](const Sample& x) { return x.bound_s / x.exchange_s(); });
     std::printf(
-        "transport name=%s bytes=%lld gbytes_per_s=%.3f bound_gbytes_per_s=%.3f ratio=%.2f\n",
-        row.plane.name.c_str(), static_cast<long long>(2 * bytes),
-        moved / row.result.exchange_s / 1e9, moved / bound_s / 1e9,
-        bound_s / row.result.exchange_s);
+        "transport name=%s bytes=%lld gbytes_per_s=%.3f bound_gbytes_per_s=%.3f ratio=%.2f "
+        "ratio_min=%.2f ratio_max=%.2f runs=%d\n",
+        row.plane.name.c_str(), static_cast<long long>(2 * bytes), moved / xchg / 1e9,
+        moved / bound / 1e9, ratio.median, ratio.min, ratio.max, runs);
   }
   return rc;
 }

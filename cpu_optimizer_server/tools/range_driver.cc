@@ -1,9 +1,11 @@
 #include "cpu_optimizer_server/tools/range_driver.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 
@@ -61,24 +63,57 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StepResult> ExchangeInPlace(StepStream& stream, int64_t offset,
-                                               const uint16_t* grads, DType dtype, int64_t n,
-                                               bool send, double lr, bool skip, double* produce_s) {
-  if (send) {
-    void* area = stream.GradientArea();  // (n,)
-    if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");
-    const auto t0 = std::chrono::steady_clock::now();
-    std::memcpy(area, grads, n * 2);
-    *produce_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    OFFLOAD_RETURN_IF_ERROR(stream.SendGradients(offset, area, dtype, n));
+absl::StatusOr<ExchangeResult> ExchangeRange(StepStream& stream, int64_t offset,
+                                             const uint16_t* grads, DType dtype, int64_t n,
+                                             uint16_t* params, const ExchangeOptions& options) {
+  ExchangeResult out;
+  const ExchangeMode mode = options.mode;
+  if (mode != ExchangeMode::kOut) {
+    const void* src = grads;
+    if (options.zero_copy) {
+      void* area = stream.GradientArea();  // (n,)
+      if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");
+      const auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(area, grads, n * 2);
+      out.produce_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      src = area;
+    }
+    const int64_t call = options.call_elements > 0 ? options.call_elements : n;
+    for (int64_t done = 0; done < n; done += call) {
+      const int64_t m = std::min(call, n - done);
+      OFFLOAD_RETURN_IF_ERROR(
+          stream.SendGradients(offset + done, static_cast<const char*>(src) + done * 2, dtype, m));
+      if (mode == ExchangeMode::kEarly) {
+        OFFLOAD_RETURN_IF_ERROR(stream.UpdateEarly(offset + done, m, 0, options.lr, 1.0f, {}));
+      }
+    }
   }
-  int64_t handed_over = 0;
-  absl::StatusOr<v1::StepResult> r = stream.CommitInPlace(
-      lr, 1.0f, skip, [&](int64_t, int64_t m, const void*) { handed_over += m; });
-  if (r.ok() && !r->skipped() && handed_over != n) {
-    return absl::InternalError("the zero-copy commit did not hand over the whole range");
+  const bool skip = mode == ExchangeMode::kIn;
+  int64_t received = 0;
+  absl::StatusOr<v1::StepResult> r;
+  if (options.zero_copy) {
+    r = stream.CommitInPlace(options.lr, 1.0f, skip,
+                             [&](int64_t, int64_t m, const void*) { received += m; });
+  } else {
+    r = stream.Commit(options.lr, 1.0f, skip, params);
+    received = r.ok() && !r->skipped() ? n : 0;  // Commit checks the whole range came back
   }
-  return r;
+  if (!r.ok()) return r.status();
+  const bool as_asked = mode == ExchangeMode::kIn    ? r->skipped()
+                        : mode == ExchangeMode::kOut ? r->replayed()
+                                                     : r->applied();
+  if (!as_asked) {
+    return absl::InternalError(absl::StrCat("the shard did not ",
+                                            mode == ExchangeMode::kIn    ? "skip"
+                                            : mode == ExchangeMode::kOut ? "replay"
+                                                                         : "apply",
+                                            " the step"));
+  }
+  if (!r->skipped() && received != n) {
+    return absl::InternalError("the commit did not return the whole range");
+  }
+  out.result = *std::move(r);
+  return out;
 }
 
 }  // namespace offload

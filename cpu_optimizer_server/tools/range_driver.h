@@ -31,15 +31,39 @@ absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
                            const uint16_t* grads, DType dtype, double lr, float grad_multiplier,
                            uint16_t* params);
 
-// One zero-copy exchange on an open `stream` (step_transport.h) of the range [offset, + n): when
-// `send`, grads (n,) in dtype are written into the plane's gradient area and sent from there;
-// then a zero-copy commit, whose waves must cover the range unless the step was skipped. The
-// write stands for the trainer's own rounding, which every plane does once, so the benches leave
-// it out of what they time: its seconds go to *produce_s. UNIMPLEMENTED where the plane has no
-// gradient area.
-absl::StatusOr<v1::StepResult> ExchangeInPlace(StepStream& stream, int64_t offset,
-                                               const uint16_t* grads, DType dtype, int64_t n,
-                                               bool send, double lr, bool skip, double* produce_s);
+// What one range's exchange on a step stream does (ExchangeRange).
+enum class ExchangeMode {
+  kIn,     // gradients in, then a skipping commit: no Adam, no parameters back
+  kOut,    // no gradients; a replay of the range's last step: the parameters back, no Adam
+  kStep,   // gradients in, commit, parameters back
+  kEarly,  // as kStep, with an update during backward (UpdateEarly) behind each chunk, so the
+           // shard's Adam on one chunk runs while the next is on the wire
+};
+
+struct ExchangeOptions {
+  ExchangeMode mode = ExchangeMode::kStep;
+  // Gradients travel in SendGradients calls of this many elements (the plane cuts them further
+  // into its own chunks); 0: one call for the range.
+  int64_t call_elements = 0;
+  // Shared memory's zero-copy path: the gradients are written into the plane's gradient area and
+  // sent from there, and the parameters are taken where the shard wrote them (CommitInPlace).
+  // The write stands for the trainer's own rounding, which every plane does once, so the benches
+  // leave it out of what they time: its seconds go to ExchangeResult::produce_s.
+  bool zero_copy = false;
+  double lr = 1e-4;
+};
+
+struct ExchangeResult {
+  v1::StepResult result;
+  double produce_s = 0;
+};
+
+// One exchange of the range [offset, + n) on an open `stream`: grads (n,) in dtype from the
+// trainer's buffer, parameters into params (n,) (unused when zero_copy). Checks the shard's
+// answer fits the mode (skipped, replayed or applied, and the whole range back).
+absl::StatusOr<ExchangeResult> ExchangeRange(StepStream& stream, int64_t offset,
+                                             const uint16_t* grads, DType dtype, int64_t n,
+                                             uint16_t* params, const ExchangeOptions& options);
 
 }  // namespace offload
 

@@ -1,13 +1,16 @@
 #include "cpu_optimizer_server/tools/tcp_bound.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,6 +76,94 @@ double TcpBothWaysSeconds(int64_t bytes) {
   close(a);
   close(b);
   return ok ? s : -1;
+}
+
+namespace {
+
+constexpr int64_t kCall = 4 << 20;
+
+bool SendAll(int fd, const char* data, int64_t bytes) {
+  for (int64_t sent = 0; sent < bytes;) {
+    const ssize_t k = send(fd, data, std::min(kCall, bytes - sent), MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    sent += k;
+  }
+  return true;
+}
+
+bool ReceiveAll(int fd, char* data, int64_t bytes) {
+  for (int64_t got = 0; got < bytes;) {
+    const ssize_t k = recv(fd, data, std::min(kCall, bytes - got), 0);
+    if (k <= 0) return false;
+    got += k;
+  }
+  return true;
+}
+
+}  // namespace
+
+double TcpBothWaysSecondsTo(const std::string& address, int64_t bytes) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return -1;
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints,
+                  &found) != 0) {
+    return -1;
+  }
+  const int fd = socket(found->ai_family, SOCK_STREAM, 0);
+  const bool connected = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+  freeaddrinfo(found);
+  if (!connected) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  std::vector<char> buffer(kCall, 1);
+  const auto t0 = Clock::now();
+  const uint64_t count = static_cast<uint64_t>(bytes);
+  bool ok = SendAll(fd, reinterpret_cast<const char*>(&count), sizeof(count));
+  // Sends from one 4 MiB buffer over and over, as the loopback bound does.
+  for (int64_t sent = 0; ok && sent < bytes; sent += kCall) {
+    ok = SendAll(fd, buffer.data(), std::min(kCall, bytes - sent));
+  }
+  for (int64_t got = 0; ok && got < bytes; got += kCall) {
+    ok = ReceiveAll(fd, buffer.data(), std::min(kCall, bytes - got));
+  }
+  const double s = Seconds(t0, Clock::now());
+  close(fd);
+  return ok ? s : -1;
+}
+
+int ServeTcpBound(int port) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listener, 4) != 0) {
+    std::perror("tcp bound peer: listen");
+    close(listener);
+    return 1;
+  }
+  std::vector<char> buffer(kCall);
+  for (;;) {
+    const int fd = accept(listener, nullptr, nullptr);
+    if (fd < 0) continue;
+    uint64_t count = 0;
+    bool ok = ReceiveAll(fd, reinterpret_cast<char*>(&count), sizeof(count));
+    const int64_t bytes = static_cast<int64_t>(count);
+    for (int64_t got = 0; ok && got < bytes; got += kCall) {
+      ok = ReceiveAll(fd, buffer.data(), std::min(kCall, bytes - got));
+    }
+    for (int64_t sent = 0; ok && sent < bytes; sent += kCall) {
+      ok = SendAll(fd, buffer.data(), std::min(kCall, bytes - sent));
+    }
+    close(fd);
+  }
 }
 
 }  // namespace offload

@@ -922,13 +922,11 @@ TEST_P(StepExchangeTest, AbandonedStepAppliesNothingAndTheSameStepWorks) {
   EXPECT_TRUE(p == e2) << FirstDifference(p, e2) << " seed " << seed_;
 }
 
-// The update during backward (StepStream::UpdateEarly): on shared memory the shard updates each
+// The update during backward (StepStream::UpdateEarly), on every plane: the shard updates each
 // half as soon as its gradients are in, and the commit gives the kernel's bits whether it keeps
 // the early updates (the same arguments), redoes them (another lr) or undoes them (a skip); a
-// refused update fails the step with nothing changed. The other planes answer UNIMPLEMENTED and
-// their commits are as always.
-TEST_P(StepExchangeTest, UpdateDuringBackwardOnSharedMemoryOnly) {
-  const bool shm = GetParam().kind == "shm";
+// refused update fails the step with nothing changed.
+TEST_P(StepExchangeTest, UpdateDuringBackwardOnEveryPlane) {
   const int64_t half = 30011;
   struct Case {
     const char* what;
@@ -948,20 +946,16 @@ TEST_P(StepExchangeTest, UpdateDuringBackwardOnSharedMemoryOnly) {
     // The second half first, as backward finishes it first; each updated once it is sent.
     ASSERT_TRUE((*stream)->SendGradients(half, g.data() + half, DType::kBf16, kLen0 - half).ok());
     absl::Status early = (*stream)->UpdateEarly(half, kLen0 - half, 0, kLr, 1.0f, {});
+    ASSERT_TRUE(early.ok()) << early;
     ASSERT_TRUE((*stream)->SendGradients(0, g.data(), DType::kBf16, half).ok());
-    if (shm) {
-      ASSERT_TRUE(early.ok()) << early;
-      early = (*stream)->UpdateEarly(0, half, 0, kLr, 1.0f, {});
-      ASSERT_TRUE(early.ok()) << early;
-    } else {
-      EXPECT_EQ(early.code(), absl::StatusCode::kUnimplemented) << early;
-    }
+    early = (*stream)->UpdateEarly(0, half, 0, kLr, 1.0f, {});
+    ASSERT_TRUE(early.ok()) << early;
     std::vector<uint16_t> p(kLen0, kSentinel);
     auto r = (*stream)->Commit(c.lr, 1.0f, c.skip, p.data());
     ASSERT_TRUE(r.ok()) << c.what << ": " << r.status();
-    const bool stood = shm && !c.skip && c.lr == kLr;
+    const bool stood = !c.skip && c.lr == kLr;
     EXPECT_EQ(r->early_updated(), stood ? static_cast<uint64_t>(kLen0) : 0u) << c.what;
-    EXPECT_EQ(r->early_rolled_back(), shm && !stood ? static_cast<uint64_t>(kLen0) : 0u) << c.what;
+    EXPECT_EQ(r->early_rolled_back(), !stood ? static_cast<uint64_t>(kLen0) : 0u) << c.what;
     if (c.skip) {
       EXPECT_TRUE(r->skipped()) << c.what;
       EXPECT_TRUE(MasterWeights() == before) << c.what << " seed " << seed_;
@@ -973,7 +967,6 @@ TEST_P(StepExchangeTest, UpdateDuringBackwardOnSharedMemoryOnly) {
     ++step;
   }
   EXPECT_TRUE(MasterWeights() == ref_p_) << "seed " << seed_;
-  if (!shm) return;
 
   // Refused by the shard (an element without its gradient yet): the step fails at the next call
   // with the shard's error, and nothing changed.

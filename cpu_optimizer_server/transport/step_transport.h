@@ -47,10 +47,12 @@ class StepStream {
   // on flat elements [offset, offset + n) of the range, all of whose gradients were sent, with
   // the arguments the commit is expected to carry: lr / group_lr / grad_multiplier as Commit's,
   // and t the bias-correction step of those elements (0: the range's next). The commit keeps it
-  // where it agrees and redoes it exactly otherwise, so the bits never depend on it. Asynchronous
-  // where the plane is (shared memory: queued behind the gradients, its error surfacing at the
-  // next call or the commit); the shard may decline it silently. UNIMPLEMENTED on the planes
-  // without it (gRPC, UCX): the commit then updates those elements as always.
+  // where it agrees and redoes it exactly otherwise, so the bits never depend on it. Every plane
+  // carries it asynchronously, queued behind the gradients (the shared-memory UPDATE command,
+  // the gRPC StepUpdate message, the UCX UPDATE message), so the shard's Adam runs while the
+  // next chunks are still on the wire; its error surfaces at the next call or the commit, and
+  // the shard may decline it silently. UNIMPLEMENTED where a plane lacks it: the commit then
+  // updates those elements as always.
   virtual absl::Status UpdateEarly(int64_t /*offset*/, int64_t /*n*/, uint64_t /*t*/, double /*lr*/,
                                    float /*grad_multiplier*/,
                                    absl::Span<const double> /*group_lr*/) {

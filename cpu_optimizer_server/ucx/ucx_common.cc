@@ -4,6 +4,7 @@
 
 #include <poll.h>
 
+#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,18 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& net_de
   // UCX_TLS and the other UCX_* variables are read here.
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
+  if (std::getenv("UCX_USE_MT_MUTEX") == nullptr) {
+    // The worker is shared by the progress thread and the posting threads (UCS_THREAD_MODE_MULTI).
+    // UCX's default lock for that is a spinlock: a thread that posts while the progress thread
+    // runs spins on a core the transfer needs. A mutex sleeps instead: UCX over TCP moved a
+    // partition in 0.78 of the TCP bound with it against 0.67 without (bench_transport,
+    // docs/PERFORMANCE.md).
+    s = ucp_config_modify(config, "USE_MT_MUTEX", "y");
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(s, "UCX USE_MT_MUTEX=y");
+    }
+  }
   if (!net_devices.empty()) {
     // Only these network devices go into the worker address (shared memory is not affected).
     s = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
@@ -102,7 +115,8 @@ void Worker::Loop() {
 }
 
 absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& peer_address,
-                                         ucp_err_handler_cb_t on_error, void* arg) {
+                                         ucp_err_handler_cb_t on_error, void* arg,
+                                         bool peer_error_handling) {
   if (peer_address.empty()) return absl::InvalidArgumentError("empty UCX worker address");
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -113,9 +127,10 @@ absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& peer_address,
   p.err_handler.arg = arg;
   ucp_ep_h ep = nullptr;
   ucs_status_t s = UCS_ERR_UNREACHABLE;
-  if (!no_peer_error_handling_) s = ucp_ep_create(worker_, &p, &ep);
+  if (peer_error_handling && !no_peer_error_handling_) s = ucp_ep_create(worker_, &p, &ep);
   if (s == UCS_ERR_UNREACHABLE) {
-    no_peer_error_handling_ = true;  // UCX logs the refusal once per worker, not per endpoint
+    // UCX logs the refusal once per worker, not per endpoint.
+    if (peer_error_handling) no_peer_error_handling_ = true;
     // UCX 1.13's shared-memory transports (posix, sysv) have no peer failure handling, so with
     // UCX_TLS=sm,self a PEER endpoint finds no transport at all. Fall back to no error handling:
     // the death of the peer is still noticed through the Attach stream, and teardown force-closes

@@ -43,6 +43,9 @@ enum class Kind : uint32_t {
   kCommit = 3,
   kAbandon = 4,
   kPing = 5,  // probe round trip
+  // The update during backward: step, offset (flat), n, lr, grad_multiplier; payload: t (uint64,
+  // 0: the range's next step), then the group lrs, fp64 each, to the payload's end.
+  kUpdate = 6,
   // shard -> trainer
   kOpened = 16,  // the OPEN succeeded
   kParams = 17,  // offset (flat), n; payload: n 16-bit parameters
@@ -130,9 +133,12 @@ class Worker {
   // An endpoint to a peer worker address, with peer error handling: `on_error` is called (on the
   // progress thread) when the peer goes away. Where no transport offers peer error handling (the
   // shared-memory ones in UCX 1.13), the endpoint has none and the Attach stream is the only
-  // witness of the peer's death.
+  // witness of the peer's death. Without `peer_error_handling` the endpoint asks for none, which
+  // lets UCX pick its shared-memory transports (posix, sysv, cma in 1.13 have no peer failure
+  // handling, so a PEER endpoint to a peer on this host goes over TCP instead): for a peer on
+  // this host, whose death the Attach stream reports as well.
   absl::StatusOr<ucp_ep_h> Connect(const std::string& peer_address, ucp_err_handler_cb_t on_error,
-                                   void* arg);
+                                   void* arg, bool peer_error_handling = true);
   // Closes with UCP_EP_CLOSE_FLAG_FORCE (outstanding operations complete as cancelled) and waits
   // for the close to finish, at most a few seconds.
   void Close(ucp_ep_h ep);

@@ -6,7 +6,8 @@
 // --ucx_net_devices set, or when no route is found, by the one worker made at start. The
 // active-message handler runs on that thread and only queues: eager payloads are copied into a
 // string the StepSession then owns, rendezvous payloads are received (ucp_am_recv_data_nbx)
-// straight into such a string, and the command becomes ready when the data has landed. Each
+// straight into the attachment's registered gradient area at their place (16-bit chunks; others
+// into such a string), and the command becomes ready when the data has landed. Each
 // attachment's commands run in order on its Serve thread (the gRPC handler thread), so a commit's
 // Adam pass never stalls the progress of other attachments. The worker is UCS_THREAD_MODE_MULTI
 // since the Serve threads post their replies directly.
@@ -55,11 +56,14 @@ int64_t WireOffset(uint64_t offset) {
 struct Command {
   Header header;
   std::string data;
+  // A 16-bit gradient chunk received straight into the session's gradient area, at its
+  // range-relative place (data stays empty); null otherwise.
+  const char* view = nullptr;
   bool ready = false;
   absl::Status status;  // the payload could not be received
 };
 
-// A buffer of waves going back to the trainer: two per attachment, registered once
+// A buffer of waves going back to the trainer: kWaveSlots per attachment, registered once
 // (ucp_mem_map) and reused by every step; a slot is refilled only when its send is done.
 struct Slot {
   std::vector<char> buffer;
@@ -69,16 +73,37 @@ struct Slot {
   int64_t n = 0;
 };
 
+// Waves in flight back to the trainer. Each is a rendezvous (its request, the trainer's pull, the
+// acknowledgement), so with two, one wave's round trip stalls the next across a real network:
+// over a veth, UCX over TCP moved the parameters out at 0.6 of gRPC's rate with two. Eight keep
+// the link busy for 8 waves of registered memory per attachment: 32 MiB with the store's default
+// wave of 2M parameters.
+constexpr int kWaveSlots = 8;
+
 struct Session {
   uint64_t id = 0;
   ucx::Worker* worker = nullptr;  // the one `ep` is on
   int64_t max_payload = 0;        // bytes: the range in fp32 (the largest valid chunk)
   ucp_ep_h ep = nullptr;
-  Slot slots[2];  // used by the Serve thread only
+  Slot slots[kWaveSlots];  // used by the Serve thread only
+
+  // The range's 16-bit gradients, (range length,), registered once: rendezvous gradient chunks
+  // land here at their place and the step reads them in place (StepSession::AddGradientsView),
+  // with no allocation or copy per chunk. Empty for a probe, or when the memory budget has no
+  // room (chunks then arrive into strings, as eager ones always do).
+  std::vector<char> grad_area;
+  std::unique_ptr<ucx::MemMap> grad_memh;
+  Reservation grad_area_bytes;
+  int64_t range_offset = 0;
+  int64_t range_length = 0;
 
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<Command>> queue;
+  // Commits that arrived and have not finished. From a commit's arrival until it is done, chunks
+  // go into strings, not the area: a step's own chunks arrive before its commit, so nothing a
+  // trainer sends after it, in any order, changes the gradients the commit reads.
+  int commits_pending = 0;
   bool stream_ended = false;
   bool peer_failed = false;
   std::string why;
@@ -88,6 +113,23 @@ struct DataRecv {
   std::shared_ptr<Session> session;
   std::shared_ptr<Command> command;
 };
+
+// Where in the session's gradient area a rendezvous chunk of `length` bytes lands, or null when it
+// goes into a string: an area, a 16-bit chunk that is not accumulated, inside the range, and no
+// commit reading the area. Under s->mu.
+char* AreaFor(const Session& s, const Header& h, size_t length) {
+  if (s.grad_area.empty() || s.commits_pending > 0 ||
+      h.kind != static_cast<uint32_t>(Kind::kGrad) || h.accumulate != 0) {
+    return nullptr;
+  }
+  if (h.dtype != v1::DTYPE_FP16 && h.dtype != v1::DTYPE_BF16) return nullptr;
+  const int64_t begin = WireOffset(h.offset) - s.range_offset;
+  if (begin < 0 || h.n <= 0 || static_cast<int64_t>(length) != h.n * 2 ||
+      h.n > s.range_length - begin) {
+    return nullptr;  // the session refuses it with the reason; it was never in the area
+  }
+  return const_cast<char*>(s.grad_area.data()) + begin * 2;
+}
 
 class UcxServer;
 
@@ -178,7 +220,8 @@ struct UcxServer::Steps {
   }
 };
 
-// Sends each wave as one PARAMS active message from the attachment's slot buffers.
+// Sends each wave as one PARAMS active message from the attachment's slot buffers, taken in turn,
+// so up to kWaveSlots waves travel at once (the sink's two slots name the current ones).
 class UcxServer::ParamSinkImpl final : public ParamSink {
  public:
   ParamSinkImpl(UcxServer* server, Session* session, uint64_t stream_id)
@@ -186,7 +229,9 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
   ~ParamSinkImpl() override { Drain(); }
 
   void* Buffer(int slot, int64_t offset, int64_t n) override {
-    Slot& s = session_->slots[slot];
+    current_[slot] = next_;
+    next_ = (next_ + 1) % kWaveSlots;
+    Slot& s = session_->slots[current_[slot]];
     WaitSlot(&s);
     const size_t bytes = static_cast<size_t>(n) * 2;
     if (s.buffer.size() < bytes) {
@@ -201,7 +246,7 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
   }
 
   bool Send(int slot) override {
-    Slot& s = session_->slots[slot];
+    Slot& s = session_->slots[current_[slot]];
     if (Failed()) return false;
     Header h;
     h.session_id = session_->id;
@@ -216,7 +261,7 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
         .ok();
   }
 
-  // Waits for both slots; false when the trainer is gone.
+  // Waits for every slot; false when the trainer is gone.
   bool Drain() {
     for (Slot& s : session_->slots) WaitSlot(&s);
     for (Slot& s : session_->slots) {
@@ -238,6 +283,8 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
   UcxServer* const server_;
   Session* const session_;
   const uint64_t stream_id_;
+  int current_[2] = {0, 0};  // the session slot behind each of the sink's two
+  int next_ = 0;
 };
 
 void UcxServer::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -276,6 +323,10 @@ ucs_status_t UcxServer::OnAm(void* arg, const void* header, size_t header_length
   if (s->worker != plane->worker.get()) return UCS_OK;  // not where its attachment is: dropped
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   ucs_status_t ret = UCS_OK;
+  if (c->header.kind == static_cast<uint32_t>(Kind::kCommit)) {
+    std::lock_guard<std::mutex> session_lock(s->mu);
+    ++s->commits_pending;  // the Serve thread counts it down when the commit has run
+  }
   if (!rndv) {
     c->data.assign(static_cast<const char*>(data), length);
     c->ready = true;
@@ -286,23 +337,33 @@ ucs_status_t UcxServer::OnAm(void* arg, const void* header, size_t header_length
                                                    s->max_payload, " bytes in fp32)"));
     c->ready = true;
   } else {
-    c->data.resize(length);
+    std::lock_guard<std::mutex> session_lock(s->mu);
+    char* dest = AreaFor(*s, c->header, length);
     auto* recv = new DataRecv{s, c};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv_am = &UcxServer::OnDataReceived;
     p.user_data = recv;
-    ucs_status_ptr_t r =
-        ucp_am_recv_data_nbx(plane->worker->worker(), data, c->data.data(), length, &p);
-    if (r == nullptr) {
-      c->ready = true;
-      delete recv;
-    } else if (UCS_PTR_IS_ERR(r)) {
-      c->status = ucx::UcsError(UCS_PTR_STATUS(r), "ucp_am_recv_data_nbx");
+    if (dest != nullptr) {
+      c->view = dest;
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = s->grad_memh->get();
+    } else {
+      c->data.resize(length);
+      dest = c->data.data();
+    }
+    // Completes inline (the callback is not called) or later on this thread, which holds s->mu
+    // meanwhile: the callback takes it, so it must not run before the lock is released.
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(plane->worker->worker(), data, dest, length, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      if (UCS_PTR_IS_ERR(r)) c->status = ucx::UcsError(UCS_PTR_STATUS(r), "ucp_am_recv_data_nbx");
       c->ready = true;
       delete recv;
     }
     ret = UCS_INPROGRESS;  // UCX owns the descriptor now
+    s->queue.push_back(std::move(c));
+    s->cv.notify_all();
+    return ret;
   }
   std::lock_guard<std::mutex> session_lock(s->mu);
   s->queue.push_back(std::move(c));
@@ -367,9 +428,11 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
         absl::StatusOr<DType> dtype = DTypeFromProto(static_cast<v1::DType>(h.dtype), "grad.dtype");
         st = dtype.status();
         if (st.ok()) {
-          const int64_t bytes = static_cast<int64_t>(c->data.size());
-          st = it->second->AddGradients(WireOffset(h.offset), *dtype, h.accumulate != 0,
-                                        std::move(c->data));
+          const int64_t bytes = c->view != nullptr ? h.n * 2 : static_cast<int64_t>(c->data.size());
+          st = c->view != nullptr
+                   ? it->second->AddGradientsView(WireOffset(h.offset), *dtype, c->view, h.n)
+                   : it->second->AddGradients(WireOffset(h.offset), *dtype, h.accumulate != 0,
+                                              std::move(c->data));
           if (st.ok()) ServerMetrics::Get().Received(DataPlane::kUcx, bytes);
         }
       }
@@ -429,6 +492,7 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
         outcome = session->Commit(args, &sink);
         delivered = sink.Drain();
       }
+
       // Release the range's lease before the trainer hears the result and opens the next step.
       session.reset();
       if (!outcome.ok()) {
@@ -446,6 +510,46 @@ void UcxServer::Execute(Session* s, Steps* steps, Command* c, const std::string&
       result.set_early_updated(outcome->early_updated);
       result.set_early_rolled_back(outcome->early_rolled_back);
       Reply(s, h, Kind::kResult, result.SerializeAsString());
+      return;
+    }
+    case Kind::kUpdate: {
+      auto it = steps->open.find(id);
+      if (it == steps->open.end()) return;  // the step already failed (and said so) or ended
+      // The payload is t, then the group lrs (ucx_common.h).
+      absl::Status st = c->status;
+      const size_t groups = c->data.size() >= sizeof(uint64_t)
+                                ? (c->data.size() - sizeof(uint64_t)) / sizeof(double)
+                                : 0;
+      if (st.ok() && (c->data.size() < sizeof(uint64_t) ||
+                      (c->data.size() - sizeof(uint64_t)) % sizeof(double) != 0)) {
+        st = absl::InvalidArgumentError(absl::StrCat("update payload of ", c->data.size(),
+                                                     " bytes is not a t and fp64 group lrs"));
+      } else if (st.ok() && groups > static_cast<size_t>(kMaxParamGroups)) {
+        st = absl::InvalidArgumentError(absl::StrCat("update carries ", groups,
+                                                     " group lrs; at most ", kMaxParamGroups,
+                                                     " parameter groups are allowed"));
+      }
+      if (st.ok()) {
+        uint64_t t = 0;
+        std::memcpy(&t, c->data.data(), sizeof(t));
+        StepCommitArgs args;
+        args.step = h.step;
+        args.lr = h.lr;
+        args.grad_multiplier = h.grad_multiplier;
+        args.group_lr.resize(groups);
+        if (groups > 0) {
+          std::memcpy(args.group_lr.data(), c->data.data() + sizeof(t), groups * sizeof(double));
+        }
+        const int64_t offset = WireOffset(h.offset);
+        // One t for all of them; its bound (the range's next step) is the session's to check.
+        if (t > 0 && h.n > 0) args.range_steps.push_back(RangeStep{offset, h.n, t});
+        // A decline needs no answer: the commit updates those elements as usual.
+        st = it->second->UpdateEarly(args, offset, h.n).status();
+      }
+      if (!st.ok()) {
+        steps->Fail(id, st);
+        ReplyError(s, h, st);
+      }
       return;
     }
     case Kind::kAbandon:
@@ -473,6 +577,8 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
         store_->FindJobRange(open.job_id(), open.range_index());
     if (!found.ok()) return ToGrpcStatus(found.status());
     session->max_payload = found->range->spec.length * 4;
+    session->range_offset = found->range->spec.offset;
+    session->range_length = found->range->spec.length;
   }
   // The worker offering the interface that routes to this trainer (its gRPC peer address).
   std::string devices = fixed_devices_;
@@ -491,6 +597,16 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
                         absl::StrCat("no UCX worker: ", worker.status().message()));
   }
   session->worker = *worker;
+  if (!probe) {
+    absl::StatusOr<Reservation> area =
+        store_->budget()->Take(session->range_length * 2, "the UCX gradient area");
+    if (area.ok()) {
+      session->grad_area_bytes = *std::move(area);
+      session->grad_area.resize(session->range_length * 2);
+      session->grad_memh = std::make_unique<ucx::MemMap>(
+          session->worker->context(), session->grad_area.data(), session->grad_area.size());
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     absl::StatusOr<uint64_t> id = NewSessionId(sessions_);
@@ -503,8 +619,11 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
     std::lock_guard<std::mutex> lock(mu_);
     sessions_.erase(s->id);
   };
+  // A trainer on this host gets an endpoint UCX may put on shared memory (Worker::Connect); its
+  // death is noticed through the Attach stream.
   absl::StatusOr<ucp_ep_h> ep =
-      s->worker->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s);
+      s->worker->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s,
+                         /*peer_error_handling=*/!ucx::PeerOnThisHost(context->peer()));
   if (!ep.ok()) {
     forget();
     return grpc::Status(
@@ -546,6 +665,10 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
       s->queue.pop_front();
     }
     Execute(s, &steps, c.get(), open.job_id(), open.range_index());
+    if (c->header.kind == static_cast<uint32_t>(Kind::kCommit)) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      --s->commits_pending;
+    }
   }
 
   steps.open.clear();  // uncommitted steps are dropped, their leases released

@@ -93,7 +93,10 @@ class UcxTransport final : public StepTransport {
  public:
   UcxTransport(OptimizerClient* control, const UcxOptions& options,
                std::unique_ptr<ucx::Worker> worker)
-      : control_(control), options_(options), worker_(std::move(worker)) {}
+      : control_(control),
+        options_(options),
+        worker_(std::move(worker)),
+        shard_on_this_host_(ucx::PeerOnThisHost(control->options().address)) {}
   ~UcxTransport() override { attachments_.Clear(); }  // before the worker goes
 
   absl::Status Init() {
@@ -151,6 +154,9 @@ class UcxTransport final : public StepTransport {
   OptimizerClient* const control_;
   const UcxOptions options_;
   std::unique_ptr<ucx::Worker> worker_;
+  // Endpoints to a shard on this host ask for no peer error handling, so UCX may use shared
+  // memory (Worker::Connect); the Attach stream still reports the shard's death.
+  const bool shard_on_this_host_;
 
   // Held by the AM handler for its whole run, so an attachment found here stays alive meanwhile
   // (Forget() takes it before the attachment is torn down).
@@ -314,7 +320,8 @@ absl::StatusOr<std::shared_ptr<Attachment>> UcxTransport::Attach(const std::stri
     by_session_[att->session_id] = att.get();
   }
   absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(response->ucx().worker_address(), &UcxTransport::OnEpError, att.get());
+      worker_->Connect(response->ucx().worker_address(), &UcxTransport::OnEpError, att.get(),
+                       /*peer_error_handling=*/!shard_on_this_host_);
   if (!ep.ok()) return ep.status();  // ~Attachment cancels the stream
   att->ep = *ep;
   response = att->link->Receive("AttachReady");
@@ -368,6 +375,8 @@ class UcxStepStream final : public StepStream {
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out, absl::Span<const double> group_lr = {},
                                         absl::Span<const RangeStep> range_steps = {}) override;
+  absl::Status UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr, float grad_multiplier,
+                           absl::Span<const double> group_lr) override;
   void Abandon() override;
 
   absl::Status Open();
@@ -455,6 +464,27 @@ absl::Status UcxStepStream::SendGradients(int64_t offset, const void* data, DTyp
     return s;
   }
   return absl::OkStatus();
+}
+
+// Queued behind the gradients on the shard, which runs it when it gets there; a refusal comes
+// back as the step's error, at the next call or the commit.
+absl::Status UcxStepStream::UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr,
+                                        float grad_multiplier, absl::Span<const double> group_lr) {
+  if (done_) return absl::FailedPreconditionError("step stream already finished");
+  OFFLOAD_RETURN_IF_ERROR(ShardError());
+  if (att_->dead) return att_->DeadStatus();
+  Header h = MakeHeader(Kind::kUpdate);
+  h.offset = static_cast<uint64_t>(offset);  // negative values travel as huge ones, refused
+  h.n = n;
+  h.lr = lr;
+  h.grad_multiplier = grad_multiplier;
+  std::string payload(reinterpret_cast<const char*>(&t), sizeof(t));
+  if (!group_lr.empty()) {
+    payload.append(reinterpret_cast<const char*>(group_lr.data()),
+                   group_lr.size() * sizeof(double));
+  }
+  return transport_->worker()->SendOwned(att_->ep, ucx::kToShardAm, h, std::move(payload),
+                                         state_->sends);
 }
 
 absl::StatusOr<v1::StepResult> UcxStepStream::Commit(double lr, float grad_multiplier, bool skip,

@@ -287,8 +287,8 @@ TEST_F(OptimizerBackendTest, RangeStepsAcrossTheShardBoundary) {
 // The update during backward (OptimizerBackend::UpdateEarly) through both backends: parts updated
 // as their gradients arrive, one across the shard boundary, give the plain commit's bits on every
 // backend, kept where the commit agrees (step 1; step 3, one part with the range's t spelled out)
-// and redone where it does not (step 2: another multiplier). In process and over shared memory
-// the counters say so; gRPC and UCX decline silently. Bad calls are refused by the backend.
+// and redone where it does not (step 2: another multiplier), and the counters say so, in process
+// and over every data plane. Bad calls are refused by the backend.
 TEST_F(OptimizerBackendTest, UpdateDuringBackwardGivesTheSameBits) {
   InProcessOptimizer plain(map_, 2, BestSimdPath());
   const Run reference = Train(&plain, groups_, true);
@@ -330,7 +330,7 @@ TEST_F(OptimizerBackendTest, UpdateDuringBackwardGivesTheSameBits) {
   for (const auto& [name, plane] : RemotePlanes()) {
     std::unique_ptr<RemoteOptimizer> remote = Remote(shards, plane);
     ASSERT_NE(remote, nullptr) << name;
-    EXPECT_TRUE(Same(train(remote.get(), plane == TransportChoice::kShm, name), reference)) << name;
+    EXPECT_TRUE(Same(train(remote.get(), true, name), reference)) << name;
   }
 
   // Refused by the backend, and by the in-process shard; the step then fails as a refused chunk

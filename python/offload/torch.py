@@ -160,8 +160,8 @@ class AdamW(torch.optim.Optimizer):
         clipping that bites, a changed lr, a second ``backward()``), so the weights are the
         same bits as without it, always. After a step it had to undo, it pauses for a few
         steps (1, 3, 7, ... up to 63 while undos repeat); with several micro-batches per step
-        it stays off. Where a server cannot (no memory for the copy, state on disk, the gRPC
-        and UCX planes today) it updates at the commit as usual. ``last_report``'s
+        it stays off. Where a server cannot (no memory for the copy, state on disk) it updates
+        at the commit as usual. Every data plane carries it (shared memory, gRPC, UCX). ``last_report``'s
         ``early_updated`` and ``early_rolled_back`` count the elements. Not with
         ``delay_update``, which overlaps the same update with the next step instead.
       zero_stage: 2 (default): the 16-bit weights stay on ``device``; 3 (ZeRO-3, needs
