@@ -24,10 +24,10 @@ struct BenchPlane {
   bool zero_copy = false;  // shm's GradientArea and CommitInPlace
 };
 
-// The planes of a comma-separated list: grpc, shm, shm-copy, ucx (UCX picks its transports: on
-// one host shared memory, across a network path (`remote`) TCP) and ucx-tcp (UCX_TLS=tcp). Where
-// the build has no UCX its planes are left out with a note on stderr naming `program`; an unknown
-// name is INVALID_ARGUMENT.
+// The planes of a comma-separated list: grpc, shm, shm-copy, ucx (UCX picks its transports; its
+// bound is memory on one host, TCP across a network path (`remote`)) and ucx-tcp (UCX_TLS=tcp).
+// Where the build has no UCX its planes are left out with a note on stderr naming `program`; an
+// unknown name is INVALID_ARGUMENT.
 absl::StatusOr<std::vector<BenchPlane>> ParseBenchPlanes(absl::string_view list, bool remote,
                                                          const char* program);
 

@@ -56,8 +56,8 @@
 //
 // Planes (--transports): grpc; shm (zero-copy: StepStream::GradientArea and CommitInPlace) and
 // shm-copy (SendGradients and Commit from and into the trainer's buffers); and where the build has
-// UCX, ucx (UCX chooses its transports: on one host that is shared memory) and ucx-tcp (UCX_TLS=tcp
-// for the server and the trainer in this process).
+// UCX, ucx (UCX chooses its transports: TCP on one host unless UCX_TLS says sm,self) and ucx-tcp
+// (UCX_TLS=tcp for the server and the trainer in this process).
 //
 // Across a network path (two network namespaces joined by a veth, or two hosts; scripts/
 // bench-netns): --server=HOST:PORT uses the cpu_optimizer_server there, on a job

@@ -38,7 +38,8 @@
 // way, as the gRPC and UCX planes do.
 //
 // Planes: grpc (bound tcp), shm and shm-copy (bound memcpy), and where the build has UCX: ucx (UCX
-// chooses its transports; on one host that is shared memory, so the bound is memcpy) and ucx-tcp
+// chooses its transports: TCP on one host unless UCX_TLS says sm,self, since the endpoints ask for
+// peer error handling; its bound is memcpy all the same, the medium of one host) and ucx-tcp
 // (UCX_TLS=tcp for the server and the trainer, bound tcp). After the table, one line per plane:
 //
 //   transport name=shm bytes=134217728 gbytes_per_s=... bound_gbytes_per_s=... ratio=...

@@ -6,7 +6,6 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <ifaddrs.h>
-#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -143,34 +142,6 @@ absl::StatusOr<std::string> RouteInterface(absl::string_view host) {
   }
   freeaddrinfo(found);
   return last;
-}
-
-bool PeerOnThisHost(absl::string_view address) {
-  absl::StatusOr<std::string> host = HostOfAddress(address);
-  if (!host.ok()) return false;
-  absl::StatusOr<std::string> iface = RouteInterface(*host);
-  if (!iface.ok()) return false;
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_DGRAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host->c_str(), "9", &hints, &found) != 0) return false;
-  ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) {
-    freeaddrinfo(found);
-    return false;
-  }
-  bool local = false;
-  for (const ifaddrs* ifa = list; ifa != nullptr && !local; ifa = ifa->ifa_next) {
-    // Routed through a loopback device (127.0.0.0/8, ::1), or an address this host holds.
-    if (*iface == ifa->ifa_name && (ifa->ifa_flags & IFF_LOOPBACK) != 0) local = true;
-    for (const addrinfo* ai = found; ai != nullptr && !local; ai = ai->ai_next) {
-      if (ifa->ifa_addr != nullptr && SameAddress(ifa->ifa_addr, ai->ai_addr)) local = true;
-    }
-  }
-  freeifaddrs(list);
-  freeaddrinfo(found);
-  return local;
 }
 
 std::vector<std::string> RdmaPorts(const std::string& sysfs_dir) {

@@ -28,11 +28,6 @@ absl::StatusOr<std::string> HostOfAddress(absl::string_view address);
 // no route to it (the message says which).
 absl::StatusOr<std::string> RouteInterface(absl::string_view host);
 
-// Whether the peer at `address` (HostOfAddress's forms) is this host in this network namespace: the
-// kernel routes to it through a loopback device, or an interface here holds its address. False
-// when it cannot tell.
-bool PeerOnThisHost(absl::string_view address);
-
 // The RDMA ports UCX names as devices ("mlx5_0:1"), from `sysfs_dir` (/sys/class/infiniband).
 std::vector<std::string> RdmaPorts(const std::string& sysfs_dir = "/sys/class/infiniband");
 

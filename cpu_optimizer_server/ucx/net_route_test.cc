@@ -92,19 +92,6 @@ TEST(NetRouteTest, OwnAddressNamesItsInterface) {
   absl::StatusOr<std::string> iface = RouteInterface(address);
   ASSERT_TRUE(iface.ok()) << iface.status();
   EXPECT_EQ(*iface, name) << address;
-  // It is still this host: UCX may use its shared-memory transports to reach it.
-  EXPECT_TRUE(PeerOnThisHost("ipv4:" + address + ":50051")) << address;
-}
-
-TEST(NetRouteTest, PeerOnThisHost) {
-  EXPECT_TRUE(PeerOnThisHost("127.0.0.1:50051"));
-  EXPECT_TRUE(PeerOnThisHost("ipv4:127.0.0.7:1234"));  // the whole of 127/8 is loopback
-  EXPECT_TRUE(PeerOnThisHost("localhost:1"));
-  EXPECT_TRUE(PeerOnThisHost("unix:/tmp/shard.sock"));
-  EXPECT_FALSE(PeerOnThisHost("no-such-host.invalid:1"));
-  EXPECT_FALSE(PeerOnThisHost(":50051"));
-  // TEST-NET-3 (RFC 5737) is never an address of this host, routed or not.
-  EXPECT_FALSE(PeerOnThisHost("203.0.113.9:50051"));
 }
 
 TEST(NetRouteTest, UnresolvableHostIsNotFound) {

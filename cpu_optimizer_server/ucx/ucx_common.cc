@@ -115,8 +115,7 @@ void Worker::Loop() {
 }
 
 absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& peer_address,
-                                         ucp_err_handler_cb_t on_error, void* arg,
-                                         bool peer_error_handling) {
+                                         ucp_err_handler_cb_t on_error, void* arg) {
   if (peer_address.empty()) return absl::InvalidArgumentError("empty UCX worker address");
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -127,10 +126,9 @@ absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& peer_address,
   p.err_handler.arg = arg;
   ucp_ep_h ep = nullptr;
   ucs_status_t s = UCS_ERR_UNREACHABLE;
-  if (peer_error_handling && !no_peer_error_handling_) s = ucp_ep_create(worker_, &p, &ep);
+  if (!no_peer_error_handling_) s = ucp_ep_create(worker_, &p, &ep);
   if (s == UCS_ERR_UNREACHABLE) {
-    // UCX logs the refusal once per worker, not per endpoint.
-    if (peer_error_handling) no_peer_error_handling_ = true;
+    no_peer_error_handling_ = true;  // UCX logs the refusal once per worker, not per endpoint
     // UCX 1.13's shared-memory transports (posix, sysv) have no peer failure handling, so with
     // UCX_TLS=sm,self a PEER endpoint finds no transport at all. Fall back to no error handling:
     // the death of the peer is still noticed through the Attach stream, and teardown force-closes

@@ -133,12 +133,13 @@ class Worker {
   // An endpoint to a peer worker address, with peer error handling: `on_error` is called (on the
   // progress thread) when the peer goes away. Where no transport offers peer error handling (the
   // shared-memory ones in UCX 1.13), the endpoint has none and the Attach stream is the only
-  // witness of the peer's death. Without `peer_error_handling` the endpoint asks for none, which
-  // lets UCX pick its shared-memory transports (posix, sysv, cma in 1.13 have no peer failure
-  // handling, so a PEER endpoint to a peer on this host goes over TCP instead): for a peer on
-  // this host, whose death the Attach stream reports as well.
+  // witness of the peer's death. So a PEER endpoint to a peer on this host goes over TCP unless
+  // UCX_TLS leaves UCX nothing but shared memory: an endpoint without peer error handling is not
+  // safe to ask for by default, since UCX aborts the whole process when its CMA copy finds the
+  // peer gone (uct_cma_ep_tx, "process_vm_readv ... No such process": a trainer killed mid-step
+  // took its server down; docs/PERFORMANCE.md, issue 45).
   absl::StatusOr<ucp_ep_h> Connect(const std::string& peer_address, ucp_err_handler_cb_t on_error,
-                                   void* arg, bool peer_error_handling = true);
+                                   void* arg);
   // Closes with UCP_EP_CLOSE_FLAG_FORCE (outstanding operations complete as cancelled) and waits
   // for the close to finish, at most a few seconds.
   void Close(ucp_ep_h ep);

@@ -271,9 +271,12 @@ class UcxServer::ParamSinkImpl final : public ParamSink {
   }
 
  private:
+  // The trainer is gone: its endpoint failed, or (where the endpoint has no peer error handling,
+  // a trainer on this host over shared memory, whose sends to a dead peer never complete) its
+  // Attach stream ended.
   bool Failed() {
     std::lock_guard<std::mutex> lock(session_->mu);
-    return session_->peer_failed;
+    return session_->peer_failed || session_->stream_ended;
   }
   void WaitSlot(Slot* s) {
     s->inflight->WaitIdle(server_->options_.poll_interval, absl::InfiniteFuture(),
@@ -388,7 +391,7 @@ void UcxServer::Reply(Session* s, const Header& request, Kind kind, const std::s
   // Wait for it: replies are rare (one per OPEN / error / commit) and this keeps `owned` alive.
   inflight->WaitIdle(options_.poll_interval, absl::Now() + absl::Seconds(30), [s] {
     std::lock_guard<std::mutex> lock(s->mu);
-    return s->peer_failed;
+    return s->peer_failed || s->stream_ended;
   });
 }
 
@@ -619,11 +622,8 @@ grpc::Status UcxServer::Serve(const v1::AttachOpen& open, grpc::ServerContext* c
     std::lock_guard<std::mutex> lock(mu_);
     sessions_.erase(s->id);
   };
-  // A trainer on this host gets an endpoint UCX may put on shared memory (Worker::Connect); its
-  // death is noticed through the Attach stream.
   absl::StatusOr<ucp_ep_h> ep =
-      s->worker->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s,
-                         /*peer_error_handling=*/!ucx::PeerOnThisHost(context->peer()));
+      s->worker->Connect(open.ucx_worker_address(), &UcxServer::OnEpError, s);
   if (!ep.ok()) {
     forget();
     return grpc::Status(

@@ -93,10 +93,7 @@ class UcxTransport final : public StepTransport {
  public:
   UcxTransport(OptimizerClient* control, const UcxOptions& options,
                std::unique_ptr<ucx::Worker> worker)
-      : control_(control),
-        options_(options),
-        worker_(std::move(worker)),
-        shard_on_this_host_(ucx::PeerOnThisHost(control->options().address)) {}
+      : control_(control), options_(options), worker_(std::move(worker)) {}
   ~UcxTransport() override { attachments_.Clear(); }  // before the worker goes
 
   absl::Status Init() {
@@ -154,9 +151,6 @@ class UcxTransport final : public StepTransport {
   OptimizerClient* const control_;
   const UcxOptions options_;
   std::unique_ptr<ucx::Worker> worker_;
-  // Endpoints to a shard on this host ask for no peer error handling, so UCX may use shared
-  // memory (Worker::Connect); the Attach stream still reports the shard's death.
-  const bool shard_on_this_host_;
 
   // Held by the AM handler for its whole run, so an attachment found here stays alive meanwhile
   // (Forget() takes it before the attachment is torn down).
@@ -320,8 +314,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> UcxTransport::Attach(const std::stri
     by_session_[att->session_id] = att.get();
   }
   absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(response->ucx().worker_address(), &UcxTransport::OnEpError, att.get(),
-                       /*peer_error_handling=*/!shard_on_this_host_);
+      worker_->Connect(response->ucx().worker_address(), &UcxTransport::OnEpError, att.get());
   if (!ep.ok()) return ep.status();  // ~Attachment cancels the stream
   att->ep = *ep;
   response = att->link->Receive("AttachReady");
