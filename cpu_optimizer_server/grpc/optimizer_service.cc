@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <utility>
 
@@ -230,8 +231,10 @@ grpc::Status OptimizerService::RawStep(grpc::ServerContext* context, RawStepStre
       if (!dtype.ok()) return ToGrpcStatus(dtype.status());
       const int64_t bytes = static_cast<int64_t>(view.size);
       const int size = DTypeSize(*dtype);
-      const bool in_place =
-          !view.accumulate && view.copied.empty() && bytes > 0 && bytes % size == 0;
+      // In place only where the payload is aligned for its dtype: it sits wherever gRPC's frame
+      // and message headers left it in the receive slice, and the session reads it as an array.
+      const bool in_place = !view.accumulate && view.copied.empty() && bytes > 0 &&
+                            bytes % size == 0 && reinterpret_cast<uintptr_t>(view.data) % size == 0;
       absl::Status added;
       if (in_place) {
         // Read where gRPC received it: the buffer is kept (and counted) until the step ends.
@@ -244,8 +247,8 @@ grpc::Status OptimizerService::RawStep(grpc::ServerContext* context, RawStepStre
           held.push_back(std::move(buffer));
         }
       } else {
-        // Accumulated (folded at once), split across gRPC's slices (copied already), or
-        // malformed (the session says how).
+        // Accumulated (folded at once), split across gRPC's slices (copied already),
+        // misaligned, or malformed (the session says how).
         std::string data =
             view.copied.empty() ? std::string(view.data, view.size) : std::move(view.copied);
         added = (*session)->AddGradients(WireOffset(view.offset), *dtype, view.accumulate,
