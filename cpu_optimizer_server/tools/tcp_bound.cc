@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +22,43 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+constexpr int64_t kCall = 4 << 20;  // bytes per send and recv call
+
+bool SendAll(int fd, const char* data, int64_t bytes) {
+  for (int64_t sent = 0; sent < bytes;) {
+    const ssize_t k = send(fd, data + sent, std::min(kCall, bytes - sent), MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    sent += k;
+  }
+  return true;
+}
+
+bool ReceiveAll(int fd, char* data, int64_t bytes) {
+  for (int64_t got = 0; got < bytes;) {
+    const ssize_t k = recv(fd, data + got, std::min(kCall, bytes - got), 0);
+    if (k <= 0) return false;
+    got += k;
+  }
+  return true;
+}
+
+// `bytes` from one 4 MiB buffer over and over, and the same count into another, in kCall pieces.
+bool SendRepeated(int fd, const std::vector<char>& buffer, int64_t bytes) {
+  bool ok = true;
+  for (int64_t sent = 0; ok && sent < bytes; sent += kCall) {
+    ok = SendAll(fd, buffer.data(), std::min(kCall, bytes - sent));
+  }
+  return ok;
+}
+
+bool ReceiveRepeated(int fd, std::vector<char>* buffer, int64_t bytes) {
+  bool ok = true;
+  for (int64_t got = 0; ok && got < bytes; got += kCall) {
+    ok = ReceiveAll(fd, buffer->data(), std::min(kCall, bytes - got));
+  }
+  return ok;
 }
 
 }  // namespace
@@ -45,28 +83,13 @@ double TcpBothWaysSeconds(int64_t bytes) {
   }
   int b = accept(listener, nullptr, nullptr);
   close(listener);
-  constexpr int64_t kCall = 4 << 20;
   std::vector<char> send_buf(kCall, 1), recv_buf(kCall);
-  bool ok = true;
+  std::atomic<bool> ok{true};
   auto pump = [&](int from, int to) {
     std::thread reader([&] {
-      for (int64_t got = 0; got < bytes;) {
-        const ssize_t k = recv(to, recv_buf.data(), kCall, 0);
-        if (k <= 0) {
-          ok = false;
-          return;
-        }
-        got += k;
-      }
+      if (!ReceiveRepeated(to, &recv_buf, bytes)) ok = false;
     });
-    for (int64_t sent = 0; sent < bytes;) {
-      const ssize_t k = send(from, send_buf.data(), std::min(kCall, bytes - sent), 0);
-      if (k <= 0) {
-        ok = false;
-        break;
-      }
-      sent += k;
-    }
+    if (!SendRepeated(from, send_buf, bytes)) ok = false;
     reader.join();
   };
   const auto t0 = Clock::now();
@@ -77,30 +100,6 @@ double TcpBothWaysSeconds(int64_t bytes) {
   close(b);
   return ok ? s : -1;
 }
-
-namespace {
-
-constexpr int64_t kCall = 4 << 20;
-
-bool SendAll(int fd, const char* data, int64_t bytes) {
-  for (int64_t sent = 0; sent < bytes;) {
-    const ssize_t k = send(fd, data, std::min(kCall, bytes - sent), MSG_NOSIGNAL);
-    if (k <= 0) return false;
-    sent += k;
-  }
-  return true;
-}
-
-bool ReceiveAll(int fd, char* data, int64_t bytes) {
-  for (int64_t got = 0; got < bytes;) {
-    const ssize_t k = recv(fd, data, std::min(kCall, bytes - got), 0);
-    if (k <= 0) return false;
-    got += k;
-  }
-  return true;
-}
-
-}  // namespace
 
 double TcpBothWaysSecondsTo(const std::string& address, int64_t bytes) {
   const size_t colon = address.rfind(':');
@@ -123,13 +122,8 @@ double TcpBothWaysSecondsTo(const std::string& address, int64_t bytes) {
   const auto t0 = Clock::now();
   const uint64_t count = static_cast<uint64_t>(bytes);
   bool ok = SendAll(fd, reinterpret_cast<const char*>(&count), sizeof(count));
-  // Sends from one 4 MiB buffer over and over, as the loopback bound does.
-  for (int64_t sent = 0; ok && sent < bytes; sent += kCall) {
-    ok = SendAll(fd, buffer.data(), std::min(kCall, bytes - sent));
-  }
-  for (int64_t got = 0; ok && got < bytes; got += kCall) {
-    ok = ReceiveAll(fd, buffer.data(), std::min(kCall, bytes - got));
-  }
+  // From one 4 MiB buffer over and over, as the loopback bound does.
+  ok = ok && SendRepeated(fd, buffer, bytes) && ReceiveRepeated(fd, &buffer, bytes);
   const double s = Seconds(t0, Clock::now());
   close(fd);
   return ok ? s : -1;
@@ -156,12 +150,7 @@ int ServeTcpBound(int port) {
     uint64_t count = 0;
     bool ok = ReceiveAll(fd, reinterpret_cast<char*>(&count), sizeof(count));
     const int64_t bytes = static_cast<int64_t>(count);
-    for (int64_t got = 0; ok && got < bytes; got += kCall) {
-      ok = ReceiveAll(fd, buffer.data(), std::min(kCall, bytes - got));
-    }
-    for (int64_t sent = 0; ok && sent < bytes; sent += kCall) {
-      ok = SendAll(fd, buffer.data(), std::min(kCall, bytes - sent));
-    }
+    ok = ok && ReceiveRepeated(fd, &buffer, bytes) && SendRepeated(fd, buffer, bytes);
     close(fd);
   }
 }

@@ -117,7 +117,7 @@ struct DataRecv {
 // Where in the session's gradient area a rendezvous chunk of `length` bytes lands, or null when it
 // goes into a string: an area, a 16-bit chunk that is not accumulated, inside the range, and no
 // commit reading the area. Under s->mu.
-char* AreaFor(const Session& s, const Header& h, size_t length) {
+char* AreaFor(Session& s, const Header& h, size_t length) {
   if (s.grad_area.empty() || s.commits_pending > 0 ||
       h.kind != static_cast<uint32_t>(Kind::kGrad) || h.accumulate != 0) {
     return nullptr;
@@ -128,7 +128,7 @@ char* AreaFor(const Session& s, const Header& h, size_t length) {
       h.n > s.range_length - begin) {
     return nullptr;  // the session refuses it with the reason; it was never in the area
   }
-  return const_cast<char*>(s.grad_area.data()) + begin * 2;
+  return s.grad_area.data() + begin * 2;
 }
 
 class UcxServer;
