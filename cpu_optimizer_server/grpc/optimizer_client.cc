@@ -194,6 +194,13 @@ absl::Status OptimizerClient::DropJob(const std::string& job_id) {
   v1::DropJobRequest request;
   request.set_job_id(job_id);
   v1::DropJobResponse response;
+  {
+    std::lock_guard<std::mutex> lock(areas_mu_);
+    for (auto it = areas_.lower_bound({job_id, 0});
+         it != areas_.end() && it->first.first == job_id;) {
+      it = it->second.taken ? std::next(it) : areas_.erase(it);
+    }
+  }
   return FromGrpcStatus(NextStub()->DropJob(&context, request, &response));
 }
 
@@ -223,6 +230,8 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
   s->range_offset_ = range_offset;
   s->range_length_ = range_length;
   s->chunk_bytes_ = options_.chunk_bytes;
+  s->job_id_ = job_id;
+  s->range_index_ = range_index;
   v1::StepOpen* open = s->request_.mutable_open();
   open->set_job_id(job_id);
   open->set_range_index(range_index);
@@ -251,14 +260,25 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
   const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes_ / size);
   const v1::DType wire_dtype = DTypeToProto(dtype);
   const char* bytes = static_cast<const char*>(data);
-  // Each chunk is copied once, into a buffer the message's slice owns (step_wire.h), and sent
-  // from there: the caller's memory is free again when this returns, whatever gRPC still holds.
+  // Sent from the gradient area where the caller wrote the chunk there, at its place.
+  const bool in_area = area_ != nullptr && size == 2 && !accumulate && offset >= range_offset_ &&
+                       n >= 0 && offset + n <= range_offset_ + range_length_ &&
+                       bytes == area_->data() + (offset - range_offset_) * 2;
+  // Otherwise each chunk is copied once, into a buffer the message's slice owns, and sent from
+  // there: the caller's memory is free again when this returns, whatever gRPC still holds.
   for (int64_t done = 0; done < n; done += per_chunk) {
     const int64_t m = std::min(per_chunk, n - done);
-    std::shared_ptr<std::vector<char>> buffer = client_->TakeChunkBuffer(m * size);
-    std::memcpy(buffer->data(), bytes + done * size, m * size);
+    grpc::Slice payload;
+    if (in_area) {
+      payload = SharedSlice(area_, bytes + done * size, m * size);
+    } else {
+      std::shared_ptr<SliceBuffer> buffer = client_->chunk_buffers_.Take(m * size);
+      std::memcpy(buffer->data(), bytes + done * size, m * size);
+      char* copy = buffer->data();
+      payload = SharedSlice(std::move(buffer), copy, m * size);
+    }
     if (!stream_->Write(GradChunkMessage(static_cast<uint64_t>(offset + done), wire_dtype,
-                                         accumulate, SharedSlice(buffer, m * size)))) {
+                                         accumulate, payload))) {
       // The shard ended the stream (a refused chunk): its status says why.
       done_ = true;
       return FromGrpcStatus(stream_->Finish());
@@ -267,21 +287,55 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
   return absl::OkStatus();
 }
 
-std::shared_ptr<std::vector<char>> OptimizerClient::TakeChunkBuffer(size_t bytes) {
-  std::lock_guard<std::mutex> lock(chunk_buffers_mu_);
-  for (const std::shared_ptr<std::vector<char>>& b : chunk_buffers_) {
-    // Only the pool holds it: gRPC released its last message (with release order).
-    if (b.use_count() == 1) {
-      std::atomic_thread_fence(std::memory_order_acquire);
-      b->resize(bytes);
-      return b;
-    }
+void* GrpcStepStream::GradientArea() {
+  if (done_) return nullptr;
+  if (!area_asked_) {
+    area_asked_ = true;
+    area_ = client_->TakeGradientArea(job_id_, range_index_, range_length_ * 2, &area_id_);
   }
-  auto made = std::make_shared<std::vector<char>>(bytes);
-  // Enough for the chunks gRPC's write buffer holds for a few streams at once; a burst past that
-  // allocates and frees.
-  if (chunk_buffers_.size() < 64) chunk_buffers_.push_back(made);
-  return made;
+  return area_ != nullptr ? area_->data() : nullptr;
+}
+
+uint64_t GrpcStepStream::GradientAreaId() { return GradientArea() != nullptr ? area_id_ : 0; }
+
+void GrpcStepStream::ReturnArea(bool committed) {
+  if (!area_asked_) return;
+  area_asked_ = false;
+  if (area_ == nullptr) return;
+  area_.reset();
+  client_->ReturnGradientArea(job_id_, range_index_, committed);
+}
+
+std::shared_ptr<SliceBuffer> OptimizerClient::TakeGradientArea(const std::string& job_id,
+                                                               uint32_t range_index, size_t bytes,
+                                                               uint64_t* id) {
+  // Ids are unique in the process, so a caller holding several clients' areas tells them apart.
+  static std::atomic<uint64_t> next_id{1};
+  std::lock_guard<std::mutex> lock(areas_mu_);
+  GradientAreaSlot& slot = areas_[{job_id, range_index}];
+  if (slot.taken) return nullptr;
+  // After a step that did not commit, gRPC may still send from the old memory: use other memory
+  // unless it has let go (with release order) of every slice.
+  const bool free_of_grpc = slot.buffer != nullptr && slot.buffer.use_count() == 1;
+  if (free_of_grpc) std::atomic_thread_fence(std::memory_order_acquire);
+  if (slot.buffer == nullptr || slot.buffer->capacity() < bytes ||
+      !(slot.reusable || free_of_grpc)) {
+    slot.buffer = std::make_shared<SliceBuffer>(bytes);
+    slot.id = next_id.fetch_add(1);
+  }
+  slot.taken = true;
+  slot.reusable = false;
+  *id = slot.id;
+  return slot.buffer;
+}
+
+void OptimizerClient::ReturnGradientArea(const std::string& job_id, uint32_t range_index,
+                                         bool committed) {
+  std::lock_guard<std::mutex> lock(areas_mu_);
+  auto it = areas_.find({job_id, range_index});
+  if (it == areas_.end()) return;
+  it->second.taken = false;
+  it->second.reusable = committed;
 }
 
 absl::Status GrpcStepStream::UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr,
@@ -307,6 +361,15 @@ absl::StatusOr<v1::StepResult> GrpcStepStream::Commit(double lr, float grad_mult
                                                       void* params_out,
                                                       absl::Span<const double> group_lr,
                                                       absl::Span<const RangeStep> range_steps) {
+  absl::StatusOr<v1::StepResult> result =
+      CommitAndReceive(lr, grad_multiplier, skip, params_out, group_lr, range_steps);
+  ReturnArea(/*committed=*/result.ok());
+  return result;
+}
+
+absl::StatusOr<v1::StepResult> GrpcStepStream::CommitAndReceive(
+    double lr, float grad_multiplier, bool skip, void* params_out,
+    absl::Span<const double> group_lr, absl::Span<const RangeStep> range_steps) {
   if (done_) return absl::FailedPreconditionError("step stream already finished");
   v1::StepCommit* commit = request_.mutable_commit();
   commit->set_step(step_);
@@ -371,6 +434,9 @@ void GrpcStepStream::Abandon() {
   stream_->Finish();
 }
 
-GrpcStepStream::~GrpcStepStream() { Abandon(); }
+GrpcStepStream::~GrpcStepStream() {
+  Abandon();
+  ReturnArea(/*committed=*/false);
+}
 
 }  // namespace offload

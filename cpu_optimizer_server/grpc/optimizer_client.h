@@ -6,9 +6,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -16,6 +18,7 @@
 #include "absl/time/time.h"
 #include "base/dtype.h"
 #include "base/security/security.h"
+#include "cpu_optimizer_server/grpc/slice_buffer_pool.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/optimizer.grpc.pb.h"
@@ -91,11 +94,20 @@ class StateLoadStream {
 
 // One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep. The stream
 // carries raw bytes (step_wire.h): a gradient chunk is copied once, into a buffer its message's
-// slice owns, and parameter waves are read from gRPC's receive slices straight into params_out.
+// slice owns, unless it was written into the gradient area, whose slices then go out as they are;
+// parameter waves are read from gRPC's receive slices straight into params_out.
 class GrpcStepStream final : public StepStream {
  public:
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
                              bool accumulate = false) override;
+  // The range's 16-bit gradients as gRPC sends them, owned by the client and kept for the range's
+  // next steps (so a caller that page-locked it keeps its lock). Chunks sent from their place here
+  // go out with no copy. gRPC may still hold slices of it after a step; once a commit returned,
+  // the shard had every byte, so the next step of the range writes the same memory. After a
+  // failed or abandoned step whose slices gRPC still holds, the next step gets other memory
+  // (another GradientAreaId).
+  void* GradientArea() override;
+  uint64_t GradientAreaId() override;
   absl::StatusOr<v1::StepResult> Commit(double lr, float grad_multiplier, bool skip,
                                         void* params_out, absl::Span<const double> group_lr = {},
                                         absl::Span<const RangeStep> range_steps = {}) override;
@@ -112,6 +124,12 @@ class GrpcStepStream final : public StepStream {
   GrpcStepStream() = default;
   // Writes a small message (open, update, commit); false when the shard ended the stream.
   bool WriteMessage(const v1::StepRequest& request);
+  absl::StatusOr<v1::StepResult> CommitAndReceive(double lr, float grad_multiplier, bool skip,
+                                                  void* params_out,
+                                                  absl::Span<const double> group_lr,
+                                                  absl::Span<const RangeStep> range_steps);
+  // Gives the gradient area back to the client; `committed`: the shard has all it was sent.
+  void ReturnArea(bool committed);
 
   OptimizerClient* client_ = nullptr;
   std::unique_ptr<grpc::ClientContext> context_;
@@ -122,6 +140,11 @@ class GrpcStepStream final : public StepStream {
   int64_t range_length_ = 0;
   int64_t chunk_bytes_ = 0;
   bool done_ = false;
+  std::string job_id_;
+  uint32_t range_index_ = 0;
+  bool area_asked_ = false;
+  std::shared_ptr<SliceBuffer> area_;  // (range_length_,) 16-bit values; null when none
+  uint64_t area_id_ = 0;
 };
 
 // The control plane to one shard, and its gRPC data plane.
@@ -163,9 +186,11 @@ class OptimizerClient final : public StepTransport {
   friend class GrpcStepStream;
 
   explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
-  // A buffer of `bytes` for a gradient chunk's payload, from a pool shared by the client's
-  // streams: one gRPC no longer holds, else a new one.
-  std::shared_ptr<std::vector<char>> TakeChunkBuffer(size_t bytes);
+  // The gradient area of range `range_index` of job_id (GrpcStepStream::GradientArea) for a
+  // stream, with its id; null when another stream of the range has it.
+  std::shared_ptr<SliceBuffer> TakeGradientArea(const std::string& job_id, uint32_t range_index,
+                                                size_t bytes, uint64_t* id);
+  void ReturnGradientArea(const std::string& job_id, uint32_t range_index, bool committed);
   // The next channel's index, round robin.
   size_t Next();
   v1::OptimizerShard::Stub* NextStub() { return stubs_[Next()].get(); }
@@ -177,8 +202,17 @@ class OptimizerClient final : public StepTransport {
   std::vector<std::unique_ptr<v1::OptimizerShard::Stub>> stubs_;
   // OptimizerShard.Step on each channel, for streams of raw bytes (step_wire.h).
   std::vector<std::unique_ptr<grpc::internal::RpcMethod>> raw_step_;
-  std::mutex chunk_buffers_mu_;
-  std::vector<std::shared_ptr<std::vector<char>>> chunk_buffers_;
+  // Copied gradient chunks' payloads: enough for the chunks gRPC's write buffer holds for a few
+  // streams at once.
+  SliceBufferPool chunk_buffers_{64};
+  struct GradientAreaSlot {
+    std::shared_ptr<SliceBuffer> buffer;
+    uint64_t id = 0;
+    bool taken = false;     // a stream has it
+    bool reusable = false;  // its last step committed, so gRPC reads none of it any more
+  };
+  std::mutex areas_mu_;
+  std::map<std::pair<std::string, uint32_t>, GradientAreaSlot> areas_;  // by (job, range)
   std::atomic<uint64_t> next_{0};
 };
 

@@ -39,21 +39,15 @@ int64_t WireOffset(uint64_t offset) {
 
 // Writes each finished wave of 16-bit parameters as one ParamChunk message whose payload is a slice
 // over the buffer the kernel wrote the wave into (step_wire.h), so the only copies are the
-// kernel's. gRPC may still be sending a slot's last wave when the slot comes round again: the
-// slice keeps that buffer alive, and the slot takes another.
+// kernel's. The buffers come from the service's pool: gRPC may still hold a slot's last wave when
+// the slot comes round again, and the pool then hands out another.
 class GrpcParamSink final : public ParamSink {
  public:
-  GrpcParamSink(OptimizerService::RawStepStream* stream, DType dtype)
-      : stream_(stream), dtype_(DTypeToProto(dtype)) {}
+  GrpcParamSink(OptimizerService::RawStepStream* stream, DType dtype, SliceBufferPool* pool)
+      : stream_(stream), dtype_(DTypeToProto(dtype)), pool_(pool) {}
   void* Buffer(int slot, int64_t offset, int64_t n) override {
     Slot& s = slots_[slot];
-    if (s.buffer == nullptr || s.buffer.use_count() > 1) {
-      s.buffer = std::make_shared<std::vector<char>>();
-    } else {
-      // gRPC released it (its reference dropped with release order): its reads are done.
-      std::atomic_thread_fence(std::memory_order_acquire);
-    }
-    s.buffer->resize(n * 2);
+    s.buffer = pool_->Take(n * 2);
     s.offset = offset;
     s.n = n;
     return s.buffer->data();
@@ -61,18 +55,20 @@ class GrpcParamSink final : public ParamSink {
   bool Send(int slot) override {
     Slot& s = slots_[slot];
     ServerMetrics::Get().Sent(DataPlane::kGrpc, s.n * 2);
-    return stream_->Write(
-        ParamChunkMessage(static_cast<uint64_t>(s.offset), dtype_, SharedSlice(s.buffer, s.n * 2)));
+    const char* data = s.buffer->data();
+    return stream_->Write(ParamChunkMessage(static_cast<uint64_t>(s.offset), dtype_,
+                                            SharedSlice(std::move(s.buffer), data, s.n * 2)));
   }
 
  private:
   struct Slot {
-    std::shared_ptr<std::vector<char>> buffer;
+    std::shared_ptr<SliceBuffer> buffer;
     int64_t offset = 0;
     int64_t n = 0;
   };
   OptimizerService::RawStepStream* const stream_;
   const v1::DType dtype_;
+  SliceBufferPool* const pool_;
   Slot slots_[2];
 };
 
@@ -296,7 +292,7 @@ grpc::Status OptimizerService::RawStep(grpc::ServerContext* context, RawStepStre
     }
   }
 
-  GrpcParamSink sink(stream, (*session)->param_dtype());
+  GrpcParamSink sink(stream, (*session)->param_dtype(), &wave_buffers_);
   absl::StatusOr<StepOutcome> outcome = (*session)->Commit(commit, &sink);
   if (!outcome.ok()) return ToGrpcStatus(outcome.status());
   if (outcome->receiver_gone) {

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cpu_optimizer_server/grpc/shard_access.h"
+#include "cpu_optimizer_server/grpc/slice_buffer_pool.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/transport/data_plane.h"
 #include "grpcpp/grpcpp.h"
@@ -67,6 +68,9 @@ class OptimizerService final : public v1::OptimizerShard::Service {
   const std::vector<DataPlaneServer*> data_planes_;
   const absl::Duration setup_timeout_;
   const ShardAccess* access_ = nullptr;
+  // The buffers parameter waves leave from (GrpcParamSink): two per stream committing, and those
+  // gRPC still sends; 16 kept is 64 MiB at the default wave, enough for a few ranks at once.
+  SliceBufferPool wave_buffers_{16};
 };
 
 // Options of a running server, shared by the binary, the tests and the benchmarks.

@@ -105,11 +105,11 @@ bool ReadPayload(CodedInputStream* in, uint32_t length, const char** data, std::
 
 }  // namespace
 
-grpc::Slice SharedSlice(const std::shared_ptr<std::vector<char>>& buffer, size_t n) {
-  auto* keep = new std::shared_ptr<std::vector<char>>(buffer);
+grpc::Slice SharedSlice(std::shared_ptr<const void> owner, const char* data, size_t n) {
+  auto* keep = new std::shared_ptr<const void>(std::move(owner));
   grpc_slice slice = grpc_slice_new_with_user_data(
-      buffer->data(), n,
-      [](void* p) { delete static_cast<std::shared_ptr<std::vector<char>>*>(p); }, keep);
+      const_cast<char*>(data), n,
+      [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }, keep);
   return grpc::Slice(slice, grpc::Slice::STEAL_REF);
 }
 

@@ -23,9 +23,9 @@
 
 namespace offload {
 
-// A slice over the first n bytes of `buffer` that keeps it alive until gRPC releases the slice:
-// the owner may drop its reference at any time. buffer.use_count() > 1 while gRPC holds it.
-grpc::Slice SharedSlice(const std::shared_ptr<std::vector<char>>& buffer, size_t n);
+// A slice over n bytes at `data`, inside memory `owner` keeps alive until gRPC releases the slice:
+// the caller may drop its reference at any time. owner.use_count() grows while gRPC holds it.
+grpc::Slice SharedSlice(std::shared_ptr<const void> owner, const char* data, size_t n);
 
 // StepRequest{grad: GradChunk{offset, dtype, accumulate, data}} with `data` as its payload.
 grpc::ByteBuffer GradChunkMessage(uint64_t offset, v1::DType dtype, bool accumulate,

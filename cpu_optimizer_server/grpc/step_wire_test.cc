@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_optimizer_server/grpc/slice_buffer_pool.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -42,7 +43,7 @@ TEST(StepWireTest, GradChunkIsTheProtobufMessage) {
   for (bool accumulate : {false, true}) {
     const auto payload = Payload(100003);
     grpc::ByteBuffer message = GradChunkMessage((uint64_t{1} << 40) + 5, v1::DTYPE_BF16, accumulate,
-                                                SharedSlice(payload, 100002));
+                                                SharedSlice(payload, payload->data(), 100002));
     v1::StepRequest parsed;
     ASSERT_TRUE(parsed.ParseFromString(Bytes(message)));
     ASSERT_TRUE(parsed.has_grad());
@@ -55,7 +56,8 @@ TEST(StepWireTest, GradChunkIsTheProtobufMessage) {
 
 TEST(StepWireTest, ParamChunkIsTheProtobufMessage) {
   const auto payload = Payload(4096);
-  grpc::ByteBuffer message = ParamChunkMessage(0, v1::DTYPE_FP16, SharedSlice(payload, 4096));
+  grpc::ByteBuffer message =
+      ParamChunkMessage(0, v1::DTYPE_FP16, SharedSlice(payload, payload->data(), 4096));
   v1::StepResponse parsed;
   ASSERT_TRUE(parsed.ParseFromString(Bytes(message)));
   ASSERT_TRUE(parsed.has_params());
@@ -69,7 +71,7 @@ TEST(StepWireTest, SharedSliceOwnsItsBuffer) {
   auto payload = Payload(64);
   std::weak_ptr<std::vector<char>> watch = payload;
   auto message = std::make_unique<grpc::ByteBuffer>(
-      ParamChunkMessage(8, v1::DTYPE_FP16, SharedSlice(payload, 64)));
+      ParamChunkMessage(8, v1::DTYPE_FP16, SharedSlice(payload, payload->data(), 64)));
   EXPECT_GT(payload.use_count(), 1);
   payload.reset();
   EXPECT_FALSE(watch.expired());
@@ -188,8 +190,8 @@ TEST(StepWireTest, TrainerPlacesParametersAndReadsTheResult) {
   bool has_result = false;
   for (size_t piece : {size_t{1} << 20, size_t{7}}) {
     std::fill(out.begin(), out.end(), 0);
-    grpc::ByteBuffer message =
-        ParamChunkMessage(100, v1::DTYPE_BF16, SharedSlice(payload, payload->size()));
+    grpc::ByteBuffer message = ParamChunkMessage(
+        100, v1::DTYPE_BF16, SharedSlice(payload, payload->data(), payload->size()));
     grpc::ByteBuffer cut = Cut(Bytes(message), piece);
     ASSERT_TRUE(ReadStepResponse(&cut, placement, &result, &has_result).ok()) << piece;
     EXPECT_EQ(std::memcmp(out.data() + 200, payload->data(), payload->size()), 0) << piece;
@@ -211,9 +213,47 @@ TEST(StepWireTest, TrainerPlacesParametersAndReadsTheResult) {
   ASSERT_TRUE(ReadStepResponse(&buffer, placement, &result, &has_result).ok());
   EXPECT_EQ(std::string(out.data() + 10, 4), "abcd");
   // Outside what the trainer accepts.
-  grpc::ByteBuffer far = ParamChunkMessage(1 << 20, v1::DTYPE_BF16, SharedSlice(payload, 4000));
+  grpc::ByteBuffer far =
+      ParamChunkMessage(1 << 20, v1::DTYPE_BF16, SharedSlice(payload, payload->data(), 4000));
   EXPECT_EQ(ReadStepResponse(&far, placement, &result, &has_result).code(),
             absl::StatusCode::kDataLoss);
+}
+
+// The pool hands out a buffer again only once gRPC let go of every slice over it.
+TEST(SliceBufferPoolTest, ReusesABufferOnlyOnceGrpcLetsGo) {
+  SliceBufferPool pool(2);
+  std::shared_ptr<SliceBuffer> a = pool.Take(1000);
+  ASSERT_GE(a->capacity(), 1000u);
+  SliceBuffer* const first = a.get();
+  char* data = a->data();
+  auto message = std::make_unique<grpc::ByteBuffer>(
+      ParamChunkMessage(0, v1::DTYPE_FP16, SharedSlice(std::move(a), data, 1000)));
+  std::shared_ptr<SliceBuffer> b = pool.Take(1000);  // the first is still in gRPC's hands
+  EXPECT_NE(b.get(), first);
+  b.reset();
+  message.reset();
+  EXPECT_EQ(pool.Take(800).get(), first);  // free again, and large enough
+  // A request past every free buffer's capacity replaces one of them, and is kept.
+  std::shared_ptr<SliceBuffer> big = pool.Take(5000);
+  EXPECT_GE(big->capacity(), 5000u);
+  SliceBuffer* const big_one = big.get();
+  EXPECT_NE(pool.Take(5000).get(), big_one);  // held by the caller
+  big.reset();
+  EXPECT_EQ(pool.Take(5000).get(), big_one);
+}
+
+// Past max_kept the pool still hands out buffers, and keeps none of them.
+TEST(SliceBufferPoolTest, BurstsPastTheLimitAreNotKept) {
+  SliceBufferPool pool(1);
+  std::shared_ptr<SliceBuffer> kept = pool.Take(64);
+  std::shared_ptr<SliceBuffer> extra = pool.Take(64);
+  ASSERT_NE(kept.get(), extra.get());
+  std::weak_ptr<SliceBuffer> watch = extra;
+  extra.reset();
+  EXPECT_TRUE(watch.expired());
+  SliceBuffer* const first = kept.get();
+  kept.reset();
+  EXPECT_EQ(pool.Take(64).get(), first);
 }
 
 }  // namespace

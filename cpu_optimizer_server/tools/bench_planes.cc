@@ -17,9 +17,11 @@ absl::StatusOr<std::vector<BenchPlane>> ParseBenchPlanes(absl::string_view list,
   std::vector<BenchPlane> planes;
   for (absl::string_view name : absl::StrSplit(list, ',')) {
     if (name == "grpc") {
-      planes.push_back({"grpc", "grpc", "", false});
+      planes.push_back({"grpc", "grpc", "", false, /*grad_area=*/true});
+    } else if (name == "grpc-copy") {
+      planes.push_back({"grpc-copy", "grpc", "", false});
     } else if (name == "shm") {
-      planes.push_back({"shm", "shm", "", true, /*zero_copy=*/true});
+      planes.push_back({"shm", "shm", "", true, /*grad_area=*/true, /*params_in_place=*/true});
     } else if (name == "shm-copy") {
       planes.push_back({"shm-copy", "shm", "", true});
     } else if (name == "ucx" || name == "ucx-tcp") {

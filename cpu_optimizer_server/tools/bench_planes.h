@@ -17,17 +17,18 @@
 namespace offload {
 
 struct BenchPlane {
-  std::string name;        // as printed: grpc, shm, shm-copy, ucx, ucx-tcp
+  std::string name;        // as printed: grpc, grpc-copy, shm, shm-copy, ucx, ucx-tcp
   std::string kind;        // grpc, shm or ucx
   std::string ucx_tls;     // set for the server and the trainer; "" leaves UCX_TLS alone
   bool memory_medium;      // the bytes move through memory (bound: memcpy, or the kernel), not TCP
-  bool zero_copy = false;  // shm's GradientArea and CommitInPlace
+  bool grad_area = false;  // gradients written into StepStream::GradientArea (shm, grpc)
+  bool params_in_place = false;  // parameters taken where they land: CommitInPlace (shm)
 };
 
-// The planes of a comma-separated list: grpc, shm, shm-copy, ucx (UCX picks its transports; its
-// bound is memory on one host, TCP across a network path (`remote`)) and ucx-tcp (UCX_TLS=tcp).
-// Where the build has no UCX its planes are left out with a note on stderr naming `program`; an
-// unknown name is INVALID_ARGUMENT.
+// The planes of a comma-separated list: grpc, grpc-copy, shm, shm-copy, ucx (UCX picks its
+// transports; its bound is memory on one host, TCP across a network path (`remote`)) and ucx-tcp
+// (UCX_TLS=tcp). Where the build has no UCX its planes are left out with a note on stderr naming
+// `program`; an unknown name is INVALID_ARGUMENT.
 absl::StatusOr<std::vector<BenchPlane>> ParseBenchPlanes(absl::string_view list, bool remote,
                                                          const char* program);
 

@@ -54,10 +54,11 @@
 //   step_overlap=... step_overlap_min=... step_overlap_max=... overlap=... overlap_min=...
 //   overlap_max=... [step_vs_kernel=... step_vs_kernel_min=... _max=...]
 //
-// Planes (--transports): grpc; shm (zero-copy: StepStream::GradientArea and CommitInPlace) and
-// shm-copy (SendGradients and Commit from and into the trainer's buffers); and where the build has
-// UCX, ucx (UCX chooses its transports: TCP on one host unless UCX_TLS says sm,self) and ucx-tcp
-// (UCX_TLS=tcp for the server and the trainer in this process).
+// Planes (--transports): grpc (gradients written into StepStream::GradientArea) and grpc-copy;
+// shm (zero-copy: StepStream::GradientArea and CommitInPlace) and shm-copy (SendGradients and
+// Commit from and into the trainer's buffers); and where the build has UCX, ucx (UCX chooses its
+// transports: TCP on one host unless UCX_TLS says sm,self) and ucx-tcp (UCX_TLS=tcp for the server
+// and the trainer in this process).
 //
 // Across a network path (two network namespaces joined by a veth, or two hosts; scripts/
 // bench-netns): --server=HOST:PORT uses the cpu_optimizer_server there, on a job
@@ -311,7 +312,8 @@ class Bench {
                      int64_t* early_updated = nullptr) {
       ExchangeOptions options;
       options.mode = mode;
-      options.zero_copy = plane.zero_copy;
+      options.grad_area = plane.grad_area;
+      options.params_in_place = plane.params_in_place;
       options.lr = adam_.lr;
       if (mode == ExchangeMode::kEarly) {
         options.call_elements = absl::GetFlag(FLAGS_call_kib) * 1024 / 2;
@@ -456,9 +458,10 @@ int Run() {
                   row.plane.name.c_str(), static_cast<long long>(fewest_early),
                   static_cast<long long>(n));
     }
-    if (row.plane.zero_copy) {
-      std::printf("%-8s   writing the gradients into the segment (not in in/step/early): %.1f ms\n",
-                  row.plane.name.c_str(), ms_of(s, &Sample::produce_s));
+    if (row.plane.grad_area) {
+      std::printf(
+          "%-8s   writing the gradients into the plane's area (not in in/step/early): %.1f ms\n",
+          row.plane.name.c_str(), ms_of(s, &Sample::produce_s));
     }
   }
   for (const Row& row : rows) {

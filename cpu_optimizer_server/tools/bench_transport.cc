@@ -35,12 +35,16 @@
 // buffer): it is timed apart (produce_ms) and not counted in `in`, as no plane counts it; the
 // parameters' consumer (a host-to-device copy, a conversion) is likewise the trainer's own work.
 // shm-copy goes through SendGradients and Commit from and into the trainer's buffers, a copy each
-// way, as the gRPC and UCX planes do.
+// way. gRPC runs two ways too: grpc writes the gradients into the plane's gradient area (gRPC's
+// send buffers; timed apart as shm's) and the parameters come into the trainer's buffer, as a
+// trainer's backend does; grpc-copy sends from the trainer's buffer, a copy on the way in. UCX
+// sends from and receives into the trainer's buffers.
 //
-// Planes: grpc (bound tcp), shm and shm-copy (bound memcpy), and where the build has UCX: ucx (UCX
-// chooses its transports: TCP on one host unless UCX_TLS says sm,self, since the endpoints ask for
-// peer error handling; its bound is memcpy all the same, the medium of one host) and ucx-tcp
-// (UCX_TLS=tcp for the server and the trainer, bound tcp). After the table, one line per plane:
+// Planes: grpc and grpc-copy (bound tcp), shm and shm-copy (bound memcpy), and where the build has
+// UCX: ucx (UCX chooses its transports: TCP on one host unless UCX_TLS says sm,self, since the
+// endpoints ask for peer error handling; its bound is memcpy all the same, the medium of one host)
+// and ucx-tcp (UCX_TLS=tcp for the server and the trainer, bound tcp). After the table, one line
+// per plane:
 //
 //   transport name=shm bytes=134217728 gbytes_per_s=... bound_gbytes_per_s=... ratio=...
 #include <arpa/inet.h>
@@ -80,7 +84,7 @@ ABSL_FLAG(int, runs, 5, "timed runs per plane (after one warm-up); medians and s
 ABSL_FLAG(int, threads, 0, "the shard's worker threads (0: all cores)");
 ABSL_FLAG(int64_t, chunk_kib, 4096, "gRPC chunk payload and UCX chunk");
 ABSL_FLAG(std::string, dtype, "fp16", "fp16 or bf16 gradients and parameters");
-ABSL_FLAG(std::string, transports, "grpc,shm,shm-copy,ucx,ucx-tcp",
+ABSL_FLAG(std::string, transports, "grpc,grpc-copy,shm,shm-copy,ucx,ucx-tcp",
           "planes to measure (ucx and ucx-tcp only where the build has UCX)");
 ABSL_FLAG(std::string, server, "",
           "a cpu_optimizer_server to measure against (host:port) instead of one in this process");
@@ -214,19 +218,17 @@ class Bench {
       ++step;
       auto t0 = Clock::now();
       OFFLOAD_ASSIGN_OR_RETURN(ExchangeResult r,
-                               Exchange(transport, job, plane.zero_copy, step, ExchangeMode::kIn));
+                               Exchange(transport, job, plane, step, ExchangeMode::kIn));
       sample.in_s = Seconds(t0, Clock::now()) - r.produce_s;
       sample.produce_s = r.produce_s;
       // out: a replay of that step, which only sends the parameters back.
       t0 = Clock::now();
-      OFFLOAD_ASSIGN_OR_RETURN(r,
-                               Exchange(transport, job, plane.zero_copy, step, ExchangeMode::kOut));
+      OFFLOAD_ASSIGN_OR_RETURN(r, Exchange(transport, job, plane, step, ExchangeMode::kOut));
       sample.out_s = Seconds(t0, Clock::now());
       // For information: a full step, Adam included.
       ++step;
       t0 = Clock::now();
-      OFFLOAD_ASSIGN_OR_RETURN(
-          r, Exchange(transport, job, plane.zero_copy, step, ExchangeMode::kStep));
+      OFFLOAD_ASSIGN_OR_RETURN(r, Exchange(transport, job, plane, step, ExchangeMode::kStep));
       sample.step_s = Seconds(t0, Clock::now()) - r.produce_s;
       if (round > 0) samples.push_back(sample);
     }
@@ -236,12 +238,14 @@ class Bench {
   }
 
   absl::StatusOr<ExchangeResult> Exchange(StepTransport* transport, const std::string& job,
-                                          bool zero_copy, uint64_t step, ExchangeMode mode) {
+                                          const BenchPlane& plane, uint64_t step,
+                                          ExchangeMode mode) {
     OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StepStream> stream,
                              transport->OpenStep(job, 0, 0, n_, step));
     ExchangeOptions options;
     options.mode = mode;
-    options.zero_copy = zero_copy;
+    options.grad_area = plane.grad_area;
+    options.params_in_place = plane.params_in_place;
     return ExchangeRange(*stream, 0, grads_.data(), dtype_, n_, params_.data(), options);
   }
 
@@ -345,8 +349,8 @@ int Run() {
                 row.plane.name.c_str(), row.plane.memory_medium ? "memcpy" : "tcp", in * 1e3,
                 out * 1e3, xchg * 1e3, bytes / in / 1e9, bytes / out / 1e9, moved / xchg / 1e9,
                 ratio.median, spread, step * 1e3, moved / bound / 1e9);
-    if (row.plane.zero_copy) {
-      std::printf("%-8s   writing the gradients into the segment (not in in_ms): %.1f ms\n",
+    if (row.plane.grad_area) {
+      std::printf("%-8s   writing the gradients into the plane's area (not in in_ms): %.1f ms\n",
                   row.plane.name.c_str(),
                   median_of(s, [](const Sample& x) { return x.produce_s; }).median * 1e3);
     }

@@ -70,7 +70,7 @@ absl::StatusOr<ExchangeResult> ExchangeRange(StepStream& stream, int64_t offset,
   const ExchangeMode mode = options.mode;
   if (mode != ExchangeMode::kOut) {
     const void* src = grads;
-    if (options.zero_copy) {
+    if (options.grad_area) {
       void* area = stream.GradientArea();  // (n,)
       if (area == nullptr) return absl::UnimplementedError("the plane has no gradient area");
       const auto t0 = std::chrono::steady_clock::now();
@@ -91,7 +91,7 @@ absl::StatusOr<ExchangeResult> ExchangeRange(StepStream& stream, int64_t offset,
   const bool skip = mode == ExchangeMode::kIn;
   int64_t received = 0;
   absl::StatusOr<v1::StepResult> r;
-  if (options.zero_copy) {
+  if (options.params_in_place) {
     r = stream.CommitInPlace(options.lr, 1.0f, skip,
                              [&](int64_t, int64_t m, const void*) { received += m; });
   } else {

@@ -45,11 +45,14 @@ struct ExchangeOptions {
   // Gradients travel in SendGradients calls of this many elements (the plane cuts them further
   // into its own chunks); 0: one call for the range.
   int64_t call_elements = 0;
-  // Shared memory's zero-copy path: the gradients are written into the plane's gradient area and
-  // sent from there, and the parameters are taken where the shard wrote them (CommitInPlace).
-  // The write stands for the trainer's own rounding, which every plane does once, so the benches
-  // leave it out of what they time: its seconds go to ExchangeResult::produce_s.
-  bool zero_copy = false;
+  // Zero-copy sending (shared memory, gRPC): the gradients are written into the plane's gradient
+  // area and sent from there. The write stands for the trainer's own rounding, which every plane
+  // does once, so the benches leave it out of what they time: its seconds go to
+  // ExchangeResult::produce_s.
+  bool grad_area = false;
+  // Shared memory's zero-copy commit: the parameters are taken where the shard wrote them
+  // (CommitInPlace), not copied into `params`.
+  bool params_in_place = false;
   double lr = 1e-4;
 };
 
@@ -59,7 +62,7 @@ struct ExchangeResult {
 };
 
 // One exchange of the range [offset, + n) on an open `stream`: grads (n,) in dtype from the
-// trainer's buffer, parameters into params (n,) (unused when zero_copy). Checks the shard's
+// trainer's buffer, parameters into params (n,) (unused when params_in_place). Checks the shard's
 // answer fits the mode (skipped, replayed or applied, and the whole range back).
 absl::StatusOr<ExchangeResult> ExchangeRange(StepStream& stream, int64_t offset,
                                              const uint16_t* grads, DType dtype, int64_t n,

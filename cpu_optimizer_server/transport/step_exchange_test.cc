@@ -502,21 +502,25 @@ TEST_P(StepExchangeTest, NonFiniteGradientIsRefusedAndChangesNothing) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_TRUE(absl::StrContains(r.status().message(), "inf or NaN")) << r.status();
   EXPECT_EQ(StateFingerprint(), state);
-  if (GetParam().kind != "shm") return;
-  // Written in place, the same gradients are refused the same way.
+  if (GetParam().kind != "shm" && GetParam().kind != "grpc") return;
+  // Written into the gradient area, the same gradients are refused the same way.
   auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
   ASSERT_TRUE(stream.ok()) << stream.status();
   char* area = static_cast<char*>((*stream)->GradientArea());  // (kLen0,) bf16
   ASSERT_NE(area, nullptr);
   std::memcpy(area, g.data(), kLen0 * 2);
   absl::Status sent = (*stream)->SendGradients(0, area, DType::kBf16, kLen0);
+  std::vector<uint16_t> none(kLen0, kSentinel);
   absl::StatusOr<v1::StepResult> committed =
-      sent.ok() ? (*stream)->CommitInPlace(kLr, 1.0f, false,
-                                           [](int64_t, int64_t, const void*) {
-                                             ADD_FAILURE() << "parameters of a refused step";
-                                           })
-                : sent;
+      !sent.ok() ? sent
+      : GetParam().kind == "shm"
+          ? (*stream)->CommitInPlace(kLr, 1.0f, false,
+                                     [](int64_t, int64_t, const void*) {
+                                       ADD_FAILURE() << "parameters of a refused step";
+                                     })
+          : (*stream)->Commit(kLr, 1.0f, false, none.data());
   EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+  EXPECT_TRUE(none == std::vector<uint16_t>(kLen0, kSentinel)) << "parameters of a refused step";
   EXPECT_EQ(StateFingerprint(), state);
 }
 
@@ -729,23 +733,32 @@ TEST_P(StepExchangeTest, RangeStepsSkipAndOverrideTOnEveryPlane) {
 }
 
 // Zero-copy (step_transport.h): on shared memory the trainer writes its gradients into the
-// segment and reads the parameters where the shard wrote them; every other plane says it has no
-// such place.
+// segment and reads the parameters where the shard wrote them; gRPC sends from its gradient area
+// and commits into the trainer's buffer; UCX has neither.
 TEST_P(StepExchangeTest, ZeroCopyStepsMatchTheKernel) {
-  if (GetParam().kind != "shm") {
-    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
+  const bool has_area = GetParam().kind == "shm" || GetParam().kind == "grpc";
+  const bool in_place = GetParam().kind == "shm";
+  if (!in_place) {
+    // On range 1: the shard may hold range 0 a moment after this stream ends.
+    auto stream = transport_->OpenStep(kJob, 1, kLen0, kLen1, 1);
     ASSERT_TRUE(stream.ok()) << stream.status();
-    EXPECT_EQ((*stream)->GradientArea(), nullptr);
+    EXPECT_EQ((*stream)->GradientArea() != nullptr, has_area);
     auto r = (*stream)->CommitInPlace(kLr, 1.0f, false, [](int64_t, int64_t, const void*) {});
     EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
-    return;
+    if (!has_area) return;
   }
+  uint64_t area_id = 0;
   for (uint64_t step = 1; step <= 3; ++step) {
     const std::vector<uint16_t> g = Bf16Grads(kLen0);
     auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, step);
     ASSERT_TRUE(stream.ok()) << stream.status();
     uint16_t* area = static_cast<uint16_t*>((*stream)->GradientArea());  // (kLen0,)
     ASSERT_NE(area, nullptr);
+    // After committed steps the range keeps its memory (a trainer's page lock stays valid).
+    const uint64_t id = (*stream)->GradientAreaId();
+    EXPECT_NE(id, 0u);
+    if (step > 1) EXPECT_EQ(id, area_id) << "step " << step;
+    area_id = id;
     // Three pieces, the last first, as backward finishes buckets; the middle one is sent from
     // the trainer's own buffer (a copy into the same area) to mix both ways in one step.
     const int64_t cut[4] = {0, 20000, 50000, kLen0};
@@ -761,14 +774,20 @@ TEST_P(StepExchangeTest, ZeroCopyStepsMatchTheKernel) {
       ASSERT_TRUE(s.ok()) << s;
     }
     std::vector<uint16_t> p(kLen0, kSentinel);
-    int64_t next = 0;
-    auto r = (*stream)->CommitInPlace(kLr, 1.0f, false,
-                                      [&](int64_t begin, int64_t n, const void* params) {
-                                        EXPECT_EQ(begin, next) << "waves out of order";
-                                        ASSERT_LE(begin + n, kLen0);
-                                        std::memcpy(p.data() + begin, params, n * 2);
-                                        next = begin + n;
-                                      });
+    int64_t next = kLen0;
+    absl::StatusOr<v1::StepResult> r;
+    if (in_place) {
+      next = 0;
+      r = (*stream)->CommitInPlace(kLr, 1.0f, false,
+                                   [&](int64_t begin, int64_t n, const void* params) {
+                                     EXPECT_EQ(begin, next) << "waves out of order";
+                                     ASSERT_LE(begin + n, kLen0);
+                                     std::memcpy(p.data() + begin, params, n * 2);
+                                     next = begin + n;
+                                   });
+    } else {
+      r = (*stream)->Commit(kLr, 1.0f, false, p.data());
+    }
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_TRUE(r->applied());
     EXPECT_EQ(r->adam_step(), step);
@@ -778,6 +797,48 @@ TEST_P(StepExchangeTest, ZeroCopyStepsMatchTheKernel) {
     EXPECT_TRUE(p == e) << FirstDifference(p, e) << " step " << step << " seed " << seed_;
   }
   EXPECT_TRUE(MasterWeights() == ref_p_) << "seed " << seed_;
+}
+
+// A step abandoned after sending from the gradient area: the next step's area holds what the
+// trainer writes then, whatever gRPC still sends of the abandoned one, and the bits are the
+// kernel's.
+TEST_P(StepExchangeTest, GradientAreaAfterAnAbandonedStep) {
+  if (GetParam().kind != "shm" && GetParam().kind != "grpc") {
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    EXPECT_EQ((*stream)->GradientArea(), nullptr);
+    return;
+  }
+  {
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    uint16_t* area = static_cast<uint16_t*>((*stream)->GradientArea());  // (kLen0,)
+    ASSERT_NE(area, nullptr);
+    const std::vector<uint16_t> stale = Bf16Grads(kLen0);
+    std::memcpy(area, stale.data(), kLen0 * 2);
+    ASSERT_TRUE((*stream)->SendGradients(0, area, DType::kBf16, kLen0).ok());
+    (*stream)->Abandon();
+  }
+  const std::vector<uint16_t> g = Bf16Grads(kLen0);
+  std::vector<uint16_t> p(kLen0, kSentinel);
+  absl::StatusOr<v1::StepResult> r;
+  // The shard lets go of the abandoned stream's range once it sees the cancel: until then the
+  // range is ABORTED (another stream open), and the step is tried again.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto stream = transport_->OpenStep(kJob, 0, 0, kLen0, 1);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    uint16_t* area = static_cast<uint16_t*>((*stream)->GradientArea());  // (kLen0,)
+    ASSERT_NE(area, nullptr);
+    std::memcpy(area, g.data(), kLen0 * 2);
+    absl::Status sent = (*stream)->SendGradients(0, area, DType::kBf16, kLen0);
+    r = sent.ok() ? (*stream)->Commit(kLr, 1.0f, false, p.data()) : sent;
+    if (r.status().code() != absl::StatusCode::kAborted) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->adam_step(), 1u);
+  const std::vector<uint16_t> e = Reference(0, g.data(), DType::kBf16);
+  EXPECT_TRUE(p == e) << FirstDifference(p, e) << " seed " << seed_;
 }
 
 TEST_P(StepExchangeTest, SkippedStepSendsNoParametersAndCounts) {

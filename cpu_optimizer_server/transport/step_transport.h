@@ -59,12 +59,14 @@ class StepStream {
     return absl::UnimplementedError("this data plane has no update during backward");
   }
 
-  // Zero-copy, where the plane has it (shared memory; null elsewhere): the range's gradient
-  // area, (range length,) 16-bit values in the job's dtype, in memory the shard reads in place.
-  // A caller that writes a chunk's gradients at their range-relative position there sends them
-  // with SendGradients(offset, that position, ...) and no byte is copied. What is there when
-  // SendGradients is called is what the shard takes, and it must not change until the commit
-  // returns or the step ends. Valid until then; accumulate chunks still travel by copy.
+  // Zero-copy sending, where the plane has it (null elsewhere): the range's gradient area,
+  // (range length,) 16-bit values in the job's dtype, in memory the plane sends from as it is:
+  // shared memory's segment, which the shard reads in place, or gRPC's send buffers (UCX has none:
+  // it sends from the caller's memory without a copy anyway). A caller that writes a chunk's
+  // gradients at their range-relative position there sends them with SendGradients(offset, that
+  // position, ...) and the plane copies no byte. What is there when SendGradients is called is
+  // what the shard takes, and it must not change until the commit returns or the step ends.
+  // Valid until then; accumulate chunks still travel by copy.
   virtual void* GradientArea() { return nullptr; }
   // Which memory GradientArea() points into: another value means other memory, even at the same
   // address (a segment mapped again after its shard came back), so that a caller that page-locked
@@ -78,8 +80,8 @@ class StepStream {
   using ParamWaveFn = std::function<void(int64_t begin, int64_t n, const void* params)>;
   // As Commit, but the updated parameters are handed over where they land instead of copied
   // (shared memory), so the caller reads them straight into their use (a host-to-device copy,
-  // a conversion) while the shard computes the next wave. Only where GradientArea() is not null;
-  // UNIMPLEMENTED elsewhere.
+  // a conversion) while the shard computes the next wave. Shared memory only; UNIMPLEMENTED
+  // elsewhere.
   virtual absl::StatusOr<v1::StepResult> CommitInPlace(
       double /*lr*/, float /*grad_multiplier*/, bool /*skip*/, const ParamWaveFn& /*on_wave*/,
       absl::Span<const double> /*group_lr*/ = {},

@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace offload {
 namespace ucx {
@@ -16,6 +18,21 @@ absl::Status UcsError(ucs_status_t status, const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(status)));
 }
 
+namespace {
+
+// Whether UCX_TLS leaves UCX its TCP transport: unset, "all", a list naming tcp, or an exclusion
+// ("^...") that does not.
+bool TcpSelected() {
+  const char* tls = std::getenv("UCX_TLS");
+  if (tls == nullptr) return true;
+  const absl::string_view list(tls);
+  const bool names_tcp = absl::StrContains(list, "tcp");
+  if (absl::StartsWith(list, "^")) return !names_tcp;
+  return names_tcp || absl::StrContains(list, "all");
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& net_devices) {
   std::unique_ptr<Worker> w(new Worker());
   w->net_devices_ = net_devices;
@@ -23,16 +40,33 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& net_de
   // UCX_TLS and the other UCX_* variables are read here.
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
-  if (std::getenv("UCX_USE_MT_MUTEX") == nullptr) {
-    // The worker is shared by the progress thread and the posting threads (UCS_THREAD_MODE_MULTI).
-    // UCX's default lock for that is a spinlock: a thread that posts while the progress thread
-    // runs spins on a core the transfer needs. A mutex sleeps instead: UCX over TCP moved a
-    // partition in 0.78 of the TCP bound with it against 0.67 without (bench_transport,
-    // docs/PERFORMANCE.md).
-    s = ucp_config_modify(config, "USE_MT_MUTEX", "y");
+  // Defaults for bulk partitions, each kept only where the environment does not set it.
+  struct Default {
+    const char* env;  // the variable that overrides it
+    const char* key;  // as ucp_config_modify takes it (a transport's key without its prefix)
+    const char* value;
+    bool tcp_only;  // a key of the TCP transport, which UCX calls invalid where TCP is left out
+  };
+  static constexpr Default kDefaults[] = {
+      // The worker is shared by the progress thread and the posting threads
+      // (UCS_THREAD_MODE_MULTI). UCX's default lock for that is a spinlock: a thread that posts
+      // while the progress thread runs spins on a core the transfer needs. A mutex sleeps instead:
+      // UCX over TCP moved a partition in 0.78 of the TCP bound with it against 0.67 without
+      // (bench_transport, docs/PERFORMANCE.md).
+      {"UCX_USE_MT_MUTEX", "USE_MT_MUTEX", "y", false},
+      // UCX's TCP transport moves a message in segments of 8 KiB out and 64 KiB in by default,
+      // a system call and a wake-up each; a 4 MiB chunk is then 512 sends. With 512 KiB and 1 MiB
+      // segments UCX over TCP moved a partition in 0.81-0.91 of the TCP bound against 0.58-0.65
+      // (bench_transport, docs/PERFORMANCE.md). Buffers of this size are per endpoint.
+      {"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512k", true},
+      {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "1m", true},
+  };
+  for (const Default& d : kDefaults) {
+    if (std::getenv(d.env) != nullptr || (d.tcp_only && !TcpSelected())) continue;
+    s = ucp_config_modify(config, d.key, d.value);
     if (s != UCS_OK) {
       ucp_config_release(config);
-      return UcsError(s, "UCX USE_MT_MUTEX=y");
+      return UcsError(s, absl::StrCat("UCX ", d.key, "=", d.value));
     }
   }
   if (!net_devices.empty()) {

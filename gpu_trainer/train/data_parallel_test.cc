@@ -185,8 +185,8 @@ TEST(DataParallel, HostStagedSixteenBitGradientsTrainWhatOneRankTrains) {
 }
 
 // Zero-copy through shared memory: each rank's reducer rounds its share straight into the
-// shard's segment and the sender sends it from there, and the weights are those of the copying
-// gRPC plane bit for bit. Three shards cut the two ranks' partitions, so the shares that straddle
+// shard's segment and the sender sends it from there, and the weights are those of the gRPC
+// plane bit for bit (whose gradient area is its send buffers: the same places, other memory). Three shards cut the two ranks' partitions, so the shares that straddle
 // a cut go the copying way: both ways in one run. With DPU the step is not yet open when a step's
 // gradients are rounded after the warm-up, and micro-batches are summed from the trainer's own
 // buffer: those go the copying way, and still agree.
@@ -213,7 +213,7 @@ TEST(DataParallel, GradientsWrittenIntoSharedMemoryTrainWhatGrpcTrains) {
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(SameBits(shm[r].master, grpc[r].master)) << c.name << " rank " << r;
       EXPECT_EQ(shm[r].losses, grpc[r].losses) << c.name << " rank " << r;
-      EXPECT_EQ(grpc[r].in_place_elements, 0) << c.name << " rank " << r;
+      EXPECT_EQ(grpc[r].in_place_elements, shm[r].in_place_elements) << c.name << " rank " << r;
       EXPECT_EQ(shm[r].in_place_elements > 0, c.in_place) << c.name << " rank " << r;
     }
   }
@@ -221,10 +221,10 @@ TEST(DataParallel, GradientsWrittenIntoSharedMemoryTrainWhatGrpcTrains) {
 
 // One rank whose gradients are 16-bit on the device (the CUDA backend's W=1 path, no reducer):
 // each range is written by the runner straight into its place in the shard's segment (where the
-// CUDA backend's device-to-host copy lands it) and sent from there, and the run is the copying
+// CUDA backend's device-to-host copy lands it) and sent from there, and the run is the
 // gRPC plane's bit for bit. Two shards, so a range that straddles their cut goes the copying way
 // in the same run; with DPU the warm-up's steps go in place and the delayed ones (their step not
-// yet open during backward) the copying way.
+// yet open during backward) the copying way. gRPC's gradient area takes the same places.
 TEST(DataParallel, OneRankOfSixteenBitGradientsLandsThemInSharedMemory) {
   for (const bool dpu : {false, true}) {
     TrainerOptions o = WithSixteenBitGradients(dpu ? DpuOptions() : TinyOptions());
@@ -239,7 +239,7 @@ TEST(DataParallel, OneRankOfSixteenBitGradientsLandsThemInSharedMemory) {
                 static_cast<long long>(shm[0].in_place_elements), shm[0].partition16.size());
     EXPECT_TRUE(SameBits(shm[0].master, grpc[0].master)) << "dpu=" << dpu;
     EXPECT_EQ(shm[0].losses, grpc[0].losses) << "dpu=" << dpu;
-    EXPECT_EQ(grpc[0].in_place_elements, 0);
+    EXPECT_EQ(grpc[0].in_place_elements, shm[0].in_place_elements) << "dpu=" << dpu;
     EXPECT_GT(shm[0].in_place_elements, 0) << "dpu=" << dpu;
     if (!dpu) {
       // All but the ranges that straddle the two shards' cut, and the padding.

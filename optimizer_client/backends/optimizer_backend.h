@@ -132,11 +132,12 @@ class OptimizerBackend {
   absl::Status UpdateEarly(int64_t offset, int64_t n, uint64_t t, double lr, float grad_multiplier,
                            absl::Span<const double> group_lr = {});
 
-  // Zero-copy sending (the shared-memory plane): where this rank's 16-bit gradients of flat
-  // elements [offset, offset + n) go so that SendGradients from exactly there copies nothing (the
-  // segment's gradient area), or null where they do not all lie in one slice whose plane has such
-  // a place. Only between BeginStep and Commit, for elements not yet sent; nothing may be written
-  // there once Commit is called. The shard validates what it finds there as any chunk.
+  // Zero-copy sending (the shared-memory and gRPC planes): where this rank's 16-bit gradients of
+  // flat elements [offset, offset + n) go so that SendGradients from exactly there copies nothing
+  // (the plane's gradient area: the segment, gRPC's send buffers), or null where they do not all
+  // lie in one slice whose plane has such a place. Only between BeginStep and Commit, for elements
+  // not yet sent; nothing may be written there once Commit is called. The shard validates what it
+  // finds there as any chunk.
   uint16_t* GradientPlace(int64_t offset, int64_t n);
   // Which memory that place is in (StepStream::GradientAreaId): another value for the same address
   // means other memory. 0 where GradientPlace is null.

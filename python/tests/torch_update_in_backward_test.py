@@ -73,6 +73,8 @@ class SameBits(unittest.TestCase):
         runs = [Loop(base, True, dtype, servers, **kwargs), Loop(base, False, dtype, servers,
                                                                  **kwargs)]
         try:
+            if "transport" in kwargs:
+                self.assertEqual(runs[0].opt.transport, kwargs["transport"])
             for step in range(STEPS):
                 for run in runs:
                     if hook is not None:
@@ -117,6 +119,12 @@ class SameBits(unittest.TestCase):
 
     def test_bf16_through_a_local_server_over_shared_memory(self) -> None:
         reports = self.run_pair(servers=None, transport="shm")
+        self.assertTrue(all(r["early_updated"] > 0 for r in reports), reports)
+
+    def test_fp16_through_a_local_server_over_grpc(self) -> None:
+        # gRPC carries the update as a StepUpdate message behind the bucket's gradients, which
+        # leave from the plane's gradient area.
+        reports = self.run_pair(torch.float16, servers=None, transport="grpc")
         self.assertTrue(all(r["early_updated"] > 0 for r in reports), reports)
 
     def test_fp16_overflow_in_the_last_gradients_undoes_the_early_update(self) -> None:
