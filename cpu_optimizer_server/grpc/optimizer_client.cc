@@ -260,17 +260,22 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
   const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes_ / size);
   const v1::DType wire_dtype = DTypeToProto(dtype);
   const char* bytes = static_cast<const char*>(data);
+  std::shared_ptr<SliceBuffer> area;
+  {
+    std::lock_guard<std::mutex> lock(area_mu_);
+    area = area_;
+  }
   // Sent from the gradient area where the caller wrote the chunk there, at its place.
-  const bool in_area = area_ != nullptr && size == 2 && !accumulate && offset >= range_offset_ &&
+  const bool in_area = area != nullptr && size == 2 && !accumulate && offset >= range_offset_ &&
                        n >= 0 && offset + n <= range_offset_ + range_length_ &&
-                       bytes == area_->data() + (offset - range_offset_) * 2;
+                       bytes == area->data() + (offset - range_offset_) * 2;
   // Otherwise each chunk is copied once, into a buffer the message's slice owns, and sent from
   // there: the caller's memory is free again when this returns, whatever gRPC still holds.
   for (int64_t done = 0; done < n; done += per_chunk) {
     const int64_t m = std::min(per_chunk, n - done);
     grpc::Slice payload;
     if (in_area) {
-      payload = SharedSlice(area_, bytes + done * size, m * size);
+      payload = SharedSlice(area, bytes + done * size, m * size);
     } else {
       std::shared_ptr<SliceBuffer> buffer = client_->chunk_buffers_.Take(m * size);
       std::memcpy(buffer->data(), bytes + done * size, m * size);
@@ -289,6 +294,8 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
 
 void* GrpcStepStream::GradientArea() {
   if (done_) return nullptr;
+  // A trainer asks from the threads that produce gradients while its sender sends.
+  std::lock_guard<std::mutex> lock(area_mu_);
   if (!area_asked_) {
     area_asked_ = true;
     area_ = client_->TakeGradientArea(job_id_, range_index_, range_length_ * 2, &area_id_);
@@ -296,11 +303,15 @@ void* GrpcStepStream::GradientArea() {
   return area_ != nullptr ? area_->data() : nullptr;
 }
 
-uint64_t GrpcStepStream::GradientAreaId() { return GradientArea() != nullptr ? area_id_ : 0; }
+uint64_t GrpcStepStream::GradientAreaId() {
+  if (GradientArea() == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(area_mu_);
+  return area_id_;
+}
 
 void GrpcStepStream::ReturnArea(bool committed) {
-  if (!area_asked_) return;
-  area_asked_ = false;
+  std::lock_guard<std::mutex> lock(area_mu_);
+  area_asked_ = true;  // none after the step, even for a caller that asks too late
   if (area_ == nullptr) return;
   area_.reset();
   client_->ReturnGradientArea(job_id_, range_index_, committed);

@@ -142,8 +142,10 @@ class GrpcStepStream final : public StepStream {
   bool done_ = false;
   std::string job_id_;
   uint32_t range_index_ = 0;
+  std::mutex area_mu_;  // guards the three below
   bool area_asked_ = false;
-  std::shared_ptr<SliceBuffer> area_;  // (range_length_,) 16-bit values; null when none
+  // (range_length_,) 16-bit values; null when none, and once given back
+  std::shared_ptr<SliceBuffer> area_;
   uint64_t area_id_ = 0;
 };
 
