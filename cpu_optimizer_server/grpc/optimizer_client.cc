@@ -327,8 +327,7 @@ std::shared_ptr<SliceBuffer> OptimizerClient::TakeGradientArea(const std::string
   if (slot.taken) return nullptr;
   // After a step that did not commit, gRPC may still send from the old memory: use other memory
   // unless it has let go (with release order) of every slice.
-  const bool free_of_grpc = slot.buffer != nullptr && slot.buffer.use_count() == 1;
-  if (free_of_grpc) std::atomic_thread_fence(std::memory_order_acquire);
+  const bool free_of_grpc = slot.buffer != nullptr && HeldOnlyHere(slot.buffer);
   if (slot.buffer == nullptr || slot.buffer->capacity() < bytes ||
       !(slot.reusable || free_of_grpc)) {
     slot.buffer = std::make_shared<SliceBuffer>(bytes);

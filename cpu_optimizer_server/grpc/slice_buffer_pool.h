@@ -5,6 +5,7 @@
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SLICE_BUFFER_POOL_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SLICE_BUFFER_POOL_H_
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -23,6 +24,14 @@ class SliceBuffer {
   std::unique_ptr<char[]> bytes_;
   size_t capacity_;
 };
+
+// Whether `buffer` is referenced only through this pointer: gRPC dropped every slice over it (with
+// release order), so its reads of the bytes are over and they may be written again.
+inline bool HeldOnlyHere(const std::shared_ptr<SliceBuffer>& buffer) {
+  if (buffer.use_count() != 1) return false;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return true;
+}
 
 class SliceBufferPool {
  public:
