@@ -223,6 +223,9 @@ checkpoint: {dir: /ckpt}
 max_restarts: 2
 ''')
     write(d, 'torch.json', '{"torch": {"command": ["sh", "-c", "exit 0"], "env": []}}\n')
+    write(d, 'tenant.yaml', 'name: t\ntenant: team-a\npriority: 1000\npreemptible: false\n'
+                            'data: {path: /d.txt}\n')
+    write(d, 'bad_priority.yaml', 'tenant: Team A\npriority: -5\npreemptible: maybe\n')
     write(d, 'bad_torch_list.yaml', 'torch: {command: [[a], {b: c}], env: python3}\n')
 
 
@@ -261,6 +264,20 @@ def rest_gateway_corpus():
     write(d, 'range.http', http('GET', '/v1/jobs/job-1', headers=['Range: bytes=0-5,7-9']))
     write(d, 'submit_torch.http', http('POST', '/v1/jobs', '{"torch": {"command": ["python3", '
                                        '"/t.py"], "env": ["A=1"]}, "parallel": {"ranks": 2}}'))
+    # Tenants: the fuzzer's tokens of tenants a (owns job-1), b and ops (admin).
+    tenant_spec = ('{"name": "t", "model": {"preset": "demo"}, "data": {"path": "/d.txt"}, '
+                   '"tenant": "a", "priority": 1000, "preemptible": false}')
+    write(d, 'submit_tenant.http', http('POST', '/v1/jobs', tenant_spec,
+                                        token='tenant-a-token-0123456789'))
+    write(d, 'submit_other_tenant.http', http('POST', '/v1/jobs', tenant_spec,
+                                              token='tenant-b-token-0123456789'))
+    write(d, 'submit_bad_priority.http', http('POST', '/v1/jobs', tenant_spec.replace(
+        '1000', '1001').replace('"a"', '"Bad Tenant"'), token='tenant-ops-token-0123456789'))
+    write(d, 'get_other_tenant.http', http('GET', '/v1/jobs/job-1',
+                                           token='tenant-b-token-0123456789'))
+    write(d, 'audit.http', http('GET', '/v1/audit?after_sequence=2&page_size=5',
+                                token='tenant-ops-token-0123456789'))
+    write(d, 'audit_not_admin.http', http('GET', '/v1/audit', token='tenant-a-token-0123456789'))
 
 
 # --- step streams (step_session_fuzz.cc's encoding) ---------------------------------------------

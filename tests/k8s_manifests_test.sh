@@ -16,7 +16,11 @@
 #     ports against docs/METRICS.md, the PrometheusRule against monitoring/prometheus/rules/,
 #     the example job against the layout: ranks and shards, and for the torch overlay's torch
 #     job its program and script in the Dockerfile's torch stage and the torch image on the
-#     trainers only).
+#     trainers only); the NetworkPolicies: a default deny, every flow the binaries need admitted
+#     (pool to controller, ranks to shards and back, rank to rank, Prometheus to every port a
+#     PodMonitor scrapes) and nothing else from outside Offload's pods; the controller's
+#     --tenants_file in the optional Secret offload-tenants, whose example is consistent;
+#   - k8s/base/tenants-example.yaml (in no kustomization) validates against the schemas too.
 # Every case in tests/k8s/broken/ must be rejected with the message in its `expected` file, so
 # none of these checks can pass by checking nothing (among them a misspelt field and a wrong type
 # in a core kind and in a Prometheus Operator kind, and a removed API version).
@@ -156,6 +160,15 @@ if [ ${#rendered[@]} -gt 0 ]; then
   fi
   json=()
   for r in "${rendered[@]}"; do json+=("${r%%=*}=$work/${r%%=*}.json"); done
+  # The tenants example is applied by hand, not rendered: its Secret gets the schemas too.
+  if "$python" -c 'import json, sys, yaml
+json.dump([o for o in yaml.safe_load_all(open(sys.argv[1])) if o], open(sys.argv[2], "w"))' \
+      "$root/k8s/base/tenants-example.yaml" "$work/tenants-example.json" 2>"$work/tenants.err"; then
+    json+=("tenants-example=$work/tenants-example.json")
+  else
+    printf 'tenants-example\tdoes not parse: %s\n' "$(tr '\n' ' ' <"$work/tenants.err")" \
+      >>"$work/problems.txt"
+  fi
   if ! "$venv/bin/python" "$tests/validate.py" --kubernetes "$k8s_versions" "${json[@]}" \
       >>"$work/problems.txt" 2>"$work/schema.err"; then
     cat "$work/schema.err"
@@ -175,6 +188,14 @@ for name in "${good[@]}"; do
     printf '%s\n' "$problems" | sed 's/^/    /'
   fi
 done
+
+problems=$(problems_of tenants-example)
+if [ -z "$problems" ]; then
+  pass "k8s/base/tenants-example.yaml: its Secret passes the schemas and the unknown-field check"
+else
+  fail "k8s/base/tenants-example.yaml:"
+  printf '%s\n' "$problems" | sed 's/^/    /'
+fi
 
 for name in "${broken[@]}"; do
   dir="$tests/broken/${name#broken-}"

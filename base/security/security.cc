@@ -5,6 +5,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <sys/random.h>
 
@@ -147,17 +148,6 @@ absl::StatusOr<ServerTlsFiles> ReadServerTls(const TlsConfig& tls) {
   return files;
 }
 
-// The token of an "authorization" value "Bearer <token>"; empty for any other value.
-// RFC 6750: credentials = "Bearer" 1*SP b64token; the scheme is case-insensitive (RFC 7235).
-absl::string_view BearerOf(absl::string_view authorization) {
-  if (authorization.size() <= kBearerScheme.size() ||
-      !absl::EqualsIgnoreCase(authorization.substr(0, kBearerScheme.size()), kBearerScheme) ||
-      authorization[kBearerScheme.size()] != ' ') {
-    return {};
-  }
-  return absl::StripAsciiWhitespace(authorization.substr(kBearerScheme.size()));
-}
-
 grpc::Status CheckMetadata(const BearerTokens& tokens,
                            const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
   if (tokens.empty()) return grpc::Status::OK;
@@ -172,6 +162,46 @@ grpc::Status CheckMetadata(const BearerTokens& tokens,
 }
 
 }  // namespace
+
+std::string VerifiedPeerName(const grpc::ServerContextBase& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  // gRPC names the peer from its certificate only after verifying it against the roots.
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  const std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
+  return names.empty() ? "" : std::string(names.front().data(), names.front().size());
+}
+
+std::string VerifiedPeerName(const ssl_st* ssl) {
+  if (ssl == nullptr || SSL_get_verify_result(ssl) != X509_V_OK) return "";
+  X509* cert = SSL_get_peer_certificate(ssl);
+  if (cert == nullptr) return "";
+  std::string name;
+  const X509_NAME* subject = X509_get_subject_name(cert);
+  const int at = X509_NAME_get_index_by_NID(subject, NID_commonName, -1);
+  if (at >= 0) {
+    const ASN1_STRING* data = X509_NAME_ENTRY_get_data(X509_NAME_get_entry(subject, at));
+    unsigned char* utf8 = nullptr;
+    const int length = ASN1_STRING_to_UTF8(&utf8, data);
+    if (length > 0) name.assign(reinterpret_cast<const char*>(utf8), static_cast<size_t>(length));
+    OPENSSL_free(utf8);
+  }
+  X509_free(cert);
+  return name;
+}
+
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string_view what) {
+  return ReadSmallFile(path, what);
+}
+
+// RFC 6750: credentials = "Bearer" 1*SP b64token; the scheme is case-insensitive (RFC 7235).
+absl::string_view BearerOf(absl::string_view authorization) {
+  if (authorization.size() <= kBearerScheme.size() ||
+      !absl::EqualsIgnoreCase(authorization.substr(0, kBearerScheme.size()), kBearerScheme) ||
+      authorization[kBearerScheme.size()] != ' ') {
+    return {};
+  }
+  return absl::StripAsciiWhitespace(authorization.substr(kBearerScheme.size()));
+}
 
 absl::StatusOr<BearerTokens> BearerTokens::FromFile(const std::string& path) {
   OFFLOAD_ASSIGN_OR_RETURN(std::string contents, ReadSmallFile(path, "token file"));

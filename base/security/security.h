@@ -13,6 +13,8 @@
 #include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
 
+struct ssl_st;  // OpenSSL's SSL
+
 namespace offload {
 
 // The tokens a server accepts. Empty: no authentication (only with --allow_unauthenticated).
@@ -46,6 +48,20 @@ void AttachBearer(grpc::ClientContext* context, const std::string& token);
 // The token of a call's "authorization: Bearer <token>" metadata (the first such value); empty
 // when the call carries none. For servers that decide per call which token grants what.
 std::string PresentedBearer(const grpc::ServerContextBase& context);
+
+// The token of an "authorization" value "Bearer <token>" (scheme case-insensitive); empty when
+// the value is not one.
+absl::string_view BearerOf(absl::string_view authorization);
+
+// Reads a whole file of secrets (a token or key file). NOT_FOUND names the file and says what it
+// was meant to be (`what`); the contents never appear in a message.
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string_view what);
+
+// The common name (CN) of the client certificate a call's peer presented and TLS verified against
+// the server's CA (mutual TLS); empty when there is none. gRPC calls, and the SSL connection of an
+// HTTPS request (OpenSSL's SSL; nullptr for plain HTTP).
+std::string VerifiedPeerName(const grpc::ServerContextBase& context);
+std::string VerifiedPeerName(const ssl_st* ssl);
 
 // Equality whose time does not depend on where a and b differ (only on their lengths), for
 // comparing a presented secret with a known one.

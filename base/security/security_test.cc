@@ -1,9 +1,6 @@
 // Bearer tokens, CheckBearer in a real server, TLS credentials and the security flags.
 #include "base/security/security.h"
 
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 #include <stdlib.h>
 
 #include <cmath>
@@ -23,6 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/testing/test_util.h"
+#include "base/testing/tls_test_util.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -186,46 +184,6 @@ TEST(CheckBearerTest, NoTokensMeansNoAuthentication) {
 
 // ---------------------------------------------------------------------------------------------
 // TLS credentials.
-
-// A self-signed P-256 certificate and its key, as PEM.
-struct Pem {
-  std::string cert;
-  std::string key;
-};
-
-std::string BioToString(BIO* bio) {
-  char* data = nullptr;
-  const long n = BIO_get_mem_data(bio, &data);
-  return std::string(data, n);
-}
-
-Pem MakeSelfSigned(const std::string& common_name) {
-  EVP_PKEY* key = EVP_EC_gen("P-256");
-  X509* cert = X509_new();
-  X509_set_version(cert, 2);
-  ASN1_INTEGER_set(X509_get_serialNumber(cert), 1);
-  X509_gmtime_adj(X509_getm_notBefore(cert), 0);
-  X509_gmtime_adj(X509_getm_notAfter(cert), 3600);
-  X509_set_pubkey(cert, key);
-  X509_NAME* name = X509_get_subject_name(cert);
-  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
-                             reinterpret_cast<const unsigned char*>(common_name.c_str()), -1, -1,
-                             0);
-  X509_set_issuer_name(cert, name);
-  X509_sign(cert, key, EVP_sha256());
-  Pem pem;
-  BIO* bio = BIO_new(BIO_s_mem());
-  PEM_write_bio_X509(bio, cert);
-  pem.cert = BioToString(bio);
-  BIO_free(bio);
-  bio = BIO_new(BIO_s_mem());
-  PEM_write_bio_PrivateKey(bio, key, nullptr, nullptr, 0, nullptr, nullptr);
-  pem.key = BioToString(bio);
-  BIO_free(bio);
-  X509_free(cert);
-  EVP_PKEY_free(key);
-  return pem;
-}
 
 TEST(CredentialsTest, InsecureWithoutFiles) {
   TlsConfig tls;

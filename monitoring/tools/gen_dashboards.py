@@ -486,6 +486,30 @@ def controller_dashboard():
                  [(f"sum({increase('offload_controller_job_restarts_total')})",
                    "restarts")], "short", w=8, bars=True)
 
+    d.row("Tenants")
+    d.timeseries("Optimizer servers held by tenant", "offload_tenant_optimizer_servers: servers "
+                 "the tenant's running jobs hold, stacked: the top is what all tenants hold.",
+                 [(q("sum by (tenant) (offload_tenant_optimizer_servers{%F})"), "{{tenant}}")],
+                 "short", w=8, stack=True)
+    d.timeseries("Trainer ranks held by tenant", "offload_tenant_ranks: trainer ranks the "
+                 "tenant's running jobs hold, stacked.",
+                 [(q("sum by (tenant) (offload_tenant_ranks{%F})"), "{{tenant}}")],
+                 "short", w=8, stack=True)
+    d.timeseries("Jobs queued and running by tenant", "offload_tenant_jobs: the tenant's jobs "
+                 "waiting for the pool (queued) and running.",
+                 [(q("sum by (tenant, state) (offload_tenant_jobs{%F})"),
+                   "{{tenant}} {{state}}")], "short", w=8)
+    d.timeseries("Fair-share deficit by tenant", "offload_tenant_fair_share_deficit: the "
+                 "tenant's entitled share of the pool minus its dominant share (servers or "
+                 "ranks, whichever is the larger fraction of the pool). Above 0 the tenant holds "
+                 "less than its share of the pool, below 0 more.",
+                 [(q("offload_tenant_fair_share_deficit{%F}"), "{{tenant}}")], "percentunit",
+                 min=None)
+    d.timeseries("Preemptions by tenant", "The tenant's jobs stopped at a checkpoint for a job "
+                 "of higher priority, per interval (offload_tenant_preemptions_total).",
+                 [(f"sum by (tenant) ({increase('offload_tenant_preemptions_total')})",
+                   "{{tenant}}")], "short", bars=True)
+
     d.row("Pool workers (as the workers see it)")
     d.timeseries("Registered and busy workers", "offload_worker_registered and "
                  "offload_worker_busy from the workers themselves, by scrape job.",

@@ -41,6 +41,12 @@ absl::Status ValidateSettings(const v1::JobSpec& spec, PathRule paths);
 // and its env may not set TorchJobVariables().
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
+// A job's priority is in [0, kMaxJobPriority].
+inline constexpr int32_t kMaxJobPriority = 1000;
+// A tenant's name: 1 to 63 of a-z 0-9 and '-' (a label in metrics and Kubernetes). INVALID_ARGUMENT
+// naming `field` otherwise.
+absl::Status ValidateTenantName(absl::string_view field, absl::string_view name);
+
 // The environment variables a torch job's worker gives its command (ARCHITECTURE.md section 7):
 // what a spec's torch.env may not override.
 absl::Span<const absl::string_view> TorchJobVariables();

@@ -238,6 +238,41 @@ TEST(ValidateJobSpecTest, MinimalSpecIsValidAndDataPathIsRequired) {
   EXPECT_THAT(status.message(), HasSubstr("data.path: required"));
 }
 
+TEST(ValidateJobSpecTest, TenantPriorityAndPreemptibleParseAndAreChecked) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(
+      "data: {path: /d.txt}\ntenant: team-a\npriority: 1000\npreemptible: false\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->tenant(), "team-a");
+  EXPECT_EQ(spec->priority(), 1000);
+  ASSERT_TRUE(spec->has_preemptible());
+  EXPECT_FALSE(spec->preemptible());
+  EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
+  // The controller reads these itself: no trainer flag carries them.
+  for (const std::string& flag : JobSpecToFlags(*spec)) {
+    EXPECT_THAT(flag, Not(HasSubstr("priority"))) << flag;
+    EXPECT_THAT(flag, Not(HasSubstr("tenant"))) << flag;
+  }
+  const struct {
+    std::string yaml;
+    std::string says;
+  } bad[] = {
+      {"priority: 1001", "priority: must be in [0, 1000], got 1001"},
+      {"priority: -1", "priority: must be in [0, 1000], got -1"},
+      {"tenant: Team-A", "tenant: character \"T\" at position 0"},
+      {"tenant: a_b", "tenant: character \"_\""},
+      {absl::StrCat("tenant: ", std::string(64, 'a')), "tenant: 1 to 63 characters, got 64"},
+  };
+  for (const auto& c : bad) {
+    absl::StatusOr<v1::JobSpec> parsed =
+        ParseJobSpec(absl::StrCat("data: {path: /d.txt}\n", c.yaml, "\n"));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const absl::Status status = ValidateJobSpec(*parsed);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.yaml;
+    EXPECT_THAT(status.message(), HasSubstr(c.says)) << c.yaml;
+  }
+  EXPECT_THAT(ParseJobSpec("preemptible: maybe\n").status().message(), HasSubstr("preemptible"));
+}
+
 TEST(ValidateJobSpecTest, MessagesNameTheField) {
   struct Case {
     std::function<void(v1::JobSpec*)> edit;

@@ -403,8 +403,27 @@ absl::Status ValidateSettings(const v1::JobSpec& spec, PathRule paths) {
   return ValidateEval(spec.eval());
 }
 
+absl::Status ValidateTenantName(absl::string_view field, absl::string_view name) {
+  constexpr size_t kMaxTenant = 63;
+  if (name.empty() || name.size() > kMaxTenant) {
+    return Invalid(field, absl::StrCat("1 to ", kMaxTenant, " characters, got ", name.size()));
+  }
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    if (absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '-') continue;
+    return Invalid(field, absl::StrCat("character ", Quote(name.substr(i, 1)), " at position ", i,
+                                       " is not allowed (use a-z 0-9 and -)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   OFFLOAD_RETURN_IF_ERROR(ValidateName(spec.name()));
+  if (!spec.tenant().empty()) OFFLOAD_RETURN_IF_ERROR(ValidateTenantName("tenant", spec.tenant()));
+  if (spec.priority() < 0 || spec.priority() > kMaxJobPriority) {
+    return Invalid("priority",
+                   absl::StrCat("must be in [0, ", kMaxJobPriority, "], got ", spec.priority()));
+  }
   if (spec.has_torch()) {
     OFFLOAD_RETURN_IF_ERROR(CheckFinite(spec, ""));
     return ValidateTorch(spec);

@@ -15,8 +15,10 @@ namespace offload {
 // "pending", "running", ... : the JobState name without its prefix, in lower case.
 std::string JobStateLabel(v1::JobState state);
 
-// Every family of the controller from one GetStats() per scrape. `controller` must outlive it.
-std::shared_ptr<prometheus::Collectable> MakeControllerCollector(const JobController* controller);
+// Every family of the controller from one GetStats() per scrape. `controller` and `identities`
+// (nullptr: no tenants file) must outlive it.
+std::shared_ptr<prometheus::Collectable> MakeControllerCollector(const JobController* controller,
+                                                                 const Identities* identities);
 
 }  // namespace offload
 

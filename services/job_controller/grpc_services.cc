@@ -11,59 +11,75 @@
 namespace offload {
 namespace {
 
-// Authenticates, runs `call` and moves its value into `response`.
+// Runs `call` and moves its value into `response`; the controller decides about the caller.
 template <typename Response, typename Call>
-grpc::Status Serve(const BearerTokens& tokens, const grpc::ServerContext& context,
-                   Response* response, Call call) {
-  if (grpc::Status auth = CheckBearer(tokens, context); !auth.ok()) return auth;
+grpc::Status Answer(Response* response, Call call) {
   absl::StatusOr<Response> result = call();
   if (!result.ok()) return ToGrpcStatus(result.status());
   *response = *std::move(result);
   return grpc::Status::OK;
 }
 
+// Authenticates with `tokens` first.
+template <typename Response, typename Call>
+grpc::Status Serve(const BearerTokens& tokens, const grpc::ServerContext& context,
+                   Response* response, Call call) {
+  if (grpc::Status auth = CheckBearer(tokens, context); !auth.ok()) return auth;
+  return Answer(response, std::move(call));
+}
+
 }  // namespace
+
+Caller JobServiceImpl::Identify(const grpc::ServerContext& context) const {
+  return identities_ == nullptr ? Caller::Operator() : identities_->Identify(context);
+}
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
                                        const v1::SubmitJobRequest* request, v1::Job* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->SubmitJob(*request); });
+  return Answer(response, [&] { return api_->SubmitJob(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                                     v1::Job* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->GetJob(*request); });
+  return Answer(response, [&] { return api_->GetJob(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
                                       const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->ListJobs(*request); });
+  return Answer(response, [&] { return api_->ListJobs(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
                                        const v1::JobActionRequest* request, v1::Job* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->CancelJob(*request); });
+  return Answer(response, [&] { return api_->CancelJob(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::PauseJob(grpc::ServerContext* context,
                                       const v1::JobActionRequest* request, v1::Job* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->PauseJob(*request); });
+  return Answer(response, [&] { return api_->PauseJob(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::ResumeJob(grpc::ServerContext* context,
                                        const v1::JobActionRequest* request, v1::Job* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->ResumeJob(*request); });
+  return Answer(response, [&] { return api_->ResumeJob(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
                                            const v1::JobActionRequest* request, v1::Job* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->CheckpointJob(*request); });
+  return Answer(response, [&] { return api_->CheckpointJob(Identify(*context), *request); });
 }
 
 grpc::Status JobServiceImpl::ListJobEvents(grpc::ServerContext* context,
                                            const v1::ListJobEventsRequest* request,
                                            v1::ListJobEventsResponse* response) {
-  return Serve(*tokens_, *context, response, [&] { return api_->ListJobEvents(*request); });
+  return Answer(response, [&] { return api_->ListJobEvents(Identify(*context), *request); });
+}
+
+grpc::Status JobServiceImpl::ListAudit(grpc::ServerContext* context,
+                                       const v1::ListAuditRequest* request,
+                                       v1::ListAuditResponse* response) {
+  return Answer(response, [&] { return api_->ListAudit(Identify(*context), *request); });
 }
 
 grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext* context,

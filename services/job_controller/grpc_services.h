@@ -1,6 +1,7 @@
 // The gRPC faces of the job controller: JobService over any JobApi, WorkerService over the
-// JobController. Every call is authenticated first (bearer token), then answered with the
-// absl::Status of the call carried over code and message unchanged.
+// JobController. A JobService call names its caller (the tenant of its bearer token) and the API
+// decides; a WorkerService call is authenticated first, with the operator's tokens only. Both
+// answer with the absl::Status of the call carried over code and message unchanged.
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_GRPC_SERVICES_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_GRPC_SERVICES_H_
 
@@ -12,13 +13,14 @@
 #include "offload/v1/worker.grpc.pb.h"
 #include "services/job_controller/job_api.h"
 #include "services/job_controller/job_controller.h"
+#include "services/job_controller/tenancy/identities.h"
 
 namespace offload {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  // `api` and `tokens` (empty: no authentication) must outlive the service.
-  JobServiceImpl(JobApi* api, const BearerTokens* tokens) : api_(api), tokens_(tokens) {}
+  // `api` and `identities` (nullptr: no authentication) must outlive the service.
+  JobServiceImpl(JobApi* api, const Identities* identities) : api_(api), identities_(identities) {}
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::Job* response) override;
@@ -36,15 +38,20 @@ class JobServiceImpl final : public v1::JobService::Service {
                              v1::Job* response) override;
   grpc::Status ListJobEvents(grpc::ServerContext* context, const v1::ListJobEventsRequest* request,
                              v1::ListJobEventsResponse* response) override;
+  grpc::Status ListAudit(grpc::ServerContext* context, const v1::ListAuditRequest* request,
+                         v1::ListAuditResponse* response) override;
 
  private:
+  Caller Identify(const grpc::ServerContext& context) const;
+
   JobApi* const api_;
-  const BearerTokens* const tokens_;
+  const Identities* const identities_;
 };
 
 class WorkerServiceImpl final : public v1::WorkerService::Service {
  public:
-  // `controller` and `tokens` (empty: no authentication) must outlive the service.
+  // `controller` and `tokens` (empty: no authentication) must outlive the service. Pool workers
+  // hold the operator's tokens; a tenant's token is not one of them.
   WorkerServiceImpl(JobController* controller, const BearerTokens* tokens)
       : controller_(controller), tokens_(tokens) {}
 

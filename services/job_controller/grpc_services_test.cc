@@ -26,7 +26,8 @@ class GrpcServicesTest : public ::testing::Test {
     options.store = store_.get();
     controller_ = *JobController::Create(options);
     tokens_.Add("right-token");
-    job_service_ = std::make_unique<JobServiceImpl>(controller_.get(), &tokens_);
+    identities_ = Identities::WithTable(tokens_, TenantTable());
+    job_service_ = std::make_unique<JobServiceImpl>(controller_.get(), identities_.get());
     worker_service_ = std::make_unique<WorkerServiceImpl>(controller_.get(), &tokens_);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -53,6 +54,7 @@ class GrpcServicesTest : public ::testing::Test {
   std::unique_ptr<JobStore> store_;
   std::unique_ptr<JobController> controller_;
   BearerTokens tokens_;
+  std::unique_ptr<Identities> identities_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<WorkerServiceImpl> worker_service_;
   std::unique_ptr<grpc::Server> server_;
@@ -119,7 +121,7 @@ TEST_F(GrpcServicesTest, ErrorsKeepTheirCodeAndMessage) {
 TEST_F(GrpcServicesTest, RendezvousGetStopsAtTheCallersDeadline) {
   v1::SubmitJobRequest submit;
   submit.mutable_spec()->mutable_data()->set_path("/data/x.txt");
-  ASSERT_TRUE(controller_->SubmitJob(submit).ok());
+  ASSERT_TRUE(controller_->SubmitJob(Caller::Operator(), submit).ok());
   v1::RegisterWorkerRequest reg;
   reg.mutable_worker()->set_kind(v1::WORKER_KIND_TRAINER);
   ASSERT_TRUE(controller_->RegisterWorker(reg).ok());

@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <map>
 #include <set>
+#include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -63,6 +65,41 @@ v1::AttemptRef Ref(const std::string& job_id, uint32_t attempt) {
   ref.set_attempt(attempt);
   return ref;
 }
+
+const std::string& TenantOf(const v1::Job& job) {
+  static const std::string* const kOperator = new std::string(kOperatorTenant);
+  return job.tenant().empty() ? *kOperator : job.tenant();
+}
+
+// Jobs without a checkpoint directory are never preempted: they would start over and lose what
+// they trained.
+bool Preemptible(const v1::Job& job) {
+  return (!job.spec().has_preemptible() || job.spec().preemptible()) &&
+         !job.spec().checkpoint().dir().empty();
+}
+
+// The quotas and weight of `tenant` (not its tokens); one the table does not list has weight 1 and
+// no quotas.
+v1::TenantConfig QuotaOf(const TenantTable& table, const std::string& tenant) {
+  v1::TenantConfig config;
+  config.set_name(tenant);
+  config.set_weight(1.0);
+  if (const v1::TenantConfig* found = table.Find(tenant); found != nullptr) {
+    config.set_weight(found->weight());
+    config.set_max_optimizer_servers(found->max_optimizer_servers());
+    config.set_max_ranks(found->max_ranks());
+    config.set_max_running_jobs(found->max_running_jobs());
+  }
+  return config;
+}
+
+std::string WaitingReason(const v1::JobSpec& spec) {
+  return absl::StrCat("waiting for ", Ranks(spec), " free trainer(s) and ", OptimizerServers(spec),
+                      " free optimizer server(s)");
+}
+
+constexpr absl::string_view kQuotaReason = "waiting for quota: ";
+constexpr size_t kMaxAuditMessage = 512;
 
 std::string WithReason(absl::string_view what, const std::string& reason) {
   return reason.empty() ? std::string(what) : absl::StrCat(what, ": ", reason);
@@ -145,6 +182,7 @@ absl::Status JobController::Load() {
     entry.job = std::move(job);
     entry.next_sequence = *last_sequence + 1;
     entry.last_persist = started_;
+    entry.order = submit_order_.size();
     submit_order_.push_back(id);
     if (!IsActive(entry.job.state())) continue;
     // The workers are not durable: the attempt waits for them to register again.
@@ -164,6 +202,37 @@ absl::StatusOr<JobController::JobEntry*> JobController::FindJob(const std::strin
   auto it = jobs_.find(id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", id, " not found"));
   return &it->second;
+}
+
+absl::StatusOr<JobController::JobEntry*> JobController::FindJobFor(const Caller& caller,
+                                                                   const std::string& id,
+                                                                   bool* foreign) {
+  *foreign = false;
+  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(id));
+  if (!caller.admin && TenantOf(entry->job) != caller.tenant) {
+    *foreign = true;
+    return absl::NotFoundError(absl::StrCat("job ", id, " not found"));
+  }
+  return entry;
+}
+
+void JobController::Audit(const Caller& caller, absl::string_view action, const std::string& job_id,
+                          const absl::Status& outcome) {
+  v1::AuditRecord record;
+  SetTimestamp(options_.clock(), record.mutable_time());
+  record.set_tenant(caller.tenant);
+  record.set_admin(caller.admin);
+  record.set_action(std::string(action));
+  record.set_job_id(job_id.substr(0, kMaxAuditMessage));
+  record.set_code(absl::StatusCodeToString(outcome.code()));
+  record.set_message(std::string(outcome.message().substr(0, kMaxAuditMessage)));
+  LogError(options_.store->AppendAudit(record).status());
+}
+
+std::shared_ptr<const TenantTable> JobController::Tenants() const {
+  if (options_.identities != nullptr) return options_.identities->table();
+  static const auto* const kEmpty = new std::shared_ptr<const TenantTable>(new TenantTable());
+  return *kEmpty;
 }
 
 void JobController::AddEvent(JobEntry& entry, std::string message) {
@@ -226,46 +295,92 @@ std::string JobController::Describe(const Worker& worker) const {
 // ---------------------------------------------------------------------------------------------
 // The job API.
 
-absl::StatusOr<v1::Job> JobController::SubmitJob(const v1::SubmitJobRequest& request) {
-  const v1::JobSpec& spec = request.spec();
-  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
-    return absl::InvalidArgumentError(s.message());
-  }
-  OFFLOAD_ASSIGN_OR_RETURN(v1::PartitionMap partition, PartitionForSpec(spec));
+namespace {
 
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<uint64_t> number = options_.store->NextJobNumber();
-  if (!number.ok()) return number.status();
-  JobEntry entry;
-  v1::Job& job = entry.job;
-  job.set_id(absl::StrCat(options_.job_id_prefix, *number));
-  *job.mutable_spec() = spec;
-  job.set_state(v1::JOB_STATE_PENDING);
-  job.set_reason(absl::StrCat("waiting for ", Ranks(spec), " free trainer(s) and ",
-                              OptimizerServers(spec), " free optimizer server(s)"));
-  *job.mutable_partition() = std::move(partition);
-  if (spec.training().has_steps()) {
-    job.mutable_progress()->set_total_steps(static_cast<uint64_t>(spec.training().steps()));
-  }
-  AddEvent(entry, spec.name().empty() ? "submitted" : absl::StrCat("submitted: ", spec.name()));
-  *job.mutable_create_time() = job.update_time();
-  // Stored before it exists here: a failed write leaves no job behind for a retry to duplicate.
-  OFFLOAD_RETURN_IF_ERROR(Persist(entry));
-  const std::string id = job.id();
-  jobs_[id] = std::move(entry);
-  submit_order_.push_back(id);
-  Schedule();
-  LogError(PersistDirty());
-  return jobs_[id].job;
+// UNAUTHENTICATED for a caller whose call carried no token the controller accepts.
+absl::Status Admit(const Caller& caller) {
+  if (caller.authenticated) return absl::OkStatus();
+  return absl::UnauthenticatedError("missing or invalid bearer token");
 }
 
-absl::StatusOr<v1::Job> JobController::GetJob(const v1::GetJobRequest& request) {
-  absl::MutexLock lock(&mu_);
-  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.id()));
-  return entry->job;
+}  // namespace
+
+absl::StatusOr<v1::Job> JobController::SubmitJob(const Caller& caller,
+                                                 const v1::SubmitJobRequest& request) {
+  std::string tenant = request.spec().tenant().empty() ? caller.tenant : request.spec().tenant();
+  absl::StatusOr<v1::Job> submitted = [&]() -> absl::StatusOr<v1::Job> {
+    OFFLOAD_RETURN_IF_ERROR(Admit(caller));
+    const v1::JobSpec& spec = request.spec();
+    if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+      return absl::InvalidArgumentError(s.message());
+    }
+    if (tenant != caller.tenant && !caller.admin) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("tenant: tenant ", caller.tenant, " cannot submit jobs for another tenant"));
+    }
+    const std::shared_ptr<const TenantTable> tenants = Tenants();
+    if (tenant != kOperatorTenant && tenants->Find(tenant) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("tenant: unknown tenant '", tenant, "'"));
+    }
+    if (std::string never =
+            QuotaNeverFits(QuotaOf(*tenants, tenant), Ranks(spec), OptimizerServers(spec));
+        !never.empty()) {
+      return absl::InvalidArgumentError(never);
+    }
+    OFFLOAD_ASSIGN_OR_RETURN(v1::PartitionMap partition, PartitionForSpec(spec));
+
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<uint64_t> number = options_.store->NextJobNumber();
+    if (!number.ok()) return number.status();
+    JobEntry entry;
+    v1::Job& job = entry.job;
+    job.set_id(absl::StrCat(options_.job_id_prefix, *number));
+    *job.mutable_spec() = spec;
+    job.set_tenant(tenant);
+    job.set_state(v1::JOB_STATE_PENDING);
+    job.set_reason(WaitingReason(spec));
+    *job.mutable_partition() = std::move(partition);
+    if (spec.training().has_steps()) {
+      job.mutable_progress()->set_total_steps(static_cast<uint64_t>(spec.training().steps()));
+    }
+    AddEvent(entry, spec.name().empty() ? "submitted" : absl::StrCat("submitted: ", spec.name()));
+    *job.mutable_create_time() = job.update_time();
+    // Stored before it exists here: a failed write leaves no job behind for a retry to duplicate.
+    OFFLOAD_RETURN_IF_ERROR(Persist(entry));
+    const std::string id = job.id();
+    entry.order = submit_order_.size();
+    jobs_[id] = std::move(entry);
+    submit_order_.push_back(id);
+    Schedule();
+    LogError(PersistDirty());
+    return jobs_[id].job;
+  }();
+  Audit(caller, "submit", submitted.ok() ? submitted->id() : "", submitted.status());
+  return submitted;
 }
 
-absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const v1::ListJobsRequest& request) {
+absl::StatusOr<v1::Job> JobController::GetJob(const Caller& caller,
+                                              const v1::GetJobRequest& request) {
+  if (absl::Status s = Admit(caller); !s.ok()) {
+    Audit(caller, "get", request.id(), s);
+    return s;
+  }
+  bool foreign = false;
+  absl::StatusOr<v1::Job> job = [&]() -> absl::StatusOr<v1::Job> {
+    absl::MutexLock lock(&mu_);
+    OFFLOAD_ASSIGN_OR_RETURN(JobEntry * entry, FindJobFor(caller, request.id(), &foreign));
+    return entry->job;
+  }();
+  if (foreign) Audit(caller, "get", request.id(), job.status());
+  return job;
+}
+
+absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const Caller& caller,
+                                                             const v1::ListJobsRequest& request) {
+  if (absl::Status s = Admit(caller); !s.ok()) {
+    Audit(caller, "list", "", s);
+    return s;
+  }
   const uint32_t page_size = request.page_size() == 0
                                  ? kDefaultListPageSize
                                  : std::min(request.page_size(), kMaxListPageSize);
@@ -279,6 +394,7 @@ absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const v1::ListJobsR
   uint64_t matched = 0;
   for (auto it = submit_order_.rbegin(); it != submit_order_.rend(); ++it) {
     const v1::Job& job = jobs_.at(*it).job;
+    if (!caller.admin && TenantOf(job) != caller.tenant) continue;
     if (!states.empty() && states.count(job.state()) == 0) continue;
     if (matched++ < offset) continue;
     if (static_cast<uint32_t>(response.jobs_size()) == page_size) {
@@ -290,30 +406,37 @@ absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const v1::ListJobsR
   return response;
 }
 
-absl::StatusOr<v1::Job> JobController::Act(const v1::JobActionRequest& request,
+absl::StatusOr<v1::Job> JobController::Act(const Caller& caller, absl::string_view name,
+                                           const v1::JobActionRequest& request,
                                            const std::function<absl::Status(JobEntry&)>& action) {
-  absl::MutexLock lock(&mu_);
-  OFFLOAD_ASSIGN_OR_RETURN(JobEntry * found, FindJob(request.id()));
-  JobEntry& entry = *found;
-  // An action touches the job and at most the workers of its attempt: both are put back as they
-  // were when it fails or cannot be stored, so a refused request leaves no trace.
-  const JobEntry saved = entry;
-  std::vector<Worker> saved_workers;
-  for (const auto* ids : {&entry.job.trainer_workers(), &entry.job.server_workers()}) {
-    for (const std::string& id : *ids) {
-      if (auto it = workers_.find(id); it != workers_.end()) saved_workers.push_back(it->second);
+  absl::StatusOr<v1::Job> result = [&]() -> absl::StatusOr<v1::Job> {
+    OFFLOAD_RETURN_IF_ERROR(Admit(caller));
+    absl::MutexLock lock(&mu_);
+    bool foreign = false;
+    OFFLOAD_ASSIGN_OR_RETURN(JobEntry * found, FindJobFor(caller, request.id(), &foreign));
+    JobEntry& entry = *found;
+    // An action touches the job and at most the workers of its attempt: both are put back as they
+    // were when it fails or cannot be stored, so a refused request leaves no trace.
+    const JobEntry saved = entry;
+    std::vector<Worker> saved_workers;
+    for (const auto* ids : {&entry.job.trainer_workers(), &entry.job.server_workers()}) {
+      for (const std::string& id : *ids) {
+        if (auto it = workers_.find(id); it != workers_.end()) saved_workers.push_back(it->second);
+      }
     }
-  }
-  absl::Status s = action(entry);
-  if (s.ok()) s = Persist(entry);
-  if (!s.ok()) {
-    entry = saved;
-    for (Worker& worker : saved_workers) workers_[worker.id] = std::move(worker);
-    return s;
-  }
-  Schedule();
-  LogError(PersistDirty());
-  return entry.job;
+    absl::Status s = action(entry);
+    if (s.ok()) s = Persist(entry);
+    if (!s.ok()) {
+      entry = saved;
+      for (Worker& worker : saved_workers) workers_[worker.id] = std::move(worker);
+      return s;
+    }
+    Schedule();
+    LogError(PersistDirty());
+    return entry.job;
+  }();
+  Audit(caller, name, request.id(), result.status());
+  return result;
 }
 
 bool JobController::TrainersStarted(const JobEntry& entry) const {
@@ -324,114 +447,133 @@ bool JobController::TrainersStarted(const JobEntry& entry) const {
   return false;
 }
 
-absl::StatusOr<v1::Job> JobController::CancelJob(const v1::JobActionRequest& request) {
-  return Act(request, [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    const v1::JobState state = entry.job.state();
-    if (state == v1::JOB_STATE_PENDING || state == v1::JOB_STATE_PAUSED) {
-      const std::string why = WithReason("cancelled", request.reason());
-      OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_CANCELLED, why));
-      AddEvent(entry, why);
-      return absl::OkStatus();
-    }
-    if (IsActive(state) && !TrainersStarted(entry)) {
-      // No rank runs yet that could hear the request: the attempt ends here.
-      FinishAttempt(entry, v1::JOB_STATE_CANCELLED, WithReason("cancelled", request.reason()));
-      return absl::OkStatus();
-    }
-    if (IsActive(state)) {
-      if (entry.job.request() == v1::JOB_REQUEST_CANCEL) return absl::OkStatus();
-      // A pending pause is overtaken: cancelling is what the user asks for last.
-      entry.job.set_request(v1::JOB_REQUEST_CANCEL);
-      AddEvent(entry, WithReason("cancel requested", request.reason()));
-      return absl::OkStatus();
-    }
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", entry.job.id(), " is ", StateName(state), ": nothing to cancel"));
-  });
-}
-
-absl::StatusOr<v1::Job> JobController::PauseJob(const v1::JobActionRequest& request) {
-  return Act(request, [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    const v1::JobState state = entry.job.state();
-    if (state == v1::JOB_STATE_PENDING) {
-      const std::string why = WithReason("paused", request.reason());
-      OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_PAUSED, why));
-      AddEvent(entry, why);
-      return absl::OkStatus();
-    }
-    if (IsActive(state) && !TrainersStarted(entry) &&
-        entry.job.request() != v1::JOB_REQUEST_CANCEL) {
-      FinishAttempt(entry, v1::JOB_STATE_PAUSED, WithReason("paused", request.reason()));
-      return absl::OkStatus();
-    }
-    if (IsActive(state)) {
-      switch (entry.job.request()) {
-        case v1::JOB_REQUEST_PAUSE:
+absl::StatusOr<v1::Job> JobController::CancelJob(const Caller& caller,
+                                                 const v1::JobActionRequest& request) {
+  return Act(
+      caller, "cancel", request,
+      [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+        const v1::JobState state = entry.job.state();
+        if (state == v1::JOB_STATE_PENDING || state == v1::JOB_STATE_PAUSED) {
+          const std::string why = WithReason("cancelled", request.reason());
+          OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_CANCELLED, why));
+          AddEvent(entry, why);
           return absl::OkStatus();
-        case v1::JOB_REQUEST_CANCEL:
+        }
+        if (IsActive(state) && !TrainersStarted(entry)) {
+          // No rank runs yet that could hear the request: the attempt ends here.
+          FinishAttempt(entry, v1::JOB_STATE_CANCELLED, WithReason("cancelled", request.reason()));
+          return absl::OkStatus();
+        }
+        if (IsActive(state)) {
+          if (entry.job.request() == v1::JOB_REQUEST_CANCEL) return absl::OkStatus();
+          // A pending pause is overtaken: cancelling is what the user asks for last.
+          entry.job.set_request(v1::JOB_REQUEST_CANCEL);
+          AddEvent(entry, WithReason("cancel requested", request.reason()));
+          return absl::OkStatus();
+        }
+        return absl::FailedPreconditionError(
+            absl::StrCat("job ", entry.job.id(), " is ", StateName(state), ": nothing to cancel"));
+      });
+}
+
+absl::StatusOr<v1::Job> JobController::PauseJob(const Caller& caller,
+                                                const v1::JobActionRequest& request) {
+  return Act(caller, "pause", request,
+             [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+               const v1::JobState state = entry.job.state();
+               if (state == v1::JOB_STATE_PENDING) {
+                 const std::string why = WithReason("paused", request.reason());
+                 OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_PAUSED, why));
+                 AddEvent(entry, why);
+                 return absl::OkStatus();
+               }
+               if (IsActive(state) && !TrainersStarted(entry) &&
+                   entry.job.request() != v1::JOB_REQUEST_CANCEL) {
+                 FinishAttempt(entry, v1::JOB_STATE_PAUSED, WithReason("paused", request.reason()));
+                 return absl::OkStatus();
+               }
+               if (IsActive(state)) {
+                 switch (entry.job.request()) {
+                   case v1::JOB_REQUEST_PAUSE:
+                     return absl::OkStatus();
+                   case v1::JOB_REQUEST_CANCEL:
+                     return absl::FailedPreconditionError(
+                         absl::StrCat("job ", entry.job.id(), " is being cancelled"));
+                   default:
+                     break;
+                 }
+                 entry.job.set_request(v1::JOB_REQUEST_PAUSE);
+                 std::string what = WithReason("pause requested", request.reason());
+                 if (entry.job.spec().checkpoint().dir().empty()) {
+                   absl::StrAppend(&what, " (the job has no checkpoint.dir: a resume starts over)");
+                 }
+                 AddEvent(entry, std::move(what));
+                 return absl::OkStatus();
+               }
+               return absl::FailedPreconditionError(
+                   absl::StrCat("job ", entry.job.id(), " is ", StateName(state),
+                                ": only a pending or running job can "
+                                "be paused"));
+             });
+}
+
+absl::StatusOr<v1::Job> JobController::ResumeJob(const Caller& caller,
+                                                 const v1::JobActionRequest& request) {
+  return Act(caller, "resume", request,
+             [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+               if (entry.job.state() != v1::JOB_STATE_PAUSED) {
+                 return absl::FailedPreconditionError(
+                     absl::StrCat("job ", entry.job.id(), " is ", StateName(entry.job.state()),
+                                  ": only a paused job can be resumed"));
+               }
+               const std::string why = WithReason("resumed", request.reason());
+               OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_PENDING, why));
+               AddEvent(entry, why);
+               return absl::OkStatus();
+             });
+}
+
+absl::StatusOr<v1::Job> JobController::CheckpointJob(const Caller& caller,
+                                                     const v1::JobActionRequest& request) {
+  return Act(
+      caller, "checkpoint", request,
+      [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+        const v1::Job& job = entry.job;
+        if (job.spec().checkpoint().dir().empty()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "job ", job.id(), " has no checkpoint.dir: there is nowhere to write a checkpoint"));
+        }
+        if (job.state() != v1::JOB_STATE_RUNNING) {
+          return absl::FailedPreconditionError(absl::StrCat("job ", job.id(), " is ",
+                                                            StateName(job.state()),
+                                                            ": only a running job can checkpoint"));
+        }
+        if (job.request() != v1::JOB_REQUEST_NONE) {
+          const char* what = job.request() == v1::JOB_REQUEST_PAUSE     ? "pause"
+                             : job.request() == v1::JOB_REQUEST_PREEMPT ? "preemption"
+                                                                        : "cancel";
           return absl::FailedPreconditionError(
-              absl::StrCat("job ", entry.job.id(), " is being cancelled"));
-        default:
-          break;
-      }
-      entry.job.set_request(v1::JOB_REQUEST_PAUSE);
-      std::string what = WithReason("pause requested", request.reason());
-      if (entry.job.spec().checkpoint().dir().empty()) {
-        absl::StrAppend(&what, " (the job has no checkpoint.dir: a resume starts over)");
-      }
-      AddEvent(entry, std::move(what));
-      return absl::OkStatus();
-    }
-    return absl::FailedPreconditionError(absl::StrCat("job ", entry.job.id(), " is ",
-                                                      StateName(state),
-                                                      ": only a pending or running job can "
-                                                      "be paused"));
-  });
-}
-
-absl::StatusOr<v1::Job> JobController::ResumeJob(const v1::JobActionRequest& request) {
-  return Act(request, [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    if (entry.job.state() != v1::JOB_STATE_PAUSED) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", entry.job.id(), " is ",
-                                                        StateName(entry.job.state()),
-                                                        ": only a paused job can be resumed"));
-    }
-    const std::string why = WithReason("resumed", request.reason());
-    OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_PENDING, why));
-    AddEvent(entry, why);
-    return absl::OkStatus();
-  });
-}
-
-absl::StatusOr<v1::Job> JobController::CheckpointJob(const v1::JobActionRequest& request) {
-  return Act(request, [&](JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    const v1::Job& job = entry.job;
-    if (job.spec().checkpoint().dir().empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job ", job.id(), " has no checkpoint.dir: there is nowhere to write a checkpoint"));
-    }
-    if (job.state() != v1::JOB_STATE_RUNNING) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job ", job.id(), " is ", StateName(job.state()), ": only a running job can checkpoint"));
-    }
-    if (job.request() != v1::JOB_REQUEST_NONE) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", job.id(), " is stopping (",
-                       job.request() == v1::JOB_REQUEST_PAUSE ? "pause" : "cancel", " requested)"));
-    }
-    const std::string why = WithReason("checkpoint requested", request.reason());
-    OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_CHECKPOINTING, why));
-    ++entry.checkpoint_request;
-    AddEvent(entry, why);
-    return absl::OkStatus();
-  });
+              absl::StrCat("job ", job.id(), " is stopping (", what, " requested)"));
+        }
+        const std::string why = WithReason("checkpoint requested", request.reason());
+        OFFLOAD_RETURN_IF_ERROR(SetState(entry, v1::JOB_STATE_CHECKPOINTING, why));
+        ++entry.checkpoint_request;
+        AddEvent(entry, why);
+        return absl::OkStatus();
+      });
 }
 
 absl::StatusOr<v1::ListJobEventsResponse> JobController::ListJobEvents(
-    const v1::ListJobEventsRequest& request) {
+    const Caller& caller, const v1::ListJobEventsRequest& request) {
+  if (absl::Status s = Admit(caller); !s.ok()) {
+    Audit(caller, "events", request.id(), s);
+    return s;
+  }
   {
     absl::MutexLock lock(&mu_);
-    if (absl::StatusOr<JobEntry*> entry = FindJob(request.id()); !entry.ok()) {
+    bool foreign = false;
+    if (absl::StatusOr<JobEntry*> entry = FindJobFor(caller, request.id(), &foreign); !entry.ok()) {
+      if (foreign) Audit(caller, "events", request.id(), entry.status());
       return entry.status();
     }
   }
@@ -444,27 +586,153 @@ absl::StatusOr<v1::ListJobEventsResponse> JobController::ListJobEvents(
   return response;
 }
 
+absl::StatusOr<v1::ListAuditResponse> JobController::ListAudit(
+    const Caller& caller, const v1::ListAuditRequest& request) {
+  absl::Status admitted = Admit(caller);
+  if (admitted.ok() && !caller.admin) {
+    admitted = absl::PermissionDeniedError(
+        absl::StrCat("tenant ", caller.tenant, " is not an admin: only admins read the audit log"));
+  }
+  if (!admitted.ok()) {
+    Audit(caller, "audit", "", admitted);
+    return admitted;
+  }
+  const uint32_t page_size = request.page_size() == 0
+                                 ? kDefaultListPageSize
+                                 : std::min(request.page_size(), kMaxListPageSize);
+  OFFLOAD_ASSIGN_OR_RETURN(std::vector<v1::AuditRecord> records,
+                           options_.store->Audit(request.after_sequence(), page_size));
+  v1::ListAuditResponse response;
+  for (v1::AuditRecord& record : records) *response.add_records() = std::move(record);
+  return response;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attempts.
 
+std::map<std::string, TenantLoad> JobController::Loads() const {
+  std::map<std::string, TenantLoad> loads;
+  for (const auto& [id, entry] : jobs_) {
+    const v1::Job& job = entry.job;
+    if (IsActive(job.state())) {
+      TenantLoad& load = loads[TenantOf(job)];
+      load.servers += OptimizerServers(job.spec());
+      load.ranks += Ranks(job.spec());
+      ++load.running_jobs;
+    } else if (job.state() == v1::JOB_STATE_PENDING) {
+      ++loads[TenantOf(job)].queued_jobs;
+    }
+  }
+  return loads;
+}
+
+PoolSize JobController::Pool(absl::Time now) const {
+  PoolSize pool;
+  for (const auto& [id, worker] : workers_) {
+    if (!IsLive(worker, now)) continue;
+    ++(worker.info.kind() == v1::WORKER_KIND_TRAINER ? pool.trainers : pool.servers);
+  }
+  return pool;
+}
+
 void JobController::Schedule() {
   const absl::Time now = options_.clock();
+  const std::shared_ptr<const TenantTable> tenants = Tenants();
+  const PoolSize pool = Pool(now);
+  std::map<std::string, TenantLoad> loads = Loads();
+  std::vector<Worker*> free_trainers, free_shards;  // oldest first: the scheduler prefers them
+  for (auto& [worker_id, worker] : workers_) {
+    if (!IsFree(worker, now)) continue;
+    (worker.info.kind() == v1::WORKER_KIND_TRAINER ? free_trainers : free_shards)
+        .push_back(&worker);
+  }
+  auto older = [](const Worker* a, const Worker* b) { return a->number < b->number; };
+  std::sort(free_trainers.begin(), free_trainers.end(), older);
+  std::sort(free_shards.begin(), free_shards.end(), older);
+  // Jobs that running jobs were preempted for: they go first, and the workers they wait for are
+  // kept for them, or what the preemption freed would go to somebody else.
+  std::set<std::string> claims;
+  for (const auto& [id, entry] : jobs_) {
+    if (!entry.job.preempted_for().empty()) claims.insert(entry.job.preempted_for());
+  }
+  std::vector<JobEntry*> pending;
   for (const std::string& id : submit_order_) {
     JobEntry& entry = jobs_.at(id);
-    if (entry.job.state() != v1::JOB_STATE_PENDING) continue;
-    const uint32_t ranks = Ranks(entry.job.spec());
-    const uint32_t servers = OptimizerServers(entry.job.spec());
-    std::vector<Worker*> trainers, shards;
-    for (auto& [worker_id, worker] : workers_) {
-      if (!IsFree(worker, now)) continue;
-      (worker.info.kind() == v1::WORKER_KIND_TRAINER ? trainers : shards).push_back(&worker);
+    if (entry.job.state() == v1::JOB_STATE_PENDING) pending.push_back(&entry);
+  }
+  // A claimed job that does not fit yet holds back the free workers it will need.
+  size_t held_trainers = 0, held_shards = 0;
+  for (JobEntry* entry : pending) {
+    if (claims.count(entry->job.id()) == 0) continue;
+    const uint32_t ranks = Ranks(entry->job.spec());
+    const uint32_t servers = OptimizerServers(entry->job.spec());
+    if (ranks <= free_trainers.size() && servers <= free_shards.size()) continue;
+    held_trainers += std::min<size_t>(ranks, free_trainers.size());
+    held_shards += std::min<size_t>(servers, free_shards.size());
+  }
+  while (true) {
+    // The next job to start: of those that fit and are within their tenant's quotas, a claimed
+    // one, else the one whose tenant has the smallest weighted dominant share, then the highest
+    // priority, then the oldest.
+    JobEntry* best = nullptr;
+    std::tuple<bool, double, int32_t, uint64_t> best_key;
+    // The fitting job of the highest priority (then the oldest): it goes instead of `best` when it
+    // could preempt `best` at once, or `best` would start only to be stopped again.
+    JobEntry* urgent = nullptr;
+    for (JobEntry* entry : pending) {
+      v1::Job& job = entry->job;
+      if (job.state() != v1::JOB_STATE_PENDING) continue;
+      const std::string& tenant = TenantOf(job);
+      const v1::TenantConfig quota = QuotaOf(*tenants, tenant);
+      const uint32_t ranks = Ranks(job.spec());
+      const uint32_t servers = OptimizerServers(job.spec());
+      if (std::string block = QuotaBlock(quota, loads[tenant], ranks, servers); !block.empty()) {
+        std::string reason = absl::StrCat(kQuotaReason, block);
+        if (job.reason() != reason) {
+          job.set_reason(std::move(reason));
+          entry->dirty = true;
+        }
+        continue;
+      }
+      if (absl::StartsWith(job.reason(), kQuotaReason)) {
+        job.set_reason(WaitingReason(job.spec()));
+        entry->dirty = true;
+      }
+      const bool claimed = claims.count(job.id()) > 0;
+      const size_t trainers_left = free_trainers.size() - (claimed ? 0 : held_trainers);
+      const size_t shards_left = free_shards.size() - (claimed ? 0 : held_shards);
+      if (free_trainers.size() < (claimed ? 0 : held_trainers) ||
+          free_shards.size() < (claimed ? 0 : held_shards) || ranks > trainers_left ||
+          servers > shards_left) {
+        continue;
+      }
+      // Negated where larger goes first, so that the smallest key wins.
+      const std::tuple<bool, double, int32_t, uint64_t> key = {
+          !claimed, DominantShare(loads[tenant], pool) / quota.weight(), -job.spec().priority(),
+          entry->order};
+      if (best == nullptr || key < best_key) {
+        best = entry;
+        best_key = key;
+      }
+      if (urgent == nullptr || job.spec().priority() > urgent->job.spec().priority()) {
+        urgent = entry;
+      }
     }
-    if (trainers.size() < ranks || shards.size() < servers) continue;
-    auto older = [](const Worker* a, const Worker* b) { return a->number < b->number; };
-    std::sort(trainers.begin(), trainers.end(), older);
-    std::sort(shards.begin(), shards.end(), older);
-    trainers.resize(ranks);
-    shards.resize(servers);
+    if (best == nullptr) break;
+    if (claims.count(best->job.id()) == 0 && Preemptible(best->job) &&
+        urgent->job.spec().priority() > best->job.spec().priority()) {
+      best = urgent;
+    }
+    const uint32_t ranks = Ranks(best->job.spec());
+    const uint32_t servers = OptimizerServers(best->job.spec());
+    std::vector<Worker*> trainers(free_trainers.begin(), free_trainers.begin() + ranks);
+    std::vector<Worker*> shards(free_shards.begin(), free_shards.begin() + servers);
+    free_trainers.erase(free_trainers.begin(), free_trainers.begin() + ranks);
+    free_shards.erase(free_shards.begin(), free_shards.begin() + servers);
+    if (claims.count(best->job.id()) > 0) {
+      // It fit, so it held nothing back.
+      claims.erase(best->job.id());
+    }
     // Slots follow the workers' indexes (a k8s completion index) where they have them, so pod i
     // runs rank i; workers without one come after, oldest first.
     auto by_index = [](const Worker* a, const Worker* b) {
@@ -475,14 +743,116 @@ void JobController::Schedule() {
     };
     std::sort(trainers.begin(), trainers.end(), by_index);
     std::sort(shards.begin(), shards.end(), by_index);
-    StartAttempt(entry, trainers, shards);
+    TenantLoad& load = loads[TenantOf(best->job)];
+    load.servers += servers;
+    load.ranks += ranks;
+    ++load.running_jobs;
+    --load.queued_jobs;
+    StartAttempt(*best, trainers, shards);
   }
+  Preempt(now, *tenants);
+}
+
+void JobController::Preempt(absl::Time now, const TenantTable& tenants) {
+  // Workers that are free, or soon will be: idle, draining an attempt that ended, or held by a job
+  // already asked to stop for another.
+  size_t trainers = 0, shards = 0;
+  for (const auto& [id, worker] : workers_) {
+    if (!IsLive(worker, now) || !worker.job_id.empty()) continue;
+    ++(worker.info.kind() == v1::WORKER_KIND_TRAINER ? trainers : shards);
+  }
+  for (const auto& [id, entry] : jobs_) {
+    if (IsActive(entry.job.state()) && entry.job.request() == v1::JOB_REQUEST_PREEMPT) {
+      trainers += Ranks(entry.job.spec());
+      shards += OptimizerServers(entry.job.spec());
+    }
+  }
+  // The jobs within their quotas that wait, the most urgent first: the highest priority, then the
+  // oldest. Each takes what is free or being freed; the first that finds too little preempts.
+  const std::map<std::string, TenantLoad> loads = Loads();
+  std::vector<const JobEntry*> waiting;
+  for (const std::string& id : submit_order_) {
+    const JobEntry& entry = jobs_.at(id);
+    const v1::Job& job = entry.job;
+    if (job.state() != v1::JOB_STATE_PENDING || job.spec().priority() == 0) continue;
+    if (!QuotaBlock(QuotaOf(tenants, TenantOf(job)), loads.at(TenantOf(job)), Ranks(job.spec()),
+                    OptimizerServers(job.spec()))
+             .empty()) {
+      continue;
+    }
+    waiting.push_back(&entry);
+  }
+  std::stable_sort(waiting.begin(), waiting.end(), [](const JobEntry* a, const JobEntry* b) {
+    return a->job.spec().priority() > b->job.spec().priority();
+  });
+  const PoolSize pool = Pool(now);
+  for (const JobEntry* urgent : waiting) {
+    const v1::Job& job = urgent->job;
+    const uint32_t ranks = Ranks(job.spec());
+    const uint32_t servers = OptimizerServers(job.spec());
+    if (ranks > pool.trainers || servers > pool.servers) continue;  // the pool is too small
+    if (ranks <= trainers && servers <= shards) {
+      // It only waits for workers to drain.
+      trainers -= ranks;
+      shards -= servers;
+      continue;
+    }
+    // Victims: preemptible running jobs of lower priority, the lowest first, then the latest
+    // submitted (what they trained is checkpointed either way; the latest has waited least).
+    std::vector<JobEntry*> candidates;
+    for (auto& [id, entry] : jobs_) {
+      const v1::Job& victim = entry.job;
+      if (!IsActive(victim.state()) || !Preemptible(victim) ||
+          victim.spec().priority() >= job.spec().priority() ||
+          (victim.request() != v1::JOB_REQUEST_NONE &&
+           victim.request() != v1::JOB_REQUEST_CHECKPOINT)) {
+        continue;
+      }
+      candidates.push_back(&entry);
+    }
+    std::sort(candidates.begin(), candidates.end(), [](const JobEntry* a, const JobEntry* b) {
+      if (a->job.spec().priority() != b->job.spec().priority()) {
+        return a->job.spec().priority() < b->job.spec().priority();
+      }
+      return a->order > b->order;
+    });
+    std::vector<JobEntry*> victims;
+    size_t more_trainers = trainers, more_shards = shards;
+    for (JobEntry* victim : candidates) {
+      if (ranks <= more_trainers && servers <= more_shards) break;
+      victims.push_back(victim);
+      more_trainers += Ranks(victim->job.spec());
+      more_shards += OptimizerServers(victim->job.spec());
+    }
+    // Not even all of them would make room: nothing is stopped for it, nor for the jobs behind it
+    // (they would take what it waits for).
+    if (ranks > more_trainers || servers > more_shards) return;
+    for (JobEntry* victim : victims) PreemptJob(*victim, job);
+    trainers = more_trainers - ranks;
+    shards = more_shards - servers;
+  }
+}
+
+void JobController::PreemptJob(JobEntry& victim, const v1::Job& for_job) {
+  victim.job.set_preempted_for(for_job.id());
+  const std::string why = absl::StrCat("job ", for_job.id(), " of priority ",
+                                       for_job.spec().priority(), " needs its workers");
+  if (!TrainersStarted(victim)) {
+    victim.job.set_preemptions(victim.job.preemptions() + 1);
+    FinishAttempt(victim, v1::JOB_STATE_PENDING,
+                  absl::StrCat("preempted before its ranks started: ", why));
+    return;
+  }
+  victim.job.set_request(v1::JOB_REQUEST_PREEMPT);
+  AddEvent(victim, absl::StrCat("preemption requested: ", why,
+                                "; the ranks checkpoint and stop, and the job waits to resume"));
 }
 
 void JobController::StartAttempt(JobEntry& entry, const std::vector<Worker*>& trainers,
                                  const std::vector<Worker*>& servers) {
   v1::Job& job = entry.job;
   job.set_attempt(job.attempt() + 1);
+  job.clear_preempted_for();
   ResetAttempt(entry);
   auto take = [&](Worker& worker, uint32_t slot) {
     worker.job_id = job.id();
@@ -628,6 +998,11 @@ void JobController::FailAttempt(JobEntry& entry, const std::string& why) {
   } else if (job.request() == v1::JOB_REQUEST_PAUSE) {
     FinishAttempt(entry, v1::JOB_STATE_PAUSED,
                   absl::StrCat("paused; the attempt ended with: ", why));
+  } else if (job.request() == v1::JOB_REQUEST_PREEMPT) {
+    entry.job.set_preemptions(job.preemptions() + 1);
+    FinishAttempt(
+        entry, v1::JOB_STATE_PENDING,
+        absl::StrCat("preempted for job ", job.preempted_for(), "; the attempt ended with: ", why));
   } else if (job.restarts() < job.spec().max_restarts() && !job.spec().checkpoint().dir().empty()) {
     entry.job.set_restarts(job.restarts() + 1);
     ++restarts_;
@@ -668,6 +1043,11 @@ void JobController::OnAttemptResult(Worker& worker, const v1::AttemptResult& res
       FinishAttempt(entry, v1::JOB_STATE_CANCELLED, absl::StrCat("cancelled at step ", step));
     } else if (job.request() == v1::JOB_REQUEST_PAUSE) {
       FinishAttempt(entry, v1::JOB_STATE_PAUSED, absl::StrCat("paused at step ", step));
+    } else if (job.request() == v1::JOB_REQUEST_PREEMPT) {
+      entry.job.set_preemptions(job.preemptions() + 1);
+      FinishAttempt(entry, v1::JOB_STATE_PENDING,
+                    absl::StrCat("preempted at step ", step, " for job ", job.preempted_for(),
+                                 "; resumes from its checkpoint when workers are free"));
     } else {
       FinishAttempt(entry, v1::JOB_STATE_PAUSED,
                     absl::StrCat("stopped by a signal at step ", step));
@@ -885,7 +1265,9 @@ absl::StatusOr<v1::ProgressReply> JobController::ReportProgress(const v1::Progre
     OFFLOAD_RETURN_IF_ERROR(Persist(entry));
   }
   v1::ProgressReply reply;
-  reply.set_request(entry.job.request());
+  // To the ranks a preemption is a pause: checkpoint and stop. What follows is the controller's.
+  reply.set_request(entry.job.request() == v1::JOB_REQUEST_PREEMPT ? v1::JOB_REQUEST_PAUSE
+                                                                   : entry.job.request());
   reply.set_checkpoint_request(entry.checkpoint_request);
   return reply;
 }
@@ -960,6 +1342,25 @@ JobController::Stats JobController::GetStats() const {
     ++stats.workers[KindIndex(worker.info.kind())][busy ? 1 : 0];
   }
   for (int k = 0; k < 2; ++k) stats.heartbeat_timeouts[k] = heartbeat_timeouts_[k];
+  const std::shared_ptr<const TenantTable> tenants = Tenants();
+  const std::map<std::string, TenantLoad> loads = Loads();
+  std::map<std::string, double> weights;
+  stats.tenants[kOperatorTenant];  // always there: the operator's jobs, and every job without
+                                   // tenants
+  for (const v1::TenantConfig& tenant : tenants->tenants) {
+    weights[tenant.name()] = tenant.weight();
+    stats.tenants[tenant.name()];
+  }
+  const PoolSize pool = Pool(options_.clock());
+  const std::map<std::string, double> entitled = EntitledShares(loads, weights);
+  for (const auto& [tenant, load] : loads) {
+    Stats::Tenant& t = stats.tenants[tenant];
+    t.load = load;
+    t.fair_share_deficit = entitled.at(tenant) - DominantShare(load, pool);
+  }
+  for (const auto& [id, entry] : jobs_) {
+    stats.tenants[TenantOf(entry.job)].preemptions += entry.job.preemptions();
+  }
   stats.attempt_failures = attempt_failures_;
   stats.restarts = restarts_;
   return stats;

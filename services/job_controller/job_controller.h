@@ -22,6 +22,8 @@
 #include "offload/v1/worker.pb.h"
 #include "services/job_controller/job_api.h"
 #include "services/job_controller/job_store.h"
+#include "services/job_controller/tenancy/fair_share.h"
+#include "services/job_controller/tenancy/identities.h"
 
 namespace offload {
 
@@ -35,6 +37,9 @@ struct JobControllerOptions {
   std::string job_id_prefix = "job-";
   // Progress reports are persisted at most this often per job (checkpoints always at once).
   absl::Duration progress_persist_interval = absl::Seconds(1);
+  // The tenants' weights and quotas, read at every scheduling pass (so a reload takes effect at
+  // the next). nullptr: one tenant, "default", with no quotas. Outlives the controller.
+  const Identities* identities = nullptr;
 };
 
 class JobController : public JobApi {
@@ -46,15 +51,23 @@ class JobController : public JobApi {
   ~JobController() override;
 
   // JobApi.
-  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request) override;
-  absl::StatusOr<v1::Job> GetJob(const v1::GetJobRequest& request) override;
-  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request) override;
-  absl::StatusOr<v1::Job> CancelJob(const v1::JobActionRequest& request) override;
-  absl::StatusOr<v1::Job> PauseJob(const v1::JobActionRequest& request) override;
-  absl::StatusOr<v1::Job> ResumeJob(const v1::JobActionRequest& request) override;
-  absl::StatusOr<v1::Job> CheckpointJob(const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> SubmitJob(const Caller& caller,
+                                    const v1::SubmitJobRequest& request) override;
+  absl::StatusOr<v1::Job> GetJob(const Caller& caller, const v1::GetJobRequest& request) override;
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const Caller& caller,
+                                                const v1::ListJobsRequest& request) override;
+  absl::StatusOr<v1::Job> CancelJob(const Caller& caller,
+                                    const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> PauseJob(const Caller& caller,
+                                   const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> ResumeJob(const Caller& caller,
+                                    const v1::JobActionRequest& request) override;
+  absl::StatusOr<v1::Job> CheckpointJob(const Caller& caller,
+                                        const v1::JobActionRequest& request) override;
   absl::StatusOr<v1::ListJobEventsResponse> ListJobEvents(
-      const v1::ListJobEventsRequest& request) override;
+      const Caller& caller, const v1::ListJobEventsRequest& request) override;
+  absl::StatusOr<v1::ListAuditResponse> ListAudit(const Caller& caller,
+                                                  const v1::ListAuditRequest& request) override;
 
   // The worker protocol of worker.proto.
   absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
@@ -84,6 +97,12 @@ class JobController : public JobApi {
     uint64_t heartbeat_timeouts[2] = {};  // workers declared dead, by kind as above
     uint64_t attempt_failures = 0;
     uint64_t restarts = 0;
+    struct Tenant {
+      TenantLoad load;
+      double fair_share_deficit = 0;  // entitled share minus dominant share
+      uint64_t preemptions = 0;       // of its jobs, ever (kept in the jobs' records)
+    };
+    std::map<std::string, Tenant> tenants;  // every tenant of the table or of a job
   };
   Stats GetStats() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -127,6 +146,8 @@ class JobController : public JobApi {
     std::map<std::string, std::string> vacancy_reasons;
     // The first progress report of the attempt, for the ETA.
     std::optional<std::pair<absl::Time, uint64_t>> first_report;
+    // Its place in the queue: the position in submit_order_.
+    uint64_t order = 0;
   };
 
   using RendezvousKey = std::pair<std::string, uint32_t>;
@@ -135,6 +156,15 @@ class JobController : public JobApi {
   absl::Status Load();
 
   absl::StatusOr<JobEntry*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same for a caller: another tenant's job is NOT_FOUND with the same message as a job that
+  // does not exist (`*foreign` says which it was, for the audit log).
+  absl::StatusOr<JobEntry*> FindJobFor(const Caller& caller, const std::string& id, bool* foreign)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes one record of the audit log; a failed write is logged, and does not undo the call.
+  void Audit(const Caller& caller, absl::string_view action, const std::string& job_id,
+             const absl::Status& outcome);
+  // The tenants' table: weights and quotas (an empty one without identities).
+  std::shared_ptr<const TenantTable> Tenants() const;
   // Records an event with the job's current state and attempt.
   void AddEvent(JobEntry& entry, std::string message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SetState(JobEntry& entry, v1::JobState to, std::string reason)
@@ -143,11 +173,23 @@ class JobController : public JobApi {
   absl::Status PersistDirty() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Persist(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies a user's action and keeps it only once it is stored.
-  absl::StatusOr<v1::Job> Act(const v1::JobActionRequest& request,
+  absl::StatusOr<v1::Job> Act(const Caller& caller, absl::string_view name,
+                              const v1::JobActionRequest& request,
                               const std::function<absl::Status(JobEntry&)>& action)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Starts pending jobs on free workers, the tenant furthest below its fair share first, then by
+  // priority, then by age; then preempts for the most urgent job that still cannot start.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What each tenant's jobs hold and wait for.
+  std::map<std::string, TenantLoad> Loads() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PoolSize Pool(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Asks running jobs of lower priority to checkpoint and stop when the most urgent pending job
+  // cannot start on the free workers and those already being released.
+  void Preempt(absl::Time now, const TenantTable& tenants) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The attempt of `victim` ends for `for_job`: at once when no rank has started, else its
+  // trainers are asked to checkpoint and stop.
+  void PreemptJob(JobEntry& victim, const v1::Job& for_job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker of the current attempt lost its heartbeat: its slot waits twice the heartbeat timeout
   // for it to register again (a cut link, not a death) before the attempt fails.
   void VacateSlot(JobEntry& entry, const Worker& worker, absl::Time now)

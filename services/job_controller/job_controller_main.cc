@@ -37,6 +37,9 @@ ABSL_FLAG(std::string, store, "job_controller.db",
           "the SQLite job store (created if missing; WAL mode, so keep its -wal file beside it)");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
           "how often workers heartbeat and the controller checks them");
+ABSL_FLAG(std::string, tenants_file, "",
+          "the tenants, their tokens, weights and quotas (JSON; ARCHITECTURE.md section 7), read "
+          "again whenever it changes; empty: every token of --token_file is the operator's");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(10),
           "a worker without a heartbeat for this long is dead and its job attempt fails");
 
@@ -77,9 +80,20 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
   if (!security.ok()) return Fail(std::string(security.status().message()));
-  if (absl::Status s = offload::RequireTokens(*security); !s.ok()) {
-    return Fail(std::string(s.message()));
+  const std::string tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  if (tenants_file.empty()) {
+    if (absl::Status s = offload::RequireTokens(*security); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+  } else if (security->accepted.empty() && !security->allow_unauthenticated) {
+    // Tenants without an operator token: no worker could register with the pool.
+    return Fail(
+        "--tenants_file needs the operator's --token_file (or $OFFLOAD_TOKEN) too: pool "
+        "workers present it");
   }
+  absl::StatusOr<std::unique_ptr<offload::Identities>> identities =
+      offload::Identities::Create(security->accepted, tenants_file);
+  if (!identities.ok()) return Fail(identities.status().ToString());
 
   const std::string store_path = absl::GetFlag(FLAGS_store);
   absl::StatusOr<std::unique_ptr<offload::JobStore>> store = offload::JobStore::Open(store_path);
@@ -89,18 +103,21 @@ int main(int argc, char** argv) {
   options.store = store->get();
   options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);
+  options.identities = identities->get();
   absl::StatusOr<std::unique_ptr<offload::JobController>> controller =
       offload::JobController::Create(options);
   if (!controller.ok()) return Fail(controller.status().ToString());
   absl::StatusOr<std::unique_ptr<offload::MetricsServer>> metrics =
       offload::StartMetricsServerIfAsked(absl::GetFlag(FLAGS_metrics_address), "job_controller");
   if (!metrics.ok()) return Fail(metrics.status().ToString());
-  if (*metrics != nullptr) (*metrics)->Add(offload::MakeControllerCollector(controller->get()));
+  if (*metrics != nullptr) {
+    (*metrics)->Add(offload::MakeControllerCollector(controller->get(), identities->get()));
+  }
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       offload::MakeServerCredentials(security->tls);
   if (!credentials.ok()) return Fail(credentials.status().ToString());
-  offload::JobServiceImpl job_service(controller->get(), &security->accepted);
+  offload::JobServiceImpl job_service(controller->get(), identities->get());
   offload::WorkerServiceImpl worker_service(controller->get(), &security->accepted);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -127,7 +144,7 @@ int main(int argc, char** argv) {
     }
     rest_options.tls = security->tls;
     absl::StatusOr<std::unique_ptr<offload::RestGateway>> gateway =
-        offload::RestGateway::Start(controller->get(), &security->accepted, rest_options);
+        offload::RestGateway::Start(controller->get(), identities->get(), rest_options);
     if (!gateway.ok()) return Fail(gateway.status().ToString());
     rest = *std::move(gateway);
     http_shown = absl::StrCat(http_address.substr(0, http_address.rfind(':')), ":", rest->port());
@@ -143,6 +160,14 @@ int main(int argc, char** argv) {
   absl::Time next_tick = absl::Now();
   while (!g_stop) {
     if (absl::Now() >= next_tick) {
+      // Before the tick: a revoked token is refused, and new quotas apply, from this tick on.
+      if (absl::StatusOr<bool> reloaded = (*identities)->Reload(); !reloaded.ok()) {
+        LOG(ERROR) << absl::StrFormat("job_controller: %s (the last good tenants stay in use)",
+                                      reloaded.status().ToString().c_str());
+      } else if (*reloaded) {
+        LOG(INFO) << absl::StrFormat("job_controller: tenants file %s reloaded",
+                                     tenants_file.c_str());
+      }
       if (absl::Status s = (*controller)->Tick(); !s.ok()) {
         LOG(ERROR) << absl::StrFormat("job_controller: %s", s.ToString().c_str());
       }

@@ -22,6 +22,9 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
+// The tests of the controller's own behaviour act as the operator; tenancy_test covers tenants.
+const Caller kOperator = Caller::Operator();
+
 std::string TempPath(const std::string& name) {
   const char* dir = std::getenv("TEST_TMPDIR");
   std::string path = std::string(dir != nullptr ? dir : "/tmp") + "/job_controller_test_" +
@@ -125,7 +128,7 @@ class JobControllerTest : public ::testing::Test {
   v1::Job Submit(const v1::JobSpec& spec) {
     v1::SubmitJobRequest request;
     *request.mutable_spec() = spec;
-    absl::StatusOr<v1::Job> job = controller_->SubmitJob(request);
+    absl::StatusOr<v1::Job> job = controller_->SubmitJob(kOperator, request);
     EXPECT_TRUE(job.ok()) << job.status();
     return job.ok() ? *job : v1::Job();
   }
@@ -133,7 +136,7 @@ class JobControllerTest : public ::testing::Test {
   v1::Job Get(const std::string& id) {
     v1::GetJobRequest request;
     request.set_id(id);
-    absl::StatusOr<v1::Job> job = controller_->GetJob(request);
+    absl::StatusOr<v1::Job> job = controller_->GetJob(kOperator, request);
     EXPECT_TRUE(job.ok()) << job.status();
     return job.ok() ? *job : v1::Job();
   }
@@ -148,7 +151,8 @@ class JobControllerTest : public ::testing::Test {
   std::vector<std::string> Events(const std::string& id) {
     v1::ListJobEventsRequest request;
     request.set_id(id);
-    absl::StatusOr<v1::ListJobEventsResponse> response = controller_->ListJobEvents(request);
+    absl::StatusOr<v1::ListJobEventsResponse> response =
+        controller_->ListJobEvents(kOperator, request);
     EXPECT_TRUE(response.ok()) << response.status();
     std::vector<std::string> messages;
     if (!response.ok()) return messages;
@@ -221,26 +225,26 @@ TEST_F(JobControllerTest, SubmitStoresAPendingJob) {
 TEST_F(JobControllerTest, BadSpecsNameTheField) {
   v1::SubmitJobRequest request;
   request.mutable_spec()->set_name("x");
-  absl::StatusOr<v1::Job> job = controller_->SubmitJob(request);
+  absl::StatusOr<v1::Job> job = controller_->SubmitJob(kOperator, request);
   ASSERT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(job.status().message(), HasSubstr("data.path"));
 
   *request.mutable_spec() = Spec();
   request.mutable_spec()->mutable_parallel()->set_ranks(0);
-  job = controller_->SubmitJob(request);
+  job = controller_->SubmitJob(kOperator, request);
   ASSERT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(job.status().message(), HasSubstr("parallel.ranks"));
 
   *request.mutable_spec() = Spec();
   request.mutable_spec()->mutable_model()->set_channels(100);
   request.mutable_spec()->mutable_model()->set_heads(3);
-  job = controller_->SubmitJob(request);
+  job = controller_->SubmitJob(kOperator, request);
   ASSERT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(job.status().message(), HasSubstr("model"));
 
   // No job was created by any of them.
   v1::ListJobsRequest list;
-  EXPECT_EQ(controller_->ListJobs(list)->jobs_size(), 0);
+  EXPECT_EQ(controller_->ListJobs(kOperator, list)->jobs_size(), 0);
 }
 
 TEST_F(JobControllerTest, PartitionUsesTheTrainerDefaultsAndOverrides) {
@@ -288,7 +292,7 @@ TEST_F(JobControllerTest, TorchJobsTakeServersAndTrainersFromThePool) {
   no_command.mutable_torch()->clear_command();
   v1::SubmitJobRequest request;
   *request.mutable_spec() = no_command;
-  absl::StatusOr<v1::Job> refused = controller_->SubmitJob(request);
+  absl::StatusOr<v1::Job> refused = controller_->SubmitJob(kOperator, request);
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(refused.status().message(), HasSubstr("torch.command: required"));
 }
@@ -345,12 +349,12 @@ TEST_F(JobControllerTest, EachAttemptHasItsOwnShardSecret) {
   for (const std::string& event : Events(job_id)) EXPECT_EQ(event.find(secret), std::string::npos);
 
   // Another attempt of the same job: another secret.
-  ASSERT_TRUE(controller_->PauseJob(Action(job_id)).ok());
+  ASSERT_TRUE(controller_->PauseJob(kOperator, Action(job_id)).ok());
   Beat(trainer, {}, {Result(job_id, 1, 130)});
   ASSERT_EQ(Get(job_id).state(), v1::JOB_STATE_PAUSED);
   EXPECT_EQ(Beat(server, {Ref(job_id, 1)}).stop_size(), 1);
   Beat(server);
-  ASSERT_TRUE(controller_->ResumeJob(Action(job_id)).ok());
+  ASSERT_TRUE(controller_->ResumeJob(kOperator, Action(job_id)).ok());
   v1::HeartbeatResponse s2 = Beat(server);
   ASSERT_EQ(s2.start_size(), 1);
   EXPECT_EQ(s2.start(0).attempt(), 2u);
@@ -513,7 +517,7 @@ TEST_F(JobControllerTest, SuccessFreesTheWorkers) {
   EXPECT_THAT(job.trainer_workers(), ElementsAre(trainer));
   EXPECT_THAT(job.server_workers(), ElementsAre(server));
   // Finished jobs take no more actions.
-  EXPECT_EQ(controller_->CancelJob(Action(job_id)).status().code(),
+  EXPECT_EQ(controller_->CancelJob(kOperator, Action(job_id)).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
@@ -521,14 +525,14 @@ TEST_F(JobControllerTest, PauseThenResumeStartsANewAttemptThatResumes) {
   const std::string job_id = Submit(Spec(1, 1, "/ckpt")).id();
   const std::string server = Server("s0"), trainer = Trainer("t0");
   Handout(server, trainer, job_id, 1);
-  absl::StatusOr<v1::Job> paused = controller_->PauseJob(Action(job_id, "maintenance"));
+  absl::StatusOr<v1::Job> paused = controller_->PauseJob(kOperator, Action(job_id, "maintenance"));
   ASSERT_TRUE(paused.ok()) << paused.status();
   EXPECT_EQ(paused->state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(paused->request(), v1::JOB_REQUEST_PAUSE);
   EXPECT_EQ(Report(job_id, 1, 0, 30)->request(), v1::JOB_REQUEST_PAUSE);
   // Pausing twice is harmless; resuming a job that is still stopping is not allowed.
-  EXPECT_TRUE(controller_->PauseJob(Action(job_id)).ok());
-  EXPECT_EQ(controller_->ResumeJob(Action(job_id)).status().code(),
+  EXPECT_TRUE(controller_->PauseJob(kOperator, Action(job_id)).ok());
+  EXPECT_EQ(controller_->ResumeJob(kOperator, Action(job_id)).status().code(),
             absl::StatusCode::kFailedPrecondition);
   Beat(trainer, {}, {Result(job_id, 1, 130)});
   EXPECT_EQ(Get(job_id).state(), v1::JOB_STATE_PAUSED);
@@ -538,7 +542,7 @@ TEST_F(JobControllerTest, PauseThenResumeStartsANewAttemptThatResumes) {
   Beat(server);
   EXPECT_EQ(Get(job_id).state(), v1::JOB_STATE_PAUSED);  // free workers do not restart it
 
-  absl::StatusOr<v1::Job> resumed = controller_->ResumeJob(Action(job_id, "back"));
+  absl::StatusOr<v1::Job> resumed = controller_->ResumeJob(kOperator, Action(job_id, "back"));
   ASSERT_TRUE(resumed.ok()) << resumed.status();
   // Resumed to PENDING and at once scheduled on the free workers.
   EXPECT_EQ(resumed->state(), v1::JOB_STATE_RUNNING);
@@ -563,13 +567,13 @@ TEST_F(JobControllerTest, ASignalledTrainerPausesTheJob) {
 
 TEST_F(JobControllerTest, PausingAPendingJobIsImmediate) {
   const std::string job_id = Submit(Spec()).id();
-  absl::StatusOr<v1::Job> job = controller_->PauseJob(Action(job_id));
+  absl::StatusOr<v1::Job> job = controller_->PauseJob(kOperator, Action(job_id));
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(job->state(), v1::JOB_STATE_PAUSED);
   Server("s0");
   Trainer("t0");
   EXPECT_EQ(Get(job_id).state(), v1::JOB_STATE_PAUSED);
-  job = controller_->ResumeJob(Action(job_id));
+  job = controller_->ResumeJob(kOperator, Action(job_id));
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(job->state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(job->attempt(), 1u);
@@ -577,20 +581,21 @@ TEST_F(JobControllerTest, PausingAPendingJobIsImmediate) {
 
 TEST_F(JobControllerTest, CheckpointRequests) {
   const std::string no_dir = Submit(Spec()).id();
-  EXPECT_EQ(controller_->CheckpointJob(Action(no_dir)).status().code(),
+  EXPECT_EQ(controller_->CheckpointJob(kOperator, Action(no_dir)).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  controller_->CancelJob(Action(no_dir)).IgnoreError();
+  controller_->CancelJob(kOperator, Action(no_dir)).IgnoreError();
 
   const std::string job_id = Submit(Spec(1, 1, "/ckpt")).id();
   // Not running yet.
-  EXPECT_EQ(controller_->CheckpointJob(Action(job_id)).status().code(),
+  EXPECT_EQ(controller_->CheckpointJob(kOperator, Action(job_id)).status().code(),
             absl::StatusCode::kFailedPrecondition);
   const std::string server = Server("s0"), trainer = Trainer("t0");
   Handout(server, trainer, job_id, 1);
-  absl::StatusOr<v1::Job> job = controller_->CheckpointJob(Action(job_id, "before upgrade"));
+  absl::StatusOr<v1::Job> job =
+      controller_->CheckpointJob(kOperator, Action(job_id, "before upgrade"));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->state(), v1::JOB_STATE_CHECKPOINTING);
-  EXPECT_EQ(controller_->CheckpointJob(Action(job_id)).status().code(),
+  EXPECT_EQ(controller_->CheckpointJob(kOperator, Action(job_id)).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(Report(job_id, 1, 0, 5)->checkpoint_request(), 1u);
   EXPECT_EQ(Get(job_id).state(), v1::JOB_STATE_CHECKPOINTING);
@@ -603,23 +608,23 @@ TEST_F(JobControllerTest, CheckpointRequests) {
   EXPECT_EQ(job->progress().last_checkpoint_step(), 6u);
   EXPECT_THAT(Events(job_id), ::testing::Contains("checkpoint at step 6: /ckpt/step-6"));
   // The counter goes on with the next request.
-  ASSERT_TRUE(controller_->CheckpointJob(Action(job_id)).ok());
+  ASSERT_TRUE(controller_->CheckpointJob(kOperator, Action(job_id)).ok());
   EXPECT_EQ(Report(job_id, 1, 0, 7, 1)->checkpoint_request(), 2u);
 }
 
 TEST_F(JobControllerTest, Cancel) {
   const std::string pending = Submit(Spec()).id();
-  absl::StatusOr<v1::Job> job = controller_->CancelJob(Action(pending, "typo"));
+  absl::StatusOr<v1::Job> job = controller_->CancelJob(kOperator, Action(pending, "typo"));
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(job->reason(), "cancelled: typo");
-  EXPECT_EQ(controller_->CancelJob(Action(pending)).status().code(),
+  EXPECT_EQ(controller_->CancelJob(kOperator, Action(pending)).status().code(),
             absl::StatusCode::kFailedPrecondition);
 
   const std::string running = Submit(Spec()).id();
   const std::string server = Server("s0"), trainer = Trainer("t0");
   Handout(server, trainer, running, 1);
-  job = controller_->CancelJob(Action(running));
+  job = controller_->CancelJob(kOperator, Action(running));
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(job->state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(job->request(), v1::JOB_REQUEST_CANCEL);
@@ -632,7 +637,7 @@ TEST_F(JobControllerTest, StoppingBeforeAnyRankStartedEndsTheAttemptAtOnce) {
   const std::string job_id = Submit(Spec()).id();
   const std::string server = Server("s0"), trainer = Trainer("t0");
   ASSERT_EQ(Beat(server).start_size(), 1);  // the server has its assignment, the trainer not yet
-  absl::StatusOr<v1::Job> job = controller_->CancelJob(Action(job_id, "wrong data"));
+  absl::StatusOr<v1::Job> job = controller_->CancelJob(kOperator, Action(job_id, "wrong data"));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(job->reason(), "cancelled: wrong data");
@@ -647,7 +652,7 @@ TEST_F(JobControllerTest, StoppingBeforeAnyRankStartedEndsTheAttemptAtOnce) {
   const std::string second = Submit(Spec()).id();
   Beat(server);
   ASSERT_EQ(Get(second).state(), v1::JOB_STATE_RUNNING);
-  job = controller_->PauseJob(Action(second));
+  job = controller_->PauseJob(kOperator, Action(second));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->state(), v1::JOB_STATE_PAUSED);
 }
@@ -891,7 +896,7 @@ TEST_F(JobControllerTest, AControllerRestartLosesNothing) {
   ASSERT_TRUE(Report(running, 1, 0, 10, 0, "/ckpt/step-10", 10).ok());
   const std::string pending = Submit(Spec()).id();
   const std::string paused = Submit(Spec()).id();
-  ASSERT_TRUE(controller_->PauseJob(Action(paused)).ok());
+  ASSERT_TRUE(controller_->PauseJob(kOperator, Action(paused)).ok());
   const std::vector<std::string> events_before = Events(running);
 
   now_ += absl::Seconds(30);
@@ -1017,10 +1022,10 @@ TEST_F(JobControllerTest, Rendezvous) {
 
 TEST_F(JobControllerTest, ListJobsNewestFirstWithPagesAndFilters) {
   for (int i = 0; i < 5; ++i) Submit(Spec());
-  ASSERT_TRUE(controller_->CancelJob(Action("job-2")).ok());
+  ASSERT_TRUE(controller_->CancelJob(kOperator, Action("job-2")).ok());
   v1::ListJobsRequest request;
   request.set_page_size(2);
-  absl::StatusOr<v1::ListJobsResponse> page = controller_->ListJobs(request);
+  absl::StatusOr<v1::ListJobsResponse> page = controller_->ListJobs(kOperator, request);
   ASSERT_TRUE(page.ok());
   ASSERT_EQ(page->jobs_size(), 2);
   EXPECT_EQ(page->jobs(0).id(), "job-5");
@@ -1030,25 +1035,27 @@ TEST_F(JobControllerTest, ListJobsNewestFirstWithPagesAndFilters) {
     for (const v1::Job& job : page->jobs()) ids.push_back(job.id());
     if (page->next_page_token().empty()) break;
     request.set_page_token(page->next_page_token());
-    page = controller_->ListJobs(request);
+    page = controller_->ListJobs(kOperator, request);
     ASSERT_TRUE(page.ok());
   }
   EXPECT_THAT(ids, ElementsAre("job-5", "job-4", "job-3", "job-2", "job-1"));
 
   v1::ListJobsRequest cancelled;
   cancelled.add_states(v1::JOB_STATE_CANCELLED);
-  page = controller_->ListJobs(cancelled);
+  page = controller_->ListJobs(kOperator, cancelled);
   ASSERT_EQ(page->jobs_size(), 1);
   EXPECT_EQ(page->jobs(0).id(), "job-2");
 
   request.set_page_token("garbage");
-  EXPECT_EQ(controller_->ListJobs(request).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(controller_->ListJobs(kOperator, request).status().code(),
+            absl::StatusCode::kInvalidArgument);
 
   v1::GetJobRequest get;
-  EXPECT_EQ(controller_->GetJob(get).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(controller_->GetJob(kOperator, get).status().code(),
+            absl::StatusCode::kInvalidArgument);
   get.set_id("job-77");
-  EXPECT_EQ(controller_->GetJob(get).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(controller_->GetJob(get).status().message(), "job job-77 not found");
+  EXPECT_EQ(controller_->GetJob(kOperator, get).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(controller_->GetJob(kOperator, get).status().message(), "job job-77 not found");
 }
 
 TEST_F(JobControllerTest, RegisterValidatesTheWorker) {

@@ -86,6 +86,10 @@ absl::Status JobStore::Init() {
       " event BLOB NOT NULL, PRIMARY KEY (job_id, sequence));"
       // Added to version 1 without a new version: older controllers never read it.
       "CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);"
+      // The same for the audit log. AUTOINCREMENT: a sequence is never handed out twice, even
+      // after the newest records were removed by hand.
+      "CREATE TABLE IF NOT EXISTS audit (sequence INTEGER PRIMARY KEY AUTOINCREMENT,"
+      " record BLOB NOT NULL);"
       "INSERT OR IGNORE INTO meta (key, value) VALUES ('next_job_number', 1);",
       "create the schema");
   if (s.ok()) {
@@ -254,6 +258,53 @@ absl::StatusOr<uint64_t> JobStore::NextJobNumber() {
   const int64_t number = sqlite3_column_int64(stmt.get(), 0);
   if (sqlite3_step(stmt.get()) != SQLITE_DONE) return Error("draw a job number");
   return static_cast<uint64_t>(number);
+}
+
+absl::StatusOr<uint64_t> JobStore::AppendAudit(const v1::AuditRecord& record) {
+  v1::AuditRecord stored = record;
+  stored.clear_sequence();  // the row id is the sequence; the blob does not repeat it
+  std::string bytes;
+  if (!stored.SerializeToString(&bytes)) {
+    return absl::InternalError("job store: cannot serialize an audit record");
+  }
+  absl::MutexLock lock(&mu_);
+  Statement insert;
+  if (sqlite3_prepare_v2(db_, "INSERT INTO audit (record) VALUES (?1)", -1, insert.out(),
+                         nullptr) != SQLITE_OK) {
+    return Error("prepare the audit write");
+  }
+  sqlite3_bind_blob(insert.get(), 1, bytes.data(), static_cast<int>(bytes.size()), SQLITE_STATIC);
+  if (sqlite3_step(insert.get()) != SQLITE_DONE) return Error("write an audit record");
+  return static_cast<uint64_t>(sqlite3_last_insert_rowid(db_));
+}
+
+absl::StatusOr<std::vector<v1::AuditRecord>> JobStore::Audit(uint64_t after_sequence,
+                                                             uint32_t limit) {
+  absl::MutexLock lock(&mu_);
+  Statement stmt;
+  if (sqlite3_prepare_v2(db_,
+                         "SELECT sequence, record FROM audit WHERE sequence > ?1"
+                         " ORDER BY sequence LIMIT ?2",
+                         -1, stmt.out(), nullptr) != SQLITE_OK) {
+    return Error("prepare the audit read");
+  }
+  sqlite3_bind_int64(stmt.get(), 1, static_cast<int64_t>(after_sequence));
+  sqlite3_bind_int64(stmt.get(), 2, static_cast<int64_t>(limit));
+  std::vector<v1::AuditRecord> records;
+  int rc;
+  while ((rc = sqlite3_step(stmt.get())) == SQLITE_ROW) {
+    v1::AuditRecord record;
+    if (!record.ParseFromArray(sqlite3_column_blob(stmt.get(), 1),
+                               sqlite3_column_bytes(stmt.get(), 1))) {
+      return absl::DataLossError(absl::StrCat("job store ", path_, ": audit record ",
+                                              sqlite3_column_int64(stmt.get(), 0),
+                                              " does not parse"));
+    }
+    record.set_sequence(static_cast<uint64_t>(sqlite3_column_int64(stmt.get(), 0)));
+    records.push_back(std::move(record));
+  }
+  if (rc != SQLITE_DONE) return Error("read the audit log");
+  return records;
 }
 
 absl::StatusOr<std::string> JobStore::AttemptKey() {

@@ -1,6 +1,6 @@
-// The durable job store (ARCHITECTURE.md section 7): every job and its event history in one SQLite
-// file in WAL mode with synchronous=FULL, so a state change the controller acknowledged survives
-// kill -9 and a power cut, and a restarted controller reloads every job.
+// The durable job store (ARCHITECTURE.md section 7): every job, its event history and the audit
+// log in one SQLite file in WAL mode with synchronous=FULL, so a state change the controller
+// acknowledged survives kill -9 and a power cut, and a restarted controller reloads every job.
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STORE_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STORE_H_
 
@@ -48,6 +48,12 @@ class JobStore {
   // The key the controller derives attempt secrets from (DeriveSecret): 32 random bytes made the
   // first time and kept, so a restarted controller hands a running attempt the same secret.
   absl::StatusOr<std::string> AttemptKey();
+
+  // Appends one record to the audit log (its sequence is assigned here and returned); on disk
+  // when this returns OK.
+  absl::StatusOr<uint64_t> AppendAudit(const v1::AuditRecord& record);
+  // At most `limit` records with sequence > after_sequence, oldest first.
+  absl::StatusOr<std::vector<v1::AuditRecord>> Audit(uint64_t after_sequence, uint32_t limit);
 
   const std::string& path() const { return path_; }
 

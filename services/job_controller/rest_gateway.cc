@@ -175,26 +175,42 @@ absl::StatusOr<v1::ListJobsRequest> ListRequestFromQuery(const httplib::Request&
   return request;
 }
 
-// What the gateway answers to one request: authorization, routing, the JSON body, the JobApi
-// call and its JSON reply or error. Two pointers; made per request.
+// What the gateway answers to one request: who calls, routing, the JSON body, the JobApi call and
+// its JSON reply or error. Made per request.
+//
+// A call without a valid token learns nothing, not even which routes exist: every answer is 401.
+// One that names a job API call still goes to the API, which refuses it and writes the attempt to
+// the audit log.
 class RestRoutes {
  public:
-  RestRoutes(JobApi* api, const BearerTokens* tokens) : api_(api), tokens_(tokens) {}
+  RestRoutes(JobApi* api, const Identities* identities, const httplib::Request& req)
+      : api_(api),
+        caller_(identities == nullptr
+                    ? Caller::Operator()
+                    : identities->IdentifyAuthorization(req.get_header_value("Authorization"),
+                                                        VerifiedPeerName(req.ssl))) {}
 
-  bool Authorized(const httplib::Request& req) const {
-    if (tokens_ == nullptr || tokens_->empty()) return true;
-    return tokens_->Accepts(req.get_header_value("Authorization"));
+  // An error found before the API is called.
+  void Fail(httplib::Response& res, const absl::Status& status) const {
+    if (!caller_.authenticated) return Unauthenticated(res);
+    SetStatus(res, status);
   }
 
-  static void MethodNotAllowed(const httplib::Request& req, httplib::Response& res,
-                               absl::string_view allowed) {
+  static void Unauthenticated(httplib::Response& res) {
+    SetError(res, 401, absl::StatusCode::kUnauthenticated, "missing or invalid bearer token");
+  }
+
+  void MethodNotAllowed(const httplib::Request& req, httplib::Response& res,
+                        absl::string_view allowed) const {
+    if (!caller_.authenticated) return Unauthenticated(res);
     res.set_header("Allow", std::string(allowed));
     SetError(res, 405, absl::StatusCode::kUnimplemented,
              absl::StrCat("method ", req.method, " is not allowed on ", req.path,
                           " (allowed: ", allowed, ")"));
   }
 
-  static void NoRoute(const httplib::Request& req, httplib::Response& res) {
+  void NoRoute(const httplib::Request& req, httplib::Response& res) const {
+    if (!caller_.authenticated && absl::StartsWith(req.path, "/v1")) return Unauthenticated(res);
     SetError(res, 404, absl::StatusCode::kNotFound,
              absl::StrCat("no route for ", req.method, " ", req.path));
   }
@@ -204,6 +220,11 @@ class RestRoutes {
   }
 
   void Route(const httplib::Request& req, httplib::Response& res) const {
+    RouteCall(req, res);
+    if (res.status == 401) res.set_header("WWW-Authenticate", "Bearer");
+  }
+
+  void RouteCall(const httplib::Request& req, httplib::Response& res) const {
     absl::string_view path = req.path;
     if (path == "/healthz") {
       if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
@@ -212,11 +233,9 @@ class RestRoutes {
       return;
     }
     if (path != "/v1" && !absl::StartsWith(path, "/v1/")) return NoRoute(req, res);
-    // Before routing, so that without a token nothing is learnt, not even which routes exist.
-    if (!Authorized(req)) {
-      res.set_header("WWW-Authenticate", "Bearer");
-      SetError(res, 401, absl::StatusCode::kUnauthenticated, "missing or invalid bearer token");
-      return;
+    if (path == "/v1/audit") {
+      if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
+      return ListAudit(req, res);
     }
     if (path == "/v1/jobs") {
       if (IsGet(req)) return List(req, res);
@@ -238,7 +257,8 @@ class RestRoutes {
     if (colon != absl::string_view::npos) {
       const absl::string_view id = path.substr(0, colon);
       const absl::string_view verb = path.substr(colon + 1);
-      using Action = absl::StatusOr<v1::Job> (JobApi::*)(const v1::JobActionRequest&);
+      using Action =
+          absl::StatusOr<v1::Job> (JobApi::*)(const Caller&, const v1::JobActionRequest&);
       Action action = nullptr;
       if (verb == "cancel") {
         action = &JobApi::CancelJob;
@@ -257,63 +277,84 @@ class RestRoutes {
     if (!IsGet(req)) return MethodNotAllowed(req, res, "GET");
     v1::GetJobRequest request;
     request.set_id(std::string(path));
-    Reply(res, api_->GetJob(request));
+    Reply(res, api_->GetJob(caller_, request));
   }
 
   void Submit(const httplib::Request& req, httplib::Response& res) const {
     v1::SubmitJobRequest request;
     if (absl::Status s = ParseBody(req.body, request.mutable_spec()); !s.ok()) {
-      return SetStatus(res, s);
+      return Fail(res, s);
     }
-    Reply(res, api_->SubmitJob(request));
+    Reply(res, api_->SubmitJob(caller_, request));
   }
 
   void List(const httplib::Request& req, httplib::Response& res) const {
     absl::StatusOr<v1::ListJobsRequest> request = ListRequestFromQuery(req);
-    if (!request.ok()) return SetStatus(res, request.status());
-    Reply(res, api_->ListJobs(*request));
+    if (!request.ok()) return Fail(res, request.status());
+    Reply(res, api_->ListJobs(caller_, *request));
+  }
+
+  void ListAudit(const httplib::Request& req, httplib::Response& res) const {
+    if (absl::Status s = CheckQueryNames(req, {"after_sequence", "page_size"}); !s.ok()) {
+      return Fail(res, s);
+    }
+    v1::ListAuditRequest request;
+    if (req.has_param("after_sequence")) {
+      absl::StatusOr<uint64_t> after =
+          ParseUnsigned<uint64_t>("after_sequence", req.get_param_value("after_sequence"));
+      if (!after.ok()) return Fail(res, after.status());
+      request.set_after_sequence(*after);
+    }
+    if (req.has_param("page_size")) {
+      absl::StatusOr<uint32_t> size =
+          ParseUnsigned<uint32_t>("page_size", req.get_param_value("page_size"));
+      if (!size.ok()) return Fail(res, size.status());
+      request.set_page_size(*size);
+    }
+    Reply(res, api_->ListAudit(caller_, request));
   }
 
   void Events(std::string id, const httplib::Request& req, httplib::Response& res) const {
     if (absl::Status s = CheckQueryNames(req, {"after_sequence"}); !s.ok()) {
-      return SetStatus(res, s);
+      return Fail(res, s);
     }
     v1::ListJobEventsRequest request;
     request.set_id(std::move(id));
     if (req.has_param("after_sequence")) {
       absl::StatusOr<uint64_t> after =
           ParseUnsigned<uint64_t>("after_sequence", req.get_param_value("after_sequence"));
-      if (!after.ok()) return SetStatus(res, after.status());
+      if (!after.ok()) return Fail(res, after.status());
       request.set_after_sequence(*after);
     }
-    Reply(res, api_->ListJobEvents(request));
+    Reply(res, api_->ListJobEvents(caller_, request));
   }
 
-  void Act(std::string id, absl::StatusOr<v1::Job> (JobApi::*action)(const v1::JobActionRequest&),
+  void Act(std::string id,
+           absl::StatusOr<v1::Job> (JobApi::*action)(const Caller&, const v1::JobActionRequest&),
            const httplib::Request& req, httplib::Response& res) const {
     v1::JobActionRequest request;
     // An empty body is the same as {}: `curl -X POST .../jobs/ID:cancel` should just work.
     if (!absl::StripAsciiWhitespace(req.body).empty()) {
-      if (absl::Status s = ParseBody(req.body, &request); !s.ok()) return SetStatus(res, s);
+      if (absl::Status s = ParseBody(req.body, &request); !s.ok()) return Fail(res, s);
     }
     if (!request.id().empty() && request.id() != id) {
-      return SetStatus(
-          res, absl::InvalidArgumentError(absl::StrCat("id: the body names job '", request.id(),
-                                                       "' but the path '", id, "'")));
+      return Fail(res, absl::InvalidArgumentError(absl::StrCat(
+                           "id: the body names job '", request.id(), "' but the path '", id, "'")));
     }
     request.set_id(std::move(id));
-    Reply(res, (api_->*action)(request));
+    Reply(res, (api_->*action)(caller_, request));
   }
 
  private:
   JobApi* const api_;
-  const BearerTokens* const tokens_;
+  const Caller caller_;
 };
 
 class RestGatewayImpl final : public RestGateway {
  public:
-  RestGatewayImpl(JobApi* api, const BearerTokens* tokens, std::unique_ptr<httplib::Server> server)
-      : api_(api), tokens_(tokens), server_(std::move(server)) {}
+  RestGatewayImpl(JobApi* api, const Identities* identities,
+                  std::unique_ptr<httplib::Server> server)
+      : api_(api), identities_(identities), server_(std::move(server)) {}
 
   ~RestGatewayImpl() override {
     if (thread_.joinable()) {
@@ -326,7 +367,7 @@ class RestGatewayImpl final : public RestGateway {
   int port() const override { return port_; }
 
   absl::Status Listen(const RestOptions& options) {
-    ConfigureRestServer(*server_, api_, tokens_, options.max_body_bytes);
+    ConfigureRestServer(*server_, api_, identities_, options.max_body_bytes);
     server_->set_socket_options(ExclusiveListenSocketOptions);
     if (options.port == 0) {
       port_ = server_->bind_to_any_port(options.host);
@@ -358,7 +399,7 @@ class RestGatewayImpl final : public RestGateway {
 
  private:
   JobApi* const api_;
-  const BearerTokens* const tokens_;
+  const Identities* const identities_;
   std::unique_ptr<httplib::Server> server_;
   int port_ = -1;
   std::atomic<bool> loop_ended_{false};
@@ -408,18 +449,18 @@ int HttpStatusFor(absl::StatusCode code) {
   }
 }
 
-void ConfigureRestServer(httplib::Server& server, JobApi* api, const BearerTokens* tokens,
+void ConfigureRestServer(httplib::Server& server, JobApi* api, const Identities* identities,
                          size_t max_body_bytes) {
   server.set_payload_max_length(max_body_bytes);
   // One catch-all handler per method: the routes are matched in Route so that a known path
   // with the wrong method can answer 405 instead of httplib's 404.
-  const auto handler = [api, tokens](const httplib::Request& req, httplib::Response& res) {
+  const auto handler = [api, identities](const httplib::Request& req, httplib::Response& res) {
     // Every answer is one JSON document, sent whole: a Range header is ignored (RFC 9110 14.2
     // lets a server do so). httplib (0.11) would otherwise cut the body to the range yet keep our
     // 200, and a client would get a truncated JSON body as if it were complete. The request is
     // httplib's own non-const object, handed to handlers as const.
     const_cast<httplib::Request&>(req).ranges.clear();
-    RestRoutes(api, tokens).Route(req, res);
+    RestRoutes(api, identities, req).Route(req, res);
   };
   server.Get(".*", handler);
   server.Post(".*", handler);
@@ -467,7 +508,7 @@ void ConfigureRestServer(httplib::Server& server, JobApi* api, const BearerToken
 }
 
 absl::StatusOr<std::unique_ptr<RestGateway>> RestGateway::Start(JobApi* api,
-                                                                const BearerTokens* tokens,
+                                                                const Identities* identities,
                                                                 const RestOptions& options) {
   std::unique_ptr<httplib::Server> server;
   const TlsConfig& tls = options.tls;
@@ -489,7 +530,7 @@ absl::StatusOr<std::unique_ptr<RestGateway>> RestGateway::Start(JobApi* api,
   } else {
     server = std::make_unique<httplib::Server>();
   }
-  auto gateway = std::make_unique<RestGatewayImpl>(api, tokens, std::move(server));
+  auto gateway = std::make_unique<RestGatewayImpl>(api, identities, std::move(server));
   OFFLOAD_RETURN_IF_ERROR(gateway->Listen(options));
   return std::unique_ptr<RestGateway>(std::move(gateway));
 }

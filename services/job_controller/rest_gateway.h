@@ -6,6 +6,7 @@
 //   GET  /v1/jobs/{id}            -> Job
 //   GET  /v1/jobs/{id}/events     -> ListJobEventsResponse
 //   POST /v1/jobs/{id}:cancel|:pause|:resume|:checkpoint  body: {} or {"reason": "..."} -> Job
+//   GET  /v1/audit[?after_sequence=N&page_size=M]          -> ListAuditResponse (admins)
 //   GET  /healthz                 (no token needed: probes)
 #ifndef OFFLOAD_SERVICES_JOB_CONTROLLER_REST_GATEWAY_H_
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_REST_GATEWAY_H_
@@ -18,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "base/security/security.h"
 #include "services/job_controller/job_api.h"
+#include "services/job_controller/tenancy/identities.h"
 
 namespace httplib {
 class Server;
@@ -34,9 +36,11 @@ struct RestOptions {
 
 class RestGateway {
  public:
-  // Serves `api` on threads of its own until the gateway is destroyed. `tokens` (empty: no auth)
-  // and `api` must outlive it. Fails if the address cannot be bound or the TLS files are bad.
-  static absl::StatusOr<std::unique_ptr<RestGateway>> Start(JobApi* api, const BearerTokens* tokens,
+  // Serves `api` on threads of its own until the gateway is destroyed. `identities` (nullptr: no
+  // auth, every caller is the operator) and `api` must outlive it. Fails if the address cannot be
+  // bound or the TLS files are bad.
+  static absl::StatusOr<std::unique_ptr<RestGateway>> Start(JobApi* api,
+                                                            const Identities* identities,
                                                             const RestOptions& options);
   virtual ~RestGateway() = default;
   virtual int port() const = 0;
@@ -45,8 +49,8 @@ class RestGateway {
 // Installs the gateway on `server`: its routes, the body size limit and the JSON error bodies of
 // what httplib answers itself. Start does this before it listens; the fuzzer
 // (rest_gateway_fuzz.cc) does it to feed requests to the server without a socket. `api` and
-// `tokens` (nullptr or empty: no auth) must outlive the server.
-void ConfigureRestServer(httplib::Server& server, JobApi* api, const BearerTokens* tokens,
+// `identities` (nullptr: no auth) must outlive the server.
+void ConfigureRestServer(httplib::Server& server, JobApi* api, const Identities* identities,
                          size_t max_body_bytes);
 
 // The HTTP status a gRPC/absl code maps to (the mapping of google.rpc.Code).

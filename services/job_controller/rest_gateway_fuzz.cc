@@ -5,15 +5,17 @@
 // The input is what a client writes on the connection: one or more pipelined HTTP/1.1 requests.
 // It goes through httplib's own request parser (Server::process_request, reached by subclassing,
 // with an in-memory stream instead of a socket) into the server as ConfigureRestServer sets it up
-// for RestGateway::Start, with a bearer token required and a fake JobApi that echoes what it is
-// given into its replies and errors. Every response must carry a JSON body that parses, and every
-// error body must be the {"code", "status", "message"} object the REST mapping promises.
+// for RestGateway::Start, with bearer tokens required (the operator's and three tenants') and a
+// fake JobApi that echoes what it is given into its replies and errors. Every response must carry a
+// JSON body that parses, and every error body must be the {"code", "status", "message"} object the
+// REST mapping promises.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -23,30 +25,61 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
+#include "services/common/job_spec.h"
 #include "services/job_controller/rest_gateway.h"
+#include "services/job_controller/tenancy/identities.h"
 
 namespace offload {
 namespace {
 
 constexpr char kToken[] = "fuzz-token";
+// Tenant tokens: "a" owns job-1, "b" owns nothing, "ops" is an admin.
+constexpr char kTokenA[] = "tenant-a-token-0123456789";
+constexpr char kTokenB[] = "tenant-b-token-0123456789";
+constexpr char kTokenOps[] = "tenant-ops-token-0123456789";
 constexpr size_t kMaxBody = 4096;
 
-// Answers like the controller does: the known job "job-1", NOT_FOUND or FAILED_PRECONDITION naming
-// the others, and the client's own strings (ids, reasons, page tokens, the spec) echoed back, so
-// that whatever bytes a client sends are also printed into JSON.
+// Answers like the controller does: the known job "job-1" of tenant "a", NOT_FOUND or
+// FAILED_PRECONDITION naming the others (and job-1 to other tenants), the spec's checks
+// (ValidateJobSpec: tenant, priority, ...), and the client's own strings (ids, reasons, page
+// tokens, the spec) echoed back, so that whatever bytes a client sends are also printed into JSON.
 class FakeJobApi : public JobApi {
  public:
-  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request) override {
+  absl::StatusOr<v1::ListAuditResponse> ListAudit(const Caller& caller,
+                                                  const v1::ListAuditRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    if (!caller.admin) return absl::PermissionDeniedError("not an admin");
+    v1::ListAuditResponse response;
+    v1::AuditRecord* record = response.add_records();
+    record->set_sequence(request.after_sequence() + 1);
+    record->set_tenant(caller.tenant);
+    record->set_action("audit");
+    return response;
+  }
+
+  absl::StatusOr<v1::Job> SubmitJob(const Caller& caller,
+                                    const v1::SubmitJobRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     if (request.spec().name().empty()) return absl::InvalidArgumentError("name: is empty");
+    if (absl::Status s = ValidateJobSpec(request.spec()); !s.ok()) return s;
+    if (!request.spec().tenant().empty() && request.spec().tenant() != caller.tenant &&
+        !caller.admin) {
+      return absl::PermissionDeniedError(absl::StrCat("tenant: not ", request.spec().tenant()));
+    }
     v1::Job job = Known();
     *job.mutable_spec() = request.spec();
     return job;
   }
-  absl::StatusOr<v1::Job> GetJob(const v1::GetJobRequest& request) override {
-    if (request.id() != "job-1") return absl::NotFoundError(absl::StrCat("no job ", request.id()));
+  absl::StatusOr<v1::Job> GetJob(const Caller& caller, const v1::GetJobRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    if (!Sees(caller, request.id())) {
+      return absl::NotFoundError(absl::StrCat("no job ", request.id()));
+    }
     return Known();
   }
-  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request) override {
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const Caller& caller,
+                                                const v1::ListJobsRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     if (request.page_size() > 1000) return absl::InvalidArgumentError("page_size: too large");
     v1::ListJobsResponse response;
     for (int state : request.states()) {
@@ -57,21 +90,32 @@ class FakeJobApi : public JobApi {
     response.set_next_page_token(request.page_token());
     return response;
   }
-  absl::StatusOr<v1::Job> CancelJob(const v1::JobActionRequest& request) override {
-    return Act(request);
+  absl::StatusOr<v1::Job> CancelJob(const Caller& caller,
+                                    const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    return Act(caller, request);
   }
-  absl::StatusOr<v1::Job> PauseJob(const v1::JobActionRequest& request) override {
-    return Act(request);
+  absl::StatusOr<v1::Job> PauseJob(const Caller& caller,
+                                   const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    return Act(caller, request);
   }
-  absl::StatusOr<v1::Job> ResumeJob(const v1::JobActionRequest& request) override {
-    return Act(request);
+  absl::StatusOr<v1::Job> ResumeJob(const Caller& caller,
+                                    const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    return Act(caller, request);
   }
-  absl::StatusOr<v1::Job> CheckpointJob(const v1::JobActionRequest& request) override {
-    return Act(request);
+  absl::StatusOr<v1::Job> CheckpointJob(const Caller& caller,
+                                        const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    return Act(caller, request);
   }
   absl::StatusOr<v1::ListJobEventsResponse> ListJobEvents(
-      const v1::ListJobEventsRequest& request) override {
-    if (request.id() != "job-1") return absl::NotFoundError(absl::StrCat("no job ", request.id()));
+      const Caller& caller, const v1::ListJobEventsRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    if (!Sees(caller, request.id())) {
+      return absl::NotFoundError(absl::StrCat("no job ", request.id()));
+    }
     v1::ListJobEventsResponse response;
     v1::JobEvent* event = response.add_events();
     event->set_sequence(request.after_sequence() + 1);
@@ -81,14 +125,21 @@ class FakeJobApi : public JobApi {
   }
 
  private:
+  static absl::Status Unauthenticated() {
+    return absl::UnauthenticatedError("missing or invalid bearer token");
+  }
+  static bool Sees(const Caller& caller, const std::string& id) {
+    return id == "job-1" && (caller.admin || caller.tenant == "a");
+  }
   static v1::Job Known() {
     v1::Job job;
     job.set_id("job-1");
+    job.set_tenant("a");
     job.set_state(v1::JobState::JOB_STATE_RUNNING);
     return job;
   }
-  static absl::StatusOr<v1::Job> Act(const v1::JobActionRequest& request) {
-    if (request.id() != "job-1") {
+  static absl::StatusOr<v1::Job> Act(const Caller& caller, const v1::JobActionRequest& request) {
+    if (!Sees(caller, request.id())) {
       return absl::FailedPreconditionError(
           absl::StrCat("job ", request.id(), " cannot do that: ", request.reason()));
     }
@@ -186,10 +237,19 @@ void CheckResponse(std::string response) {
 InMemoryServer& Server() {
   static InMemoryServer* server = [] {
     static FakeJobApi api;
-    static BearerTokens tokens;
+    BearerTokens tokens;
     tokens.Add(kToken);
+    TenantTable table;
+    for (const auto& [name, token, admin] :
+         {std::tuple{"a", kTokenA, false}, {"b", kTokenB, false}, {"ops", kTokenOps, true}}) {
+      v1::TenantConfig& tenant = table.tenants.emplace_back();
+      tenant.set_name(name);
+      tenant.set_admin(admin);
+      tenant.add_tokens(token);
+    }
+    static Identities* identities = Identities::WithTable(tokens, std::move(table)).release();
     auto* s = new InMemoryServer;
-    ConfigureRestServer(*s, &api, &tokens, kMaxBody);
+    ConfigureRestServer(*s, &api, identities, kMaxBody);
     return s;
   }();
   return *server;

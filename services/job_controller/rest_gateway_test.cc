@@ -22,7 +22,9 @@ constexpr char kToken[] = "s3cret-token";
 // gateway made of the HTTP request.
 class FakeJobApi : public JobApi {
  public:
-  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request) override {
+  absl::StatusOr<v1::Job> SubmitJob(const Caller& caller,
+                                    const v1::SubmitJobRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     std::lock_guard<std::mutex> lock(mu_);
     if (request.spec().name() == "reject") return absl::InvalidArgumentError("name: rejected");
     v1::Job job;
@@ -33,11 +35,14 @@ class FakeJobApi : public JobApi {
     jobs_[job.id()] = job;
     return job;
   }
-  absl::StatusOr<v1::Job> GetJob(const v1::GetJobRequest& request) override {
+  absl::StatusOr<v1::Job> GetJob(const Caller& caller, const v1::GetJobRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     std::lock_guard<std::mutex> lock(mu_);
     return Find(request.id());
   }
-  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request) override {
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const Caller& caller,
+                                                const v1::ListJobsRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     std::lock_guard<std::mutex> lock(mu_);
     last_list = request;
     v1::ListJobsResponse response;
@@ -45,20 +50,36 @@ class FakeJobApi : public JobApi {
     response.set_next_page_token("next");
     return response;
   }
-  absl::StatusOr<v1::Job> CancelJob(const v1::JobActionRequest& request) override {
+  absl::StatusOr<v1::Job> CancelJob(const Caller& caller,
+                                    const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     return Act("cancel", request, v1::JOB_STATE_CANCELLED);
   }
-  absl::StatusOr<v1::Job> PauseJob(const v1::JobActionRequest& request) override {
+  absl::StatusOr<v1::Job> PauseJob(const Caller& caller,
+                                   const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     return Act("pause", request, v1::JOB_STATE_PAUSED);
   }
-  absl::StatusOr<v1::Job> ResumeJob(const v1::JobActionRequest& request) override {
+  absl::StatusOr<v1::Job> ResumeJob(const Caller& caller,
+                                    const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     return Act("resume", request, v1::JOB_STATE_RUNNING);
   }
-  absl::StatusOr<v1::Job> CheckpointJob(const v1::JobActionRequest& request) override {
+  absl::StatusOr<v1::Job> CheckpointJob(const Caller& caller,
+                                        const v1::JobActionRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     return Act("checkpoint", request, v1::JOB_STATE_CHECKPOINTING);
   }
+  absl::StatusOr<v1::ListAuditResponse> ListAudit(const Caller& caller,
+                                                  const v1::ListAuditRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
+    std::lock_guard<std::mutex> lock(mu_);
+    last_audit = request;
+    return v1::ListAuditResponse();
+  }
   absl::StatusOr<v1::ListJobEventsResponse> ListJobEvents(
-      const v1::ListJobEventsRequest& request) override {
+      const Caller& caller, const v1::ListJobEventsRequest& request) override {
+    if (!caller.authenticated) return Unauthenticated();
     std::lock_guard<std::mutex> lock(mu_);
     last_events = request;
     OFFLOAD_ASSIGN_OR_RETURN(v1::Job job, Find(request.id()));
@@ -75,8 +96,12 @@ class FakeJobApi : public JobApi {
   v1::JobActionRequest last_action_request;
   v1::ListJobsRequest last_list;
   v1::ListJobEventsRequest last_events;
+  v1::ListAuditRequest last_audit;
 
  private:
+  static absl::Status Unauthenticated() {
+    return absl::UnauthenticatedError("missing or invalid bearer token");
+  }
   absl::StatusOr<v1::Job> Find(const std::string& id) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
@@ -132,11 +157,13 @@ ErrorBody ParseError(const std::string& json) {
 class RestGatewayTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    tokens_.Add(kToken);
+    BearerTokens tokens;
+    tokens.Add(kToken);
+    identities_ = Identities::WithTable(std::move(tokens), TenantTable());
     RestOptions options;
     options.host = "127.0.0.1";
     options.max_body_bytes = 4096;
-    auto gateway = RestGateway::Start(&api_, &tokens_, options);
+    auto gateway = RestGateway::Start(&api_, identities_.get(), options);
     ASSERT_TRUE(gateway.ok()) << gateway.status();
     gateway_ = *std::move(gateway);
     ASSERT_GT(gateway_->port(), 0);
@@ -159,7 +186,7 @@ class RestGatewayTest : public ::testing::Test {
   }
 
   FakeJobApi api_;
-  BearerTokens tokens_;
+  std::unique_ptr<Identities> identities_;
   std::unique_ptr<RestGateway> gateway_;
 };
 
@@ -432,13 +459,12 @@ TEST_F(RestGatewayTest, UnknownRouteAndWrongMethod) {
 
 TEST(RestGatewayStartTest, BusyPortFailsCleanly) {
   FakeJobApi api;
-  BearerTokens none;
   RestOptions options;
   options.host = "127.0.0.1";
-  auto first = RestGateway::Start(&api, &none, options);
+  auto first = RestGateway::Start(&api, nullptr, options);
   ASSERT_TRUE(first.ok()) << first.status();
   options.port = (*first)->port();
-  auto second = RestGateway::Start(&api, &none, options);
+  auto second = RestGateway::Start(&api, nullptr, options);
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(second.status().message().find(std::to_string(options.port)), std::string::npos);
@@ -446,10 +472,9 @@ TEST(RestGatewayStartTest, BusyPortFailsCleanly) {
 
 TEST(RestGatewayStartTest, NoTokensMeansNoAuth) {
   FakeJobApi api;
-  BearerTokens none;
   RestOptions options;
   options.host = "127.0.0.1";
-  auto gateway = RestGateway::Start(&api, &none, options);
+  auto gateway = RestGateway::Start(&api, nullptr, options);
   ASSERT_TRUE(gateway.ok()) << gateway.status();
   httplib::Client client("127.0.0.1", (*gateway)->port());
   auto res = client.Get("/v1/jobs");
@@ -459,16 +484,15 @@ TEST(RestGatewayStartTest, NoTokensMeansNoAuth) {
 
 TEST(RestGatewayStartTest, MissingTlsFilesFail) {
   FakeJobApi api;
-  BearerTokens none;
   RestOptions options;
   options.host = "127.0.0.1";
   options.tls.cert_file = "/nonexistent/cert.pem";
   options.tls.key_file = "/nonexistent/key.pem";
-  auto gateway = RestGateway::Start(&api, &none, options);
+  auto gateway = RestGateway::Start(&api, nullptr, options);
   ASSERT_FALSE(gateway.ok());
   EXPECT_NE(gateway.status().message().find("/nonexistent/cert.pem"), std::string::npos);
   options.tls.key_file.clear();
-  EXPECT_EQ(RestGateway::Start(&api, &none, options).status().code(),
+  EXPECT_EQ(RestGateway::Start(&api, nullptr, options).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -145,6 +145,16 @@ std::string JobDetails(const v1::Job& job, absl::Time now, absl::TimeZone zone) 
   rows.push_back({"ID:", job.id()});
   rows.push_back({"Name:", job.spec().name().empty() ? "-" : job.spec().name()});
   rows.push_back({"State:", StateName(job.state())});
+  rows.push_back({"Tenant:", job.tenant().empty() ? "default" : job.tenant()});
+  std::string priority = absl::StrCat(job.spec().priority());
+  if (job.spec().has_preemptible() && !job.spec().preemptible()) {
+    absl::StrAppend(&priority, ", not preemptible");
+  } else if (job.spec().checkpoint().dir().empty()) {
+    absl::StrAppend(&priority, ", not preemptible (no checkpoint.dir)");
+  }
+  if (job.preemptions() > 0) absl::StrAppend(&priority, ", preempted ", job.preemptions(), "x");
+  if (!job.preempted_for().empty()) absl::StrAppend(&priority, " (for ", job.preempted_for(), ")");
+  rows.push_back({"Priority:", priority});
   if (job.spec().has_torch()) {
     const v1::TorchSpec& torch = job.spec().torch();
     rows.push_back({"Command:", absl::StrJoin(torch.command(), " ")});
@@ -221,6 +231,18 @@ std::string WatchLine(const v1::Job& job) {
   }
   if (const std::string eta = FormatEta(job); eta != "-") parts.push_back("ETA " + eta);
   return absl::StrJoin(parts, "  ");
+}
+
+std::string AuditLine(const v1::AuditRecord& record, absl::TimeZone zone) {
+  const std::string who = record.tenant().empty() ? "(no token)"
+                          : record.admin()        ? absl::StrCat(record.tenant(), " (admin)")
+                                                  : record.tenant();
+  std::string line =
+      absl::StrFormat("%-6d  %-19s  %-20s  %-10s  %-12s  %s", record.sequence(),
+                      FormatTimestamp(record.time(), zone), who, record.action(),
+                      record.job_id().empty() ? "-" : record.job_id(), record.code());
+  if (!record.message().empty()) absl::StrAppend(&line, ": ", record.message());
+  return line;
 }
 
 std::string EventLine(const v1::JobEvent& event, absl::TimeZone zone) {

@@ -53,6 +53,9 @@ std::string WatchLine(const v1::Job& job);
 // One `offloadctl logs` line: time, state, attempt, message.
 std::string EventLine(const v1::JobEvent& event, absl::TimeZone zone);
 
+// One `offloadctl audit` line: sequence, time, who (tenant, "(admin)"), action, job, outcome.
+std::string AuditLine(const v1::AuditRecord& record, absl::TimeZone zone);
+
 // Protobuf JSON with the .proto field names; indented for people, or on one line (for output
 // with one object per line). Always valid input to JsonStringToMessage.
 std::string ToJson(const google::protobuf::Message& message, bool one_line);

@@ -184,6 +184,41 @@ TEST(JobDetailsTest, ShowsReasonAttemptProgressAndCheckpoint) {
   }
 }
 
+TEST(JobDetailsTest, ShowsTenantPriorityAndPreemptions) {
+  v1::Job job = RunningJob();
+  job.set_tenant("vision");
+  job.mutable_spec()->mutable_checkpoint()->set_dir("/ckpt");
+  job.mutable_spec()->set_priority(7);
+  job.set_preemptions(2);
+  std::string details = JobDetails(job, kNow, absl::UTCTimeZone());
+  EXPECT_NE(details.find("Tenant:"), std::string::npos) << details;
+  EXPECT_NE(details.find("vision"), std::string::npos) << details;
+  EXPECT_NE(details.find("7, preempted 2x"), std::string::npos) << details;
+  job.mutable_spec()->set_preemptible(false);
+  details = JobDetails(job, kNow, absl::UTCTimeZone());
+  EXPECT_NE(details.find("7, not preemptible"), std::string::npos) << details;
+  // Jobs stored before tenants belong to the operator's.
+  EXPECT_NE(JobDetails(v1::Job(), kNow, absl::UTCTimeZone()).find("default"), std::string::npos);
+}
+
+TEST(AuditLineTest, SaysWhoDidWhatAndTheOutcome) {
+  v1::AuditRecord record;
+  record.set_sequence(12);
+  record.mutable_time()->set_seconds(1700000000);
+  record.set_tenant("ops");
+  record.set_admin(true);
+  record.set_action("cancel");
+  record.set_job_id("job-3");
+  record.set_code("NOT_FOUND");
+  record.set_message("job job-3 not found");
+  EXPECT_EQ(AuditLine(record, absl::UTCTimeZone()),
+            "12      2023-11-14 22:13:20  ops (admin)           cancel      job-3         "
+            "NOT_FOUND: job job-3 not found");
+  record.clear_tenant();
+  record.set_admin(false);
+  EXPECT_NE(AuditLine(record, absl::UTCTimeZone()).find("(no token)"), std::string::npos);
+}
+
 TEST(WatchLineTest, ChangesWithProgressAndState) {
   v1::Job job = RunningJob();
   EXPECT_EQ(WatchLine(job), "running  step 120/1000  loss 3.4121  12.3k tok/s  ETA 5m07s");

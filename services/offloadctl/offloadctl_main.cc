@@ -36,6 +36,7 @@ ABSL_FLAG(std::string, state, "",
           "list: only jobs in these states, comma-separated (e.g. running,paused)");
 ABSL_FLAG(std::string, reason, "",
           "pause, resume, checkpoint, cancel: why, recorded in the job's events");
+ABSL_FLAG(uint64_t, after, 0, "audit: only the records after this sequence number");
 ABSL_FLAG(bool, follow, false, "logs: keep printing new events until the job stops");
 
 namespace offload {
@@ -59,6 +60,7 @@ Commands:
   checkpoint ID [--reason=...]
   cancel ID [--reason=...]
   logs ID [--follow]          the job's events: time, state, attempt, message
+  audit [--after=N]           the audit log (admins): who did what to which job, and the outcome
 
 Exit status (other than watch): 0 done, 1 the call or the job file failed, 2 usage error.
 With -o json every command prints protobuf JSON (.proto field names); watch and logs print one
@@ -235,6 +237,33 @@ class Ctl {
     return 0;
   }
 
+  int Audit(uint64_t after) {
+    v1::ListAuditRequest request;
+    request.set_after_sequence(after);
+    request.set_page_size(1000);
+    v1::ListAuditResponse all;
+    // Every page, as List does.
+    while (true) {
+      v1::ListAuditResponse response;
+      if (absl::Status s = Call(&Stub::ListAudit, request, &response); !s.ok()) return Fail(s);
+      if (response.records().empty()) break;
+      request.set_after_sequence(response.records().rbegin()->sequence());
+      for (v1::AuditRecord& record : *response.mutable_records()) {
+        *all.add_records() = std::move(record);
+      }
+    }
+    if (json_) {
+      Print(ToJson(all, false));
+    } else {
+      std::string text;
+      for (const v1::AuditRecord& record : all.records()) {
+        absl::StrAppend(&text, AuditLine(record, absl::LocalTimeZone()), "\n");
+      }
+      Print(text);
+    }
+    return 0;
+  }
+
   int Get(const std::string& id) {
     v1::Job job;
     if (absl::Status s = GetJob(id, &job); !s.ok()) return Fail(s);
@@ -369,6 +398,7 @@ const std::map<std::string, CommandInfo>& Commands() {
       {"checkpoint", {1, {"reason"}}},
       {"cancel", {1, {"reason"}}},
       {"logs", {1, {"follow", "interval"}}},
+      {"audit", {0, {"after"}}},
   };
   return *commands;
 }
@@ -427,6 +457,7 @@ int Run(int argc, char** argv) {
   if (command == "list") return ctl.List(*states);
   if (command == "get") return ctl.Get(args[0]);
   if (command == "watch") return ctl.Watch(args[0], interval);
+  if (command == "audit") return ctl.Audit(absl::GetFlag(FLAGS_after));
   if (command == "logs") return ctl.Logs(args[0], absl::GetFlag(FLAGS_follow), interval);
   return ctl.Act(command, args[0], absl::GetFlag(FLAGS_reason));
 }

@@ -6,8 +6,10 @@
       pod template as Kubernetes would: its command and args with $(VAR) expanded from its env,
       its env (fieldRef values given by --env), its security context (user, read-only root,
       capabilities, no privilege escalation), emptyDirs as tmpfs and the other volumes
-      (secret, configMap, persistentVolumeClaim) bound from --volume. Ends with the entrypoint,
-      the image placeholder IMAGE and the arguments.
+      (secret, configMap, persistentVolumeClaim) bound from --volume; an optional Secret or
+      ConfigMap without a --volume is an empty read-only tmpfs (what the kubelet mounts while
+      the object does not exist). Ends with the entrypoint, the image placeholder IMAGE and the
+      arguments.
 
   pods.py kube RENDERED.yaml IMAGE OPTIMIZERS JOB_YAML OUT.yaml EMPTY_DIR_ROOT
       Writes RENDERED adapted to `podman kube play` (podman 4.3) and prints each adaptation:
@@ -88,6 +90,8 @@ def run_args(rendered, name, given, volumes):
         elif m["name"] in volumes:
             ro = ",ro" if m.get("readOnly") else ""
             args.append(f"--volume={volumes[m['name']]}:{path}:Z{ro}")
+        elif vol.get("secret", vol.get("configMap", {})).get("optional") is True:
+            args.append(f"--tmpfs={path}:ro,size=1m,mode=0755")
         else:
             sys.exit(f"pods.py: volume {m['name']} ({sorted(vol)}) of {name}: pass --volume {m['name']}=HOST_PATH")
     args.append(f"--entrypoint={c['command'][0]}")
@@ -128,7 +132,7 @@ def kube(rendered, image, optimizers, job_yaml, out, empty_dirs):
     for d in docs:
         kind, name = d["kind"], d["metadata"]["name"]
         if kind in ("Namespace", "ServiceAccount", "PodMonitor", "PrometheusRule",
-                    "PodDisruptionBudget"):
+                    "PodDisruptionBudget", "NetworkPolicy"):
             note(f"{kind} dropped (no such object in podman)")
             continue
         if kind == "Service":
@@ -210,6 +214,15 @@ def kube(rendered, image, optimizers, job_yaml, out, empty_dirs):
                 v["hostPath"] = {"path": path, "type": "Directory"}
                 note("emptyDirs -> host directories of mode 1777 (podman 4.3 makes them root's, "
                      "0755, where Kubernetes makes them 0777)")
+            if v.get("secret", {}).get("optional") is True:
+                # The test makes only offload-token; the kubelet mounts an empty directory for
+                # an optional Secret that does not exist (offload-tenants).
+                path = os.path.join(empty_dirs, p["metadata"]["name"], v["name"])
+                os.makedirs(path, exist_ok=True)
+                v.pop("secret")
+                v["hostPath"] = {"path": path, "type": "Directory"}
+                note("optional Secrets -> empty host directories (the test makes only "
+                     "offload-token; the kubelet mounts an empty directory for a missing one)")
             if "secret" in v and "optional" not in v["secret"]:
                 v["secret"]["optional"] = False
                 note("secret volumes say optional: false (podman 4.3 crashes on a secret volume "

@@ -24,6 +24,16 @@ objects, for validate.py) and checks what the API schemas cannot express:
   program is installed and its script shipped by the Dockerfile's torch stage (or the script
   lies on a volume every trainer mounts), and its trainers (only) run the torch image;
 - the namespace's Pod Security level admits the pods (IPC_LOCK needs `privileged`);
+- the NetworkPolicies, evaluated as Kubernetes does: a default deny of ingress; each selects
+  pods and names only ports they have; every flow the binaries open is admitted (pool workers
+  to the controller's gRPC port through its Service, job clients' namespaces to gRPC and REST,
+  ranks to their shards and shards to the ranks on every TCP port (gRPC, UCX), ranks to each
+  other on every TCP port (Gloo, NCCL, torch.distributed), Prometheus to every port a
+  PodMonitor scrapes); and Prometheus, job clients, other namespaces and foreign pods of this
+  namespace reach no other port (every container port and an ephemeral one are tried);
+- the controller's --tenants_file lies in the optional Secret offload-tenants, and
+  k8s/base/tenants-example.yaml is that Secret, with tenants the controller would parse and
+  only placeholder tokens;
 - the app.kubernetes.io labels and the namespace.
 
 It prints one line per problem, "CASE<TAB>Kind/name: message", and exits 0 (2 if it crashes).
@@ -703,6 +713,282 @@ def check_torch_job(case, ctx, cm, torch):
                 case.error(obj, f"{c.get('name')} runs the torch image, which only trainers need")
 
 
+# ---------------------------------------------------------------------------------------------
+# NetworkPolicies (k8s/base/network-policies.yaml), evaluated as Kubernetes does for the flows the
+# binaries need and for peers that must get nothing. Ports of the data plane are ephemeral, so a
+# flow that needs them asks for every TCP port (port None).
+
+EPHEMERAL_PORT = 40000  # stands for any port Gloo, NCCL, torch.distributed or UCX may bind
+# Peers outside the pods of the manifests: (namespace labels, pod labels, in this namespace).
+PROMETHEUS = ({"kubernetes.io/metadata.name": "monitoring"},
+              {"app.kubernetes.io/name": "prometheus",
+               "app.kubernetes.io/managed-by": "prometheus-operator"}, False)
+JOB_CLIENT = ({"kubernetes.io/metadata.name": "ci", "offload.dev/job-clients": "true"},
+              {"app": "ci-runner"}, False)
+OTHER_NAMESPACE = ({"kubernetes.io/metadata.name": "elsewhere"}, {"app": "anything"}, False)
+FOREIGN_POD = (None, {"app": "debug"}, True)  # a pod in this namespace that is none of ours
+OUTSIDERS = {"Prometheus": PROMETHEUS, "a job client's namespace": JOB_CLIENT,
+             "a pod of another namespace": OTHER_NAMESPACE,
+             "a pod of this namespace that is not Offload's": FOREIGN_POD}
+METRICS_PORT_NAME = re.compile(r"(metrics|rank-metrics(-\d+)?)")
+
+
+def selects(selector, labels):
+    """A LabelSelector as Kubernetes reads it: an empty one selects everything."""
+    selector = d(selector)
+    if not selector.get("matchLabels") and not selector.get("matchExpressions"):
+        return True
+    return matches(selector, labels)
+
+
+def namespace_labels(case):
+    ns = next((o for o in case.objects if o.get("kind") == "Namespace"
+               and d(o.get("metadata")).get("name") == NAMESPACE), {})
+    return dict(d(d(ns.get("metadata")).get("labels")), **{"kubernetes.io/metadata.name": NAMESPACE})
+
+
+def peer_matches(peer, source, own_namespace):
+    ns_labels, pod_labels, here = source
+    peer = d(peer)
+    if "ipBlock" in peer:
+        return False  # pod IPs are not modelled; the manifests use no ipBlock
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], own_namespace if here else ns_labels):
+            return False
+    elif not here:
+        return False
+    return "podSelector" not in peer or selects(peer["podSelector"], pod_labels)
+
+
+def port_matches(entry, port, pod_spec):
+    """Whether a NetworkPolicyPort admits TCP `port` of the pod (None: every TCP port)."""
+    entry = d(entry)
+    if entry.get("protocol", "TCP") != "TCP":
+        return False
+    p = entry.get("port")
+    if p is None:
+        return True
+    if port is None:
+        return False
+    if isinstance(p, int):
+        return p <= port <= entry.get("endPort", p)
+    return any(container_ports(c).get(p) == port for c in containers(pod_spec, init=False))
+
+
+def ingress_policies(ctx, pod_meta):
+    return [p for p in ctx["netpols"]
+            if selects(d(p.get("spec")).get("podSelector"), d(pod_meta.get("labels")))
+            and "Ingress" in lst(d(p.get("spec")).get("policyTypes") or ["Ingress"])]
+
+
+def admits(ctx, pod_meta, pod_spec, source, port, own_namespace):
+    """Whether a pod takes a TCP connection from `source` (a peer tuple, or a pod's labels) on
+    `port` (None: on every TCP port), under the NetworkPolicies of the case."""
+    if isinstance(source, dict):
+        source = (None, source, True)
+    policies = ingress_policies(ctx, pod_meta)
+    if not policies:
+        return True  # not isolated
+    for policy in policies:
+        for rule in lst(d(policy.get("spec")).get("ingress")):
+            rule = d(rule)
+            peers, ports = lst(rule.get("from")), lst(rule.get("ports"))
+            if peers and not any(peer_matches(p, source, own_namespace) for p in peers):
+                continue
+            if not ports or any(port_matches(e, port, pod_spec) for e in ports):
+                return True
+    return False
+
+
+def controller_port(ctx, address, controller_spec):
+    """The controller container's port a --controller=HOST:PORT reaches, through its Service."""
+    host, _, port = (address or "").rpartition(":")
+    if not port.isdigit():
+        return None
+    svc = ctx["services"].get(host.split(".")[0])
+    for p in lst(d(d(svc).get("spec")).get("ports")):
+        p = d(p)
+        if p.get("port") == int(port):
+            target = p.get("targetPort", p.get("port"))
+            if isinstance(target, str):
+                for c in containers(controller_spec, init=False):
+                    if target in container_ports(c):
+                        return container_ports(c)[target]
+                return None
+            return target
+    return int(port)
+
+
+def check_network_policies(case, ctx):
+    if not ctx["netpols"]:
+        case.problems.append("(network): no NetworkPolicy (k8s/base/network-policies.yaml)")
+        return
+    own = namespace_labels(case)
+
+    def denies_all(policy):
+        spec = d(policy.get("spec"))
+        selector = d(spec.get("podSelector"))
+        return not selector.get("matchLabels") and not selector.get("matchExpressions") and \
+            "Ingress" in lst(spec.get("policyTypes")) and not lst(spec.get("ingress"))
+
+    if not any(denies_all(p) for p in ctx["netpols"]):
+        case.problems.append("(network): no default-deny ingress NetworkPolicy "
+                             "(podSelector {}, policyTypes [Ingress], no rules)")
+    for policy in ctx["netpols"]:
+        selector = d(d(policy.get("spec")).get("podSelector"))
+        targets = [(o, pm, ps) for o, pm, ps in ctx["pods"] if selects(selector, pm.get("labels"))]
+        if (selector.get("matchLabels") or selector.get("matchExpressions")) and not targets:
+            case.error(policy, "its podSelector matches no pods")
+        for rule in lst(d(policy.get("spec")).get("ingress")):
+            for entry in lst(d(rule).get("ports")):
+                name = d(entry).get("port")
+                if not isinstance(name, str):
+                    continue
+                for obj, _, ps in targets:
+                    if not any(name in container_ports(c) for c in containers(ps, init=False)):
+                        case.error(policy, f"port {name}: no such container port on {oid(obj)}")
+
+    def runs(ps, b):
+        return [c for c in containers(ps, init=False) if binary(c) == b]
+
+    controllers = [(o, pm, ps) for o, pm, ps in ctx["pods"] if runs(ps, "job_controller")]
+    shards = [(o, pm, ps) for o, pm, ps in ctx["pods"] if runs(ps, "cpu_optimizer_server")]
+    trainers = [(o, pm, ps) for o, pm, ps in ctx["pods"] if runs(ps, "gpu_trainer")]
+    allowed = {}  # id(pod spec) -> {outsider name: ports it may reach}
+
+    # The pool's pods reach the controller's gRPC port; job clients reach gRPC and REST.
+    for dst, dm, ds in controllers:
+        f = flags(runs(ds, "job_controller")[0])
+        api = [p for p in (port_of(f.get("grpc_address")), port_of(f.get("http_address"))) if p]
+        for port in api:
+            if not admits(ctx, dm, ds, JOB_CLIENT, port, own):
+                case.error(dst, f"port {port} (job API) is not open to the job clients' namespaces "
+                                "(offload.dev/job-clients: \"true\")")
+        allowed[id(ds)] = {"a job client's namespace": set(api)}
+        for src, sm, ss in ctx["pods"]:
+            for c in containers(ss, init=False):
+                if binary(c) in ("cpu_optimizer_server", "gpu_trainer") and flags(c).get("controller"):
+                    port = controller_port(ctx, flags(c)["controller"], ds)
+                    if port is not None and not admits(ctx, dm, ds, d(sm.get("labels")), port, own):
+                        case.error(dst, f"port {port} (gRPC) is not open to {oid(src)}, whose "
+                                        f"{binary(c)} calls the controller there")
+    # Ranks reach their shards on the gRPC port and UCX's listeners; ranks reach each other
+    # (Gloo, NCCL, torch.distributed); shards reach the ranks' UCX listeners.
+    for dst, dm, ds in shards:
+        for src, sm, _ in trainers:
+            if not admits(ctx, dm, ds, d(sm.get("labels")), None, own):
+                case.error(dst, f"not every TCP port is open to the trainer pods of {oid(src)} "
+                                "(the shard's gRPC port and its UCX listeners)")
+    for dst, dm, ds in trainers:
+        for src, sm, _ in trainers:
+            if not admits(ctx, dm, ds, d(sm.get("labels")), None, own):
+                case.error(dst, f"not every TCP port is open to the trainer pods of {oid(src)} "
+                                "(Gloo, NCCL and torch.distributed listen on ephemeral ports)")
+        for src, sm, _ in shards:
+            if not admits(ctx, dm, ds, d(sm.get("labels")), None, own):
+                case.error(dst, f"not every TCP port is open to the optimizer pods of {oid(src)} "
+                                "(a shard connects to its ranks' UCX listeners)")
+
+    # Prometheus reaches every port a PodMonitor scrapes.
+    for mon in ctx["monitors"]:
+        spec = d(mon.get("spec"))
+        if mon.get("kind") != "PodMonitor":
+            continue
+        for ep in lst(spec.get("podMetricsEndpoints")):
+            ep = d(ep)
+            regex = container_filter(ep)
+            for obj, pm, ps in ctx["pods"]:
+                if not matches(spec.get("selector"), pm.get("labels")):
+                    continue
+                for c in containers(ps, init=False):
+                    if regex is not None and not re.fullmatch(regex, c.get("name") or ""):
+                        continue
+                    number = container_ports(c).get(ep.get("port"))
+                    if number is not None and not admits(ctx, pm, ps, PROMETHEUS, number, own):
+                        case.error(mon, f"port {ep.get('port')} ({number}) of {oid(obj)} is not "
+                                        "open to Prometheus (NetworkPolicy)")
+
+    # Nothing else reaches anything: every container port, and an ephemeral one, against each
+    # outsider, which may reach only the ports above.
+    for obj, pm, ps in ctx["pods"]:
+        ports = {n for c in containers(ps, init=False) for n in container_ports(c).values()
+                 if isinstance(n, int)}
+        metrics = {n for c in containers(ps, init=False) for name, n in container_ports(c).items()
+                   if METRICS_PORT_NAME.fullmatch(name or "")}
+        may = dict(allowed.get(id(ps), {}), Prometheus=metrics)
+        for who, source in OUTSIDERS.items():
+            for port in sorted(ports | {EPHEMERAL_PORT}):
+                if port not in may.get(who, set()) and admits(ctx, pm, ps, source, port, own):
+                    case.error(obj, f"port {port} is open to {who}")
+
+
+TENANTS_SECRET = "offload-tenants"
+TENANTS_EXAMPLE = "k8s/base/tenants-example.yaml"
+TENANT_KEYS = {"name", "weight", "max_optimizer_servers", "max_ranks", "max_running_jobs",
+               "admin", "tokens"}
+
+
+def check_tenants(case, ctx):
+    """The controller's --tenants_file lies in the optional Secret offload-tenants, and
+    k8s/base/tenants-example.yaml is that Secret with a file the controller would parse and no
+    token anyone could use."""
+    for obj, _, ps in ctx["pods"]:
+        for c in containers(ps, init=False):
+            if binary(c) != "job_controller":
+                continue
+            path = flags(c).get("tenants_file")
+            if not path:
+                case.error(obj, f"container {c.get('name')}: no --tenants_file")
+                continue
+            directory, _, key = path.rpartition("/")
+            m = mounts(c).get(directory)
+            secret = d(d(volumes(ps).get(m.get("name")) if m else None).get("secret"))
+            if secret.get("secretName") != TENANTS_SECRET or secret.get("optional") is not True \
+                    or not (m or {}).get("readOnly"):
+                case.error(obj, f"container {c.get('name')}: --tenants_file is not in the Secret "
+                                f"{TENANTS_SECRET} mounted read-only at {directory} with optional: true")
+            check_tenants_example(case, key)
+
+
+def check_tenants_example(case, key):
+    where = TENANTS_EXAMPLE
+    try:
+        with open(os.path.join(case.repo, TENANTS_EXAMPLE), encoding="utf-8") as f:
+            docs = [o for o in yaml.safe_load_all(f) if o is not None]
+    except (OSError, yaml.YAMLError) as e:
+        case.problems.append(f"{where}: cannot read it: {e}")
+        return
+    if len(docs) != 1 or d(docs[0]).get("kind") != "Secret" or \
+            d(d(docs[0]).get("metadata")).get("name") != TENANTS_SECRET:
+        case.problems.append(f"{where}: is not one Secret named {TENANTS_SECRET}")
+        return
+    text = d(d(docs[0]).get("stringData")).get(key)
+    if not isinstance(text, str):
+        case.problems.append(f"{where}: no stringData key {key} (the file --tenants_file names)")
+        return
+    try:
+        tenants = json.loads(text).get("tenants")
+    except (ValueError, AttributeError) as e:
+        case.problems.append(f"{where}: {key} is not the JSON of a TenantsFile: {e}")
+        return
+    names = set()
+    for i, t in enumerate(lst(tenants)):
+        t = d(t)
+        name = t.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9-]{1,63}", name) or name in names:
+            case.problems.append(f"{where}: tenant {i}: name {name!r} is not a new [a-z0-9-]{{1,63}}")
+        names.add(name)
+        if set(t) - TENANT_KEYS:
+            case.problems.append(f"{where}: tenant {name}: unknown keys {sorted(set(t) - TENANT_KEYS)}")
+        # Placeholders only: a token shorter than 16 characters is refused by the controller, so
+        # the example applied as it is gives no one access.
+        if any(not isinstance(tok, str) or len(tok) >= 16 for tok in lst(t.get("tokens"))):
+            case.problems.append(f"{where}: tenant {name}: a token that is not a placeholder "
+                                 "(shorter than 16 characters)")
+    if not names:
+        case.problems.append(f"{where}: {key} lists no tenant")
+
+
 def metrics_table(repo):
     """{job: (port number, port name)} from the scrape-job table of docs/METRICS.md."""
     jobs = {}
@@ -724,7 +1010,8 @@ def guarded(case, check, *args):
 
 
 def check_case(case, metrics_jobs):
-    ctx = {"pods": [], "services": {}, "pdbs": [], "monitors": [], "rules": [], "configmaps": {}}
+    ctx = {"pods": [], "services": {}, "pdbs": [], "monitors": [], "rules": [], "configmaps": {},
+           "netpols": []}
     for obj in case.objects:
         kind = obj.get("kind")
         if not isinstance(kind, str):
@@ -747,6 +1034,8 @@ def check_case(case, metrics_jobs):
             ctx["rules"].append(obj)
         elif kind == "ConfigMap":
             ctx["configmaps"][name] = obj
+        elif kind == "NetworkPolicy":
+            ctx["netpols"].append(obj)
     guarded(case, check_labels)
     for obj, pod_meta, pod_spec in ctx["pods"]:
         guarded(case, check_security, obj, pod_spec)
@@ -761,6 +1050,8 @@ def check_case(case, metrics_jobs):
     guarded(case, check_monitoring, ctx, metrics_jobs)
     guarded(case, check_rules, ctx)
     guarded(case, check_example_job, ctx)
+    guarded(case, check_network_policies, ctx)
+    guarded(case, check_tenants, ctx)
 
 
 def main():
