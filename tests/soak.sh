@@ -22,31 +22,13 @@ seed=${SOAK_SEED:-$RANDOM}
 RANDOM=$seed
 data=$root/data/tinyshakespeare.txt
 work=$(mktemp -d /tmp/offload-soak-XXXXXX)
-source tests/process_lib.sh
-declare -A proc  # "pool/kind/index" -> the pid running there now
-# Not process_lib's cleanup: over a soak the pids of killed processes are reused by others, so
-# only what runs now is killed, and whatever is left of the soak (every process of it names $work).
-cleanup() {
-  for pid in "${proc[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
-  pkill -9 -f -- "$work" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*" >&2
-  for f in "$work"/logs/*.log; do echo "--- $f" >&2; tail -n 15 "$f" >&2; done
-  exit 1
-}
-say() { echo "soak $(date +%H:%M:%S): $*"; }
+soak_name=soak
+source tests/soak_lib.sh
 mkdir -p "$work/logs"
 echo "soak-token-$RANDOM$RANDOM$RANDOM" >"$work/token"
 token=$(cat "$work/token")
 unset OFFLOAD_TOKEN OFFLOAD_SHARD_TOKEN
 shm_before=$(ls /dev/shm | grep '^offload-' | sort || true)
-
-free_port() {
-  /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
 
 # One pool: a controller on fixed ports (so a restarted one is found where it was), 2 optimizer
 # servers and 2 trainer workers. Pool P's processes are in ${P}_server[k], ${P}_trainer[r],
@@ -121,8 +103,6 @@ sample_rss() {
 }
 
 # Kills one random component of the chaos pool and starts its replacement.
-kills=0
-declare -A killed_kind
 kill_one() {
   local pick=$((RANDOM % 5)) kind index
   case $pick in
@@ -130,12 +110,8 @@ kill_one() {
     2 | 3) kind=trainer index=$((RANDOM % 2)) ;;
     4) kind=controller index=0 ;;
   esac
-  local pid=${proc[chaos/$kind/$index]}
-  kill -9 "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  kills=$((kills + 1))
-  killed_kind[$kind]=$((${killed_kind[$kind]:-0} + 1))
-  say "kill -9 $kind $index (pid $pid) at step $1; kill $kills"
+  kill9 "chaos/$kind/$index" "$kind"
+  say "kill -9 $kind $index (pid $killed_pid) at step $1; kill $kills"
   case $kind in
     server) start_server chaos "$index" ;;
     trainer) start_trainer chaos "$index" ;;
@@ -144,18 +120,6 @@ kill_one() {
       start_controller chaos
       ;;
   esac
-}
-
-# A killed trainer worker's rank dies with it (PR_SET_PDEATHSIG): never more ranks of the chaos
-# pool than its two workers run, once the dead are gone.
-check_no_orphan_ranks() {
-  local ranks
-  for _ in $(seq 50); do
-    ranks=$( (pgrep -f -- "--report_to=${grpc_of[chaos]}" || true) | wc -l)
-    [ "$ranks" -le 2 ] && return 0
-    sleep 0.1
-  done
-  fail "$ranks ranks of the chaos pool are running: orphans of killed workers"
 }
 
 say "seed $seed, $minutes minutes, $steps steps a round, work $work"
@@ -179,7 +143,7 @@ while [ "$SECONDS" -lt "$end_at" ]; do
     if [ -n "$step" ] && [ "$state" = JOB_STATE_RUNNING ] && [ "$step" -ge "$next_kill" ] &&
       [ "$step" -lt "$steps" ]; then
       kill_one "$step"
-      check_no_orphan_ranks
+      check_no_orphan_ranks "${grpc_of[chaos]}"
       next_kill=$((step + 20 + RANDOM % 41))
     fi
     sleep 2
