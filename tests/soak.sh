@@ -28,7 +28,6 @@ mkdir -p "$work/logs"
 echo "soak-token-$RANDOM$RANDOM$RANDOM" >"$work/token"
 token=$(cat "$work/token")
 unset OFFLOAD_TOKEN OFFLOAD_SHARD_TOKEN
-shm_before=$(ls /dev/shm | grep '^offload-' | sort || true)
 
 # One pool: a controller on fixed ports (so a restarted one is found where it was), 2 optimizer
 # servers and 2 trainer workers. Pool P's processes are in ${P}_server[k], ${P}_trainer[r],
@@ -161,15 +160,7 @@ while [ "$SECONDS" -lt "$end_at" ]; do
   rm -rf "$work/ckpt-chaos-$round" "$work/ckpt-calm-$round"
 done
 
-# Everything stops in order; then nothing of the soak may be left.
-for key in "${!proc[@]}"; do kill "${proc[$key]}" 2>/dev/null || true; done
-for key in "${!proc[@]}"; do wait "${proc[$key]}" 2>/dev/null || true; done
-sleep 1
-left=$(pgrep -f -- "$work" || true)
-[ -z "$left" ] || fail "processes left behind: $(ps -o pid,args -p "$(echo $left | tr ' ' ,)")"
-shm_after=$(ls /dev/shm | grep '^offload-' | sort || true)
-leaked=$(comm -13 <(echo "$shm_before") <(echo "$shm_after") | grep . || true)
-[ -z "$leaked" ] || fail "/dev/shm segments left behind: $leaked"
+stop_all_and_check_nothing_left
 
 # Memory: the calm controller's resident size in the last quarter of the soak against the second
 # quarter (after the warm-up): growth with the jobs, steps and reports would show there. The

@@ -5,6 +5,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/process_lib.sh"
 declare -A proc        # where a process runs ("pool/kind/index", "kind/index") -> its pid now
 declare -A killed_kind # kills by kind (server, trainer, controller)
 kills=0
+shm_before=$(ls /dev/shm | grep '^offload-' | sort || true)
 # Not process_lib's cleanup: over a soak the pids of killed processes are reused by others, so
 # only what runs now is killed, and whatever is left of the soak (every process of it names $work).
 cleanup() {
@@ -44,4 +45,18 @@ check_no_orphan_ranks() {
     sleep 0.1
   done
   fail "$ranks ranks reporting to $1 are running: orphans of killed workers"
+}
+
+# Everything stops in order; then nothing of the soak may be left: no process naming $work, no
+# /dev/shm segment that was not there when the soak began.
+stop_all_and_check_nothing_left() {
+  local key left shm_after leaked
+  for key in "${!proc[@]}"; do kill "${proc[$key]}" 2>/dev/null || true; done
+  for key in "${!proc[@]}"; do wait "${proc[$key]}" 2>/dev/null || true; done
+  sleep 1
+  left=$(pgrep -f -- "$work" || true)
+  [ -z "$left" ] || fail "processes left behind: $(ps -o pid,args -p "$(echo $left | tr ' ' ,)")"
+  shm_after=$(ls /dev/shm | grep '^offload-' | sort || true)
+  leaked=$(comm -13 <(echo "$shm_before") <(echo "$shm_after") | grep . || true)
+  [ -z "$leaked" ] || fail "/dev/shm segments left behind: $leaked"
 }

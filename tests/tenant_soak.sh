@@ -43,7 +43,6 @@ soak_name=tenant-soak
 source tests/soak_lib.sh
 mkdir -p "$work/logs" "$work/ckpt"
 unset OFFLOAD_TOKEN OFFLOAD_SHARD_TOKEN
-shm_before=$(ls /dev/shm | grep '^offload-' | sort || true)
 
 # Tokens from /dev/urandom, not $RANDOM: the seeded draws are the loop's alone.
 new_token() { od -An -N16 -tx1 /dev/urandom | tr -d ' \n'; }
@@ -90,24 +89,32 @@ rest_as() { # TENANT PATH [CURL ARGS...]: the call with the tenant's token
   shift 2
   curl -sS -m 20 -H "Authorization: Bearer ${token_of[$tenant]}" "$@" "http://$http$path"
 }
-# jobs_tsv: every job the controller lists to the operator (all pages), a line each: id, tenant,
-# state, preemptions, restarts, request. The controller is up whenever it is called (a restarted
-# one is waited for); 3 tries, for a slow answer on a loaded machine.
-jobs_tsv() {
-  /usr/bin/python3 - "$http" "${token_of[default]}" <<'PY'
-import json, sys, time, urllib.request
-http, token = sys.argv[1:3]
-def listing():
+# Every job as the operator lists it, page after page: what jobs_tsv and the monitor read.
+cat >"$work/listed_jobs.py" <<'PY'
+import json, urllib.request
+def list_jobs(http, token, timeout):
     jobs, page = [], ""
     while True:
         url = f"http://{http}/v1/jobs?page_size=1000" + (f"&page_token={page}" if page else "")
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=20) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             body = json.load(r)
         jobs += body.get("jobs", [])
         page = body.get("next_page_token", "")
         if not page:
             return jobs
+PY
+
+# jobs_tsv: every job the controller lists to the operator (all pages), a line each: id, tenant,
+# state, preemptions, restarts, request. The controller is up whenever it is called (a restarted
+# one is waited for); 3 tries, for a slow answer on a loaded machine.
+jobs_tsv() {
+  PYTHONPATH=$work /usr/bin/python3 - "$http" "${token_of[default]}" <<'PY'
+from listed_jobs import list_jobs
+import json, sys, time, urllib.request
+http, token = sys.argv[1:3]
+def listing():
+    return list_jobs(http, token, timeout=20)
 for attempt in range(3):
     try:
         jobs = listing()
@@ -171,6 +178,7 @@ kill_one() { # KIND INDEX
 # jobs. Every breach is a line of violations.log; at the end (monitor.stop) monitor.json holds the
 # samples, the peaks per tenant and the preemption requests seen.
 cat >"$work/monitor.py" <<'PY'
+import listed_jobs  # beside it in $work
 import collections, json, os, sys, time, urllib.request
 http, token, tenants_file, out = sys.argv[1:5]
 RUNNING = ("JOB_STATE_RUNNING", "JOB_STATE_CHECKPOINTING")
@@ -181,16 +189,7 @@ preempt_requests = set()  # (job, attempt) seen with request PREEMPT
 quota_waits = collections.Counter()  # tenant -> samples with a job held back by its quota
 
 def list_jobs():
-    jobs, page = [], ""
-    while True:
-        url = f"http://{http}/v1/jobs?page_size=1000" + (f"&page_token={page}" if page else "")
-        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=5) as r:
-            body = json.load(r)
-        jobs += body.get("jobs", [])
-        page = body.get("next_page_token", "")
-        if not page:
-            return jobs
+    return listed_jobs.list_jobs(http, token, timeout=5)
 
 def violation(text):
     violations.write(f"{time.strftime('%H:%M:%S')} {text}\n")
@@ -443,15 +442,7 @@ for id in "${submitted[@]}"; do
   grep -qxF "$id ${job_tenant[$id]}" <<<"$audit" || fail "no audit record of $id's submit by ${job_tenant[$id]}"
 done
 
-# Everything stops in order; then nothing of the soak may be left.
-for key in "${!proc[@]}"; do kill "${proc[$key]}" 2>/dev/null || true; done
-for key in "${!proc[@]}"; do wait "${proc[$key]}" 2>/dev/null || true; done
-sleep 1
-left=$(pgrep -f -- "$work" || true)
-[ -z "$left" ] || fail "processes left behind: $(ps -o pid,args -p "$(echo $left | tr ' ' ,)")"
-shm_after=$(ls /dev/shm | grep '^offload-' | sort || true)
-leaked=$(comm -13 <(echo "$shm_before") <(echo "$shm_after") | grep . || true)
-[ -z "$leaked" ] || fail "/dev/shm segments left behind: $leaked"
+stop_all_and_check_nothing_left
 
 count() { # STATE [TENANT]: submitted jobs in STATE (of TENANT)
   local c=0 id
