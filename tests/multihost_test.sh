@@ -348,7 +348,12 @@ for h in t0 t1; do on s2 ip route del blackhole "${addr[$h]}/32"; done
 wait_state "$job" JOB_STATE_SUCCEEDED 90
 [ "$(attempt_of "$job")" = 2 ] || fail "job $job ended in attempt $(attempt_of "$job")"
 # The rank may be in a checkpoint write when the cut hits: then rank 0's error carries the shard's.
-grep -qE "UNAVAILABLE: (.*: )?optimizer shard ${addr[s2]}:50051" <<<"$(events "$job")" ||
+# The job's events keep the first rank's error only, and that can be the other rank's collective
+# failing as the first one exits (its worker heartbeat first): then the ranks' own logs say it.
+# Only this part cuts the path to ${addr[s2]}, so a rank's error naming it is this job's.
+shard_error="UNAVAILABLE: (.*: )?optimizer shard ${addr[s2]}:50051"
+grep -qE "$shard_error" <<<"$(events "$job")" ||
+  cat "$work"/trainer-*.log | grep -qE "gpu_trainer rank [0-9]+: $shard_error" ||
   fail "no rank failed on its own naming the shard: $(events "$job")"
 [ -n "$(resumed_at "$job" 2)" ] || fail "attempt 2 did not resume"
 echo "a rank failed UNAVAILABLE naming ${addr[s2]}:50051; attempt 2 resumed at step" \
