@@ -359,12 +359,16 @@ absl::StatusOr<v1::Job> JobController::SubmitJob(const Caller& caller,
   return submitted;
 }
 
+absl::Status JobController::AdmitRead(const Caller& caller, absl::string_view action,
+                                      const std::string& job_id) {
+  absl::Status admitted = Admit(caller);
+  if (!admitted.ok()) Audit(caller, action, job_id, admitted);
+  return admitted;
+}
+
 absl::StatusOr<v1::Job> JobController::GetJob(const Caller& caller,
                                               const v1::GetJobRequest& request) {
-  if (absl::Status s = Admit(caller); !s.ok()) {
-    Audit(caller, "get", request.id(), s);
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(AdmitRead(caller, "get", request.id()));
   bool foreign = false;
   absl::StatusOr<v1::Job> job = [&]() -> absl::StatusOr<v1::Job> {
     absl::MutexLock lock(&mu_);
@@ -377,10 +381,7 @@ absl::StatusOr<v1::Job> JobController::GetJob(const Caller& caller,
 
 absl::StatusOr<v1::ListJobsResponse> JobController::ListJobs(const Caller& caller,
                                                              const v1::ListJobsRequest& request) {
-  if (absl::Status s = Admit(caller); !s.ok()) {
-    Audit(caller, "list", "", s);
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(AdmitRead(caller, "list", ""));
   const uint32_t page_size = request.page_size() == 0
                                  ? kDefaultListPageSize
                                  : std::min(request.page_size(), kMaxListPageSize);
@@ -565,10 +566,7 @@ absl::StatusOr<v1::Job> JobController::CheckpointJob(const Caller& caller,
 
 absl::StatusOr<v1::ListJobEventsResponse> JobController::ListJobEvents(
     const Caller& caller, const v1::ListJobEventsRequest& request) {
-  if (absl::Status s = Admit(caller); !s.ok()) {
-    Audit(caller, "events", request.id(), s);
-    return s;
-  }
+  OFFLOAD_RETURN_IF_ERROR(AdmitRead(caller, "events", request.id()));
   {
     absl::MutexLock lock(&mu_);
     bool foreign = false;
@@ -588,14 +586,12 @@ absl::StatusOr<v1::ListJobEventsResponse> JobController::ListJobEvents(
 
 absl::StatusOr<v1::ListAuditResponse> JobController::ListAudit(
     const Caller& caller, const v1::ListAuditRequest& request) {
-  absl::Status admitted = Admit(caller);
-  if (admitted.ok() && !caller.admin) {
-    admitted = absl::PermissionDeniedError(
+  OFFLOAD_RETURN_IF_ERROR(AdmitRead(caller, "audit", ""));
+  if (!caller.admin) {
+    const absl::Status refused = absl::PermissionDeniedError(
         absl::StrCat("tenant ", caller.tenant, " is not an admin: only admins read the audit log"));
-  }
-  if (!admitted.ok()) {
-    Audit(caller, "audit", "", admitted);
-    return admitted;
+    Audit(caller, "audit", "", refused);
+    return refused;
   }
   const uint32_t page_size = request.page_size() == 0
                                  ? kDefaultListPageSize
@@ -699,11 +695,11 @@ void JobController::Schedule() {
         entry->dirty = true;
       }
       const bool claimed = claims.count(job.id()) > 0;
-      const size_t trainers_left = free_trainers.size() - (claimed ? 0 : held_trainers);
-      const size_t shards_left = free_shards.size() - (claimed ? 0 : held_shards);
-      if (free_trainers.size() < (claimed ? 0 : held_trainers) ||
-          free_shards.size() < (claimed ? 0 : held_shards) || ranks > trainers_left ||
-          servers > shards_left) {
+      auto left = [claimed](size_t free, size_t held) {
+        return claimed ? free : free - std::min(free, held);
+      };
+      if (ranks > left(free_trainers.size(), held_trainers) ||
+          servers > left(free_shards.size(), held_shards)) {
         continue;
       }
       // Negated where larger goes first, so that the smallest key wins.
@@ -750,10 +746,11 @@ void JobController::Schedule() {
     --load.queued_jobs;
     StartAttempt(*best, trainers, shards);
   }
-  Preempt(now, *tenants);
+  Preempt(now, *tenants, loads, pool);
 }
 
-void JobController::Preempt(absl::Time now, const TenantTable& tenants) {
+void JobController::Preempt(absl::Time now, const TenantTable& tenants,
+                            const std::map<std::string, TenantLoad>& loads, const PoolSize& pool) {
   // Workers that are free, or soon will be: idle, draining an attempt that ended, or held by a job
   // already asked to stop for another.
   size_t trainers = 0, shards = 0;
@@ -769,7 +766,6 @@ void JobController::Preempt(absl::Time now, const TenantTable& tenants) {
   }
   // The jobs within their quotas that wait, the most urgent first: the highest priority, then the
   // oldest. Each takes what is free or being freed; the first that finds too little preempts.
-  const std::map<std::string, TenantLoad> loads = Loads();
   std::vector<const JobEntry*> waiting;
   for (const std::string& id : submit_order_) {
     const JobEntry& entry = jobs_.at(id);
@@ -785,7 +781,6 @@ void JobController::Preempt(absl::Time now, const TenantTable& tenants) {
   std::stable_sort(waiting.begin(), waiting.end(), [](const JobEntry* a, const JobEntry* b) {
     return a->job.spec().priority() > b->job.spec().priority();
   });
-  const PoolSize pool = Pool(now);
   for (const JobEntry* urgent : waiting) {
     const v1::Job& job = urgent->job;
     const uint32_t ranks = Ranks(job.spec());

@@ -163,6 +163,9 @@ class JobController : public JobApi {
   // Writes one record of the audit log; a failed write is logged, and does not undo the call.
   void Audit(const Caller& caller, absl::string_view action, const std::string& job_id,
              const absl::Status& outcome);
+  // A read is audited only when refused: UNAUTHENTICATED, recorded, for a caller without a valid
+  // token.
+  absl::Status AdmitRead(const Caller& caller, absl::string_view action, const std::string& job_id);
   // The tenants' table: weights and quotas (an empty one without identities).
   std::shared_ptr<const TenantTable> Tenants() const;
   // Records an event with the job's current state and attempt.
@@ -186,7 +189,10 @@ class JobController : public JobApi {
   PoolSize Pool(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Asks running jobs of lower priority to checkpoint and stop when the most urgent pending job
   // cannot start on the free workers and those already being released.
-  void Preempt(absl::Time now, const TenantTable& tenants) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `loads` and `pool` as Schedule leaves them.
+  void Preempt(absl::Time now, const TenantTable& tenants,
+               const std::map<std::string, TenantLoad>& loads, const PoolSize& pool)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The attempt of `victim` ends for `for_job`: at once when no rank has started, else its
   // trainers are asked to checkpoint and stop.
   void PreemptJob(JobEntry& victim, const v1::Job& for_job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
