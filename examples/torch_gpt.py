@@ -210,7 +210,8 @@ def main() -> None:
         val_loss = sum(losses) / len(losses)
         print(f"val loss {val_loss:.4f}")
         timed = sorted(step_times[len(step_times) // 4:]) or [0.0]  # past the warm-up
-        print(f"torch_gpt optimizer={args.optimizer} device={device.type} params={n_params} "
+        print(f"torch_gpt optimizer={args.optimizer} model={'hf' if args.hf else 'gpt'} "
+              f"device={device.type} params={n_params} "
               f"batch={args.batch}x{args.seq} micro_batches={args.micro_batches} "
               f"dpu={int(args.delay_update)} uib={int(args.update_in_backward)} "
               f"zero_stage={args.zero_stage} dtype={args.dtype} "

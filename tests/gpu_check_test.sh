@@ -22,9 +22,35 @@ case "$*" in
 esac
 SMI
 # python3 without torch: the front end's check reports itself failed, as on a machine without it.
+# With FAKE_TORCH=1 it has torch with CUDA: torch_gpt.py prints its line for the arguments given,
+# a test class prints unittest's verdict (FAKE_SKIP=NAME: NAME's class skipped), and the memory
+# bench its summary line.
 cat > "$work/fakebin/python3" <<'PY'
 #!/usr/bin/env bash
-exit 1
+[ -n "${FAKE_TORCH:-}" ] || exit 1
+case "$1" in
+  -c) exit 0 ;;
+  examples/torch_gpt.py)
+    opt=offload model=gpt mb=1 dpu=0 uib=0 z=2 extra=
+    for a in "$@"; do
+      case "$a" in
+        --optimizer=*) opt=${a#--optimizer=} ;;
+        --hf) model=hf ;;
+        --micro_batches=*) mb=${a#--micro_batches=} ;;
+        --delay_update) dpu=1 ;;
+        --update_in_backward) uib=1 ;;
+        --zero_stage=3) z=3 extra="window=2 param_bytes_peak=40000000 param_bytes_all=248000000 " ;;
+      esac
+    done
+    echo "torch_gpt optimizer=$opt model=$model device=cuda params=124000000 batch=8x1024" \
+      "micro_batches=$mb dpu=$dpu uib=$uib zero_stage=$z dtype=bf16" \
+      "${extra}step_s=0.$z$mb$dpu$uib val_loss=$([ "$model" = hf ] && echo 2.7 || echo 2.5)" ;;
+  python/tests/*)
+    [[ $1 == *"${FAKE_SKIP:-none}"* ]] && { echo "OK (skipped=1)"; exit 0; }
+    echo "OK" ;;
+  scripts/bench_torch_memory.py) echo "torch_memory targets_pass=9 targets_over=0" ;;
+  *) exit 1 ;;
+esac
 PY
 chmod +x "$work/fakebin/nvidia-smi" "$work/fakebin/python3"
 echo 'export FAKE_BUNDLE=1' > "$work/bundle/env"
@@ -172,5 +198,32 @@ grep -qE '^ +largest trained, GPU only +5254103040 ' <<< "$out" || fail "the oth
 grep -qE '^ +  size ratio trained \(target >= 8\) +n/a$' <<< "$out" || fail "no ratio: $out"
 grep -q "^gpu-check: tests other: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
   fail "the tests must stand: $out"
+
+# Only some parts: the others do not run, and their rows read n/a; the front end's rows come from
+# its own lines (the HF model's, the test classes'), and a skipped test class is a failure.
+out=$(run "$work/logs5" GPU_CHECK_PARTS="tests torch" FAKE_TORCH=1)
+grep -q "^gpu-check: parts: tests torch $" <<< "$out" || fail "parts not named: $out"
+! grep -q "^gpu-check: bench_gpu" <<< "$out" || fail "the bench ran unasked: $out"
+[ ! -e "$work/logs5/bench_gpu_largest.log" ] || fail "the largest run ran unasked"
+grep -q "^gpu-check: tests other: 2 passed, 0 skipped, 0 failed: ok$" <<< "$out" ||
+  fail "the tests part: $out"
+grep -qE '^ +MFU \(target >= 45% for gpt2\) +n/a$' <<< "$out" && fail "a model row without a bench"
+grep -qE '^ +torch front end step s +0\.2100$' <<< "$out" || fail "stage 2 row: $out"
+grep -qE '^ +  ZeRO-3 step s, param bytes peak/all +0\.3100, 40000000/248000000$' <<< "$out" ||
+  fail "ZeRO-3 row: $out"
+grep -qE '^ +  torch fused AdamW step s +0\.2100$' <<< "$out" || fail "torch row: $out"
+grep -qE '^ +HF GPT2 step s, offload / torch +0\.2100 / 0\.2100$' <<< "$out" ||
+  fail "HF row: $out"
+grep -qE '^ +CUDA test classes z3/models/grads +pass / pass / pass$' <<< "$out" ||
+  fail "test classes row: $out"
+grep -q "^gpu-check: ok$" <<< "$out" || fail "all selected parts passed: $out"
+[ "$(cat "$work/rc")" = 0 ] || fail "exit status of a passing check"
+out=$(run "$work/logs6" GPU_CHECK_PARTS="torch" FAKE_TORCH=1 FAKE_SKIP=torch_models)
+grep -qE '^ +CUDA test classes z3/models/grads +pass / fail / pass$' <<< "$out" ||
+  fail "a skipped class: $out"
+[ "$(cat "$work/rc")" = 1 ] || fail "a skipped class must fail the check"
+out=$(run "$work/logs7" GPU_CHECK_PARTS="tests benches")
+grep -q "unknown part 'benches'" <<< "$out" || fail "a wrong part: $out"
+[ "$(cat "$work/rc")" = 2 ] || fail "a wrong part exits 2"
 
 echo "gpu_check_test: ok"
