@@ -1,9 +1,6 @@
 #include "services/launcher/controlled_job.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,29 +20,13 @@
 #include "grpcpp/grpcpp.h"
 #include "services/common/job_spec.h"
 #include "services/launcher/child_output.h"
+#include "services/launcher/loopback_port.h"
 #include "services/launcher/rank_devices.h"
 
 namespace offload {
 namespace {
 
 void Say(const std::string& line) { WriteStderrLine(absl::StrCat("offload_local: ", line)); }
-
-// A free loopback port for a child's /metrics. Another process could take it before the child
-// binds it; the child then fails naming the address, which is rare enough on one machine.
-absl::StatusOr<int> FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError("socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  close(fd);
-  if (!ok) return absl::InternalError("cannot find a free loopback port for /metrics");
-  return ntohs(addr.sin_port);
-}
 
 std::string Absolute(const std::string& path) {
   if (path.empty() || path[0] == '/') return path;
