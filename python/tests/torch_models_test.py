@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """offload.torch.AdamW trains any model as plain torch does: for each model of the set (a GPT, an
-LSTM language model with tied weights, a block called twice, and where torchvision imports its
-ResNet-18 and a VisionTransformer), step by step in lockstep with torch's AdamW on an fp32 master
-copy, fed the very gradients the model's backward left (keep_grads=True): the master weights to
-the bit, and the model's 16-bit weights equal to the masters rounded, after every step.
+LSTM language model with tied weights, a block called twice, transformers' GPT2LMHeadModel where
+transformers imports, and torchvision's ResNet-18 and a VisionTransformer where torchvision
+imports), step by step in lockstep with torch's AdamW on an fp32 master copy, fed the very
+gradients the model's backward left (keep_grads=True): the master weights to the bit, and the
+model's 16-bit weights equal to the masters rounded, after every step.
 
 On the CPU, and on CUDA where torch has it (scripts/gpu-check runs the OnCuda class on a lent
 GPU): there the forward and backward are torch's CUDA kernels, the gradients leave through the

@@ -4,11 +4,13 @@ device block by block; the weights must be the bits of the stage-2 front end's, 
 held.
 
 The models: examples/torch_gpt.py's GPT (tied head, nn.MultiheadAttention), an LSTM language
-model with tied weights, a model that calls one block twice, and, where torchvision imports,
-its ResNet-18 (BatchNorm, in-place ReLU) and a small VisionTransformer (class token, positional
-embedding outside any submodule's forward). CPU torch 1.13 has no fp16 kernels for these models
-(addmm, LayerNorm, conv2d) and PyPI's torchvision does not import beside the CPU torch 2.13, so
-fp16 runs on torch 2.x and torchvision's models on Debian's torch 1.13 with its torchvision.
+model with tied weights, a model that calls one block twice, where transformers imports its
+GPT2LMHeadModel, and, where torchvision imports, its ResNet-18 (BatchNorm, in-place ReLU) and a
+small VisionTransformer (class token, positional embedding outside any submodule's forward).
+CPU torch 1.13 has no fp16 kernels for these models (addmm, LayerNorm, conv2d) and PyPI's
+torchvision does not import beside the CPU torch 2.13, so fp16 runs on torch 2.x, torchvision's
+models on Debian's torch 1.13 with its torchvision, and transformers' on torch 2.x (the venv
+scripts/build makes has it; Debian has none for 1.13).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ try:
     import torchvision  # type: ignore[import]
 except Exception:  # noqa: BLE001 - absent, or PyPI's beside a CPU torch 2.x: no such models
     torchvision = None
+try:  # transformers: in the torch 2 venv scripts/build makes, and on the lent GPU machines
+    from transformers import GPT2Config, GPT2LMHeadModel  # type: ignore[import]
+except Exception:  # noqa: BLE001 - absent (Debian has no transformers for torch 1.13)
+    GPT2LMHeadModel = None
 
 TORCH2 = int(torch.__version__.split(".")[0]) >= 2
 # CPU torch 1.13 has no fp16 addmm, LayerNorm or conv2d.
@@ -54,6 +60,17 @@ class LSTMLanguageModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(self.encoder(x))
         return self.decoder(out)
+
+
+class LogitsOf(nn.Module):
+    """A Hugging Face model whose forward returns its output's logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -122,6 +139,13 @@ CASES: Dict[str, Case] = {
     "lstm_tied": _token_case(LSTMLanguageModel, 40, (12, 2), lstm_loss),
     "shared_block": _token_case(SharedBlockModel, 40, (2, 8), next_token_loss),
 }
+if GPT2LMHeadModel is not None:
+    # transformers' GPT-2 as users bring it (its head tied to the token embedding), dropout off so
+    # that two runs draw nothing at random.
+    CASES["hf_gpt2"] = _token_case(lambda: LogitsOf(GPT2LMHeadModel(GPT2Config(
+        vocab_size=64, n_positions=16, n_layer=2, n_head=2, n_embd=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))), 64, (2, 16),
+    next_token_loss)
 if torchvision is not None:
     CASES["resnet18"] = _image_case(lambda: torchvision.models.resnet18(num_classes=10))
     CASES["vit"] = _image_case(lambda: torchvision.models.VisionTransformer(
@@ -198,6 +222,12 @@ class SameBitsAsStage2(unittest.TestCase):
     def test_a_block_called_twice(self) -> None:
         for dtype in DTYPES:
             self.check_case("shared_block", dtype)
+
+    @unittest.skipIf(GPT2LMHeadModel is None, "transformers does not import here (scripts/build "
+                     "installs it into the torch 2 venv; Debian has none for torch 1.13)")
+    def test_hugging_face_gpt2(self) -> None:
+        for dtype in DTYPES:
+            self.check_case("hf_gpt2", dtype)
 
     @unittest.skipIf(torchvision is None, "torchvision does not import here (PyPI's torchvision "
                      "needs a CUDA torch; Debian's python3-torchvision goes with torch 1.13)")
