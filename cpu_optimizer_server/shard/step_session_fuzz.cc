@@ -26,7 +26,8 @@
 //                 3-4 group lrs: none, one per group from the lr choices, one too many, a NaN,
 //                 bit 5 range steps follow: count (u8 % 4 + 1), then per entry offset (int16,
 //                 from the range's offset), length (u16 % 20000), t (u8 % 5)); an applied
-//                 commit must leave every element of a t == 0 entry exactly as it was
+//                 commit must leave every element of a t == 0 entry exactly as the step found
+//                 it: as it was, or before the session's updates during backward
 //   3 close       slot (the session ends without a commit)
 //   4 load start  5 load chunk (tensor, flags: bits 0-1 the range the offset is from, the rest as
 //                 for gradients; offset int16, count u16 % 512, seed)
@@ -93,20 +94,28 @@ struct Hasher {
   void Add(uint64_t v) { Add(&v, sizeof(v)); }
 };
 
+// The master weights, then both moments, of flat [offset, offset + length), in fp32.
+std::string StateBytes(ShardStore& store, int64_t offset, int64_t length) {
+  std::string bytes;
+  for (StateTensor t :
+       {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+    absl::Status read = store.ReadState(kJob, t, DType::kFp32, offset, length, 0,
+                                        [&](int64_t, int64_t, const std::string& b) {
+                                          bytes += b;
+                                          return true;
+                                        });
+    if (!read.ok()) Fail("cannot read the state back: " + read.ToString());
+  }
+  return bytes;
+}
+
 // Per range: master weights, both moments, step counters and loaded elements.
 std::vector<uint64_t> Fingerprint(ShardStore& store) {
   std::vector<uint64_t> hashes;
   for (uint32_t i = 0; i < kRanges.size(); ++i) {
     Hasher hash;
-    for (StateTensor t :
-         {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
-      absl::Status s = store.ReadState(kJob, t, DType::kFp32, kRanges[i].offset, kRanges[i].length,
-                                       0, [&](int64_t, int64_t, const std::string& bytes) {
-                                         hash.Add(bytes.data(), bytes.size());
-                                         return true;
-                                       });
-      if (!s.ok()) Fail("cannot read the state back: " + s.ToString());
-    }
+    const std::string state = StateBytes(store, kRanges[i].offset, kRanges[i].length);
+    hash.Add(state.data(), state.size());
     absl::StatusOr<ShardStore::JobRange> r = store.FindJobRange(kJob, i);
     if (!r.ok()) Fail("the job's range is gone: " + r.status().ToString());
     std::lock_guard<std::mutex> lock(r->range->mu);
@@ -186,10 +195,14 @@ struct Slot {
   uint64_t step = 0;
   std::vector<std::unique_ptr<std::string>> views;  // AddGradientsView's bytes, until the end
   bool early = false;  // the session holds an applied update during backward
+  // While `early`: the range's state from before the first of those updates (RangeState), which
+  // is what the commit starts from wherever it does not keep them.
+  std::string unspeculated;
   void Close() {
     session.reset();  // first: the session may read the views until it ends
     views.clear();
     early = false;
+    unspeculated.clear();
   }
 };
 
@@ -363,30 +376,33 @@ void Run(const uint8_t* data, size_t size) {
         for (const RawRangeStep& raw : raw_steps) {
           args.range_steps.push_back(RangeStep{range.offset + raw.offset, raw.length, raw.t});
         }
-        // The state of the elements the range steps skip, inside the range, before the commit.
-        auto skipped_state = [&] {
+        // The state of the elements the range steps skip, inside the range: now, or (from_slot)
+        // as the step found it, before any update during backward, which the commit undoes
+        // where its steps skip.
+        const std::vector<RangeStep> skipped =
+            ClipRangeSteps(args.range_steps, range.offset, range.offset + range.length);
+        auto skipped_state = [&](bool from_slot) {
           std::string bytes;
-          for (const RangeStep& rs :
-               ClipRangeSteps(args.range_steps, range.offset, range.offset + range.length)) {
+          for (const RangeStep& rs : skipped) {
             if (rs.t != 0) continue;
-            for (StateTensor t :
-                 {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
-              absl::Status read = store.ReadState(kJob, t, DType::kFp32, rs.offset, rs.length, 0,
-                                                  [&](int64_t, int64_t, const std::string& b) {
-                                                    bytes += b;
-                                                    return true;
-                                                  });
-              if (!read.ok()) Fail("cannot read skipped elements: " + read.ToString());
+            if (!from_slot) {
+              bytes += StateBytes(store, rs.offset, rs.length);
+              continue;
+            }
+            for (int64_t t = 0; t < 3; ++t) {
+              const int64_t at = t * range.length + (rs.offset - range.offset);
+              bytes += slot.unspeculated.substr(static_cast<size_t>(at) * 4,
+                                                static_cast<size_t>(rs.length) * 4);
             }
           }
           return bytes;
         };
-        const std::string skipped_before = skipped_state();
+        const std::string skipped_before = skipped_state(slot.early);
         CheckingSink sink(range, ((flags >> 1) & 3) == 3 ? -1 : (flags >> 1) & 3);
         absl::StatusOr<StepOutcome> outcome = slot.session->Commit(args, &sink);
         status = outcome.status();
         may_change = outcome.ok();
-        if (outcome.ok() && skipped_state() != skipped_before) {
+        if (outcome.ok() && skipped_state(false) != skipped_before) {
           Fail("an applied commit changed elements its range steps skip");
         }
         if (outcome.ok() && outcome->step != slot.step) Fail("the commit reports another step");
@@ -454,9 +470,12 @@ void Run(const uint8_t* data, size_t size) {
         const int64_t offset = r.offset + rel;
         const int64_t n = count % (r.length + 16);
         if (t > 0) args.range_steps.push_back(RangeStep{offset, n, t});
+        std::string unspeculated;
+        if (!slot.early) unspeculated = StateBytes(store, r.offset, r.length);
         absl::StatusOr<bool> applied = slot.session->UpdateEarly(args, offset, n);
         status = applied.status();
         if (applied.ok() && *applied) {
+          if (!slot.early) slot.unspeculated = std::move(unspeculated);
           slot.early = true;
           updated_range = static_cast<int>(slot.range);
         }
