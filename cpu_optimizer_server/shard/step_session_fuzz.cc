@@ -195,7 +195,7 @@ struct Slot {
   uint64_t step = 0;
   std::vector<std::unique_ptr<std::string>> views;  // AddGradientsView's bytes, until the end
   bool early = false;  // the session holds an applied update during backward
-  // While `early`: the range's state from before the first of those updates (RangeState), which
+  // While `early`: the range's state from before the first of those updates (StateBytes), which
   // is what the commit starts from wherever it does not keep them.
   std::string unspeculated;
   void Close() {
