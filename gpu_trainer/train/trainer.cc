@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <future>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -104,17 +103,14 @@ absl::Status CheckResumable(const v1::CheckpointManifest& m, const TrainerOption
 }  // namespace
 
 Trainer::Trainer(const TrainerOptions& options, OptimizerBackend* backend)
-    : options_(options),
-      backend_(backend),
-      policy_(StepPolicyOptions{options.loss_scaler, options.param_dtype == DType::kFp16,
-                                options.grad_clip, options.micro_batches}) {}
+    : options_(options), backend_(backend) {}
 
 Trainer::~Trainer() {
-  // Local only: a collective here could wait on ranks that are gone.
-  WaitPendingCommit().IgnoreError();
+  // Local only: a collective here could wait on ranks that are gone. The reducer hands the
+  // engine gradients, so it goes first; the engine waits for a delayed commit and ends an open
+  // step.
   reducer_.reset();
-  sender_.reset();
-  backend_->AbortStep();
+  engine_.reset();
   if (runner_ != nullptr) {
     for (const HostArea& a : host_areas_) {
       if (a.locked) runner_->UnregisterHostMemory(a.p).IgnoreError();
@@ -271,19 +267,25 @@ absl::Status Trainer::Init() {
     if (o.dpu) next_weights16_.assign(map.padded_length(), 0);
     weight_meter_.Add(static_cast<int64_t>(weights16_.size() + next_weights16_.size()) * 2);
   }
-  grads16_.assign(map.padded_length(), 0);
-  if (o.micro_batches > 1) acc32_.assign(backend_->partition_length(), 0.0f);
+  StepEngineOptions engine;
+  engine.dtype = o.param_dtype;
+  engine.policy =
+      StepPolicyOptions{o.loss_scaler, o.param_dtype == DType::kFp16, o.grad_clip, o.micro_batches};
+  engine.trace = o.trace;
+  OFFLOAD_ASSIGN_OR_RETURN(engine_, StepEngine::Create(backend_, engine));
   inputs_.assign(static_cast<size_t>(o.batch) * o.seq_len, 0);
   targets_.assign(inputs_.size(), 0);
   // The CUDA backend uploads from and downloads into these directly once they are page-locked;
   // where that is refused, its pinned ring carries them as before.
-  for (std::vector<uint16_t>* buffer : {&weights16_, &next_weights16_, &grads16_}) {
+  const int64_t padded = static_cast<int64_t>(map.padded_length());
+  for (std::vector<uint16_t>* buffer : {&weights16_, &next_weights16_}) {
     if (buffer->empty()) continue;
-    host_areas_.push_back(HostArea{
-        buffer->data(), 0,
-        runner_->RegisterHostMemory(buffer->data(), static_cast<int64_t>(buffer->size()) * 2)
-            .ok()});
+    host_areas_.push_back(
+        HostArea{buffer->data(), 0, runner_->RegisterHostMemory(buffer->data(), padded * 2).ok()});
   }
+  host_areas_.push_back(
+      HostArea{engine_->gradients16(), 0,
+               runner_->RegisterHostMemory(engine_->gradients16(), padded * 2).ok()});
   // ZeRO-3 on the CUDA backend with one rank: the window is filled straight from the partition.
   if (stage3 && runner_->takes_partition_weights() && partition16_.data() != nullptr) {
     const int64_t bytes = backend_->partition_length() * 2;
@@ -291,13 +293,11 @@ absl::Status Trainer::Init() {
                                    runner_->RegisterHostMemory(partition16_.data(), bytes).ok()});
   }
   runner_->set_trace(o.trace, [this] { return trace_step_.load(); });
-  sender_ = std::make_unique<GradientSender>(backend_, grads16_.data(), o.trace);
   // fp32 gradients go to the reducer unit by unit; a backend with 16-bit ones and other ranks
   // to meet (the CUDA backend over gloo) hands it each range once it is on the host.
   if (runner_->has_fp32_gradients() || (W > 1 && !runner_->reduces_gradients())) {
     reducer_ = std::make_unique<GradientReducer>(
-        collectives_, o.model, static_cast<int64_t>(map.padded_length()), grads16_.data(),
-        o.param_dtype, o.bucket_elements,
+        collectives_, o.model, padded, engine_->gradients16(), o.param_dtype, o.bucket_elements,
         [this](int64_t offset, int64_t n, const uint16_t* rounded) {
           OnGradientsRounded(offset, n, rounded);
         },
@@ -413,7 +413,7 @@ absl::StatusOr<std::string> Trainer::Start() {
   if (resuming) {
     const v1::CheckpointManifest& m = manifest;
     OFFLOAD_RETURN_IF_ERROR(sampler_->Restore(m.data()));
-    OFFLOAD_RETURN_IF_ERROR(policy_.Restore(m.loss_scale()));
+    OFFLOAD_RETURN_IF_ERROR(engine_->policy().Restore(m.loss_scale()));
     step_ = m.step();
     counters_ = StepCounters{m.shard_files(0).completed_step(), m.shard_files(0).adam_step()};
     last_loss_ = m.train_loss();
@@ -536,82 +536,70 @@ absl::StatusOr<StepReport> Trainer::Step() {
   // of step s - 1 runs on the shards; its step opens once that commit is done (a range takes one
   // step at a time), and its own commit then runs in the background.
   const bool delayed = o.dpu && step > o.dpu_warmup_steps;
-  sender_->set_step(step);
   trace_step_.store(step);
   OFFLOAD_RETURN_IF_ERROR(ApplyWeights());
   sampler_->Next(inputs_.data(), targets_.data());
-  const float scale = policy_.loss_scale();
+  const float scale = engine_->policy().loss_scale();
   if (!delayed) {
-    OFFLOAD_RETURN_IF_ERROR(backend_->BeginStep(step));
+    OFFLOAD_RETURN_IF_ERROR(engine_->BeginStep(step));
   }
   double loss_sum = 0;
-  GradStats stats;
   for (int k = 0; k < o.micro_batches; ++k) {
     const bool open = !delayed || k > 0;
+    GradStats stats;
     absl::Status s = MicroBatch(step, k, scale, open, &loss_sum, &stats);
     if (s.ok() && !open) s = OpenDelayedStep(step);
     if (!s.ok()) {
-      sender_->Drain().IgnoreError();
-      // Before the delayed step opened, the backend belongs to the previous step's commit,
-      // which may still run: only a step this one opened is aborted.
-      if (open) backend_->AbortStep();
+      // Before the delayed step opened the engine has no step of this one's (the previous
+      // step's commit may still run): only a step this one opened is ended.
+      engine_->AbortStep();
       return s;
     }
+    engine_->AddStats(stats);
   }
-  absl::Status sent;
+  absl::StatusOr<GradStats> stats;
   {
     TracePhase phase(o.trace, "wait_offload", step);
-    sent = sender_->Drain();
+    stats = engine_->Drain();  // a failed send ends the step
   }
-  if (!sent.ok()) {
-    backend_->AbortStep();
-    return sent;
-  }
-  if (o.micro_batches > 1) stats = AccumulatedStats();
+  if (!stats.ok()) return stats.status();
 
   // One all-reduce agrees on what every rank needs: the global norm, whether any gradient
   // overflowed, the loss, whether to stop, and the checkpoint request (a sum is the one rank's
   // request; doubles hold request numbers exactly up to 2^53).
-  double agreed[5] = {stats.sum_squares, stats.nonfinite ? 1.0 : 0.0, loss_sum / o.micro_batches,
+  double agreed[5] = {stats->sum_squares, stats->nonfinite ? 1.0 : 0.0, loss_sum / o.micro_batches,
                       stop_requested_.load() ? 1.0 : 0.0,
                       static_cast<double>(checkpoint_requested_.load())};
   if (absl::Status s = collectives_->AllReduce(agreed, 5, ReduceOp::kSum); !s.ok()) {
-    backend_->AbortStep();
+    engine_->AbortStep();
     return s;
   }
   const float loss = static_cast<float>(agreed[2] / world_size());
-  const StepDecision decision = policy_.Decide(GradStats{agreed[0], agreed[1] > 0});
-  StepReport report = Report(step, loss, decision);
-  report.stop = agreed[3] > 0;
-  report.checkpoint_request = static_cast<uint64_t>(agreed[4]);
-  const float grad_multiplier = decision.grad_multiplier;
+  const GradStats global{agreed[0], agreed[1] > 0};
+  const float lr = ScheduledLr(o.schedule, step);
+  StepDecision decision;
   if (delayed) {
-    pending_skipped_ = report.skipped;
-    pending_commit_ = std::async(
-        std::launch::async, [this, step, lr = report.lr, grad_multiplier, skip = report.skipped] {
-          TracePhase phase(options_.trace, "commit", step);
-          return backend_->Commit(lr, grad_multiplier, skip,
-                                  next_weights16_.data() + backend_->partition_offset());
-        });
+    OFFLOAD_ASSIGN_OR_RETURN(
+        decision, engine_->CommitAsync(&global, /*max_grad_norm=*/-1, lr, {},
+                                       next_weights16_.data() + backend_->partition_offset()));
   } else {
-    absl::StatusOr<StepCounters> counters;
-    {
-      TracePhase phase(o.trace, "commit", step);
-      // Nothing may read the partition while it changes.
-      if (gatherer_ != nullptr) gatherer_->Invalidate();
-      uint16_t* partition =
-          stage3() ? partition16_.data() : weights16_.data() + backend_->partition_offset();
-      counters = backend_->Commit(report.lr, grad_multiplier, report.skipped, partition);
-    }
-    if (!counters.ok()) return counters.status();
-    counters_ = *counters;
-    if (!report.skipped) {
+    // Nothing may read the partition while it changes.
+    if (gatherer_ != nullptr) gatherer_->Invalidate();
+    uint16_t* partition =
+        stage3() ? partition16_.data() : weights16_.data() + backend_->partition_offset();
+    OFFLOAD_ASSIGN_OR_RETURN(const CommitOutcome outcome,
+                             engine_->Commit(&global, /*max_grad_norm=*/-1, lr, {}, partition));
+    decision = outcome.decision;
+    counters_ = outcome.counters;
+    if (!decision.skip) {
       // Stage 3 gathers each layer when it is next used instead.
       if (!stage3()) OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(weights16_.data()));
       params_stale_ = true;
     }
   }
-  policy_.Finish(decision);
+  StepReport report = Report(step, loss, decision);
+  report.stop = agreed[3] > 0;
+  report.checkpoint_request = static_cast<uint64_t>(agreed[4]);
   step_ = step;
   last_loss_ = loss;
   return report;
@@ -714,20 +702,22 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
   }
   if (!loss.ok()) return loss.status();
   *loss_sum += *loss;
-  // grads16_ is about to be rewritten: the previous micro-batch must have left.
+  // The gradient buffer is about to be rewritten: the previous micro-batch must have left, and
+  // the engine goes on summing micro-batches.
   if (k > 0) {
-    OFFLOAD_RETURN_IF_ERROR(sender_->Drain());
+    OFFLOAD_RETURN_IF_ERROR(engine_->NextMicroBatch());
   }
   send_gradients_.store(send);
-  accumulate_.store(k > 0);
+  uint16_t* const grads16 = engine_->gradients16();  // (padded,)
   absl::StatusOr<GradStats> backward;
   if (reducer_ != nullptr) {
     // Zero-copy where the data plane has a place for the gradients (shared memory): each share
-    // is rounded straight into it and sent from there. Not with micro-batches, whose sum is
-    // taken from grads16_, nor before the step is open (DPU's first micro-batch).
+    // is rounded straight into it and sent from there. Not with micro-batches, whose first one
+    // is summed from where it was sent once the second begins, nor before the step is open
+    // (DPU's first micro-batch).
     GradientReducer::PlaceFn place;
     if (send && o.micro_batches == 1) {
-      place = [this](int64_t offset, int64_t n) { return backend_->GradientPlace(offset, n); };
+      place = [this](int64_t offset, int64_t n) { return engine_->GradientPlace(offset, n); };
     }
     reducer_->Begin(step, std::move(place));
     absl::Status s;
@@ -741,10 +731,10 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
         std::mutex error_mu;  // on_ready may run on the backend's copy thread
         absl::Status staged;
         s = runner_
-                ->Backward(loss_scale, grads16_.data(),
+                ->Backward(loss_scale, grads16,
                            [&](int64_t offset, int64_t n) {
                              absl::Status added =
-                                 reducer_->AddGradients16(offset, n, grads16_.data() + offset);
+                                 reducer_->AddGradients16(offset, n, grads16 + offset);
                              std::lock_guard<std::mutex> lock(error_mu);
                              staged.Update(added);
                            })
@@ -773,14 +763,14 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     std::function<uint16_t*(int64_t, int64_t)> place;
     if (placed) {
       place = [&](int64_t offset, int64_t n) {
-        uint16_t* p = backend_->GradientPlace(offset, n);
+        uint16_t* p = engine_->GradientPlace(offset, n);
         std::lock_guard<std::mutex> lock(placed_mu);
         placed_at.emplace_back(offset, p);
         return p;
       };
     }
     backward = runner_->Backward(
-        loss_scale, grads16_.data(),
+        loss_scale, grads16,
         [&](int64_t offset, int64_t n) {
           const uint16_t* from = nullptr;
           {
@@ -798,16 +788,13 @@ absl::Status Trainer::MicroBatch(uint64_t step, int k, float loss_scale, bool se
     if (backward.ok() && hi > lo) OnGradientsRounded(lo, hi - lo);
   }
   if (!backward.ok()) return backward.status();
-  if (o.micro_batches > 1) {
-    AccumulatePartition(k == 0);
-  } else {
-    *stats = *backward;
-  }
+  *stats = *backward;
   return absl::OkStatus();
 }
 
 void Trainer::OnGradientsRounded(int64_t offset, int64_t n, const uint16_t* rounded) {
-  if (send_gradients_.load()) sender_->Enqueue(offset, n, accumulate_.load(), rounded);
+  if (!send_gradients_.load()) return;
+  engine_->Enqueue(offset, n, rounded != nullptr ? rounded : engine_->gradients16() + offset);
 }
 
 absl::Status Trainer::OpenDelayedStep(uint64_t step) {
@@ -821,29 +808,10 @@ absl::Status Trainer::OpenDelayedStep(uint64_t step) {
     next_ready_ = false;
     params_stale_ = true;
   }
-  OFFLOAD_RETURN_IF_ERROR(backend_->BeginStep(step));
-  sender_->Enqueue(backend_->partition_offset(), backend_->partition_length());
-  return absl::OkStatus();
-}
-
-void Trainer::AccumulatePartition(bool first) {
+  OFFLOAD_RETURN_IF_ERROR(engine_->BeginStep(step));
   const int64_t offset = backend_->partition_offset();
-  const int64_t n = backend_->partition_length();
-  const uint16_t* g = grads16_.data() + offset;  // (P,)
-  float* acc = acc32_.data();                    // (P,)
-  // The shard's accumulator, by the shard's own AddAsFloat: 0 + g_0 + g_1 + ... in fp32, in
-  // micro-batch order.
-  constexpr int64_t kTile = int64_t{1} << 16;
-#pragma omp parallel for schedule(static)
-  for (int64_t lo = 0; lo < n; lo += kTile) {
-    const int64_t m = std::min(kTile, n - lo);
-    if (first) std::fill(acc + lo, acc + lo + m, 0.0f);
-    AddAsFloat(g + lo, options_.param_dtype, m, acc + lo);
-  }
-}
-
-GradStats Trainer::AccumulatedStats() const {
-  return MeasureGradients32(acc32_.data(), static_cast<int64_t>(acc32_.size()));
+  engine_->Enqueue(offset, backend_->partition_length(), engine_->gradients16() + offset);
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::AllGatherPartitions(uint16_t* buffer) {
@@ -854,16 +822,11 @@ absl::Status Trainer::AllGatherPartitions(uint16_t* buffer) {
                                    backend_->partition_length());
 }
 
-absl::StatusOr<bool> Trainer::WaitPendingCommit() {
-  if (!pending_commit_.valid()) return false;
-  OFFLOAD_ASSIGN_OR_RETURN(StepCounters counters, pending_commit_.get());
-  counters_ = counters;
-  return true;
-}
-
 absl::Status Trainer::FinishPendingCommit() {
-  OFFLOAD_ASSIGN_OR_RETURN(bool waited, WaitPendingCommit());
-  if (!waited || pending_skipped_) return absl::OkStatus();
+  if (!engine_->commit_in_flight()) return absl::OkStatus();
+  OFFLOAD_ASSIGN_OR_RETURN(const CommitOutcome outcome, engine_->WaitCommit());
+  counters_ = outcome.counters;
+  if (outcome.decision.skip) return absl::OkStatus();
   OFFLOAD_RETURN_IF_ERROR(AllGatherPartitions(next_weights16_.data()));
   next_ready_ = true;
   return absl::OkStatus();
@@ -951,7 +914,7 @@ v1::CheckpointManifest Trainer::Manifest() const {
   m.set_seed(o.seed);
   *m.mutable_partition() = backend_->partition();
   *m.mutable_data() = sampler_->Position();
-  *m.mutable_loss_scale() = policy_.State();
+  *m.mutable_loss_scale() = engine_->policy().State();
   *m.mutable_adam() = o.adam;
   *m.mutable_schedule() = o.schedule;
   m.set_grad_clip(o.grad_clip);

@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,8 +31,8 @@
 #include "optimizer_client/backends/optimizer_backend.h"
 #include "optimizer_client/precision/loss_scaler.h"
 #include "optimizer_client/precision/step_policy.h"
-#include "optimizer_client/sender/gradient_sender.h"
 #include "optimizer_client/sender/phase_trace.h"
+#include "optimizer_client/step_engine/step_engine.h"
 
 namespace offload {
 
@@ -175,7 +174,7 @@ class Trainer {
     if (reducer_ != nullptr) m.used_bytes += reducer_->held_bytes();
     return m;
   }
-  const DynamicLossScaler& loss_scaler() const { return policy_.scaler(); }
+  const DynamicLossScaler& loss_scaler() const { return engine_->policy().scaler(); }
   // The 16-bit weights the trainer computes with, (padded_length,); empty under ZeRO-3. NCCL ranks
   // gather the others' partitions on the device: their host copy is whole after a checkpoint.
   const std::vector<uint16_t>& weights16() const { return weights16_; }
@@ -217,26 +216,21 @@ class Trainer {
   // What a step reports, from its loss and the policy's decision on its (global) gradients.
   StepReport Report(uint64_t step, float loss, const StepDecision& decision) const;
   // Micro-batch k of the step: forward, backward, and its gradients on their way (sent when
-  // `send`, else kept in grads16_ for OpenDelayedStep). Adds its loss to *loss_sum; for a single
-  // micro-batch, *stats := its gradients' statistics.
+  // `send`, else kept in the engine's buffer for OpenDelayedStep). Adds its loss to *loss_sum;
+  // *stats := its gradients' statistics, as the rounding pass measured them.
   absl::Status MicroBatch(uint64_t step, int k, float loss_scale, bool send, double* loss_sum,
                           GradStats* stats);
   // Backward's 16-bit gradients [offset, offset + n) of this rank's partition are final, at
-  // `rounded` (n,) (null: in grads16_).
+  // `rounded` (n,) (null: in the engine's buffer).
   void OnGradientsRounded(int64_t offset, int64_t n, const uint16_t* rounded = nullptr);
   // DPU: once the first micro-batch is done, waits for the commit of the previous step and opens
   // this one with that micro-batch's gradients.
   absl::Status OpenDelayedStep(uint64_t step);
-  // Gradient accumulation: acc32_ (+)= this rank's 16-bit gradients, as the shards add them.
-  void AccumulatePartition(bool first);
-  GradStats AccumulatedStats() const;
   // buffer (padded,): every rank's partition gathered from its owner.
   absl::Status AllGatherPartitions(uint16_t* buffer);
   // Waits for the commit running in the background (DPU), if any; its weights are gathered into
   // next_weights16_, where they wait until the next step takes them. Collective.
   absl::Status FinishPendingCommit();
-  // The local half of it: only waits for this rank's commit.
-  absl::StatusOr<bool> WaitPendingCommit();
   v1::CheckpointManifest Manifest() const;
 
   TrainerOptions options_;
@@ -245,14 +239,14 @@ class Trainer {
   std::unique_ptr<TokenDataset> dataset_;
   TokenSpan train_, val_;
   std::unique_ptr<BatchSampler> sampler_;
-  StepPolicy policy_;                         // skip, clip, grad multiplier and the loss scale
   std::unique_ptr<Collectives> single_rank_;  // when options_.collectives is null
   Collectives* collectives_ = nullptr;
   int local_batch_ = 0;  // sequences per micro-batch on this rank
-  std::unique_ptr<GradientSender> sender_;
-  std::unique_ptr<GradientReducer> reducer_;  // backends with fp32 gradients
+  // The rank's step on the optimizer: gradients out, the policy (skip, clip, loss scale), the
+  // micro-batch sum, the commit and DPU's background commit; its buffer is where gradients land.
+  std::unique_ptr<StepEngine> engine_;
+  std::unique_ptr<GradientReducer> reducer_;  // backends with fp32 gradients; after engine_
   std::atomic<bool> send_gradients_{false};   // read by the reducer thread
-  std::atomic<bool> accumulate_{false};
   std::atomic<bool> stop_requested_{false};
   std::atomic<uint64_t> checkpoint_requested_{0};
 
@@ -263,14 +257,10 @@ class Trainer {
   std::atomic<uint64_t> trace_step_{0};  // the step a gather is recorded under
   std::unique_ptr<Collectives> param_collectives_;  // stage 3: the gathers' own communicator
   std::unique_ptr<ParamGatherer> gatherer_;         // stage 3: the layers' weights on demand
-  std::vector<uint16_t> grads16_;                   // (padded,) what leaves; the padding stays 0
-  std::vector<float> acc32_;               // (P,) micro-batches > 1: this rank's gradient sum
-  std::vector<int32_t> inputs_, targets_;  // (B, T) the global batch
+  std::vector<int32_t> inputs_, targets_;           // (B, T) the global batch
   bool params_stale_ = true;
-  // DPU: the commit of the last step, running while the next step computes, and the weights it
-  // writes (or a resume restored), which the step after that computes with.
-  std::future<absl::StatusOr<StepCounters>> pending_commit_;
-  bool pending_skipped_ = false;
+  // DPU: the weights the commit of the last step writes while the next step computes (or a resume
+  // restored), which the step after that computes with.
   std::vector<uint16_t> next_weights16_;  // (padded,)
   bool next_ready_ = false;
   // Host memory offered to the runner for page-locking (the CUDA backend's direct transfers): the

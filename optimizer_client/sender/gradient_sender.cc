@@ -4,9 +4,14 @@
 
 namespace offload {
 
-GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16,
-                               PhaseTrace* trace)
-    : backend_(backend), grads16_(grads16), trace_(trace), thread_([this] { Loop(); }) {}
+GradientSender::GradientSender(OptimizerBackend* backend, const uint16_t* grads16, DType dtype,
+                               bool measure, PhaseTrace* trace)
+    : backend_(backend),
+      grads16_(grads16),
+      trace_(trace),
+      dtype_(dtype),
+      measure_(measure),
+      thread_([this] { Loop(); }) {}
 
 GradientSender::~GradientSender() {
   {
@@ -53,12 +58,6 @@ absl::Status GradientSender::Drain() {
   return error;
 }
 
-void GradientSender::MeasureAs(DType dtype) {
-  std::lock_guard<std::mutex> lock(mu_);
-  measure_ = true;
-  measure_dtype_ = dtype;
-}
-
 GradStats GradientSender::TakeStats() {
   std::lock_guard<std::mutex> lock(mu_);
   GradStats taken = stats_;
@@ -80,7 +79,6 @@ void GradientSender::Loop() {
     const Range range = queue_.front();
     queue_.pop_front();
     const bool failed = !error_.ok();
-    const bool measure = measure_;
     float* const acc =
         range.accumulate && acc_ != nullptr ? acc_ + (range.offset - acc_base_) : nullptr;
     ++in_flight_;
@@ -105,10 +103,10 @@ void GradientSender::Loop() {
     GradStats stats = range.stats;
     if (!failed && acc != nullptr) {
       // In micro-batch order, as the shard's own fold adds them: the same fp32 sums.
-      AddAsFloat(range.src, measure_dtype_, range.n, acc);
+      AddAsFloat(range.src, dtype_, range.n, acc);
       stats = GradStats{};
-    } else if (!failed && measure && !range.known) {
-      stats = MeasureGradients16(range.src, range.n, measure_dtype_);
+    } else if (!failed && measure_ && !range.known) {
+      stats = MeasureGradients16(range.src, range.n, dtype_);
     }
     if (!failed) {
       const uint64_t step = step_.load(std::memory_order_relaxed);

@@ -20,10 +20,15 @@ namespace offload {
 
 class GradientSender {
  public:
-  // grads16 (padded_length,) stays owned by the caller and must not change while queued. Each
-  // range sent is recorded in `trace` (may be null) under the step of the last set_step, as two
-  // spans: `send_queued` from Enqueue until this thread takes it, then `send_gradients`.
-  GradientSender(OptimizerBackend* backend, const uint16_t* grads16, PhaseTrace* trace = nullptr);
+  // grads16 (padded_length,) stays owned by the caller and must not change while queued; the
+  // gradients are `dtype`. measure: the statistics (GradStats) of every range sent are summed on
+  // this thread, for callers that hand over gradients already rounded (the C ABI's front ends), so
+  // the measure is off backward's path; TakeStats (after Drain) returns the sum since the last
+  // TakeStats. Each range sent is recorded in `trace` (may be null) under the step of the last
+  // set_step, as two spans: `send_queued` from Enqueue until this thread takes it, then
+  // `send_gradients`.
+  GradientSender(OptimizerBackend* backend, const uint16_t* grads16, DType dtype, bool measure,
+                 PhaseTrace* trace = nullptr);
   void set_step(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
   ~GradientSender();
 
@@ -44,15 +49,10 @@ class GradientSender {
   // Waits until everything queued is sent; returns the first error since the last Drain.
   absl::Status Drain();
 
-  // From now on, the statistics (GradStats) of every range sent are summed, its values read as
-  // `dtype`, on this sender's thread: for callers that hand over gradients already rounded (the
-  // C ABI's front ends), so the measure is off backward's path. TakeStats (after Drain) returns
-  // the sum since the last TakeStats and starts a new one.
-  void MeasureAs(DType dtype);
   GradStats TakeStats();
-  // From now on, every accumulate range is also added (as MeasureAs's dtype, in fp32) into
-  // acc[offset - base] before it is sent, and not measured: the caller's mirror of the shards'
-  // micro-batch accumulator, whose statistics decide the step. Null: off. Call only when drained.
+  // From now on, every accumulate range is also added (in fp32) into acc[offset - base] before it
+  // is sent, and not measured: the caller's mirror of the shards' micro-batch accumulator, whose
+  // statistics decide the step. Null: off. Call only when drained.
   void AccumulateInto(float* acc, int64_t base);
 
  private:
@@ -78,8 +78,8 @@ class GradientSender {
   int in_flight_ = 0;        // guarded by mu_
   absl::Status error_;       // guarded by mu_
   bool stop_ = false;        // guarded by mu_
-  bool measure_ = false;     // guarded by mu_
-  DType measure_dtype_ = DType::kBf16;
+  const DType dtype_;
+  const bool measure_;
   float* acc_ = nullptr;         // guarded by mu_
   int64_t acc_base_ = 0;         // guarded by mu_
   GradStats stats_;              // guarded by mu_
