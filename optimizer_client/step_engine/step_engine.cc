@@ -143,13 +143,21 @@ absl::Status StepEngine::EnsureAccumulator() {
 }
 
 void StepEngine::FirstMicroBatchSum(int64_t offset, int64_t n, float* out) {
-  std::fill(out, out + n, 0.0f);
+  // Element by element, so the tiles may run on every core: the same bits.
+  constexpr int64_t kTile = int64_t{1} << 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t lo = 0; lo < n; lo += kTile) {
+    std::fill(out + lo, out + std::min(n, lo + kTile), 0.0f);
+  }
   std::lock_guard<std::mutex> lock(first_mu_);
   for (const SentRange& r : first_micro_batch_) {
     const int64_t lo = std::max(offset, r.offset);
     const int64_t hi = std::min(offset + n, r.offset + r.n);
-    if (lo >= hi) continue;
-    AddAsFloat(r.src + (lo - r.offset), options_.dtype, hi - lo, out + (lo - offset));
+#pragma omp parallel for schedule(static)
+    for (int64_t at = lo; at < hi; at += kTile) {
+      const int64_t m = std::min(kTile, hi - at);
+      AddAsFloat(r.src + (at - r.offset), options_.dtype, m, out + (at - offset));
+    }
   }
 }
 
@@ -311,8 +319,8 @@ absl::StatusOr<StepDecision> StepEngine::Close(const GradStats* global, float ma
 }
 
 absl::StatusOr<CommitOutcome> StepEngine::Commit(const GradStats* global, float max_grad_norm,
-                                               double lr, absl::Span<const double> group_lr,
-                                               uint16_t* partition16) {
+                                                 double lr, absl::Span<const double> group_lr,
+                                                 uint16_t* partition16) {
   if (!in_step_) return absl::FailedPreconditionError("a commit outside a step");
   const uint64_t step = open_step_;
   std::vector<RangeStep> range_steps;
