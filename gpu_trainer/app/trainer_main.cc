@@ -228,6 +228,8 @@ int main(int argc, char** argv) {
       "Trains a GPT-2 family model on text or GPT-2 token shards, offloading the optimizer.");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   offload::KeepFreedMemoryForReuse();
+  // Every phase a rank times goes into its offload_trainer_phase_seconds histogram.
+  offload::SetPhaseObserver(&offload::ObserveTrainerPhaseSeconds);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
 
