@@ -31,8 +31,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/metrics/metrics.h"
 #include "base/thread_pool.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
@@ -121,7 +121,7 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
     client_options.address = "127.0.0.1:" + std::to_string(server_->port());
     client_options.chunk_bytes = kChunkBytes;
     client_options.max_message_bytes = int64_t{8} << 20;
-    auto client = OptimizerClient::Connect(client_options);
+    auto client = ShardClient::Connect(client_options);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
 
@@ -306,7 +306,7 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<OptimizerServer> server_;
-  std::unique_ptr<OptimizerClient> client_;
+  std::unique_ptr<ShardClient> client_;
   std::unique_ptr<StepTransport> owned_transport_;  // shm and ucx; gRPC is the client itself
   StepTransport* transport_ = nullptr;
 

@@ -1,8 +1,8 @@
 // Client of offload.v1.OptimizerShard: what a trainer rank uses to talk to one shard. It keeps a
 // small pool of channels (one HTTP/2 connection carries about 1 GB/s; several streams in flight
 // spread over them) and cuts tensors into chunks under the message limit.
-#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_CLIENT_H_
-#define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_CLIENT_H_
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SHARD_CLIENT_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SHARD_CLIENT_H_
 
 #include <atomic>
 #include <cstdint>
@@ -44,7 +44,7 @@ struct ClientOptions {
   TlsConfig tls;
 };
 
-class OptimizerClient;
+class ShardClient;
 
 // fp32 values of one state tensor for flat elements [offset, offset + n).
 struct StateSliceRef {
@@ -66,7 +66,7 @@ struct StepCounters {
 
 // One LoadState stream to one shard (ARCHITECTURE.md section 4.2): chunks go out as they are added,
 // the shard applies them all when Finish closes the stream, and nothing when Cancel (or the
-// destructor) ends it first. Made by OptimizerClient::OpenLoad.
+// destructor) ends it first. Made by ShardClient::OpenLoad.
 class StateLoadStream {
  public:
   // (n,) fp32 values of one tensor, in messages of at most the client's chunk_bytes. An error
@@ -78,7 +78,7 @@ class StateLoadStream {
   ~StateLoadStream();
 
  private:
-  friend class OptimizerClient;
+  friend class ShardClient;
 
   StateLoadStream() = default;
 
@@ -92,7 +92,7 @@ class StateLoadStream {
   bool done_ = false;   // Finish or Cancel ran
 };
 
-// One step of one range over a gRPC Step stream. Made by OptimizerClient::OpenStep. The stream
+// One step of one range over a gRPC Step stream. Made by ShardClient::OpenStep. The stream
 // carries raw bytes (step_wire.h): a gradient chunk is copied once, into a buffer its message's
 // slice owns, unless it was written into the gradient area, whose slices then go out as they are;
 // parameter waves are read from gRPC's receive slices straight into params_out.
@@ -119,7 +119,7 @@ class GrpcStepStream final : public StepStream {
   ~GrpcStepStream() override;
 
  private:
-  friend class OptimizerClient;
+  friend class ShardClient;
 
   GrpcStepStream() = default;
   // Writes a small message (open, update, commit); false when the shard ended the stream.
@@ -131,7 +131,7 @@ class GrpcStepStream final : public StepStream {
   // Gives the gradient area back to the client; `committed`: the shard has all it was sent.
   void ReturnArea(bool committed);
 
-  OptimizerClient* client_ = nullptr;
+  ShardClient* client_ = nullptr;
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   v1::StepRequest request_;  // reused for the small messages
@@ -150,10 +150,10 @@ class GrpcStepStream final : public StepStream {
 };
 
 // The control plane to one shard, and its gRPC data plane.
-class OptimizerClient final : public StepTransport {
+class ShardClient final : public StepTransport {
  public:
   // Connects every channel; fails if the shard does not answer within the connect timeout.
-  static absl::StatusOr<std::unique_ptr<OptimizerClient>> Connect(const ClientOptions& options);
+  static absl::StatusOr<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
 
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request);
   // Loads (n,) fp32 values of `tensor` for flat elements [offset, offset + n).
@@ -187,7 +187,7 @@ class OptimizerClient final : public StepTransport {
  private:
   friend class GrpcStepStream;
 
-  explicit OptimizerClient(const ClientOptions& options) : options_(options) {}
+  explicit ShardClient(const ClientOptions& options) : options_(options) {}
   // The gradient area of range `range_index` of job_id (GrpcStepStream::GradientArea) for a
   // stream, with its id; null when another stream of the range has it.
   std::shared_ptr<SliceBuffer> TakeGradientArea(const std::string& job_id, uint32_t range_index,
@@ -220,4 +220,4 @@ class OptimizerClient final : public StepTransport {
 
 }  // namespace offload
 
-#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_OPTIMIZER_CLIENT_H_
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_SHARD_CLIENT_H_

@@ -1,4 +1,4 @@
-#include "cpu_optimizer_server/transport/transport_select.h"
+#include "cpu_optimizer_server/transport_factory/transport_factory.h"
 
 #include "absl/strings/str_cat.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
@@ -35,7 +35,7 @@ absl::StatusOr<TransportChoice> ParseTransportChoice(absl::string_view name) {
       absl::StrCat("transport \"", name, "\" is not one of auto, grpc, shm, ucx"));
 }
 
-absl::StatusOr<StepTransport*> SelectStepTransport(OptimizerClient* control, TransportChoice choice,
+absl::StatusOr<StepTransport*> SelectStepTransport(ShardClient* control, TransportChoice choice,
                                                    std::unique_ptr<StepTransport>* owned) {
   const std::string& address = control->options().address;
   switch (choice) {

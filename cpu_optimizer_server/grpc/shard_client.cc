@@ -1,4 +1,4 @@
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 
 #include <algorithm>
 #include <atomic>
@@ -21,14 +21,13 @@ constexpr char kStepMethod[] = "/offload.v1.OptimizerShard/Step";
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
-    const ClientOptions& options) {
+absl::StatusOr<std::unique_ptr<ShardClient>> ShardClient::Connect(const ClientOptions& options) {
   if (options.num_channels < 1) return absl::InvalidArgumentError("num_channels must be >= 1");
   if (options.chunk_bytes < 64 || options.chunk_bytes > options.max_message_bytes - 1024) {
     return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ", options.chunk_bytes,
                                                    " must be in [64, max_message_bytes - 1024]"));
   }
-  std::unique_ptr<OptimizerClient> client(new OptimizerClient(options));
+  std::unique_ptr<ShardClient> client(new ShardClient(options));
   const gpr_timespec deadline = gpr_time_add(
       gpr_now(GPR_CLOCK_MONOTONIC),
       gpr_time_from_millis(absl::ToInt64Milliseconds(options.connect_timeout), GPR_TIMESPAN));
@@ -60,18 +59,15 @@ absl::StatusOr<std::unique_ptr<OptimizerClient>> OptimizerClient::Connect(
   return client;
 }
 
-void OptimizerClient::Prepare(grpc::ClientContext* context) const {
+void ShardClient::Prepare(grpc::ClientContext* context) const {
   context->set_deadline(std::chrono::system_clock::now() +
                         absl::ToChronoMilliseconds(options_.call_timeout));
   AttachBearer(context, options_.token);
 }
 
-size_t OptimizerClient::Next() {
-  return next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size();
-}
+size_t ShardClient::Next() { return next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size(); }
 
-absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
-    const v1::CreateJobRequest& request) {
+absl::StatusOr<v1::CreateJobResponse> ShardClient::CreateJob(const v1::CreateJobRequest& request) {
   grpc::ClientContext context;
   Prepare(&context);
   v1::CreateJobResponse response;
@@ -80,14 +76,14 @@ absl::StatusOr<v1::CreateJobResponse> OptimizerClient::CreateJob(
   return response;
 }
 
-absl::Status OptimizerClient::LoadState(const std::string& job_id, v1::StateTensor tensor,
-                                        int64_t offset, const float* values, int64_t n) {
+absl::Status ShardClient::LoadState(const std::string& job_id, v1::StateTensor tensor,
+                                    int64_t offset, const float* values, int64_t n) {
   return LoadState(job_id, {StateSliceRef{tensor, offset, values, n}}, nullptr);
 }
 
-absl::Status OptimizerClient::LoadState(const std::string& job_id,
-                                        const std::vector<StateSliceRef>& slices,
-                                        const StepCounters* steps) {
+absl::Status ShardClient::LoadState(const std::string& job_id,
+                                    const std::vector<StateSliceRef>& slices,
+                                    const StepCounters* steps) {
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StateLoadStream> load, OpenLoad(job_id, steps));
   for (const StateSliceRef& slice : slices) {
     if (!load->Add(slice).ok()) break;  // Finish says why
@@ -95,8 +91,8 @@ absl::Status OptimizerClient::LoadState(const std::string& job_id,
   return load->Finish();
 }
 
-absl::StatusOr<std::unique_ptr<StateLoadStream>> OptimizerClient::OpenLoad(
-    const std::string& job_id, const StepCounters* steps) {
+absl::StatusOr<std::unique_ptr<StateLoadStream>> ShardClient::OpenLoad(const std::string& job_id,
+                                                                       const StepCounters* steps) {
   std::unique_ptr<StateLoadStream> load(new StateLoadStream());
   load->context_ = std::make_unique<grpc::ClientContext>();
   Prepare(load->context_.get());
@@ -155,8 +151,8 @@ void StateLoadStream::Cancel() {
 
 StateLoadStream::~StateLoadStream() { Cancel(); }
 
-absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTensor tensor,
-                                        DType dtype, int64_t offset, int64_t n, void* out) {
+absl::Status ShardClient::ReadState(const std::string& job_id, v1::StateTensor tensor, DType dtype,
+                                    int64_t offset, int64_t n, void* out) {
   grpc::ClientContext context;
   Prepare(&context);
   v1::ReadStateRequest request;
@@ -188,7 +184,7 @@ absl::Status OptimizerClient::ReadState(const std::string& job_id, v1::StateTens
   return absl::OkStatus();
 }
 
-absl::Status OptimizerClient::DropJob(const std::string& job_id) {
+absl::Status ShardClient::DropJob(const std::string& job_id) {
   grpc::ClientContext context;
   Prepare(&context);
   v1::DropJobRequest request;
@@ -204,7 +200,7 @@ absl::Status OptimizerClient::DropJob(const std::string& job_id) {
   return FromGrpcStatus(NextStub()->DropJob(&context, request, &response));
 }
 
-absl::StatusOr<v1::DescribeShardResponse> OptimizerClient::DescribeShard() {
+absl::StatusOr<v1::DescribeShardResponse> ShardClient::DescribeShard() {
   grpc::ClientContext context;
   Prepare(&context);
   v1::DescribeShardResponse response;
@@ -213,11 +209,11 @@ absl::StatusOr<v1::DescribeShardResponse> OptimizerClient::DescribeShard() {
   return response;
 }
 
-absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std::string& job_id,
-                                                                      uint32_t range_index,
-                                                                      int64_t range_offset,
-                                                                      int64_t range_length,
-                                                                      uint64_t step) {
+absl::StatusOr<std::unique_ptr<StepStream>> ShardClient::OpenStep(const std::string& job_id,
+                                                                  uint32_t range_index,
+                                                                  int64_t range_offset,
+                                                                  int64_t range_length,
+                                                                  uint64_t step) {
   std::unique_ptr<GrpcStepStream> s(new GrpcStepStream());
   s->context_ = std::make_unique<grpc::ClientContext>();
   Prepare(s->context_.get());
@@ -244,7 +240,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> OptimizerClient::OpenStep(const std:
 }
 
 std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>
-OptimizerClient::Attach(grpc::ClientContext* context) {
+ShardClient::Attach(grpc::ClientContext* context) {
   AttachBearer(context, options_.token);
   return NextStub()->Attach(context);
 }
@@ -317,9 +313,9 @@ void GrpcStepStream::ReturnArea(bool committed) {
   client_->ReturnGradientArea(job_id_, range_index_, committed);
 }
 
-std::shared_ptr<SliceBuffer> OptimizerClient::TakeGradientArea(const std::string& job_id,
-                                                               uint32_t range_index, size_t bytes,
-                                                               uint64_t* id) {
+std::shared_ptr<SliceBuffer> ShardClient::TakeGradientArea(const std::string& job_id,
+                                                           uint32_t range_index, size_t bytes,
+                                                           uint64_t* id) {
   // Ids are unique in the process, so a caller holding several clients' areas tells them apart.
   static std::atomic<uint64_t> next_id{1};
   std::lock_guard<std::mutex> lock(areas_mu_);
@@ -339,8 +335,8 @@ std::shared_ptr<SliceBuffer> OptimizerClient::TakeGradientArea(const std::string
   return slot.buffer;
 }
 
-void OptimizerClient::ReturnGradientArea(const std::string& job_id, uint32_t range_index,
-                                         bool committed) {
+void ShardClient::ReturnGradientArea(const std::string& job_id, uint32_t range_index,
+                                     bool committed) {
   std::lock_guard<std::mutex> lock(areas_mu_);
   auto it = areas_.find({job_id, range_index});
   if (it == areas_.end()) return;
