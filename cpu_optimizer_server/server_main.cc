@@ -30,8 +30,8 @@
 #include "cpu_optimizer_server/shard/server_metrics.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "services/common/job_spec.h"
-#include "services/worker/worker_agent.h"
+#include "jobs/spec/job_spec.h"
+#include "jobs/worker/worker_agent.h"
 
 // base/security/security_flags.cc
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",

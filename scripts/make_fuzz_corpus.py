@@ -7,7 +7,7 @@ near-valid inputs in each real format, next to the target that reads them:
   optimizer_client/param_state/fuzz/param_state_manifest_corpus/  a front end's checkpoint
                                                      manifests (JSON)
   gpu_trainer/data/fuzz/token_shard_corpus/          llm.c .bin token shards
-  services/common/fuzz/job_spec_corpus/              job files, YAML and JSON
+  jobs/spec/fuzz/job_spec_corpus/                    job files, YAML and JSON
   services/job_controller/fuzz/rest_gateway_corpus/  raw HTTP requests
   cpu_optimizer_server/shard/fuzz/step_session_corpus/  step streams (step_session_fuzz.cc's
                                                      encoding)
@@ -167,8 +167,8 @@ def token_shard_corpus():
 # --- job files -----------------------------------------------------------------------------------
 
 def job_spec_corpus():
-    d = 'services/common/fuzz/job_spec_corpus'
-    with open(os.path.join(ROOT, 'services/common/testdata/demo_job.yaml'), 'rb') as f:
+    d = 'jobs/spec/fuzz/job_spec_corpus'
+    with open(os.path.join(ROOT, 'jobs/spec/testdata/demo_job.yaml'), 'rb') as f:
         write(d, 'demo_job.yaml', f.read())
     write(d, 'full.yaml', '''# a comment
 name: tiny run

@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
 """The repository's layout rules (docs/ARCHITECTURE.md, "Folders and targets"):
 
-1. The top-level folders depend on each other, by their #include lines, without a cycle.
+1. The top-level folders form the layers of LAYERS, lowest first: a file may include only from its
+   own folder and the folders below it. Every top-level folder that holds sources has a place in
+   the order, and the root CMakeLists.txt adds them in it.
 2. No program a user runs links, even indirectly, a target that holds a test, a bench or a test
    tool (a *_test.cc or *test_util.h, a bench_*.cc, anything under a tools/ folder).
 3. No folder holds more than 20 source files directly.
+4. A program's folder (PROGRAM_FOLDERS) is included only by its own files: what programs share
+   lives in a library folder.
+5. The trainer reaches the optimizer servers through optimizer_client/: no production file under
+   gpu_trainer/ includes cpu_optimizer_server/ (its tests, benches, tools and fuzz targets may, to
+   compare with the servers' code or run one in process).
 
 Usage: check_layout.py SOURCE_DIR. Rule 2 reads the targets and their sources through CMake's
 file API, from a configure of SOURCE_DIR into a temporary directory (a few seconds; the query must
@@ -21,7 +28,18 @@ import tempfile
 SOURCE_EXTENSIONS = ('.cc', '.h', '.cu', '.cuh')
 MAX_SOURCES_PER_FOLDER = 20
 TOOL_FILE = re.compile(r'(_test\.cc|test_util\.h)$|(^|/)bench_[^/]*\.cc$|(^|/)tools/')
+FUZZ_FILE = re.compile(r'_fuzz\.cc$|(^|/)fuzz/')
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+# The layers, lowest first: the wire API, the basics, the model's shape, the job system's library
+# that programs of every layer embed (job files, the pool worker's agent, a rank's progress
+# client), the optimizer server, the trainer's side of it (both front ends stand on it), the C++
+# trainer, the services that control the programs below them (job controller, launcher, CLI, the
+# trainer's pool worker and gpu_trainer's main()), and the PyTorch front end.
+LAYERS = ['proto', 'base', 'model_spec', 'jobs', 'cpu_optimizer_server', 'optimizer_client',
+          'gpu_trainer', 'services', 'python']
+# Programs' folders: their headers are theirs alone (rule 4).
+PROGRAM_FOLDERS = ['services/job_controller', 'services/launcher', 'services/offloadctl',
+                   'services/trainer_worker']
 
 
 def tracked_sources(root):
@@ -36,46 +54,56 @@ def tracked_sources(root):
     return [f for f in files if f.endswith(SOURCE_EXTENSIONS)]
 
 
-def folder_cycles(root, sources):
-    """Edges between top-level folders from the #include lines, and a cycle if there is one."""
-    top_levels = {f.split('/')[0] for f in sources if '/' in f}
-    edges = {}  # (from, to) -> an example "file includes header"
+def includes(root, sources):
+    """(file, header) for every quoted #include of the tracked sources."""
+    out = []
     for f in sources:
-        if '/' not in f:
-            continue
         with open(os.path.join(root, f), encoding='utf-8') as fh:
-            text = fh.read()
-        for header in INCLUDE.findall(text):
-            to = header.split('/')[0]
-            frm = f.split('/')[0]
-            if to in top_levels and to != frm and '/' in header:
-                edges.setdefault((frm, to), f'{f} includes "{header}"')
-    graph = {}
-    for frm, to in edges:
-        graph.setdefault(frm, set()).add(to)
-    # Depth-first search for a back edge; returns the first cycle as a list of folders.
-    state = {}
+            out += [(f, header) for header in INCLUDE.findall(fh.read())]
+    return out
 
-    def visit(node, path):
-        state[node] = 'open'
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 'open':
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state:
-                cycle = visit(nxt, path)
-                if cycle:
-                    return cycle
-        path.pop()
-        state[node] = 'done'
-        return None
 
-    for node in sorted(graph):
-        if node not in state:
-            cycle = visit(node, [])
-            if cycle:
-                return edges, cycle
-    return edges, None
+def layer_violations(root, sources, included, edges):
+    """Rule 1, from the #include lines and the root CMakeLists.txt; fills edges (from, to)."""
+    top_levels = {f.split('/')[0] for f in sources if '/' in f}
+    problems = [f'{d}/ holds sources but has no place in the layers'
+                for d in sorted(top_levels - set(LAYERS))]
+    for f, header in included:
+        frm, to = f.split('/')[0], header.split('/')[0]
+        if '/' not in f or '/' not in header or to not in top_levels or to == frm:
+            continue
+        edges.add((frm, to))
+        if frm in LAYERS and to in LAYERS and LAYERS.index(to) > LAYERS.index(frm):
+            problems.append(f'{f} includes "{header}": {to}/ is above {frm}/ in the layers')
+    with open(os.path.join(root, 'CMakeLists.txt'), encoding='utf-8') as fh:
+        added = re.findall(r'^add_subdirectory\((\w+)\)', fh.read(), re.M)
+    added = [d for d in added if d in LAYERS]
+    if added != sorted(added, key=LAYERS.index):
+        problems.append(f'the root CMakeLists.txt adds {", ".join(added)}: not in the layers\' '
+                        f'order')
+    return problems
+
+
+def program_folder_violations(included):
+    """Rule 4."""
+    problems = []
+    for f, header in included:
+        for program in PROGRAM_FOLDERS:
+            if header.startswith(program + '/') and not f.startswith(program + '/'):
+                problems.append(f'{f} includes "{header}": only {program}/ itself may include '
+                                f'a program folder\'s headers (move what they share into a '
+                                f'library folder)')
+    return problems
+
+
+def trainer_server_violations(included):
+    """Rule 5."""
+    return [f'{f} includes "{header}": the trainer reaches the optimizer servers through '
+            f'optimizer_client/ (only tests, benches, tools and fuzz targets under gpu_trainer/ '
+            f'may include cpu_optimizer_server/)'
+            for f, header in included
+            if f.startswith('gpu_trainer/') and header.startswith('cpu_optimizer_server/')
+            and not TOOL_FILE.search(f) and not FUZZ_FILE.search(f)]
 
 
 def configure(source_root, build):
@@ -157,25 +185,24 @@ def main():
         raise SystemExit(__doc__)
     source_root = sys.argv[1]
     sources = tracked_sources(source_root)
-    failures = []
-    edges, cycle = folder_cycles(source_root, sources)
-    if cycle:
-        steps = [f'  {a} -> {b}: {edges[(a, b)]}' for a, b in zip(cycle, cycle[1:])]
-        failures.append('the top-level folders depend on each other in a cycle:\n' +
-                        '\n'.join(steps))
+    included = includes(source_root, sources)
+    edges = set()
+    failures = layer_violations(source_root, sources, included, edges)
     with tempfile.TemporaryDirectory(prefix='check_layout.') as build:
         configure(source_root, build)
         failures += tool_linking_programs(source_root, build)
     failures += [f'{d} holds {n} source files directly (at most {MAX_SOURCES_PER_FOLDER})'
                  for d, n in crowded_folders(sources)]
-    order = sorted({b for _, b in edges} | {a for a, _ in edges})
-    print('top-level dependencies: ' +
-          ', '.join(f'{a} -> {b}' for a, b in sorted(edges)) + f' ({len(order)} folders)')
+    failures += program_folder_violations(included)
+    failures += trainer_server_violations(included)
+    print('layers: ' + ' < '.join(LAYERS))
+    print('top-level dependencies: ' + ', '.join(f'{a} -> {b}' for a, b in sorted(edges)))
     if failures:
         for f in failures:
             print('check_layout: ' + f, file=sys.stderr)
         return 1
-    print('check_layout: no cycle, no program links a test or bench tool, no crowded folder')
+    print('check_layout: every include points down the layers, no program links a test or bench tool, no crowded folder, no program folder included '
+          'from outside, the trainer reaches the servers only through optimizer_client/')
     return 0
 
 

@@ -332,7 +332,7 @@ wait_step "$job" 1 25 60
 for h in t0 t1; do on "$h" ip route add blackhole "${addr[s2]}/32"; done
 for h in t0 t1; do on s2 ip route add blackhole "${addr[$h]}/32"; done
 cut_begins
-# Only the shard channel can tell (cpu_optimizer_server/grpc/optimizer_client.cc): keepalive
+# Only the shard channel can tell (cpu_optimizer_server/grpc/shard_client.cc): keepalive
 # pings every 10 s, 5 s to answer, and gRPC sets TCP_USER_TIMEOUT to those 5 s, so a step's data
 # left unacknowledged closes the connection when TCP's next retransmission is due after 5 s
 # (0.2, 0.6, 1.4, 3.0, 6.2 s after the send): about 6.2 s mid-step, about 10 + 6.2 s on an idle

@@ -8,7 +8,7 @@
 
 namespace offload {
 
-AttachClient::AttachClient(OptimizerClient* control, std::string what)
+AttachClient::AttachClient(ShardClient* control, std::string what)
     : what_(std::move(what)),
       setup_timeout_(control->options().attach_setup_timeout),
       stream_(control->Attach(&context_)) {}

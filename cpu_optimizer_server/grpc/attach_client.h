@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/optimizer.grpc.pb.h"
 
@@ -23,7 +23,7 @@ class AttachClient {
  public:
   // Opens the Attach stream to the shard behind `control`. `what` names the attachment in errors
   // ("the shm Attach stream").
-  AttachClient(OptimizerClient* control, std::string what);
+  AttachClient(ShardClient* control, std::string what);
   // Cancels the stream if it is still open (the shard drops the attachment) and joins the
   // watcher.
   ~AttachClient();

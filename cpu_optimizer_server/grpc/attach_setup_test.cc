@@ -8,9 +8,9 @@
 
 #include "absl/time/clock.h"
 #include "cpu_optimizer_server/grpc/attach_client.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/grpc/service_test_util.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 
 namespace offload {
 namespace {
@@ -118,7 +118,7 @@ TEST(TrainerSideTest, GivesUpOnAShardThatNeverAnswers) {
   ClientOptions options;
   options.address = "127.0.0.1:" + std::to_string(port);
   options.attach_setup_timeout = kSetup;
-  auto control = OptimizerClient::Connect(options);
+  auto control = ShardClient::Connect(options);
   ASSERT_TRUE(control.ok()) << control.status();
   const absl::Time start = absl::Now();
   {

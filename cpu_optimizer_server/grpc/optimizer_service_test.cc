@@ -11,8 +11,8 @@
 #include <random>
 #include <thread>
 
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/service_test_util.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 
@@ -41,7 +41,7 @@ class OptimizerServiceTest : public ::testing::Test {
     client_options.address = address_;
     client_options.chunk_bytes = 64 << 10;  // many chunks per range
     client_options.max_message_bytes = int64_t{8} << 20;
-    auto client = OptimizerClient::Connect(client_options);
+    auto client = ShardClient::Connect(client_options);
     EXPECT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
     channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
@@ -184,7 +184,7 @@ class OptimizerServiceTest : public ::testing::Test {
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<OptimizerServer> server_;
   std::string address_;
-  std::unique_ptr<OptimizerClient> client_;
+  std::unique_ptr<ShardClient> client_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::OptimizerShard::Stub> stub_;
   uint32_t seed_;

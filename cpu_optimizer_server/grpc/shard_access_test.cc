@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/grpc/service_test_util.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 
 namespace offload {
 namespace {
@@ -143,12 +143,12 @@ class ShardAccessTest : public ::testing::Test {
         grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
 
-  std::unique_ptr<OptimizerClient> Client(const std::string& token) {
+  std::unique_ptr<ShardClient> Client(const std::string& token) {
     ClientOptions options;
     options.address = address_;
     options.max_message_bytes = int64_t{8} << 20;
     options.token = token;
-    auto client = OptimizerClient::Connect(options);
+    auto client = ShardClient::Connect(options);
     EXPECT_TRUE(client.ok()) << client.status();
     return client.ok() ? *std::move(client) : nullptr;
   }
@@ -208,12 +208,12 @@ TEST_F(ShardAccessTest, DescribeShardShowsACallerOnlyItsOwnJob) {
   Serve(ShardAccess::Mode::kPool, {"operator-token"});
   access_->Grant("job-a.1", "secret-a");
   access_->Grant("job-b.1", "secret-b");
-  std::unique_ptr<OptimizerClient> a = Client("secret-a");
-  std::unique_ptr<OptimizerClient> b = Client("secret-b");
+  std::unique_ptr<ShardClient> a = Client("secret-a");
+  std::unique_ptr<ShardClient> b = Client("secret-b");
   ASSERT_TRUE(a->CreateJob(CreateRequest("job-a.1")).ok());
   ASSERT_TRUE(b->CreateJob(CreateRequest("job-b.1")).ok());
 
-  auto seen = [](OptimizerClient* client) {
+  auto seen = [](ShardClient* client) {
     std::vector<std::string> ids;
     auto describe = client->DescribeShard();
     EXPECT_TRUE(describe.ok()) << describe.status();
@@ -224,7 +224,7 @@ TEST_F(ShardAccessTest, DescribeShardShowsACallerOnlyItsOwnJob) {
   };
   EXPECT_EQ(seen(a.get()), std::vector<std::string>{"job-a.1"});
   EXPECT_EQ(seen(b.get()), std::vector<std::string>{"job-b.1"});
-  std::unique_ptr<OptimizerClient> op = Client("operator-token");
+  std::unique_ptr<ShardClient> op = Client("operator-token");
   EXPECT_EQ(seen(op.get()), (std::vector<std::string>{"job-a.1", "job-b.1"}));
   EXPECT_EQ(Client("")->DescribeShard().status().code(), absl::StatusCode::kUnauthenticated);
 
@@ -244,7 +244,7 @@ TEST_F(ShardAccessTest, StandaloneServerTakesAnyJobWithAnOperatorToken) {
   EXPECT_TRUE(store_->Jobs().empty());
   ExpectLetIn("token-2", "job.0");
   // The trainer's client: the whole round trip with its token on every call.
-  std::unique_ptr<OptimizerClient> client = Client("token-1");
+  std::unique_ptr<ShardClient> client = Client("token-1");
   ASSERT_TRUE(client->CreateJob(CreateRequest("job.1")).ok());
   std::vector<float> weights(kLen, 0.5f);
   ASSERT_TRUE(

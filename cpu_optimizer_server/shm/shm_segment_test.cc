@@ -20,9 +20,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/grpc/service_test_util.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shm/shm_server.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
 
@@ -110,7 +110,7 @@ TEST(ShmSegmentTest, ProbeAgainstOptimizerServer) {
   ASSERT_TRUE(server.ok()) << server.status();
   ClientOptions client_options;
   client_options.address = absl::StrCat("127.0.0.1:", (*server)->port());
-  auto client = OptimizerClient::Connect(client_options);
+  auto client = ShardClient::Connect(client_options);
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_TRUE(ProbeShm(client->get()).ok()) << ProbeShm(client->get());
   EXPECT_TRUE(OurSegments().empty());
@@ -121,7 +121,7 @@ TEST(ShmSegmentTest, ProbeAgainstOptimizerServer) {
   auto plain = OptimizerServer::Start(no_shm, &store);
   ASSERT_TRUE(plain.ok()) << plain.status();
   client_options.address = absl::StrCat("127.0.0.1:", (*plain)->port());
-  auto plain_client = OptimizerClient::Connect(client_options);
+  auto plain_client = ShardClient::Connect(client_options);
   ASSERT_TRUE(plain_client.ok());
   EXPECT_EQ(ProbeShm(plain_client->get()).code(), absl::StatusCode::kUnimplemented);
 }
@@ -153,7 +153,7 @@ class ShmTransportTest : public ::testing::Test {
     ClientOptions client_options;
     client_options.address = absl::StrCat("127.0.0.1:", port);
     client_options.chunk_bytes = 64 << 10;
-    auto client = OptimizerClient::Connect(client_options);
+    auto client = ShardClient::Connect(client_options);
     EXPECT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
     ShmOptions trainer;
@@ -235,7 +235,7 @@ class ShmTransportTest : public ::testing::Test {
   std::unique_ptr<DataPlaneServer> shm_server_;
   std::unique_ptr<OptimizerService> service_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<OptimizerClient> client_;
+  std::unique_ptr<ShardClient> client_;
   std::unique_ptr<StepTransport> shm_;
   std::mt19937 rng_;
   std::vector<float> weights_;

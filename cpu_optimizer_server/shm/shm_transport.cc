@@ -61,7 +61,7 @@ class Attachment {
   // Unique among the attachments of this process, never 0 (StepStream::GradientAreaId).
   uint64_t id() const { return id_; }
 
-  absl::Status Start(OptimizerClient* control, const v1::AttachOpen& open) {
+  absl::Status Start(ShardClient* control, const v1::AttachOpen& open) {
     link_ = std::make_unique<AttachClient>(
         control, absl::StrCat("the shm Attach stream of shard ", control->options().address));
     absl::StatusOr<ShmSegment> segment = Handshake(open, link_.get());
@@ -398,7 +398,7 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(
 
 class ShmTransport final : public StepTransport {
  public:
-  ShmTransport(OptimizerClient* control, const ShmOptions& options)
+  ShmTransport(ShardClient* control, const ShmOptions& options)
       : control_(control), options_(options) {}
   absl::string_view name() const override { return "shm"; }
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStep(const std::string& job_id,
@@ -410,7 +410,7 @@ class ShmTransport final : public StepTransport {
   absl::StatusOr<std::shared_ptr<Attachment>> Attach(const std::string& job_id,
                                                      uint32_t range_index);
 
-  OptimizerClient* const control_;
+  ShardClient* const control_;
   const ShmOptions options_;
   AttachmentCache<Attachment> attachments_;
 };
@@ -467,7 +467,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> ShmTransport::OpenStep(const std::st
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(OptimizerClient* control,
+absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(ShardClient* control,
                                                                   const ShmOptions& options) {
   if (control == nullptr)
     return absl::InvalidArgumentError("CreateShmTransport: no control client");
@@ -477,7 +477,7 @@ absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(OptimizerClien
   return std::unique_ptr<StepTransport>(new ShmTransport(control, options));
 }
 
-absl::Status ProbeShm(OptimizerClient* control) {
+absl::Status ProbeShm(ShardClient* control) {
   AttachClient link(
       control, absl::StrCat("the shm probe's Attach stream of shard ", control->options().address));
   v1::AttachOpen open;

@@ -35,7 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shm/shm_segment.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 
@@ -43,13 +43,13 @@ namespace offload {
 
 // The trainer's half (the shard's is shm_server.h). `control` (not owned) must outlive the
 // transport. Attachments are made per (job, range) on first use and kept across steps.
-absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(OptimizerClient* control,
+absl::StatusOr<std::unique_ptr<StepTransport>> CreateShmTransport(ShardClient* control,
                                                                   const ShmOptions& options = {});
 
 // Proves, with a probe attachment, that the shard behind `control` shares this process's shared
 // memory. OK, or the reason it does not (FailedPrecondition: another host; Unimplemented: the
 // server offers no shared memory).
-absl::Status ProbeShm(OptimizerClient* control);
+absl::Status ProbeShm(ShardClient* control);
 
 }  // namespace offload
 

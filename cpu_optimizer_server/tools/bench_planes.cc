@@ -62,7 +62,7 @@ ScopedPlaneEnv::~ScopedPlaneEnv() {
 }
 
 absl::StatusOr<std::unique_ptr<StepTransport>> OpenBenchPlane(const BenchPlane& plane,
-                                                              OptimizerClient* client,
+                                                              ShardClient* client,
                                                               int64_t chunk_bytes) {
   if (plane.kind == "grpc") return std::unique_ptr<StepTransport>();
   if (plane.kind == "shm") {

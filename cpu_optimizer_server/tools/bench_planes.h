@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 
 namespace offload {
@@ -48,7 +48,7 @@ class ScopedPlaneEnv {
 // The plane's transport over `client`: null for grpc (the client is the transport), else a shm or
 // UCX transport after a probe attachment worked. chunk_bytes: UCX's chunk.
 absl::StatusOr<std::unique_ptr<StepTransport>> OpenBenchPlane(const BenchPlane& plane,
-                                                              OptimizerClient* client,
+                                                              ShardClient* client,
                                                               int64_t chunk_bytes);
 
 }  // namespace offload

@@ -85,8 +85,8 @@
 #include "base/host_buffer.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/tools/bench_planes.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
@@ -282,8 +282,8 @@ class Bench {
     }
     client_options.num_channels = absl::GetFlag(FLAGS_channels);
     client_options.chunk_bytes = absl::GetFlag(FLAGS_chunk_kib) << 10;
-    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerClient> client,
-                             OptimizerClient::Connect(client_options));
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ShardClient> client,
+                             ShardClient::Connect(client_options));
     // A job of its own per plane, so a remote server's earlier runs do not matter.
     const std::string job = "bench-server-" + plane.name;
     client->DropJob(job).IgnoreError();

@@ -70,8 +70,8 @@
 #include "base/host_buffer.h"
 #include "base/status_macros.h"
 #include "cpu_optimizer_server/adam/adam_kernel_internal.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/tools/bench_planes.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
@@ -187,8 +187,8 @@ class Bench {
       client_options.address = "127.0.0.1:" + std::to_string(server->port());
     }
     client_options.chunk_bytes = absl::GetFlag(FLAGS_chunk_kib) << 10;
-    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerClient> client,
-                             OptimizerClient::Connect(client_options));
+    OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ShardClient> client,
+                             ShardClient::Connect(client_options));
     // A job of its own per plane, so a remote server's earlier runs do not matter.
     const std::string job = "bench-transport-" + plane.name;
     client->DropJob(job).IgnoreError();

@@ -35,7 +35,7 @@ v1::CreateJobRequest MakeCreateJobRequest(const std::string& job_id,
   return request;
 }
 
-absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
+absl::Status StepAllRanges(ShardClient* client, const std::string& job_id,
                            const std::vector<RangeSpec>& ranges, uint64_t step,
                            const uint16_t* grads, DType dtype, double lr, float grad_multiplier,
                            uint16_t* params) {

@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 
@@ -26,7 +26,7 @@ v1::CreateJobRequest MakeCreateJobRequest(const std::string& job_id,
 // Step `step` of every range at once: sends grads (n,) in `dtype`, commits with lr and
 // grad_multiplier, receives the updated 16-bit parameters into params (n,). Both arrays are
 // indexed by flat element. Returns the first range's error, if any.
-absl::Status StepAllRanges(OptimizerClient* client, const std::string& job_id,
+absl::Status StepAllRanges(ShardClient* client, const std::string& job_id,
                            const std::vector<RangeSpec>& ranges, uint64_t step,
                            const uint16_t* grads, DType dtype, double lr, float grad_multiplier,
                            uint16_t* params);

@@ -16,7 +16,7 @@
 #include "base/host_buffer.h"
 #include "base/security/security.h"
 #include "base/splitmix64.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "optimizer server address");
@@ -51,7 +51,7 @@ int Run() {
   options.num_channels = absl::GetFlag(FLAGS_channels);
   // A standalone server's token, as the process tests hand it to their clients (shard_access.h).
   if (const char* token = std::getenv(kShardTokenEnv); token != nullptr) options.token = token;
-  auto client = OptimizerClient::Connect(options);
+  auto client = ShardClient::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
 
   const std::vector<RangeSpec> ranges = BalancedRanges(n, num_ranges);

@@ -26,7 +26,7 @@
 #include "absl/time/time.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
@@ -55,7 +55,7 @@ int Fail(const char* what, const absl::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<StepTransport>> MakeTransport(const std::string& kind,
-                                                             OptimizerClient* client) {
+                                                             ShardClient* client) {
   if (kind == "shm") {
     OFFLOAD_RETURN_IF_ERROR(ProbeShm(client));
     return CreateShmTransport(client);
@@ -106,7 +106,7 @@ int Run() {
   // A dead shard must end the run within the test's bound, whatever the plane.
   options.connect_timeout = absl::Seconds(5);
   options.call_timeout = absl::Seconds(60);
-  auto client = OptimizerClient::Connect(options);
+  auto client = ShardClient::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
 
   // The job: created and loaded by the first peer, found by later ones.

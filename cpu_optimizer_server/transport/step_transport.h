@@ -1,6 +1,6 @@
 // The step exchange behind one interface (ARCHITECTURE.md section 4): gradient chunks in, a commit,
 // updated 16-bit parameter chunks out, for one range of one shard. Three data planes implement
-// it: gRPC (optimizer_client.h, anywhere, the default), shared memory (shm_transport.h, a trainer
+// it: gRPC (shard_client.h, anywhere, the default), shared memory (shm_transport.h, a trainer
 // and a shard on one host) and UCX (ucx_transport.h, RDMA-capable, across hosts). Session set-up,
 // validation errors and the death of a peer travel on gRPC whatever the data plane.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TRANSPORT_H_

@@ -91,8 +91,7 @@ struct Attachment {
 
 class UcxTransport final : public StepTransport {
  public:
-  UcxTransport(OptimizerClient* control, const UcxOptions& options,
-               std::unique_ptr<ucx::Worker> worker)
+  UcxTransport(ShardClient* control, const UcxOptions& options, std::unique_ptr<ucx::Worker> worker)
       : control_(control), options_(options), worker_(std::move(worker)) {}
   ~UcxTransport() override { attachments_.Clear(); }  // before the worker goes
 
@@ -148,7 +147,7 @@ class UcxTransport final : public StepTransport {
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnParamsReceived(void* request, ucs_status_t status, size_t length, void* user_data);
 
-  OptimizerClient* const control_;
+  ShardClient* const control_;
   const UcxOptions options_;
   std::unique_ptr<ucx::Worker> worker_;
 
@@ -572,7 +571,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> UcxTransport::OpenStep(const std::st
   return std::unique_ptr<StepStream>(std::move(stream));
 }
 
-absl::StatusOr<std::unique_ptr<UcxTransport>> MakeTransport(OptimizerClient* control,
+absl::StatusOr<std::unique_ptr<UcxTransport>> MakeTransport(ShardClient* control,
                                                             const UcxOptions& options) {
   // The worker offers only the interface that routes to the shard (net_route.h), so the shard
   // never tries one of ours it cannot reach, e.g. a container bridge.
@@ -592,14 +591,14 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> MakeTransport(OptimizerClient* con
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StepTransport>> CreateUcxTransport(OptimizerClient* control,
+absl::StatusOr<std::unique_ptr<StepTransport>> CreateUcxTransport(ShardClient* control,
                                                                   const UcxOptions& options) {
   if (options.chunk_bytes < 4) return absl::InvalidArgumentError("UCX chunk_bytes below 4");
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<UcxTransport> t, MakeTransport(control, options));
   return std::unique_ptr<StepTransport>(std::move(t));
 }
 
-absl::Status ProbeUcx(OptimizerClient* control) {
+absl::Status ProbeUcx(ShardClient* control) {
   absl::StatusOr<std::unique_ptr<UcxTransport>> t = MakeTransport(control, UcxOptions());
   if (!t.ok()) return t.status();
   OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> att, (*t)->Attach("", 0));

@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 #include "cpu_optimizer_server/ucx/ucx_options.h"
 
@@ -29,11 +29,11 @@ namespace offload {
 
 // The trainer's half (the shard's is ucx_server.h). `control` (not owned) must outlive the
 // transport.
-absl::StatusOr<std::unique_ptr<StepTransport>> CreateUcxTransport(OptimizerClient* control,
+absl::StatusOr<std::unique_ptr<StepTransport>> CreateUcxTransport(ShardClient* control,
                                                                   const UcxOptions& options = {});
 
 // A probe attachment: OK when a UCX endpoint to the shard works.
-absl::Status ProbeUcx(OptimizerClient* control);
+absl::Status ProbeUcx(ShardClient* control);
 
 }  // namespace offload
 

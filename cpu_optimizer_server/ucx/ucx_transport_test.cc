@@ -53,7 +53,7 @@ class UcxTransportTest : public ::testing::TestWithParam<const char*> {
     client_options.address = "127.0.0.1:" + std::to_string(server_->port());
     client_options.chunk_bytes = chunk_bytes;
     client_options.max_message_bytes = int64_t{16} << 20;
-    auto client = OptimizerClient::Connect(client_options);
+    auto client = ShardClient::Connect(client_options);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
     UcxOptions ucx_options;
@@ -186,7 +186,7 @@ class UcxTransportTest : public ::testing::TestWithParam<const char*> {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<OptimizerServer> server_;
-  std::unique_ptr<OptimizerClient> client_;
+  std::unique_ptr<ShardClient> client_;
   std::unique_ptr<StepTransport> transport_;
 };
 

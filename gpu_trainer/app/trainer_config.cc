@@ -7,8 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "jobs/spec/job_spec.h"
 #include "model_spec/model_preset.h"
-#include "services/common/job_spec.h"
 
 ABSL_FLAG(std::string, model, "demo", "model preset: demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
 ABSL_FLAG(int, layers, 0, "override the preset's number of layers");

@@ -12,7 +12,7 @@
 #include "absl/flags/reflection.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/common/job_spec.h"
+#include "jobs/spec/job_spec.h"
 
 ABSL_DECLARE_FLAG(std::string, model);
 ABSL_DECLARE_FLAG(int, layers);

@@ -58,7 +58,7 @@
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
-#include "cpu_optimizer_server/transport/transport_select.h"
+#include "cpu_optimizer_server/transport_factory/transport_factory.h"
 #include "gpu_trainer/cuda/gpt2_cuda.h"
 #include "gpu_trainer/cuda/memory_planner.h"
 #include "gpu_trainer/cuda/optim/gpu_adamw.h"

@@ -9,10 +9,11 @@
 namespace offload {
 namespace {
 
-// Every phase the training loop times (trainer.cc, gradient_sender.cc, gradient_reducer.cc).
-constexpr const char* kPhases[] = {"forward",      "backward",       "wait_reduce",
-                                   "wait_offload", "commit",         "wait_commit",
-                                   "all_gather",   "reduce_scatter", "send_gradients"};
+// Every phase the training loop times (trainer.cc, gradient_sender.cc, gradient_reducer.cc);
+// commit_delayed is a delayed update's commit, run in the background (--dpu).
+constexpr const char* kPhases[] = {
+    "forward",     "backward",   "wait_reduce",    "wait_offload",   "commit",
+    "wait_commit", "all_gather", "reduce_scatter", "send_gradients", "commit_delayed"};
 constexpr int kNumPhases = sizeof(kPhases) / sizeof(kPhases[0]);
 
 struct Metrics {
@@ -88,7 +89,7 @@ struct Metrics {
 
 }  // namespace
 
-void ObservePhaseSeconds(const char* phase, double seconds) {
+void ObserveTrainerPhaseSeconds(const char* phase, double seconds) {
   Metrics& m = Metrics::Get();
   for (int i = 0; i < kNumPhases; ++i) {
     if (std::strcmp(phase, kPhases[i]) == 0) {

@@ -41,6 +41,10 @@ void RecordTrainerStep(const StepReport& report, double step_seconds, double tok
 
 void RecordDeviceMemory(const ModelRunner::DeviceMemory& memory);
 
+// A phase's duration into offload_trainer_phase_seconds: the PhaseObserver
+// (optimizer_client/sender/phase_trace.h) the gpu_trainer program sets at start.
+void ObserveTrainerPhaseSeconds(const char* phase, double seconds);
+
 // A torch job's rank, as its pool worker hears of it from the script's reports (a report may
 // cover several steps): the counters grow by what happened since the last report, the gauges take
 // the newest values. The worker serves them on its own --metrics_address (with --workers=N, the

@@ -35,8 +35,7 @@ absl::StatusOr<std::unique_ptr<RemoteOptimizer>> RemoteOptimizer::Connect(
   for (const std::string& address : addresses) {
     ClientOptions shard_options = options;
     shard_options.address = address;
-    absl::StatusOr<std::unique_ptr<OptimizerClient>> client =
-        OptimizerClient::Connect(shard_options);
+    absl::StatusOr<std::unique_ptr<ShardClient>> client = ShardClient::Connect(shard_options);
     if (!client.ok()) return client.status();
     backend->clients_.push_back(std::move(*client));
     backend->addresses_.push_back(address);

@@ -1,5 +1,5 @@
-// The optimizer behind servers: one OptimizerClient per shard (the control plane), a data plane
-// per shard (gRPC, shared memory or UCX: transport_select.h), one step stream per slice.
+// The optimizer behind servers: one ShardClient per shard (the control plane), a data plane
+// per shard (gRPC, shared memory or UCX: transport_factory.h), one step stream per slice.
 #ifndef OFFLOAD_OPTIMIZER_CLIENT_BACKENDS_REMOTE_OPTIMIZER_H_
 #define OFFLOAD_OPTIMIZER_CLIENT_BACKENDS_REMOTE_OPTIMIZER_H_
 
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "cpu_optimizer_server/grpc/optimizer_client.h"
-#include "cpu_optimizer_server/transport/transport_select.h"
+#include "cpu_optimizer_server/grpc/shard_client.h"
+#include "cpu_optimizer_server/transport_factory/transport_factory.h"
 #include "optimizer_client/backends/optimizer_backend.h"
 
 namespace offload {
@@ -54,7 +54,7 @@ class RemoteOptimizer final : public OptimizerBackend {
 
   std::vector<std::string> addresses_;
   v1::StateTier state_tier_ = v1::STATE_TIER_AUTO;
-  std::vector<std::unique_ptr<OptimizerClient>> clients_;         // one per shard
+  std::vector<std::unique_ptr<ShardClient>> clients_;             // one per shard
   std::vector<std::unique_ptr<StepTransport>> owned_transports_;  // shm or UCX, per shard
   std::vector<StepTransport*> transports_;                        // one per shard
   std::vector<std::unique_ptr<StepStream>> streams_;  // per slice, this rank's during a step

@@ -25,11 +25,6 @@
 
 namespace offload {
 
-// The sender's phases (phase_trace.h) feed the trainer's Prometheus histograms in a gpu_trainer
-// process (train/trainer_metrics.cc). A front end's process serves no /metrics, so the library
-// takes the observations and drops them instead of linking the trainer's metric families.
-void ObservePhaseSeconds(const char* /*phase*/, double /*seconds*/) {}
-
 namespace capi {
 
 std::string& LastError() {

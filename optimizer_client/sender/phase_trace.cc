@@ -1,5 +1,6 @@
 #include "optimizer_client/sender/phase_trace.h"
 
+#include <atomic>
 #include <functional>
 #include <thread>
 
@@ -8,6 +9,23 @@
 #include "optimizer_client/checkpoint/atomic_file.h"
 
 namespace offload {
+namespace {
+
+std::atomic<PhaseObserver> g_phase_observer{nullptr};
+
+}  // namespace
+
+void SetPhaseObserver(PhaseObserver observer) {
+  g_phase_observer.store(observer, std::memory_order_release);
+}
+
+TracePhase::~TracePhase() {
+  const PhaseTrace::Clock::time_point end = PhaseTrace::Clock::now();
+  if (PhaseObserver observe = g_phase_observer.load(std::memory_order_acquire)) {
+    observe(name_, std::chrono::duration<double>(end - begin_).count());
+  }
+  if (trace_ != nullptr) trace_->Record(name_, step_, begin_, end);
+}
 
 void PhaseTrace::Record(const std::string& name, uint64_t step, Clock::time_point begin,
                         Clock::time_point end) {

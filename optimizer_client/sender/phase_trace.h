@@ -51,20 +51,21 @@ class PhaseTrace {
 double OverlapFraction(const std::vector<PhaseTrace::Event>& events, const std::string& span,
                        const std::string& within, uint64_t step);
 
-// Adds a phase's duration to the offload_trainer_phase_seconds histogram (trainer_metrics.cc).
-void ObservePhaseSeconds(const char* phase, double seconds);
+// Where every phase's duration goes besides a trace, e.g. the gpu_trainer program's
+// offload_trainer_phase_seconds histogram (gpu_trainer/train/trainer_metrics.h): the program sets
+// it at start, so this layer needs no metrics of its own and a process that sets none (a front
+// end's, a test's) pays one atomic load per phase. Thread-safe; nullptr (the default) observes
+// nothing.
+using PhaseObserver = void (*)(const char* phase, double seconds);
+void SetPhaseObserver(PhaseObserver observer);
 
-// Records [construction, destruction) as one event, and its duration in the phase metrics; a
-// null trace records only the metrics.
+// Records [construction, destruction) as one event, and its duration with the phase observer; a
+// null trace records only the observation.
 class TracePhase {
  public:
   TracePhase(PhaseTrace* trace, const char* name, uint64_t step)
       : trace_(trace), name_(name), step_(step), begin_(PhaseTrace::Clock::now()) {}
-  ~TracePhase() {
-    const PhaseTrace::Clock::time_point end = PhaseTrace::Clock::now();
-    ObservePhaseSeconds(name_, std::chrono::duration<double>(end - begin_).count());
-    if (trace_ != nullptr) trace_->Record(name_, step_, begin_, end);
-  }
+  ~TracePhase();
   TracePhase(const TracePhase&) = delete;
   TracePhase& operator=(const TracePhase&) = delete;
 

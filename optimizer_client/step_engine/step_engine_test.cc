@@ -22,8 +22,6 @@
 #include "optimizer_client/backends/inprocess_optimizer.h"
 
 namespace offload {
-// MERGE-TEMP: until phase_trace.h takes an observer.
-void ObservePhaseSeconds(const char*, double) {}
 namespace {
 
 constexpr int64_t kParams = 4099;

@@ -1,7 +1,7 @@
 #include "services/job_controller/controller_metrics.h"
 
 #include "base/metrics/metrics.h"
-#include "services/common/job_state_names.h"
+#include "jobs/spec/job_state_names.h"
 
 namespace offload {
 namespace {

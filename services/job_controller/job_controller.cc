@@ -14,11 +14,11 @@
 #include "base/logging.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
+#include "jobs/spec/job_spec.h"
 #include "model_spec/gpt2_config.h"
 #include "model_spec/model_preset.h"
 #include "model_spec/param_layout.h"
 #include "model_spec/partition.h"
-#include "services/common/job_spec.h"
 #include "services/job_controller/job_state.h"
 
 namespace offload {

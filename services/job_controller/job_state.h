@@ -4,8 +4,8 @@
 #define OFFLOAD_SERVICES_JOB_CONTROLLER_JOB_STATE_H_
 
 #include "absl/status/status.h"
+#include "jobs/spec/job_state_names.h"  // IWYU pragma: export (StateName)
 #include "offload/v1/job.pb.h"
-#include "services/common/job_state_names.h"  // IWYU pragma: export (StateName)
 
 namespace offload {
 

@@ -22,7 +22,7 @@
 #include "base/utf8.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
-#include "services/common/job_state_names.h"
+#include "jobs/spec/job_state_names.h"
 
 namespace offload {
 namespace {

@@ -25,7 +25,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "httplib.h"
-#include "services/common/job_spec.h"
+#include "jobs/spec/job_spec.h"
 #include "services/job_controller/rest_gateway.h"
 #include "services/job_controller/tenancy/identities.h"
 

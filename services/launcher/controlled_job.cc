@@ -18,10 +18,10 @@
 #include "base/security/security.h"
 #include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
-#include "services/common/job_spec.h"
-#include "services/launcher/child_output.h"
+#include "jobs/spec/job_spec.h"
 #include "services/launcher/loopback_port.h"
-#include "services/launcher/rank_devices.h"
+#include "services/spawn/child_output.h"
+#include "services/spawn/rank_devices.h"
 
 namespace offload {
 namespace {

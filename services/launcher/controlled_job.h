@@ -16,9 +16,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "offload/v1/job.grpc.pb.h"
-#include "services/launcher/child_process.h"
 #include "services/launcher/local_job.h"
 #include "services/launcher/signal_fd.h"
+#include "services/spawn/child_process.h"
 
 namespace offload {
 

@@ -18,7 +18,7 @@
 #include "absl/time/clock.h"
 #include "base/security/security.h"
 #include "base/status_macros.h"
-#include "services/launcher/rank_devices.h"
+#include "services/spawn/rank_devices.h"
 
 namespace offload {
 namespace {

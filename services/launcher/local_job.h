@@ -10,9 +10,9 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "services/launcher/child_output.h"
-#include "services/launcher/child_process.h"
 #include "services/launcher/signal_fd.h"
+#include "services/spawn/child_output.h"
+#include "services/spawn/child_process.h"
 
 namespace offload {
 

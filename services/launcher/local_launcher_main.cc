@@ -17,11 +17,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "base/logging.h"
-#include "services/common/job_spec.h"
-#include "services/launcher/child_process.h"
+#include "jobs/spec/job_spec.h"
 #include "services/launcher/controlled_job.h"
 #include "services/launcher/local_job.h"
 #include "services/launcher/signal_fd.h"
+#include "services/spawn/child_process.h"
 
 ABSL_FLAG(std::string, controller, "local",
           "local: run the job through a job_controller started for it, with the servers and "

@@ -11,8 +11,8 @@
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/timestamp.pb.h"
+#include "jobs/spec/job_state_names.h"  // IWYU pragma: export (StateName, ParseStateName)
 #include "offload/v1/job.pb.h"
-#include "services/common/job_state_names.h"  // IWYU pragma: export (StateName, ParseStateName)
 
 namespace offload {
 

@@ -22,8 +22,8 @@
 #include "base/grpc_status.h"
 #include "base/security/security.h"
 #include "grpcpp/grpcpp.h"
+#include "jobs/spec/job_spec.h"
 #include "offload/v1/job.grpc.pb.h"
-#include "services/common/job_spec.h"
 #include "services/offloadctl/job_format.h"
 
 ABSL_FLAG(std::string, controller, "",

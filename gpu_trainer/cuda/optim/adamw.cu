@@ -8,7 +8,7 @@
 // does not flush them unless told to (-ftz=true), and neither does the CPU reference.
 #include <cstdint>
 
-#include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "base/adam/adam_math.h"
 #include "gpu_trainer/cuda/kernels/elementwise_grid.cuh"
 #include "gpu_trainer/cuda/optim/adamw.h"
 #include "gpu_trainer/cuda/runtime/cuda_dtype.cuh"

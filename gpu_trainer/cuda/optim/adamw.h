@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "cpu_optimizer_server/adam/adam_kernel.h"
+#include "base/adam/adam_math.h"
 
 namespace offload {
 

@@ -13,8 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/adam/adam_math.h"
 #include "base/dtype.h"
-#include "cpu_optimizer_server/adam/adam_kernel.h"
 #include "gpu_trainer/cuda/runtime/device_buffer.h"
 
 namespace offload {

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/json_util.h"
-#include "services/common/job_spec.h"
+#include "jobs/spec/job_spec.h"
 
 namespace offload {
 namespace {
