@@ -9,6 +9,21 @@
 
 namespace offload {
 
+std::vector<int> PlanBuckets(absl::Span<const int64_t> sizes, int64_t bucket_elements) {
+  std::vector<int> bucket_of(sizes.size());
+  int bucket = 0;
+  int64_t held = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    bucket_of[i] = bucket;
+    held += sizes[i];
+    if (held >= bucket_elements) {
+      ++bucket;
+      held = 0;
+    }
+  }
+  return bucket_of;
+}
+
 GradientBucketPlan PlanGradientBuckets(const Gpt2Config& config, int64_t padded_length,
                                        int64_t bucket_elements) {
   GradientBucketPlan plan;
@@ -18,22 +33,25 @@ GradientBucketPlan PlanGradientBuckets(const Gpt2Config& config, int64_t padded_
   if (padded_length > num_params) {
     plan.buckets.push_back(GradientBucket{num_params, padded_length, 0, false});
   }
-  // Then units in backward order, grouped greedily from the top: a bucket closes once it holds
-  // bucket_elements (with bucket_elements <= 1, after every unit) or at the embeddings.
+  // Then units in backward order, from ln_f down to the embeddings, grouped by the planner.
   const int units = Gpt2NumUnits(config);
+  std::vector<int64_t> sizes;
+  for (int unit = units - 1; unit >= 0; --unit) sizes.push_back(Gpt2UnitRange(config, unit).size());
+  const std::vector<int> bucket_of = PlanBuckets(sizes, bucket_elements);
+  const int first = static_cast<int>(plan.buckets.size());
   plan.bucket_of_unit.assign(units, -1);
-  GradientBucket open;
-  for (int unit = units - 1; unit >= 0; --unit) {
+  for (int k = 0; k < units; ++k) {
+    const int unit = units - 1 - k;
+    const int b = first + bucket_of[k];
     const ParamRange r = Gpt2UnitRange(config, unit);
-    if (open.units == 0) open = GradientBucket{r.begin, r.end, 0, false};
-    open.lo = r.begin;
-    open.units++;
-    open.embeddings = open.embeddings || unit == 0;
-    plan.bucket_of_unit[unit] = static_cast<int>(plan.buckets.size());
-    if (open.size() >= bucket_elements || unit == 0) {
-      plan.buckets.push_back(open);
-      open = GradientBucket{};
+    if (b == static_cast<int>(plan.buckets.size())) {
+      plan.buckets.push_back(GradientBucket{r.begin, r.end, 0, false});
     }
+    GradientBucket& bucket = plan.buckets[b];
+    bucket.lo = r.begin;
+    bucket.units++;
+    bucket.embeddings = bucket.embeddings || unit == 0;
+    plan.bucket_of_unit[unit] = b;
   }
   return plan;
 }

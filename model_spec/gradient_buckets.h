@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "model_spec/gpt2_config.h"
 
 namespace offload {
@@ -27,9 +28,16 @@ struct GradientBucketPlan {
   std::vector<int> bucket_of_unit;  // (units,) index into buckets
 };
 
-// Units grouped greedily from ln_f down until a bucket holds at least bucket_elements (the last,
-// with the embeddings, may hold fewer); a unit is never split. bucket_elements <= 1: each unit a
-// bucket of its own. padded_length >= Gpt2NumParams(config).
+// The greedy planner every front end's buckets come from (this trainer's, and the PyTorch front
+// end's through offload_plan_buckets): members of sizes[i] elements, in the order they are
+// grouped, go into buckets of consecutive members; a bucket closes once it holds at least
+// bucket_elements, and the last may hold fewer; a member is never split. bucket_elements <= 1:
+// each member (of at least one element) a bucket of its own. Returns each member's bucket, 0, 1,
+// ... in order. Sizes >= 0 whose sum fits in int64_t.
+std::vector<int> PlanBuckets(absl::Span<const int64_t> sizes, int64_t bucket_elements);
+
+// Units grouped by PlanBuckets from ln_f down (the last bucket holds the embeddings). padded_length
+// >= Gpt2NumParams(config).
 GradientBucketPlan PlanGradientBuckets(const Gpt2Config& config, int64_t padded_length,
                                        int64_t bucket_elements);
 

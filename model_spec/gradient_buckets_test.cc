@@ -142,6 +142,28 @@ TEST(GradientBuckets, EveryThresholdGivesAWellFormedPlan) {
   }
 }
 
+TEST(PlanBuckets, ClosesABucketOnceItHoldsEnough) {
+  // 3 + 4 = 7 >= 6 closes; 5 + 2 = 7 closes; 6 alone closes; 1 is the last, short one.
+  EXPECT_EQ(PlanBuckets({3, 4, 5, 2, 6, 1}, 6), (std::vector<int>{0, 0, 1, 1, 2, 3}));
+  // Exactly the threshold closes too, and nothing left over makes no short bucket.
+  EXPECT_EQ(PlanBuckets({2, 4, 6}, 6), (std::vector<int>{0, 0, 1}));
+  // A member larger than the threshold is a bucket of its own, never split.
+  EXPECT_EQ(PlanBuckets({1, 100, 1}, 6), (std::vector<int>{0, 0, 1}));
+  EXPECT_EQ(PlanBuckets({}, 6), std::vector<int>{});
+}
+
+TEST(PlanBuckets, OneElementBucketsHoldOneMemberEach) {
+  for (int64_t bucket_elements : {-5, 0, 1}) {
+    EXPECT_EQ(PlanBuckets({3, 1, 7}, bucket_elements), (std::vector<int>{0, 1, 2}));
+  }
+  // An empty member closes nothing at 1: it joins the next.
+  EXPECT_EQ(PlanBuckets({0, 2}, 1), (std::vector<int>{0, 0}));
+}
+
+TEST(PlanBuckets, HugeBucketsHoldEverything) {
+  EXPECT_EQ(PlanBuckets({3, 1, 7}, int64_t{1} << 40), (std::vector<int>{0, 0, 0}));
+}
+
 TEST(RankCounts, MatchesAPerElementCount) {
   for (int world_size : {1, 2, 3, 4, 7}) {
     for (int64_t partition_length : {1, 2, 5, 8}) {
