@@ -3,7 +3,7 @@
  * policy (loss scale, overflow skip, clipping: precision/step_policy.h) and the state for
  * checkpoints. Front ends in any language load `liboffload_c.so` and call only these functions:
  * there is no C++, Python or torch type in this header, so any Python and any torch build load the
- * same library (python/offload/_lib.py is the ctypes binding).
+ * same library (python/offload/native.py is the ctypes binding).
  *
  * Errors: every function that can fail returns 0 or an absl::StatusCode (3 INVALID_ARGUMENT, 5
  * NOT_FOUND, 9 FAILED_PRECONDITION, 14 UNAVAILABLE, 16 UNAUTHENTICATED, ...), and
@@ -326,6 +326,28 @@ int32_t offload_write_trace(OffloadOptimizer* opt);
  * coefficient, the skip), without committing or changing anything: clip_grad_norm_'s answer. */
 int32_t offload_preview(OffloadOptimizer* opt, const double* global_stats, float max_grad_norm,
                         OffloadStepReport* report);
+
+/* The structs above as this library was compiled, for front ends that mirror them (ctypes, cffi)
+ * to check their copy at load: for each struct in declaration order (OffloadGroup, OffloadConfig,
+ * OffloadNamedTensor, OffloadStepReport, OffloadRangeStep, OffloadFieldLayout), a row for the
+ * struct as a whole (field null, offset 0, size its sizeof), then one per field in declaration
+ * order; a row whose struct_name is null ends the table. Static: never freed. */
+typedef struct {
+  const char* struct_name;
+  const char* field; /* null: the struct as a whole */
+  uint64_t offset;
+  uint64_t size;
+} OffloadFieldLayout;
+const OffloadFieldLayout* offload_abi_layout(void);
+
+/* Gradient buckets as the C++ trainer plans them (model_spec/gradient_buckets.h): n members of
+ * sizes[i] elements, in the order they are grouped, go into buckets of consecutive members,
+ * greedily; a bucket closes once it holds at least bucket_elements, the last may hold fewer, and
+ * a member is never split (bucket_elements 1: each member of at least one element alone).
+ * bucket_of (n,) gets each member's bucket: 0, 1, ... in order. INVALID_ARGUMENT for a null
+ * array, n < 0, bucket_elements 0 or sizes that add up past 2^63 - 1. Needs no optimizer. */
+int32_t offload_plan_buckets(const uint64_t* sizes, int32_t n, uint64_t bucket_elements,
+                             int32_t* bucket_of);
 
 #ifdef __cplusplus
 }
