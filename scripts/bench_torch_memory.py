@@ -161,8 +161,8 @@ def run_child(kind: str, layers: int, steps: int, device: str, ckpt_root: str) -
     offload = kind == "offload"
     if offload:
         import offload.torch as otorch
-        from offload import _lib
-        _lib.lib()  # dlopen before the baseline: the library's own pages are no per-parameter cost
+        from offload import native
+        native.lib()  # dlopen before the baseline: the library's own pages are no per-parameter cost
     if cuda:
         # The CUDA context (hundreds of MiB of host memory) before the baseline, for both sides.
         torch.zeros(1, device="cuda")

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import offload.torch as otorch  # noqa: E402
-from offload import _lib  # noqa: E402
+from offload import native  # noqa: E402
 from torch_gpt import GPT  # noqa: E402
 
 
@@ -154,20 +154,20 @@ def main() -> None:
     plain_s = timed(plain_fwd_bwd, args.steps, args.warmup)
 
     # bare: the library alone on the optimizer's own job (as the C++ trainer's backend is driven).
-    L = _lib.lib()
-    h = opt._handle
+    L = native.lib()
+    h = opt._native.handle
     host = torch.zeros(opt.padded_length, dtype=torch.bfloat16)
     lrs = (ctypes.c_double * 1)(1e-4)
-    report = _lib.StepReport()
+    report = native.OffloadStepReport()
 
     def bare():
-        _lib.check(L.offload_begin_step(h, opt._step + 1))
+        native.check(L.offload_begin_step(h, opt._commits.step + 1))
         ptr = L.offload_gradient_buffer(h, 0, opt.padded_length)
         ctypes.memset(ptr, 0, 2 * opt.padded_length)
-        _lib.check(L.offload_gradients_ready(h, 0, opt.padded_length, ptr))
-        _lib.check(L.offload_commit(h, None, lrs, 1, -1.0, ctypes.c_void_p(host.data_ptr()),
-                                    ctypes.byref(report)))
-        opt._step += 1
+        native.check(L.offload_gradients_ready(h, 0, opt.padded_length, ptr))
+        native.check(L.offload_commit(h, None, lrs, 1, -1.0, ctypes.c_void_p(host.data_ptr()),
+                                      ctypes.byref(report)))
+        opt._commits.step += 1
     bare_s = timed(bare, args.steps, args.warmup)
     opt.close()
 

@@ -272,7 +272,7 @@ fi
 $ENGINE image inspect "$torch_image" >/dev/null 2>&1 || fail "no image $torch_image"
 $ENGINE run --rm "${secure[@]}" --entrypoint=/bin/sh "$torch_image" -c \
   'ldd /usr/lib/python3/dist-packages/offload/lib/liboffload_c.so | grep -v "libcuda\.so" | grep "not found"
-   python3 -c "import offload.torch, offload._lib as l; l.lib(); print(l.server_binary())"' \
+   python3 -c "import offload.torch, offload.native as l; l.lib(); print(l.server_binary())"' \
   >"$work/torch-import" 2>&1 || true
 grep -q "=> not found" "$work/torch-import" &&
   fail "unresolved libraries of liboffload_c.so: $(grep '=> not found' "$work/torch-import" | sort -u)"

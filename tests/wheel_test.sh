@@ -34,12 +34,12 @@ cat >train.py <<'PY'
 import sys
 import torch
 import offload
-import offload._lib
+import offload.native
 import offload.torch
 
 site = sys.argv[1]
 assert offload.library_path().startswith(site), offload.library_path()
-assert offload._lib.server_binary().startswith(site), offload._lib.server_binary()
+assert offload.native.server_binary().startswith(site), offload.native.server_binary()
 assert offload.__file__.startswith(site), offload.__file__
 servers = sys.argv[2] if len(sys.argv) > 2 else None
 torch.manual_seed(0)

@@ -2,8 +2,10 @@
 
 ``offload.torch.AdamW`` is a ``torch.optim.Optimizer`` whose fp32 master weights and Adam moments
 live on optimizer servers (``cpu_optimizer_server``), reached through the C ABI of
-``liboffload_c.so`` (``optimizer_client/capi/offload_c.h``). This package holds no numerics of its
-own: rounding, statistics, the loss scale, skipping and clipping are the C++ side's.
+``liboffload_c.so`` (``optimizer_client/capi/offload_c.h``, bound in ``offload.native``). This
+package holds no numerics of its own: rounding, statistics, the loss scale, skipping and clipping
+are the C++ side's. Where the job runs (servers, TLS, transport, state tier) is an
+``offload.options.OffloadOptions``.
 
 A torch training script run as a job on the optimizer-server pool finds its servers, credential
 and checkpoint directory in its environment (``offload.job``) and reports its progress with
@@ -13,8 +15,9 @@ and checkpoint directory in its environment (``offload.job``) and reports its pr
 """
 
 from offload import job
-from offload._lib import OffloadError, library_path
+from offload.native import OffloadError, library_path
 from offload.job import report
+from offload.options import OffloadOptions
 
-__all__ = ["OffloadError", "job", "library_path", "report"]
+__all__ = ["OffloadError", "OffloadOptions", "job", "library_path", "report"]
 __version__ = "0.1.0"

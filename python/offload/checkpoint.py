@@ -15,14 +15,12 @@ go on without Offload.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from offload import _lib
-from offload._lib import check
+from offload import native
 
 __all__ = ["Manifest", "find", "find_manifest", "parse_manifest", "read_manifest",
            "read_safetensors", "load_into_torch"]
@@ -55,9 +53,7 @@ class Manifest:
 def find(path: str) -> str:
     """The checkpoint directory ``path`` names: itself when it holds a manifest.json, else the
     step directory its ``latest`` file names."""
-    out = ctypes.create_string_buffer(4096 + len(path.encode()))
-    check(_lib.lib().offload_find_checkpoint(path.encode(), out, len(out)))
-    return out.value.decode()
+    return native.find_checkpoint(path)
 
 
 def has_checkpoint(path: str) -> bool:

@@ -17,6 +17,9 @@ The model is cut into *units*, each fetched as a whole:
   forward may use them anywhere (a tied head read as ``self.wte.weight``, a class token), so all
   of them are on the device for the whole of each forward.
 
+Cutting the model and moving units to the device and back (``Residency``: fetch, release, the
+window's room) are ``offload.param_units``'; this module decides when, from the model's hooks.
+
 Forward: the root's pre-hook fetches the root set; each block's pre-hook fetches its unit (or
 waits for its prefetch) and prefetches the next blocks in the order the last forward ran them,
 as far as ``window`` blocks (and ``max_resident_bytes``) allow; its post-hook releases it. A
@@ -46,56 +49,15 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.grad_hooks import HostCopies
+from offload.param_units import (BlockSpec, Fill, Residency, Unit, cut_units, default_blocks,
+                                 storage_of)
 
 __all__ = ["ParamWindow", "Unit", "default_blocks"]
-
-# Fills the given managed parameters' device tensors with their 16-bit values from the host copy
-# (indices into the window's parameters, the tensors to fill; copies may still be in flight
-# when it returns, on the side stream the window gave).
-Fill = Callable[[List[int], List[torch.Tensor]], None]
-BlockSpec = Union[None, Sequence[type], Callable[[str, torch.nn.Module], bool]]
-
-
-def _storage(t: torch.Tensor) -> Any:
-    return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
-
-
-def default_blocks(model: torch.nn.Module) -> Callable[[str, torch.nn.Module], bool]:
-    """The children of every nn.ModuleList / nn.Sequential of the model (the repeated layers)
-    that hold parameters."""
-    members: Set[int] = set()
-    for module in model.modules():
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
-            for child in module.children():
-                if any(True for _ in child.parameters()):
-                    members.add(id(child))
-    return lambda _name, module: id(module) in members
-
-
-class Unit:
-    """Parameters fetched and released together: a block's subtree, or the root set's
-    parameters of one module."""
-
-    def __init__(self, name: str, module: torch.nn.Module, params: List[int], nbytes: int,
-                 block: bool) -> None:
-        self.name = name
-        self.module = module
-        self.params = params  # indices into the window's parameters
-        self.nbytes = nbytes
-        self.block = block
-        self.active = 0  # forwards running inside it
-        self.resident = False
-        self.held = False  # fetched in backward, gradients pending
-        self.event: Any = None  # the prefetch's copies (CUDA)
-
-    def __repr__(self) -> str:
-        return f"Unit({self.name!r}, {len(self.params)} parameters, {self.nbytes} bytes)"
 
 
 class ParamWindow:
@@ -119,17 +81,14 @@ class ParamWindow:
         self.max_resident_bytes = int(max_resident_bytes)
         self.device = device
         self.dtype = dtype
-        self._fill = fill
-        self._copies = HostCopies(device)
         self._lock = threading.RLock()
         self._thread: Optional[int] = None  # the thread running the model's forward
         self._shapes = [p.shape for p in self.params]
         self._managed = [not keep for keep in persistent]
-        self._placeholder = torch.empty(0, dtype=dtype, device=device)
-        self._units, self._owner = self._cut(blocks)
+        self._units, self._owner = cut_units(model, self.params, self._shapes, self._managed,
+                                             torch.empty(0, dtype=dtype).element_size(), blocks)
         self.blocks = [u for u in self._units if u.block]
         self.root_set = [u for u in self._units if not u.block]
-        self.persistent_bytes = int(persistent_bytes)
         largest = max((u.nbytes for u in self.blocks), default=0)
         root = self.root_set_bytes
         if self.max_resident_bytes and largest + root > self.max_resident_bytes:
@@ -140,28 +99,19 @@ class ParamWindow:
                 f"forward) and the largest block"
                 + (f" ({big.name}, {big.nbytes} bytes)" if big else "")
                 + ": raise it, or cut the model into smaller blocks (blocks=)")
-        # Per managed parameter: the units holding it now (several for a tied one), and its
-        # gradient's arrival in this backward.
-        self._holders: List[Set[int]] = [set() for _ in self.params]
+        self._res = Residency(self.params, self._shapes, self._units, fill, HostCopies(device),
+                              device, dtype, self.window, self.max_resident_bytes,
+                              persistent_bytes)
+        # Per managed parameter, its gradient's arrival in this backward.
         self._arrived = [False] * len(self.params)
         # The forward order of the blocks, as the last forward ran them (unit indices), and this
         # forward's so far.
         self._order: List[int] = []
         self._position: Dict[int, int] = {}  # block -> where _order first runs it
         self._recording: List[int] = []
-        self._prefetched: List[int] = []  # blocks fetched ahead, not yet entered (oldest first)
         self._forward_depth = 0
         self._saved_hooks: List[Any] = []
         self._in_backward = False
-        self._alive: List[Tuple[Any, int]] = []  # (weak reference to a storage, bytes)
-        self._by_storage: Dict[int, int] = {}  # resident parameter's storage -> its index
-        # Parameters that hold a stand-in of their shape, no values: for autograd's
-        # accumulation of a gradient no saved tensor needed the parameter for.
-        self._standins: Set[int] = set()
-        self.peak_resident_bytes = self.persistent_bytes
-        self.fetches = 0  # unit fetches, prefetches included
-        self.refetches = 0  # fetches of a unit already fetched once in the same pass
-        self._fetched_this_pass: Set[int] = set()
         self._handles: List[Any] = []
         self._closed = False
         self._hook()
@@ -171,58 +121,34 @@ class ParamWindow:
         """Bytes of the parameters outside the blocks: on the device for the whole forward."""
         return sum(u.nbytes for u in self.root_set)
 
-    # ------------------------------------------------------------------------------ set-up
+    # What the device holds (Residency's counts).
+    @property
+    def persistent_bytes(self) -> int:
+        return self._res.persistent_bytes
 
-    def _cut(self, blocks: BlockSpec) -> Tuple[List[Unit], List[int]]:
-        """The units, and per managed parameter the unit that fetches it in backward."""
-        if blocks is None:
-            is_block = default_blocks(self.model)
-        elif callable(blocks) and not isinstance(blocks, (list, tuple)):
-            is_block = blocks  # type: ignore[assignment]
-        else:
-            classes = tuple(blocks)
-            if not all(isinstance(c, type) for c in classes):
-                raise TypeError("blocks= takes module classes or a callable (name, module) -> bool")
-            is_block = lambda _name, module: isinstance(module, classes)  # noqa: E731
-        index = {id(p): i for i, p in enumerate(self.params)}
-        units: List[Unit] = []
-        owner = [-1] * len(self.params)
-        inside: Set[int] = set()  # modules inside a block
+    @property
+    def peak_resident_bytes(self) -> int:
+        return self._res.peak_resident_bytes
 
-        def add(name: str, module: torch.nn.Module, params: Iterable[torch.nn.Parameter],
-                block: bool) -> None:
-            members = []
-            for p in params:
-                i = index.get(id(p))
-                # A root-set parameter tied to another module's is fetched by the first.
-                if (i is not None and self._managed[i] and i not in members
-                        and (block or owner[i] < 0 or units[owner[i]].block)):
-                    members.append(i)
-            if not members and not block:
-                return
-            nbytes = sum(self._shapes[i].numel() for i in members) * self._placeholder.element_size()
-            unit = Unit(name or "(the model)", module, members, nbytes, block)
-            for i in members:
-                if owner[i] < 0:
-                    owner[i] = len(units)
-            units.append(unit)
+    @property
+    def fetches(self) -> int:
+        """Unit fetches, prefetches included."""
+        return self._res.fetches
 
-        for name, module in self.model.named_modules():
-            if id(module) in inside:
-                continue
-            if module is not self.model and is_block(name, module):
-                for sub in module.modules():
-                    inside.add(id(sub))
-                add(name, module, module.parameters(), True)
-        for name, module in self.model.named_modules():
-            if id(module) not in inside:
-                add(name, module, module._parameters.values(), False)
-        for i, o in enumerate(owner):
-            if self._managed[i] and o < 0:
-                raise ValueError(f"parameter {i} (shape {tuple(self._shapes[i])}) is not a "
-                                 "parameter of the model given: zero_stage=3 fetches parameters "
-                                 "by the modules that hold them")
-        return units, owner
+    @property
+    def refetches(self) -> int:
+        """Fetches of a unit already fetched once in the same pass."""
+        return self._res.refetches
+
+    def resident_bytes(self) -> int:
+        """Bytes of parameter storage on the device: the window's live tensors (those the
+        parameters hold, and any a saved view keeps) and the persistent set."""
+        return self._res.resident_bytes()
+
+    def reset_peak(self) -> None:
+        self._res.reset_peak()
+
+    # ------------------------------------------------------------------------------ hooks
 
     def _hook(self) -> None:
         """Forward hooks on the root and on each block, saved-tensor hooks during the model's
@@ -267,124 +193,6 @@ class ParamWindow:
             h.remove()
         self._handles = []
 
-    # ------------------------------------------------------------------------------ residency
-
-    def _resident(self, i: int) -> bool:
-        return bool(self._holders[i])
-
-    def _fetch(self, u: int, prefetch: bool = False) -> None:
-        """Unit u on the device: each of its parameters that is not gets a new tensor, filled
-        from the host copy (asynchronously on CUDA: use() waits)."""
-        unit = self._units[u]
-        if unit.resident:
-            return
-        missing = [i for i in unit.params if not self._holders[i]]
-        if missing:
-            tensors = [torch.empty(self._shapes[i], dtype=self.dtype, device=self.device)
-                       for i in missing]
-            # The side stream waits for the compute queued so far (the new tensors' memory may
-            # be memory it still reads), and the allocator keeps them until the copies land (a
-            # block evicted before use).
-            self._copies.after_current(*tensors)
-            with self._copies.on_side():
-                self._fill(missing, tensors)
-            for i, t in zip(missing, tensors):
-                self._standins.discard(i)
-                self.params[i].data = t
-                self._by_storage[_storage(t).data_ptr()] = i
-                self._alive.append((StorageWeakRef(_storage(t)), t.numel() * t.element_size()))
-        # After every copy issued so far: those of a unit that prefetched a parameter this one
-        # shares (a tied weight) too.
-        unit.event = self._copies.record()
-        for i in unit.params:
-            self._holders[i].add(u)
-        unit.resident = True
-        self.fetches += 1
-        if u in self._fetched_this_pass:
-            self.refetches += 1
-        self._fetched_this_pass.add(u)
-        if not prefetch:
-            self._use(u)
-        self._measure()
-
-    def _use(self, u: int) -> None:
-        unit = self._units[u]
-        if unit.event is not None:
-            self._copies.current_waits(unit.event)
-            unit.event = None
-        if u in self._prefetched:
-            self._prefetched.remove(u)
-
-    def _release(self, u: int) -> None:
-        """Unit u off the device: parameters no other unit holds get their placeholder back (a
-        storage a saved view still holds lives on, counted, until that view dies)."""
-        unit = self._units[u]
-        if not unit.resident or unit.active:
-            return
-        for i in unit.params:
-            holders = self._holders[i]
-            holders.discard(u)
-            if not holders:
-                p = self.params[i]
-                if p.shape != self._shapes[i] or p.dtype != self.dtype:
-                    raise RuntimeError(
-                        f"parameter {i} of {unit.name} is {p.dtype} of shape {tuple(p.shape)} "
-                        f"after the forward; it was {self.dtype} of shape "
-                        f"{tuple(self._shapes[i])}: zero_stage=3 cannot keep a parameter that "
-                        "the model reshapes or replaces (its values live in the optimizer)")
-                self._by_storage.pop(_storage(p.data).data_ptr(), None)
-                p.data = self._placeholder
-        unit.resident = False
-        unit.held = False
-        unit.event = None
-        if u in self._prefetched:
-            self._prefetched.remove(u)
-
-    def resident_bytes(self) -> int:
-        """Bytes of parameter storage on the device: the window's live tensors (those the
-        parameters hold, and any a saved view keeps) and the persistent set."""
-        self._alive = [(w, n) for w, n in self._alive if not w.expired()]
-        return self.persistent_bytes + sum(n for _, n in self._alive)
-
-    def _measure(self) -> None:
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes())
-
-    def reset_peak(self) -> None:
-        self.peak_resident_bytes = self.resident_bytes()
-
-    def _blocks_resident(self) -> List[int]:
-        return [u for u, unit in enumerate(self._units) if unit.block and unit.resident]
-
-    def _room(self, unit: Unit, extra_blocks: int = 1) -> bool:
-        """Whether one more block fits the window and the byte limit."""
-        blocks = self._blocks_resident()
-        if len(blocks) + extra_blocks > self.window:
-            return False
-        if self.max_resident_bytes:
-            used = sum(self._units[u].nbytes for u in blocks)
-            used += sum(u.nbytes for u in self.root_set if u.resident)
-            if used + unit.nbytes > self.max_resident_bytes:
-                return False
-        return True
-
-    def _make_room(self, u: int) -> None:
-        """Releases blocks that are not needed now (prefetched and not entered, then, in
-        backward, ones whose gradients all arrived) until unit u fits."""
-        unit = self._units[u]
-        for v in list(self._prefetched):
-            if self._room(unit):
-                return
-            if v != u:
-                self._release(v)
-        if self._room(unit):
-            return
-        for v in self._blocks_resident():
-            other = self._units[v]
-            if v != u and not other.active and not other.held:
-                self._release(v)
-                if self._room(unit):
-                    return
-
     # ------------------------------------------------------------------------------ forward
 
     def _check_thread(self) -> None:
@@ -413,11 +221,11 @@ class ParamWindow:
             if self._forward_depth > 1:
                 return
             self._in_backward = False
-            self._fetched_this_pass = set()
+            self._res.fetched_this_pass = set()
             self._recording = []
             for u, unit in enumerate(self._units):
                 if not unit.block:
-                    self._fetch(u)
+                    self._res.fetch(u)
                     unit.active += 1
             if torch.is_grad_enabled():
                 hooks = _SavedParamHooks(self)
@@ -440,9 +248,9 @@ class ParamWindow:
             for u, unit in enumerate(self._units):
                 if not unit.block:
                     unit.active = max(0, unit.active - 1)
-                    self._release(u)
-            for u in list(self._prefetched):
-                self._release(u)
+                    self._res.release(u)
+            for u in list(self._res.prefetched):
+                self._res.release(u)
             self._order = self._recording
             self._position = {}
             for k, v in enumerate(self._order):
@@ -471,15 +279,15 @@ class ParamWindow:
                 self._check_thread()
             unit = self._units[u]
             if not unit.resident:
-                self._make_room(u)
-                if self.max_resident_bytes and not self._room(unit, extra_blocks=0):
+                self._res.make_room(u)
+                if self.max_resident_bytes and not self._res.room(unit, extra_blocks=0):
                     raise RuntimeError(
                         f"zero_stage=3: block {unit.name} ({unit.nbytes} bytes) does not fit "
                         f"max_resident_bytes={self.max_resident_bytes} beside the blocks running "
                         "around it: raise the limit or cut the model into smaller blocks")
-                self._fetch(u)
+                self._res.fetch(u)
             else:
-                self._use(u)
+                self._res.use(u)
             unit.active += 1
             if self._forward_depth:
                 self._recording.append(u)
@@ -490,25 +298,12 @@ class ParamWindow:
             unit = self._units[u]
             unit.active = max(0, unit.active - 1)
             if not unit.active:
-                self._release(u)
+                self._res.release(u)
 
     def _prefetch_after(self, position: int) -> None:
         """Fetches ahead the blocks the recorded order runs after `position` (this forward's
         count of blocks entered so far, less one), while they fit."""
-        self._prefetch(self._order[position + 1:], held=False)
-
-    def _prefetch(self, blocks: Iterable[int], held: bool) -> None:
-        """Fetches `blocks` in turn, without waiting for the copies, until one does not fit.
-        held: for backward, where a block stays until its gradients arrive."""
-        for u in blocks:
-            unit = self._units[u]
-            if unit.resident:
-                continue
-            if not self._room(unit):
-                return
-            self._fetch(u, prefetch=True)
-            self._prefetched.append(u)
-            unit.held = held
+        self._res.prefetch(self._order[position + 1:], held=False)
 
     # ------------------------------------------------------------------------------ backward
 
@@ -518,7 +313,7 @@ class ParamWindow:
         if (t.numel() == 0 or t.device != self.device or t.dtype != self.dtype
                 or not self._forward_depth or self._thread != threading.get_ident()):
             return None
-        i = self._by_storage.get(_storage(t).data_ptr())
+        i = self._res.by_storage.get(storage_of(t).data_ptr())
         if i is None:
             return None
         d = self.params[i].data
@@ -538,7 +333,7 @@ class ParamWindow:
         if self._in_backward:
             return
         self._in_backward = True
-        self._fetched_this_pass = set()
+        self._res.fetched_this_pass = set()
         self._arrived = [False] * len(self.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
 
@@ -549,15 +344,15 @@ class ParamWindow:
         unit = self._units[u]
         # The blocks before it are prefetched once, when it is fetched or its prefetch is first
         # used, not at each of its saved tensors.
-        first = not self._resident(i) or u in self._prefetched
-        if not self._resident(i):
+        first = not self._res.resident(i) or u in self._res.prefetched
+        if not self._res.resident(i):
             if unit.block:
-                self._make_room(u)
-            self._fetch(u)
+                self._res.make_room(u)
+            self._res.fetch(u)
         else:
-            self._use(u)
-            for v in self._holders[i]:
-                self._use(v)
+            self._res.use(u)
+            for v in self._res.holders[i]:
+                self._res.use(v)
         if not unit.held and not all(self._arrived[j] for j in unit.params):
             unit.held = True
         if first and u in self._position:
@@ -565,7 +360,7 @@ class ParamWindow:
 
     def _prefetch_before(self, position: int) -> None:
         """Fetches ahead, for backward, the blocks the recorded forward ran before `position`."""
-        self._prefetch(reversed(self._order[:position]), held=True)
+        self._res.prefetch(reversed(self._order[:position]), held=True)
 
     def _before_accumulate(self, i: int) -> None:
         """Autograd is about to accumulate parameter i's gradient, which needs i's shape, not
@@ -573,10 +368,10 @@ class ParamWindow:
         one element, until the gradient has arrived."""
         with self._lock:
             self._backward_begins()
-            if not self._resident(i) and i not in self._standins:
+            if not self._res.resident(i) and i not in self._res.standins:
                 one = torch.empty(1, dtype=self.dtype, device=self.device)
                 self.params[i].data = one.expand(self._shapes[i])
-                self._standins.add(i)
+                self._res.standins.add(i)
 
     def arrived(self, i: int) -> None:
         """Parameter i's gradient is accumulated (and on its way): the units holding it are
@@ -585,15 +380,15 @@ class ParamWindow:
             if not self._in_backward or not self._managed[i]:
                 return
             self._arrived[i] = True
-            if i in self._standins:
-                self._standins.discard(i)
-                self.params[i].data = self._placeholder
-            for u in list(self._holders[i]):
+            if i in self._res.standins:
+                self._res.standins.discard(i)
+                self.params[i].data = self._res.placeholder
+            for u in list(self._res.holders[i]):
                 unit = self._units[u]
                 if unit.active:
                     continue  # a recomputed forward (activation checkpointing) runs in it
                 if all(self._arrived[j] for j in unit.params):
-                    self._release(u)
+                    self._res.release(u)
 
     def _backward_ends(self) -> None:
         with self._lock:
@@ -604,26 +399,18 @@ class ParamWindow:
                 # No forward runs: a block still active was left by a recomputation that
                 # stopped early (torch < 2.1 runs no hook after it).
                 unit.active = 0
-                self._release(u)
-            self._prefetched = []
-            for i in self._standins:
-                self.params[i].data = self._placeholder
-            self._standins = set()
+                self._res.release(u)
+            self._res.prefetched = []
+            for i in self._res.standins:
+                self.params[i].data = self._res.placeholder
+            self._res.standins = set()
 
     # ------------------------------------------------------------------------------ outside
 
     def release_all(self) -> None:
         """Every managed parameter off the device (its values in the host copy)."""
         with self._lock:
-            for u in range(len(self._units)):
-                self._units[u].active = 0
-                self._release(u)
-            for i, p in enumerate(self.params):
-                if self._managed[i] and not self._holders[i]:
-                    p.data = self._placeholder
-            self._by_storage = {}
-            self._standins = set()
-            self._prefetched = []
+            self._res.release_all(self._managed)
 
     def invalidate(self) -> None:
         """The host copy changed (a step, a load): copies on the device are stale. Only between
@@ -696,9 +483,9 @@ class _Gathered:
     def __enter__(self) -> ParamWindow:
         w = self.window
         with w._lock:
-            w._fetched_this_pass = set()
+            w._res.fetched_this_pass = set()
             for u, unit in enumerate(w._units):
-                w._fetch(u)
+                w._res.fetch(u)
                 unit.active += 1
         return w
 
@@ -707,4 +494,4 @@ class _Gathered:
         with w._lock:
             for u, unit in enumerate(w._units):
                 unit.active = max(0, unit.active - 1)
-                w._release(u)
+                w._res.release(u)

@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Callable, List, Optional
 
-from offload._lib import OffloadError, server_binary
+from offload.native import OffloadError, server_binary
 
 _PR_SET_PDEATHSIG = 1
 # Looked up here, in the parent: the forked child of a threaded process (torch, OpenMP) must not

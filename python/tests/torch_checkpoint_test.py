@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offload.checkpoint as ockpt  # noqa: E402
 import offload.torch as otorch  # noqa: E402
-from offload._lib import OffloadError  # noqa: E402
+from offload.native import OffloadError  # noqa: E402
 from offload.server import LocalServer  # noqa: E402
 from torch_adamw_test import (BETAS, EPS, LR, WD, OddNet, Reference, groups_of,  # noqa: E402
                               loss_of, lr_lambda, ulps)
@@ -104,7 +104,7 @@ class Elastic(unittest.TestCase):
                     other, o = build(servers, seed=9)  # other initial values: all must go
                     try:
                         self.assertEqual(o.load_checkpoint(d), saved)
-                        self.assertEqual(o._step, SAVE_AT)
+                        self.assertEqual(o.completed_steps, SAVE_AT)
                         for step in range(SAVE_AT, STEPS):
                             step_once(other, o, step)
                         self.assertEqual(ulps(bits(o).view(torch.float32),
@@ -216,7 +216,7 @@ class Refused(unittest.TestCase):
 
     def assert_unchanged(self) -> None:
         self.assertTrue(torch.equal(bits(self.opt), self.before))
-        self.assertEqual(self.opt._step, 3)
+        self.assertEqual(self.opt.completed_steps, 3)
         for p, w in zip(self.model.parameters(), self.weights):
             self.assertTrue(torch.equal(p.view(torch.int16), w.view(torch.int16)))
         step_once(self.model, self.opt, 3)  # and it still trains
@@ -285,7 +285,7 @@ def train(directory: str, steps: int, mode: str, out: Optional[str]) -> None:
     start = 0
     if mode == "resume" and os.path.exists(os.path.join(directory, "latest")):
         opt.load_checkpoint(directory)
-        start = opt._step
+        start = opt.completed_steps
         print(f"resumed at {start}", flush=True)
     for step in range(start, steps):
         g = torch.Generator().manual_seed(step)
@@ -364,7 +364,7 @@ class NothingLost(unittest.TestCase):
                                servers="inprocess")
             try:
                 opt.load_checkpoint(root)
-                self.assertEqual(opt._step, 2)
+                self.assertEqual(opt.completed_steps, 2)
             finally:
                 opt.close()
 
@@ -389,8 +389,7 @@ def ranks(rank: int, world: int, address: str, init_file: str, directory: str, p
         SAVE_AT, STEPS)
     if phase == "rest":
         opt.load_checkpoint(directory)
-        from offload import _lib
-        _lib.check(_lib.lib().offload_set_scaler(opt._handle, scale, 0, 0))
+        opt._native.set_scaler(scale, 0, 0)
     rows = 8 // world
     for step in range(first, last):
         g = torch.Generator().manual_seed(step)

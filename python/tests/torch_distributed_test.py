@@ -64,7 +64,8 @@ def train(rank: int, world: int, address: str, token: str, out: str, loss_scale:
                        bucket_elements=500, threads=1, update_in_backward=speculate,
                        trace_file=trace if trace and rank == 0 else None, **stage3)
     if zero_stage == 3 and world > 1 and not (
-            opt.param_window.fetches == 0 and opt._flat16.numel() * world == opt.padded_length):
+            opt.param_window.fetches == 0
+            and opt._weights.flat16.numel() * world == opt.padded_length):
         raise SystemExit(f"rank {rank}: ZeRO-3 should hold 1/{world} of the 16-bit weights")
     rows = ROWS // world
     early = []

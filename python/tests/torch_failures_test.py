@@ -97,7 +97,7 @@ class Failures(unittest.TestCase):
                     self.assertTrue(torch.equal(opt.master_weights(), before))
                     # The hooks refuse it too, while backward runs.
                     model[1].weight.data = model[1].weight.data.to(torch.float32)
-                    model[1].weight.data = opt._flat16.new_zeros(5, 6).float()
+                    model[1].weight.data = opt._weights.flat16.new_zeros(5, 6).float()
                     model[0].weight.data = model[0].weight.data.clone()
                     with self.assertRaisesRegex(RuntimeError, "changed after the optimizer"):
                         x = torch.arange(8).remainder(11).view(2, 4)
@@ -129,6 +129,33 @@ class Failures(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "dtype"):
             otorch.AdamW(small_model().parameters(), dtype=torch.float32, servers="inprocess")
 
+    def test_options_come_whole_or_as_keywords_never_both(self) -> None:
+        from offload import OffloadOptions
+        options = OffloadOptions(servers="inprocess", threads=1)
+        a, b = small_model(), small_model()
+        whole = otorch.AdamW(a.parameters(), options=options)
+        keywords = otorch.AdamW(b.parameters(), servers="inprocess", threads=1)
+        try:
+            self.assertEqual(whole.options, keywords.options)
+            self.assertEqual(whole.transport, keywords.transport)
+            for opt, model in ((whole, a), (keywords, b)):
+                backward(model, opt)
+                opt.step()
+            for p, q in zip(a.parameters(), b.parameters()):
+                self.assertTrue(torch.equal(p, q))
+        finally:
+            whole.close()
+            keywords.close()
+        # A keyword fills what the options leave at its default; one they set is refused.
+        filled = otorch.AdamW(small_model().parameters(),
+                              options=OffloadOptions(servers="inprocess"), threads=1)
+        self.assertEqual(filled.options.threads, 1)
+        filled.close()
+        with self.assertRaisesRegex(ValueError, "threads is given twice"):
+            otorch.AdamW(small_model().parameters(), options=options, threads=2)
+        with self.assertRaisesRegex(ValueError, "optimizer_state must be one of"):
+            OffloadOptions(optimizer_state="tape")
+
     def test_load_state_dict_of_another_model_changes_nothing(self) -> None:
         model = small_model()
         opt = otorch.AdamW(model.parameters(), lr=1e-3, servers="inprocess")
@@ -137,7 +164,7 @@ class Failures(unittest.TestCase):
         try:
             backward(model, opt)
             opt.step()
-            before = {k: opt._read(k, 0, opt.padded_length) for k in (1, 2, 3)}
+            before = {k: opt._state.read(k, 0, opt.padded_length) for k in (1, 2, 3)}
             with self.assertRaisesRegex(ValueError, "another model|parameters"):
                 opt.load_state_dict(other.state_dict())
             # A state of the right shapes holding a NaN is refused by the library, whole.
@@ -150,7 +177,7 @@ class Failures(unittest.TestCase):
             with self.assertRaisesRegex(ValueError, "betas"):
                 opt.load_state_dict(bad)
             for k, v in before.items():
-                self.assertTrue(torch.equal(opt._read(k, 0, opt.padded_length), v))
+                self.assertTrue(torch.equal(opt._state.read(k, 0, opt.padded_length), v))
             # And the optimizer still trains.
             backward(model, opt)
             opt.step()

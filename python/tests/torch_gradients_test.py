@@ -143,11 +143,11 @@ class AgainstTorch(unittest.TestCase):
     def test_the_hook_path_of_this_torch(self) -> None:
         opt = optimizer(make_model())
         try:
-            print(f"torch {torch.__version__}: gradients hooked by {opt._grad_hooks.path}")
+            print(f"torch {torch.__version__}: gradients hooked by {opt._grads.hooks.path}")
             if TORCH >= (2, 1):
-                self.assertEqual(opt._grad_hooks.path, grad_hooks.POST_ACCUMULATE)
+                self.assertEqual(opt._grads.hooks.path, grad_hooks.POST_ACCUMULATE)
             else:
-                self.assertEqual(opt._grad_hooks.path, grad_hooks.ACCUMULATE_GRAD_NODE)
+                self.assertEqual(opt._grads.hooks.path, grad_hooks.ACCUMULATE_GRAD_NODE)
         finally:
             opt.close()
 
@@ -161,8 +161,8 @@ class Hooks(unittest.TestCase):
                 model.norm.bias.requires_grad_(False)
                 opt = optimizer(model, cls=with_path(path))
                 try:
-                    self.assertTrue(all(p is not model.norm.bias for p in opt._params))
-                    self.assertTrue(all(opt._grad_hooks.hooked))
+                    self.assertTrue(all(p is not model.norm.bias for p in opt._layout.params))
+                    self.assertTrue(all(opt._grads.hooks.hooked))
                     frozen = model.norm.bias.detach().clone()
                     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
                     for step in range(2):
@@ -206,6 +206,41 @@ class Hooks(unittest.TestCase):
                 opt.close()
                 loss_of(model, 0).backward()  # plain torch again: the gradients stay
                 self.assertTrue(all(p.grad is not None for p in model.parameters()))
+
+
+class Buckets(unittest.TestCase):
+    """The layout's buckets (the library's planner, offload_plan_buckets, that the C++ trainer's
+    buckets use too): greedy runs of whole parameters in flat order, the padding in the last, or
+    alone after a last bucket that is full."""
+
+    @staticmethod
+    def greedy(sizes: List[int], offsets: List[int], bucket_elements: int,
+               padded: int) -> List[Tuple[int, int, List[int]]]:
+        out, start, members = [], 0, []
+        for i, (n, off) in enumerate(zip(sizes, offsets)):
+            members.append(i)
+            end = off + n
+            if end - start >= bucket_elements:
+                out.append((start, end, members))
+                start, members = end, []
+        if start < padded:
+            out.append((start, padded, members))
+        return out
+
+    def test_greedy_runs_of_whole_parameters(self) -> None:
+        opt = optimizer(make_model())
+        try:
+            layout = opt._layout
+            sizes = [layout.numel(i) for i in range(len(layout))]
+            self.assertGreater(opt.padded_length, layout.num_params)
+            for bucket_elements in (1, 2, 7, 100, 300, sizes[0], sum(sizes[:3]),
+                                    layout.num_params, 1 << 22):
+                for padded in (layout.num_params, opt.padded_length):
+                    self.assertEqual(layout.buckets(bucket_elements, padded),
+                                     self.greedy(sizes, layout.offsets, bucket_elements, padded),
+                                     (bucket_elements, padded))
+        finally:
+            opt.close()
 
 
 # ------------------------------------------------------------------------- the staging ring

@@ -232,7 +232,7 @@ class Accumulation(unittest.TestCase):
                 with self.assertRaisesRegex(ValueError, "mid-accumulation entry is malformed"):
                     opt.load_state_dict(bad)
                 self.assertEqual(ulps(opt.master_weights(), before), 0)
-                self.assertFalse(otorch._lib.lib().offload_in_step(opt._handle))
+                self.assertFalse(opt._native.in_step())
         finally:
             opt.close()
         # With the update during backward the servers hold the step's early updates.
@@ -600,7 +600,7 @@ class FrozenAndUnused(unittest.TestCase):
                             other.load_checkpoint(d, model=twin)
                         else:
                             other.load_state_dict(sd)
-                        self.assertEqual(other._lag, opt._lag, how)
+                        self.assertEqual(other._commits.lag, opt._commits.lag, how)
                     finally:
                         other.close()
                 plain = copy.deepcopy(base)

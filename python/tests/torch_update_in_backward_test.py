@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offload.torch as otorch  # noqa: E402
-from offload import _lib  # noqa: E402
+from offload import native  # noqa: E402
 from torch_adamw_test import (BETAS, EPS, LR, Reference, groups_of, loss_of,  # noqa: E402
                               lr_lambda, make_model, ulps)
 
@@ -183,10 +183,10 @@ class BadInput(unittest.TestCase):
         import ctypes
         base = make_model()
         ours, plain = Loop(base, False), Loop(base, False)
-        L = _lib.lib()
-        h = ours.opt._handle
+        L = native.lib()
+        h = ours.opt._native.handle
         lrs = (ctypes.c_double * 2)(LR, LR)
-        none = (_lib.RangeStep * 1)()
+        none = (native.OffloadRangeStep * 1)()
         try:
             self.assertEqual(L.offload_speculate(h, lrs, 2, none, 0), 9)  # no step is open
             self.assertIn(b"no step", L.offload_last_error())
@@ -196,7 +196,8 @@ class BadInput(unittest.TestCase):
             self.assertEqual(L.offload_speculate(h, lrs, 1, none, 0), 3)  # one lr, two groups
             bad = (ctypes.c_double * 2)(LR, math.nan)
             self.assertEqual(L.offload_speculate(h, bad, 2, none, 0), 3)
-            backwards = (_lib.RangeStep * 2)(_lib.RangeStep(100, 10, 1), _lib.RangeStep(0, 10, 1))
+            backwards = (native.OffloadRangeStep * 2)(native.OffloadRangeStep(100, 10, 1),
+                                                     native.OffloadRangeStep(0, 10, 1))
             self.assertEqual(L.offload_speculate(h, lrs, 2, backwards, 2), 3)
             self.assertIn(b"sorted", L.offload_last_error())
             padded = ours.opt.padded_length

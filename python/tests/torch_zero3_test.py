@@ -325,7 +325,7 @@ class Window(unittest.TestCase):
             self.assertTrue(all(p.numel() == 0 for p in model.parameters()))
             with opt.gathered():
                 self.assertEqual([tuple(p.shape) for p in model.parameters()],
-                                 [tuple(s) for s in opt._shapes])
+                                 [tuple(s) for s in opt._layout.shapes])
             self.assertTrue(all(p.numel() == 0 for p in model.parameters()))
             self.assertEqual(opt.param_window.resident_bytes(), 0)
         finally:
