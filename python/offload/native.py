@@ -171,18 +171,26 @@ def _build_dir() -> pathlib.Path:
     return build if build.is_absolute() else _REPO / build
 
 
+def _find(folder: str, name: str,
+          system: Callable[[], Optional[str]]) -> Tuple[Optional[str], pathlib.Path, pathlib.Path]:
+    """The package's own folder/name, else the build tree's (from a source tree only), else what
+    `system` finds; and where the first two were looked for."""
+    own = _PACKAGE / folder / name
+    built = _build_dir() / folder / name
+    if own.exists():
+        return str(own), own, built
+    if _IN_SOURCE_TREE and built.exists():
+        return str(built), own, built
+    return system(), own, built
+
+
 def library_path() -> str:
     """The liboffload_c.so this package loads (see the module's docstring for the order)."""
     explicit = os.environ.get("OFFLOAD_LIBRARY")
     if explicit:
         return explicit
-    own = _PACKAGE / "lib" / "liboffload_c.so"
-    if own.exists():
-        return str(own)
-    built = _build_dir() / "lib" / "liboffload_c.so"
-    if _IN_SOURCE_TREE and built.exists():
-        return str(built)
-    found = ctypes.util.find_library("offload_c")
+    found, own, built = _find("lib", "liboffload_c.so",
+                              lambda: ctypes.util.find_library("offload_c"))
     if found:
         return found
     if not _IN_SOURCE_TREE:
@@ -195,13 +203,8 @@ def library_path() -> str:
 
 def server_binary() -> str:
     """The package's own cpu_optimizer_server, else the build tree's, else the one on PATH."""
-    own = _PACKAGE / "bin" / "cpu_optimizer_server"
-    if own.exists():
-        return str(own)
-    built = _build_dir() / "bin" / "cpu_optimizer_server"
-    if _IN_SOURCE_TREE and built.exists():
-        return str(built)
-    found = shutil.which("cpu_optimizer_server")
+    found, own, built = _find("bin", "cpu_optimizer_server",
+                              lambda: shutil.which("cpu_optimizer_server"))
     if found:
         return found
     if not _IN_SOURCE_TREE:
