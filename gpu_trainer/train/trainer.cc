@@ -304,7 +304,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
   StepDecision decision;
   if (delayed) {
     OFFLOAD_ASSIGN_OR_RETURN(
-        decision, engine_->CommitAsync(&global, /*max_grad_norm=*/-1, lr, {},
+        decision, engine_->CommitAsync(global, /*max_grad_norm=*/-1, lr, {},
                                        next_weights16_.data() + backend_->partition_offset()));
   } else {
     // Nothing may read the partition while it changes.
@@ -312,7 +312,7 @@ absl::StatusOr<StepReport> Trainer::Step() {
     uint16_t* partition =
         stage3() ? partition16_.data() : weights16_.data() + backend_->partition_offset();
     OFFLOAD_ASSIGN_OR_RETURN(const CommitOutcome outcome,
-                             engine_->Commit(&global, /*max_grad_norm=*/-1, lr, {}, partition));
+                             engine_->Commit(global, /*max_grad_norm=*/-1, lr, {}, partition));
     decision = outcome.decision;
     counters_ = outcome.counters;
     if (!decision.skip) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -209,7 +210,12 @@ absl::Status CheckCommit(const OffloadOptimizer* opt, const double* group_lr, in
   return absl::OkStatus();
 }
 
-GradStats Stats(const double* global) { return GradStats{global[0], global[1] > 0}; }
+// offload_commit's global_stats: the sum of squares and the overflow flag over every rank, or
+// none (null: this rank's own).
+std::optional<GradStats> GlobalStats(const double* global_stats) {
+  if (global_stats == nullptr) return std::nullopt;
+  return GradStats{global_stats[0], global_stats[1] > 0};
+}
 
 void FillReport(const OffloadOptimizer* opt, const StepDecision& d, const StepCounters& counters,
                 OffloadStepReport* report) {
@@ -378,11 +384,9 @@ int32_t offload_commit(OffloadOptimizer* opt, const double* global_stats, const 
   return Guard([&]() -> absl::Status {
     OFFLOAD_RETURN_IF_ERROR(
         offload::capi::CheckCommit(opt, group_lr, num_groups, max_grad_norm, params16, report));
-    const offload::GradStats global =
-        global_stats != nullptr ? offload::capi::Stats(global_stats) : offload::GradStats{};
     OFFLOAD_ASSIGN_OR_RETURN(
         const offload::CommitOutcome outcome,
-        opt->engine->Commit(global_stats != nullptr ? &global : nullptr, max_grad_norm, group_lr[0],
+        opt->engine->Commit(offload::capi::GlobalStats(global_stats), max_grad_norm, group_lr[0],
                             absl::MakeConstSpan(group_lr, num_groups),
                             params16 + opt->backend->partition_offset()));
     offload::capi::FillReport(opt, outcome.decision, outcome.counters, report);
@@ -396,12 +400,10 @@ int32_t offload_commit_async(OffloadOptimizer* opt, const double* global_stats,
   return Guard([&]() -> absl::Status {
     OFFLOAD_RETURN_IF_ERROR(
         offload::capi::CheckCommit(opt, group_lr, num_groups, max_grad_norm, params16, report));
-    const offload::GradStats global =
-        global_stats != nullptr ? offload::capi::Stats(global_stats) : offload::GradStats{};
     const uint64_t step = opt->engine->open_step();
     OFFLOAD_ASSIGN_OR_RETURN(
         const offload::StepDecision d,
-        opt->engine->CommitAsync(global_stats != nullptr ? &global : nullptr, max_grad_norm,
+        opt->engine->CommitAsync(offload::capi::GlobalStats(global_stats), max_grad_norm,
                                  group_lr[0], std::vector<double>(group_lr, group_lr + num_groups),
                                  params16 + opt->backend->partition_offset()));
     // The shards' counters are known at offload_wait_commit.
@@ -427,11 +429,9 @@ int32_t offload_preview(OffloadOptimizer* opt, const double* global_stats, float
   return Guard([&]() -> absl::Status {
     if (!opt->engine->in_step()) return absl::FailedPreconditionError("no step is open");
     if (report == nullptr) return absl::InvalidArgumentError("null report");
-    const offload::GradStats global =
-        global_stats != nullptr ? offload::capi::Stats(global_stats) : offload::GradStats{};
     OFFLOAD_ASSIGN_OR_RETURN(
         const offload::StepDecision d,
-        opt->engine->Preview(global_stats != nullptr ? &global : nullptr, max_grad_norm));
+        opt->engine->Preview(offload::capi::GlobalStats(global_stats), max_grad_norm));
     *report = OffloadStepReport{};
     report->skipped = d.skip ? 1 : 0;
     report->loss_scale = d.loss_scale;

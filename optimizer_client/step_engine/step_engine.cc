@@ -301,13 +301,13 @@ absl::Status StepEngine::UpdateReady(int64_t offset, int64_t n) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepDecision> StepEngine::Preview(const GradStats* global, float max_grad_norm) {
+absl::StatusOr<StepDecision> StepEngine::Preview(std::optional<GradStats> global,
+                                                 float max_grad_norm) {
   OFFLOAD_ASSIGN_OR_RETURN(const GradStats own, Drain());
-  return policy_.Decide(global != nullptr ? *global : own,
-                        max_grad_norm < 0 ? -1.0f : max_grad_norm);
+  return policy_.Decide(global.value_or(own), max_grad_norm < 0 ? -1.0f : max_grad_norm);
 }
 
-absl::StatusOr<StepDecision> StepEngine::Close(const GradStats* global, float max_grad_norm,
+absl::StatusOr<StepDecision> StepEngine::Close(std::optional<GradStats> global, float max_grad_norm,
                                                std::vector<RangeStep>* range_steps) {
   OFFLOAD_ASSIGN_OR_RETURN(const StepDecision d, Preview(global, max_grad_norm));
   in_step_ = false;
@@ -318,8 +318,9 @@ absl::StatusOr<StepDecision> StepEngine::Close(const GradStats* global, float ma
   return d;
 }
 
-absl::StatusOr<CommitOutcome> StepEngine::Commit(const GradStats* global, float max_grad_norm,
-                                                 double lr, absl::Span<const double> group_lr,
+absl::StatusOr<CommitOutcome> StepEngine::Commit(std::optional<GradStats> global,
+                                                 float max_grad_norm, double lr,
+                                                 absl::Span<const double> group_lr,
                                                  uint16_t* partition16) {
   if (!in_step_) return absl::FailedPreconditionError("a commit outside a step");
   const uint64_t step = open_step_;
@@ -335,8 +336,9 @@ absl::StatusOr<CommitOutcome> StepEngine::Commit(const GradStats* global, float 
   return CommitOutcome{d, *counters};
 }
 
-absl::StatusOr<StepDecision> StepEngine::CommitAsync(const GradStats* global, float max_grad_norm,
-                                                     double lr, std::vector<double> group_lr,
+absl::StatusOr<StepDecision> StepEngine::CommitAsync(std::optional<GradStats> global,
+                                                     float max_grad_norm, double lr,
+                                                     std::vector<double> group_lr,
                                                      uint16_t* partition16) {
   if (!in_step_) return absl::FailedPreconditionError("a commit outside a step");
   const uint64_t step = open_step_;

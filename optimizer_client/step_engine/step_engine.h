@@ -27,6 +27,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -133,21 +134,23 @@ class StepEngine {
   absl::Status UpdateReady(int64_t offset, int64_t n);
 
   // What the commit would decide: every gradient sent (as Drain), then the policy on `global`
-  // (this rank's own statistics when null), max_grad_norm >= 0 overriding the policy's clip.
-  // Changes nothing; the step stays open.
-  absl::StatusOr<StepDecision> Preview(const GradStats* global, float max_grad_norm = -1);
+  // (the statistics over every rank; none: this rank's own), max_grad_norm >= 0 overriding the
+  // policy's clip. Changes nothing; the step stays open.
+  absl::StatusOr<StepDecision> Preview(std::optional<GradStats> global, float max_grad_norm = -1);
   // Decides the step as Preview, closes it, and commits it on this rank's slices with `lr` (and
   // one lr per parameter group, or none for `lr` everywhere) and the step's range steps; the
   // updated 16-bit weights of this rank's partition land in partition16 (partition_length,),
   // unless skipped. The loss scale moves on success.
-  absl::StatusOr<CommitOutcome> Commit(const GradStats* global, float max_grad_norm, double lr,
-                                     absl::Span<const double> group_lr, uint16_t* partition16);
+  absl::StatusOr<CommitOutcome> Commit(std::optional<GradStats> global, float max_grad_norm,
+                                       double lr, absl::Span<const double> group_lr,
+                                       uint16_t* partition16);
   // The delayed parameter update: decides and closes the step now (the loss scale moves now, as
   // the next step's backward runs before this commit is done) and commits it on a thread of its
   // own, writing partition16, which must stay valid and unread until WaitCommit. Until then
   // nothing else may reach the shards (BeginStep refuses).
-  absl::StatusOr<StepDecision> CommitAsync(const GradStats* global, float max_grad_norm, double lr,
-                                           std::vector<double> group_lr, uint16_t* partition16);
+  absl::StatusOr<StepDecision> CommitAsync(std::optional<GradStats> global, float max_grad_norm,
+                                           double lr, std::vector<double> group_lr,
+                                           uint16_t* partition16);
   bool commit_in_flight() const { return pending_commit_.valid(); }
   // FAILED_PRECONDITION while a delayed commit is in flight, naming what to call first.
   absl::Status NoCommitInFlight() const;
@@ -170,7 +173,7 @@ class StepEngine {
   void FirstMicroBatchSum(int64_t offset, int64_t n, float* out);
   absl::Status CheckRangeSteps(absl::Span<const RangeStep> steps) const;
   // The decision of a commit, and the step closed: its range steps handed to *range_steps.
-  absl::StatusOr<StepDecision> Close(const GradStats* global, float max_grad_norm,
+  absl::StatusOr<StepDecision> Close(std::optional<GradStats> global, float max_grad_norm,
                                      std::vector<RangeStep>* range_steps);
 
   OptimizerBackend* const backend_;

@@ -100,7 +100,8 @@ TEST_F(StepEngineTest, TheMirrorIsTheShardsSumAndAStepContinuedFromItCommitsTheS
   const GradStats want_stats = MeasureGradients32(want.data(), padded_);
   EXPECT_EQ(stats->sum_squares, want_stats.sum_squares);
   std::vector<uint16_t> weights(padded_);
-  absl::StatusOr<CommitOutcome> outcome = engine->Commit(nullptr, -1, 1e-2, {}, weights.data());
+  absl::StatusOr<CommitOutcome> outcome =
+      engine->Commit(std::nullopt, -1, 1e-2, {}, weights.data());
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_FALSE(outcome->decision.skip);
   EXPECT_EQ(outcome->counters.adam_step, 1u);
@@ -112,7 +113,7 @@ TEST_F(StepEngineTest, TheMirrorIsTheShardsSumAndAStepContinuedFromItCommitsTheS
   ASSERT_TRUE(resumed->RestoreGradientSum(sum.data()).ok());
   std::vector<uint16_t> resumed_weights(padded_);
   absl::StatusOr<CommitOutcome> again =
-      resumed->Commit(nullptr, -1, 1e-2, {}, resumed_weights.data());
+      resumed->Commit(std::nullopt, -1, 1e-2, {}, resumed_weights.data());
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->decision.grad_norm, outcome->decision.grad_norm);
   EXPECT_EQ(resumed_weights, weights);
@@ -127,8 +128,8 @@ TEST_F(StepEngineTest, StatisticsHandedOverOrMeasuredDecideAlike) {
   measured->Enqueue(0, padded_, g.data());
   handed->Enqueue(0, padded_, g.data());
   handed->AddStats(MeasureGradients16(g.data(), padded_, DType::kFp16));
-  absl::StatusOr<StepDecision> a = measured->Preview(nullptr);
-  absl::StatusOr<StepDecision> b = handed->Preview(nullptr);
+  absl::StatusOr<StepDecision> a = measured->Preview(std::nullopt);
+  absl::StatusOr<StepDecision> b = handed->Preview(std::nullopt);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_GT(a->grad_norm, 0.0);
   EXPECT_EQ(a->grad_norm, b->grad_norm);
@@ -145,7 +146,7 @@ TEST_F(StepEngineTest, ADelayedCommitHoldsTheShardsUntilWaitedWhileTheLossScaleM
   g[11] = FloatToFp16(std::numeric_limits<float>::infinity());  // an overflow: the step skips
   engine->Enqueue(0, padded_, g.data());
   std::vector<uint16_t> weights(padded_);
-  absl::StatusOr<StepDecision> d = engine->CommitAsync(nullptr, -1, 1e-2, {}, weights.data());
+  absl::StatusOr<StepDecision> d = engine->CommitAsync(std::nullopt, -1, 1e-2, {}, weights.data());
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_TRUE(d->skip);
   EXPECT_EQ(engine->policy().loss_scale(), scale / 2);  // the next backward uses it
@@ -181,16 +182,19 @@ TEST_F(StepEngineTest, RefusedCallsChangeNothing) {
   EXPECT_EQ(engine->Speculate({1e-2}, {}).code(), absl::StatusCode::kFailedPrecondition);
   engine->Enqueue(0, padded_, g.data());
   std::vector<float> master_before(101);
-  ASSERT_TRUE(
-      engine->backend().ReadRange(v1::STATE_TENSOR_MASTER_WEIGHTS, 0, 101, master_before.data()).ok());
+  ASSERT_TRUE(engine->backend()
+                  .ReadRange(v1::STATE_TENSOR_MASTER_WEIGHTS, 0, 101, master_before.data())
+                  .ok());
   std::vector<uint16_t> weights(padded_);
-  absl::StatusOr<CommitOutcome> outcome = engine->Commit(nullptr, -1, 1e-2, {}, weights.data());
+  absl::StatusOr<CommitOutcome> outcome =
+      engine->Commit(std::nullopt, -1, 1e-2, {}, weights.data());
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   // The range step kept from before the refusals: t 0 leaves [0, 100) as it was, and element
   // 100, which no range step names, is updated.
   std::vector<float> master_after(101);
-  ASSERT_TRUE(
-      engine->backend().ReadRange(v1::STATE_TENSOR_MASTER_WEIGHTS, 0, 101, master_after.data()).ok());
+  ASSERT_TRUE(engine->backend()
+                  .ReadRange(v1::STATE_TENSOR_MASTER_WEIGHTS, 0, 101, master_after.data())
+                  .ok());
   EXPECT_TRUE(std::equal(master_after.begin(), master_after.begin() + 100, master_before.begin()));
   EXPECT_NE(master_after[100], master_before[100]);
 }
