@@ -95,8 +95,8 @@ constexpr OffloadFieldLayout kLayout[] = {
 #undef OFFLOAD_FIELD
 #undef OFFLOAD_STRUCT
 
-absl::Status PlanBuckets(const uint64_t* sizes, int32_t n, uint64_t bucket_elements,
-                         int32_t* bucket_of) {
+absl::Status CheckedPlanBuckets(const uint64_t* sizes, int32_t n, uint64_t bucket_elements,
+                                int32_t* bucket_of) {
   if (sizes == nullptr || bucket_of == nullptr) {
     return absl::InvalidArgumentError("offload_plan_buckets: sizes and bucket_of are required");
   }
@@ -130,5 +130,6 @@ const OffloadFieldLayout* offload_abi_layout(void) { return kLayout; }
 
 int32_t offload_plan_buckets(const uint64_t* sizes, int32_t n, uint64_t bucket_elements,
                              int32_t* bucket_of) {
-  return offload::capi::Guard([&] { return PlanBuckets(sizes, n, bucket_elements, bucket_of); });
+  return offload::capi::Guard(
+      [&] { return CheckedPlanBuckets(sizes, n, bucket_elements, bucket_of); });
 }
