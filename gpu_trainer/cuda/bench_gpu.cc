@@ -45,7 +45,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -59,6 +58,7 @@
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 #include "cpu_optimizer_server/transport_factory/transport_factory.h"
+#include "gpu_trainer/cuda/bench_gpu_report.h"
 #include "gpu_trainer/cuda/gpt2_cuda.h"
 #include "gpu_trainer/cuda/memory_planner.h"
 #include "gpu_trainer/cuda/optim/gpu_adamw.h"
@@ -147,22 +147,11 @@ ABSL_FLAG(double, largest_host_gib, 0,
           "(MemAvailable). The planner gets 4/5 of it: the trainer's start-up holds an fp32 copy "
           "of the weights (4 bytes a parameter) beside the 16 the planner counts");
 
-namespace offload {
+namespace offload::bench_gpu {
 namespace {
 
 constexpr uint64_t kSeed = 1337;
 constexpr float kMaxGradNorm = 1.0f;  // the Trainer's default clipping, so both rows clip alike
-
-struct BenchConfig {
-  std::string model_name;
-  Gpt2Config model;
-  DType dtype = DType::kBf16;
-  int batch = 0;
-  int seq_len = 0;
-  int steps = 0;
-  int warmup = 0;
-  bool activation_checkpointing = false;  // both the GPU-resident and the offload rows
-};
 
 // The hyper-parameters of both the GPU-resident optimizer and the offloaded one (bench_trainer's).
 AdamHyperParams BenchAdam() {
@@ -256,21 +245,7 @@ absl::StatusOr<std::vector<BenchConfig>> ConfigsFromFlags() {
 }
 
 // A value for a key=value line: no spaces, so a line splits on whitespace.
-std::string Token(const std::string& s) { return absl::StrReplaceAll(s, {{" ", "_"}}); }
-
 // ---- 1. GPU-resident training -------------------------------------------------------------
-
-struct GpuResult {
-  int64_t params = 0;
-  double step_s = 0;
-  double tokens_per_s = 0;
-  double mfu = 0;  // 0 when the peak is unknown
-  float first_loss = 0, last_loss = 0;
-  int skipped = 0;
-  int64_t model_bytes = 0, optimizer_bytes = 0;
-  int64_t peak_device_bytes = 0;  // SampleDeviceBytes after the set-up and after each step
-  std::string attention;          // which attention ran (Gpt2Cuda::attention_path)
-};
 
 // Folds what the device has in use now (total - free: this process's and any other's) into
 // *peak.
@@ -383,19 +358,6 @@ TrainerOptions OffloadOptions(const BenchConfig& b, int device) {
   return o;
 }
 
-// One offload configuration: where the optimizer runs, over which data plane, with or without
-// the delayed parameter update.
-struct OffloadRow {
-  std::string name;  // the machine-readable line's offload=NAME
-  std::string what;  // the table's words
-  double step_s = 0;
-  // The last step's transfers against its compute, from the trace: the gradients' copies still
-  // running after the GPU finished backward ("d2h_exposed"), and the share of the weights' upload
-  // (on the GPU's clock) that ran while the forward that waited for it was on the GPU.
-  double d2h_exposed_s = 0, h2d_in_forward = 0;
-  int64_t peak_device_bytes = 0;  // SampleDeviceBytes after Start and after each step
-};
-
 // Seconds per training step after the warm-up steps (bench_trainer's TimeSteps), and how the last
 // step's transfers overlapped its compute, from a trace of every step.
 absl::Status TimeTrainerSteps(TrainerOptions o, const BenchConfig& b, OptimizerBackend* backend,
@@ -432,18 +394,6 @@ absl::Status TimeTrainerSteps(TrainerOptions o, const BenchConfig& b, OptimizerB
   }
   return backend->DropJob();
 }
-
-struct OffloadResult {
-  int64_t params = 0;
-  std::vector<OffloadRow> rows;  // in the order they ran; inprocess first
-  // The step time of row `name`, if it ran.
-  std::optional<double> StepSeconds(const std::string& name) const {
-    for (const OffloadRow& r : rows) {
-      if (r.name == name) return r.step_s;
-    }
-    return std::nullopt;
-  }
-};
 
 // The rows, each through a fresh Trainer on the same data: the optimizer in process (synchronous,
 // then DPU), then behind --shards OptimizerServers on loopback in this process, over gRPC and
@@ -512,14 +462,6 @@ absl::Status RunOffload(const BenchConfig& b, int device, bool all_rows, Offload
 
 // ---- 2b. Host <-> device transfers ----------------------------------------------------------
 
-// The pinned bound of an offload step's transfers: cudaMemcpyAsync between page-locked host
-// memory and the device, timed with events, best of `repeats`; and the bytes a step moves.
-struct TransferResult {
-  int64_t bytes = 0;  // per copy
-  double h2d_s = 0, d2h_s = 0;
-  int64_t step_bytes_each_way = 0;  // 16-bit gradients out, 16-bit weights in
-};
-
 absl::StatusOr<TransferResult> RunTransfers(int64_t step_bytes_each_way) {
   TransferResult t;
   t.bytes = int64_t{256} << 20;
@@ -561,19 +503,6 @@ absl::StatusOr<TransferResult> RunTransfers(int64_t step_bytes_each_way) {
   }
   return t;
 }
-
-// The offload step's own transfers of one model at full size, outside a step: its 16-bit weights
-// up unit by unit and its gradients down range by range (transfer_schedule.h) through the staging
-// classes the model uses, from and into registered (page-locked) host buffers as the trainer's
-// are, and through the pinned ring from pageable ones for comparison. Wall time from the first
-// copy queued to the last landed, best of a few.
-struct PipelineTransfer {
-  std::string model;
-  int64_t bytes = 0;                      // each way
-  double h2d_s = 0, d2h_s = 0;            // registered: cudaMemcpyAsync in place
-  double ring_h2d_s = 0, ring_d2h_s = 0;  // pageable: through the pinned ring
-  std::string registered_error;           // why registration failed, if it did
-};
 
 absl::StatusOr<PipelineTransfer> RunPipelineTransfers(const BenchConfig& b) {
   PipelineTransfer t;
@@ -640,24 +569,6 @@ absl::StatusOr<PipelineTransfer> RunPipelineTransfers(const BenchConfig& b) {
 
 // ---- 3. The memory planner ----------------------------------------------------------------
 
-struct PlanResult {
-  double memory_gib = 0;
-  int batch = 0, seq_len = 0;
-  DType dtype = DType::kBf16;
-  bool checkpointing = false;
-  double host_gib = 0;            // 0: no limit
-  double gradient_bucket_mb = 0;  // 0: every gradient on the GPU
-  std::string offload_binds = "-", gpu_only_binds = "-", window_binds = "-", stage3_binds = "-";
-  int64_t offload_params = 0, gpu_only_params = 0;  // 0: nothing fits
-  std::string offload_model = "none", gpu_only_model = "none";
-  double ratio = 0;  // offload_params / gpu_only_params; 0 when either is 0
-  // ZeRO-3 plans, with offload: one rank with a parameter window (the 16-bit model in pinned host
-  // memory), and plan_ranks ranks each holding its partition and the window.
-  int window_layers = 0, ranks = 0;
-  int64_t window_params = 0, stage3_params = 0;
-  std::string window_model = "none", stage3_model = "none";
-};
-
 absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   PlanResult p;
   p.memory_gib = memory_gib;
@@ -703,18 +614,7 @@ absl::StatusOr<PlanResult> RunPlan(double memory_gib, DType dtype) {
   return p;
 }
 
-// ---- Report -------------------------------------------------------------------------------
-
 // ---- 4. The host's share of an offload step --------------------------------------------
-
-struct HostRow {
-  std::string model;
-  int64_t params = 0;
-  int threads = 0;
-  int64_t bytes_each_way = 0;  // 16-bit gradients in, 16-bit weights out
-  double adam_s = 0, roofline_s = 0;
-  std::string skipped;  // why it was not measured; empty if it was
-};
 
 HostRow RunHostRow(const std::string& name, const Gpt2Config& c, DType dtype) {
   HostRow row;
@@ -745,23 +645,6 @@ HostRow RunHostRow(const std::string& name, const Gpt2Config& c, DType dtype) {
 }
 
 // ---- 5. The largest models, trained ------------------------------------------------------
-
-// One side of --largest: what the planner chose and what trained.
-struct LargestRow {
-  std::string side;  // "offload" or "gpu_only"
-  DType dtype = DType::kBf16;
-  int batch = 0, seq_len = 0;
-  double device_free_gib = 0, host_gib = 0;  // what the planner was given; host 0: no limit
-  Gpt2Config planned;                        // the planner's answer
-  std::string binds = "-";                   // which side stops one more layer of it
-  Gpt2Config model;                          // what trained: planned, or fewer layers
-  int64_t params = 0;                        // of `model`; 0 when nothing trained
-  int tries = 0;
-  double step_s = 0, tflops = 0;     // model FLOPs (Gpt2FlopsPerToken) over the step time
-  int64_t peak_device_bytes = 0;     // SampleDeviceBytes, the most seen
-  int64_t planned_device_bytes = 0;  // the planner's total for `model`
-  std::string error;                 // why nothing trained; empty when it did
-};
 
 bool IsOutOfMemory(const absl::Status& s) {
   return absl::IsResourceExhausted(s) || absl::StrContains(s.message(), "out of memory");
@@ -849,292 +732,6 @@ LargestRow RunLargest(bool gpu_only, int device, DType dtype) {
   return row;
 }
 
-// What one model of --model measured, or why it stopped.
-struct ModelRun {
-  BenchConfig b;
-  std::optional<GpuResult> gpu;
-  std::optional<OffloadResult> offload;
-  std::optional<PipelineTransfer> pipeline;
-  std::string error;  // empty if every row ran
-};
-
-struct Results {
-  std::optional<CudaDeviceInfo> device;
-  double peak_flops = 0;
-  std::string peak_source;
-  std::vector<ModelRun> models;
-  std::optional<TransferResult> transfer;
-  std::optional<PlanResult> plan;
-  std::vector<HostRow> host;
-  std::vector<LargestRow> largest;  // offload, then gpu_only
-};
-
-std::string Billions(int64_t n) { return absl::StrFormat("%.2fB", static_cast<double>(n) / 1e9); }
-
-double Gbps(int64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
-
-// The offload model's parameters over the GPU-only model's, as trained; 0 unless both trained.
-double LargestRatio(const std::vector<LargestRow>& rows) {
-  int64_t offload = 0, gpu_only = 0;
-  for (const LargestRow& l : rows) (l.side == "offload" ? offload : gpu_only) = l.params;
-  return offload > 0 && gpu_only > 0 ? static_cast<double>(offload) / gpu_only : 0.0;
-}
-
-void ReportModel(const Results& r, const ModelRun& m) {
-  const BenchConfig& b = m.b;
-  auto row = [](const std::string& what, const std::string& value) {
-    std::printf("  %-34s %s\n", what.c_str(), value.c_str());
-  };
-  std::printf("bench_gpu: %s %s, batch %d x %d tokens, %d timed steps after %d warm-up\n",
-              b.model_name.c_str(), std::string(DTypeName(b.dtype)).c_str(), b.batch, b.seq_len,
-              b.steps, b.warmup);
-  if (m.gpu) {
-    const GpuResult& g = *m.gpu;
-    row("params", absl::StrCat(g.params));
-    row("attention", g.attention);
-    row("GPU-resident step", absl::StrFormat("%.4f s", g.step_s));
-    row("GPU-resident tokens/s", absl::StrFormat("%.0f", g.tokens_per_s));
-    row("MFU", r.peak_flops > 0 ? absl::StrFormat("%.1f%% of %.1f TFLOP/s (%s)", 100 * g.mfu,
-                                                  r.peak_flops / 1e12, r.peak_source)
-                                : std::string("peak unknown for this GPU: pass --peak_tflops"));
-    if (r.peak_flops > 0) {
-      row("MFU formula",
-          absl::StrFormat("%.4g FLOP/token (6 x matmul weights + 12 L T C) x %.0f tokens/s / "
-                          "%.1f TFLOP/s",
-                          Gpt2FlopsPerToken(b.model, b.seq_len), g.tokens_per_s,
-                          r.peak_flops / 1e12));
-    }
-    row("loss first / last", absl::StrFormat("%.4f / %.4f", g.first_loss, g.last_loss));
-    row("skipped (fp16 overflow)", absl::StrCat(g.skipped));
-    row("GPU memory: model + optimizer",
-        absl::StrFormat("%.2f + %.2f GiB", g.model_bytes / 1073741824.0,
-                        g.optimizer_bytes / 1073741824.0));
-  }
-  if (m.offload) {
-    for (const OffloadRow& o : m.offload->rows) {
-      row(absl::StrCat("offload step, ", o.what),
-          m.gpu ? absl::StrFormat("%.4f s (%.3fx GPU-resident)", o.step_s, o.step_s / m.gpu->step_s)
-                : absl::StrFormat("%.4f s", o.step_s));
-      row("  transfers not hidden",
-          absl::StrFormat("gradients' D2H %.2f ms after backward; %.0f%% of the weights' H2D "
-                          "inside forward",
-                          1e3 * o.d2h_exposed_s, 100 * o.h2d_in_forward));
-    }
-  }
-  if (m.pipeline) {
-    const PipelineTransfer& p = *m.pipeline;
-    if (!p.registered_error.empty()) {
-      row("transfers, registered", absl::StrCat("not measured: ", p.registered_error));
-    } else {
-      row("transfers, registered memory",
-          absl::StrFormat("%.0f MB: H2D %.1f GB/s, D2H %.1f GB/s", p.bytes / 1e6,
-                          Gbps(p.bytes, p.h2d_s), Gbps(p.bytes, p.d2h_s)));
-    }
-    row("transfers, pinned ring (pageable)",
-        absl::StrFormat("H2D %.1f GB/s, D2H %.1f GB/s", Gbps(p.bytes, p.ring_h2d_s),
-                        Gbps(p.bytes, p.ring_d2h_s)));
-    if (r.transfer && p.registered_error.empty()) {
-      const TransferResult& t = *r.transfer;
-      row("  / the pinned bound", absl::StrFormat("H2D %.2f, D2H %.2f (target >= 0.80)",
-                                                  Gbps(p.bytes, p.h2d_s) / Gbps(t.bytes, t.h2d_s),
-                                                  Gbps(p.bytes, p.d2h_s) / Gbps(t.bytes, t.d2h_s)));
-    }
-  }
-  if (!m.error.empty()) row("stopped", m.error);
-  std::printf("\n");
-}
-
-// The table, then the machine-readable lines: always last, always in this order.
-void Report(const Results& r) {
-  auto row = [](const std::string& what, const std::string& value) {
-    std::printf("  %-34s %s\n", what.c_str(), value.c_str());
-  };
-  const DType dtype_of_run = r.models.empty() ? DType::kBf16 : r.models.front().b.dtype;
-  const std::string dtype(DTypeName(dtype_of_run));
-  std::printf("\n");
-  if (r.device) {
-    std::printf("bench_gpu: %s\n\n", DescribeCudaDevice(*r.device).c_str());
-  }
-  for (const ModelRun& m : r.models) ReportModel(r, m);
-  if (r.transfer) {
-    const TransferResult& t = *r.transfer;
-    row("pinned H2D / D2H (cudaMemcpyAsync)",
-        absl::StrFormat("%.1f / %.1f GB/s (%lld MiB copies)", Gbps(t.bytes, t.h2d_s),
-                        Gbps(t.bytes, t.d2h_s), static_cast<long long>(t.bytes >> 20)));
-    row("a step's transfers at that bound",
-        absl::StrFormat("%.0f MB each way: %.2f ms in, %.2f ms out", t.step_bytes_each_way / 1e6,
-                        1e3 * t.step_bytes_each_way * t.h2d_s / t.bytes,
-                        1e3 * t.step_bytes_each_way * t.d2h_s / t.bytes));
-  }
-  if (r.plan) {
-    const PlanResult& p = *r.plan;
-    const std::string on = absl::StrFormat(
-        "%.1f GiB, %s, batch %d x %d%s%s%s", p.memory_gib, DTypeName(p.dtype), p.batch, p.seq_len,
-        p.checkpointing ? ", activation checkpointing" : "",
-        p.host_gib > 0 ? absl::StrFormat(", host %.0f GiB", p.host_gib) : "",
-        p.gradient_bucket_mb > 0
-            ? absl::StrFormat(", gradients in %.0f MiB buckets", p.gradient_bucket_mb)
-            : "");
-    std::printf("  largest model on %s\n", on.c_str());
-    row("  with offload", absl::StrCat(Billions(p.offload_params), " (", p.offload_model,
-                                       ", binds: ", p.offload_binds, ")"));
-    row("  GPU only", absl::StrCat(Billions(p.gpu_only_params), " (", p.gpu_only_model,
-                                   ", binds: ", p.gpu_only_binds, ")"));
-    row("size ratio offload / GPU only", absl::StrFormat("%.2fx", p.ratio));
-    std::printf("  ZeRO-3, a window of %d blocks:\n", p.window_layers);
-    row("  offload + window, 1 GPU", absl::StrCat(Billions(p.window_params), " (", p.window_model,
-                                                  ", binds: ", p.window_binds, ")"));
-    row(absl::StrCat("  offload + stage 3, ", p.ranks, " GPUs"),
-        absl::StrCat(Billions(p.stage3_params), " (", p.stage3_model, ", binds: ", p.stage3_binds,
-                     ")"));
-  }
-  for (const HostRow& h : r.host) {
-    const std::string what =
-        absl::StrFormat("host Adam, %s (%s params)", h.model, Billions(h.params));
-    if (!h.skipped.empty()) {
-      row(what, absl::StrCat("skipped: ", h.skipped));
-      continue;
-    }
-    row(what, absl::StrFormat("%.1f ms, roofline %.1f ms (%.2fx), %d threads; %.0f MB each way",
-                              h.adam_s * 1e3, h.roofline_s * 1e3, h.roofline_s / h.adam_s,
-                              h.threads, h.bytes_each_way / 1e6));
-  }
-  for (const LargestRow& l : r.largest) {
-    const std::string what = absl::StrFormat(
-        "largest trained, %s (%s, %d x %d, checkpointing; %.1f GiB free, host %.0f GiB)",
-        l.side == "offload" ? "offload" : "GPU only", DTypeName(l.dtype), l.batch, l.seq_len,
-        l.device_free_gib, l.host_gib);
-    std::printf("  %s\n", what.c_str());
-    if (!l.error.empty()) {
-      row("  stopped", l.error);
-      continue;
-    }
-    row("  model", absl::StrCat(Billions(l.params), " (", DescribeConfig(l.model), "; planned ",
-                                l.planned.num_layers, " layers, binds: ", l.binds, ")"));
-    row("  step, model TFLOP/s", absl::StrFormat("%.3f s, %.1f", l.step_s, l.tflops));
-    row("  device peak / planned",
-        absl::StrFormat("%.2f / %.2f GiB", l.peak_device_bytes / 1073741824.0,
-                        l.planned_device_bytes / 1073741824.0));
-  }
-  if (const double ratio = LargestRatio(r.largest); ratio > 0) {
-    row("largest trained, offload / GPU only", absl::StrFormat("%.2fx", ratio));
-  }
-  std::printf("\n");
-
-  if (r.device) {
-    const CudaDeviceInfo& d = *r.device;
-    std::printf("gpu device=%d name=%s sm=%d%d sms=%d memory_gib=%.1f peak_tflops=%.1f peak=%s\n",
-                d.ordinal, Token(d.name).c_str(), d.compute_major, d.compute_minor, d.sm_count,
-                d.total_bytes / 1073741824.0, r.peak_flops / 1e12, Token(r.peak_source).c_str());
-  }
-  for (const ModelRun& m : r.models) {
-    const BenchConfig& b = m.b;
-    if (m.gpu) {
-      std::printf(
-          "gpu model=%s dtype=%s tokens_per_s=%.0f mfu=%.4f step_s=%.5f batch=%d seq_len=%d "
-          "params=%lld skipped=%d attention=%s flops_per_token=%.6g peak_tflops=%.1f\n",
-          b.model_name.c_str(), dtype.c_str(), m.gpu->tokens_per_s, m.gpu->mfu, m.gpu->step_s,
-          b.batch, b.seq_len, static_cast<long long>(m.gpu->params), m.gpu->skipped,
-          Token(m.gpu->attention).c_str(), Gpt2FlopsPerToken(b.model, b.seq_len),
-          r.peak_flops / 1e12);
-    }
-    if (m.offload) {
-      for (const OffloadRow& o : m.offload->rows) {
-        std::printf(
-            "gpu offload=%s params=%lld step_s=%.5f vs_gpu=%.3f model=%s dtype=%s batch=%d "
-            "seq_len=%d shards=%d d2h_exposed_s=%.5f h2d_in_forward=%.3f\n",
-            o.name.c_str(), static_cast<long long>(m.offload->params), o.step_s,
-            m.gpu ? o.step_s / m.gpu->step_s : 0.0, b.model_name.c_str(), dtype.c_str(), b.batch,
-            b.seq_len, o.name.rfind("server", 0) == 0 ? absl::GetFlag(FLAGS_shards) : 0,
-            o.d2h_exposed_s, o.h2d_in_forward);
-      }
-      const std::optional<double> local = m.offload->StepSeconds("inprocess");
-      const std::optional<double> served = m.offload->StepSeconds("server");
-      if (local && served && m.gpu) {
-        std::printf(
-            "gpu offload_ratio model=%s server_vs_inprocess=%.3f inprocess_vs_gpu=%.3f "
-            "server_vs_gpu=%.3f\n",
-            b.model_name.c_str(), *served / *local, *local / m.gpu->step_s,
-            *served / m.gpu->step_s);
-      }
-    }
-    if (m.pipeline && r.transfer) {
-      const PipelineTransfer& p = *m.pipeline;
-      const TransferResult& t = *r.transfer;
-      std::printf(
-          "gpu pipeline model=%s bytes=%lld h2d_gbps=%.2f d2h_gbps=%.2f ring_h2d_gbps=%.2f "
-          "ring_d2h_gbps=%.2f h2d_vs_bound=%.3f d2h_vs_bound=%.3f registered=%s\n",
-          b.model_name.c_str(), static_cast<long long>(p.bytes), Gbps(p.bytes, p.h2d_s),
-          Gbps(p.bytes, p.d2h_s), Gbps(p.bytes, p.ring_h2d_s), Gbps(p.bytes, p.ring_d2h_s),
-          Gbps(p.bytes, p.h2d_s) / Gbps(t.bytes, t.h2d_s),
-          Gbps(p.bytes, p.d2h_s) / Gbps(t.bytes, t.d2h_s),
-          p.registered_error.empty() ? "yes" : Token(p.registered_error).c_str());
-    }
-    if (!m.error.empty()) {
-      std::printf("gpu error model=%s what=%s\n", b.model_name.c_str(), Token(m.error).c_str());
-    }
-  }
-  if (r.transfer) {
-    const TransferResult& t = *r.transfer;
-    std::printf(
-        "gpu transfer bytes=%lld h2d_gbps=%.2f d2h_gbps=%.2f step_bytes_each_way=%lld "
-        "step_h2d_floor_s=%.5f step_d2h_floor_s=%.5f\n",
-        static_cast<long long>(t.bytes), Gbps(t.bytes, t.h2d_s), Gbps(t.bytes, t.d2h_s),
-        static_cast<long long>(t.step_bytes_each_way), t.step_bytes_each_way * t.h2d_s / t.bytes,
-        t.step_bytes_each_way * t.d2h_s / t.bytes);
-  }
-  for (const HostRow& h : r.host) {
-    if (!h.skipped.empty()) {
-      std::printf("gpu host model=%s params=%lld skipped=%s\n", h.model.c_str(),
-                  static_cast<long long>(h.params), Token(h.skipped).c_str());
-      continue;
-    }
-    std::printf(
-        "gpu host model=%s params=%lld dtype=%s threads=%d adam_s=%.5f roofline_s=%.5f "
-        "ratio=%.3f bytes_each_way=%lld\n",
-        h.model.c_str(), static_cast<long long>(h.params), dtype.c_str(), h.threads, h.adam_s,
-        h.roofline_s, h.roofline_s / h.adam_s, static_cast<long long>(h.bytes_each_way));
-  }
-  if (r.plan) {
-    const PlanResult& p = *r.plan;
-    std::printf(
-        "gpu plan memory_gib=%.1f offload_params=%lld offload_model=%s gpu_only_params=%lld "
-        "gpu_only_model=%s ratio=%.2f batch=%d seq_len=%d dtype=%s checkpointing=%d "
-        "host_gib=%.1f offload_binds=%s gpu_only_binds=%s gradient_bucket_mb=%.1f\n",
-        p.memory_gib, static_cast<long long>(p.offload_params), p.offload_model.c_str(),
-        static_cast<long long>(p.gpu_only_params), p.gpu_only_model.c_str(), p.ratio, p.batch,
-        p.seq_len, std::string(DTypeName(p.dtype)).c_str(), p.checkpointing ? 1 : 0, p.host_gib,
-        p.offload_binds.c_str(), p.gpu_only_binds.c_str(), p.gradient_bucket_mb);
-    std::printf(
-        "gpu plan_zero3 memory_gib=%.1f window_layers=%d window_params=%lld window_model=%s "
-        "ranks=%d stage3_params=%lld stage3_model=%s\n",
-        p.memory_gib, p.window_layers, static_cast<long long>(p.window_params),
-        p.window_model.c_str(), p.ranks, static_cast<long long>(p.stage3_params),
-        p.stage3_model.c_str());
-  }
-  for (const LargestRow& l : r.largest) {
-    if (!l.error.empty()) {
-      std::printf("gpu largest side=%s error=%s planned_model=%s\n", l.side.c_str(),
-                  Token(l.error).c_str(),
-                  l.planned.num_layers > 0 ? Token(DescribeConfig(l.planned)).c_str() : "none");
-      continue;
-    }
-    std::printf(
-        "gpu largest side=%s params=%lld layers=%d channels=%d heads=%d step_s=%.5f tflops=%.2f "
-        "peak_device_gib=%.2f planned_device_gib=%.2f binds=%s planned_layers=%d tries=%d "
-        "batch=%d seq_len=%d dtype=%s device_free_gib=%.1f host_gib=%.1f\n",
-        l.side.c_str(), static_cast<long long>(l.params), l.model.num_layers, l.model.channels,
-        l.model.num_heads, l.step_s, l.tflops, l.peak_device_bytes / 1073741824.0,
-        l.planned_device_bytes / 1073741824.0, l.binds.c_str(), l.planned.num_layers, l.tries,
-        l.batch, l.seq_len, std::string(DTypeName(l.dtype)).c_str(), l.device_free_gib, l.host_gib);
-  }
-  if (const double ratio = LargestRatio(r.largest); ratio > 0) {
-    std::printf("gpu largest ratio=%.3f\n", ratio);
-  }
-  std::fflush(stdout);
-}
-
-// Both sides of --largest, offload first; false unless both trained.
 bool RunLargestRows(int device, DType dtype, Results* r) {
   for (const bool gpu_only : {false, true}) {
     r->largest.push_back(RunLargest(gpu_only, device, dtype));
@@ -1156,6 +753,7 @@ int Run() {
   }
   const DType dtype = configs->front().dtype;
   Results r;
+  r.shards = absl::GetFlag(FLAGS_shards);
   const double plan_gib = absl::GetFlag(FLAGS_plan_memory_gib);
   const bool largest_only = absl::GetFlag(FLAGS_largest_only);
 
@@ -1249,9 +847,9 @@ int Run() {
 }
 
 }  // namespace
-}  // namespace offload
+}  // namespace offload::bench_gpu
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  return offload::Run();
+  return offload::bench_gpu::Run();
 }
