@@ -180,6 +180,10 @@ absl::Status CheckGroupLrs(const OffloadOptimizer* opt, const double* group_lr,
   return absl::OkStatus();
 }
 
+// An offset or length of the ABI's (uint64_t) as the engine's int64_t: past 2^62 is past any flat
+// space, so the engine's own range checks refuse it, naming the range, without an overflow.
+int64_t Flat(uint64_t v) { return static_cast<int64_t>(std::min<uint64_t>(v, uint64_t{1} << 62)); }
+
 absl::StatusOr<std::vector<RangeStep>> RangeSteps(const OffloadRangeStep* ranges, int32_t n) {
   if (n < 0 || (n > 0 && ranges == nullptr)) {
     return absl::InvalidArgumentError("n < 0, or ranges missing");
@@ -187,11 +191,7 @@ absl::StatusOr<std::vector<RangeStep>> RangeSteps(const OffloadRangeStep* ranges
   std::vector<RangeStep> steps;
   for (int32_t i = 0; i < n; ++i) {
     const OffloadRangeStep& r = ranges[i];
-    // Past int64 is past the flat space too; the engine's check names the entry.
-    const auto clamp = [](uint64_t v) {
-      return static_cast<int64_t>(std::min<uint64_t>(v, 1ull << 62));
-    };
-    steps.push_back(RangeStep{clamp(r.offset), clamp(r.length), r.t});
+    steps.push_back(RangeStep{Flat(r.offset), Flat(r.length), r.t});
   }
   return steps;
 }
@@ -349,11 +349,7 @@ int32_t offload_speculate(OffloadOptimizer* opt, const double* group_lr, int32_t
 
 int32_t offload_update_ready(OffloadOptimizer* opt, uint64_t offset, uint64_t n) {
   return Guard([&] {
-    // Past int64 is outside the flat space too, as the engine's check says.
-    if (offset > (1ull << 62) || n > (1ull << 62)) {
-      return absl::OutOfRangeError("the range is not inside the flat space");
-    }
-    return opt->engine->UpdateReady(static_cast<int64_t>(offset), static_cast<int64_t>(n));
+    return opt->engine->UpdateReady(offload::capi::Flat(offset), offload::capi::Flat(n));
   });
 }
 
