@@ -67,20 +67,17 @@ class Commits:
     def commit(self, stats: Any, lrs: List[float], max_norm: float,
                delayed: bool) -> OffloadStepReport:
         """Commits the open step: the updated weights of the partition go to the host copy, or
-        (delayed) to next16 while the servers work, after the update of the step before lands in
-        the parameters."""
+        (delayed) to next16 while the servers work; the caller has put the update of the step
+        before into the parameters first (apply_pending)."""
         w = self._weights
         if delayed:
-            # The update of the step before lands now, before this one leaves: the next
-            # forward computes with it, one update behind the servers (the paper's DPU).
-            self.apply_pending()
             return self._native.commit(stats, lrs, max_norm, w.host_ptr(w.next16), delayed=True)
         return self._native.commit(stats, lrs, max_norm, w.host_ptr(w.host16))
 
     def committed(self, report: OffloadStepReport, unused: Sequence[int], delayed: bool) -> None:
         """The counters after a commit (report), its weights in the parameters unless it was
-        skipped or is delayed, and the report kept."""
-        self.in_flight = delayed
+        skipped or is delayed, and the report kept (in_flight is the caller's to set, under its
+        lock)."""
         if not report.skipped:
             for i in unused:
                 self.lag[i] += 1
