@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from offload import clipping
 from offload import job as _job
 from offload import native
 from offload.commits import Commits
@@ -265,6 +266,9 @@ class AdamW(torch.optim.Optimizer):
             self.close()  # no job left on the servers, no server left running
             raise
         self.keep_grads = self._grads.keep_grads
+        # torch's (and accelerate's) clip_grad_norm_ answer for these parameters (clipping).
+        self._trained_ids = frozenset(id(p) for p in self._layout.params)
+        clipping.register(self)
 
     # ------------------------------------------------------------------------------ properties
 
@@ -278,6 +282,22 @@ class AdamW(torch.optim.Optimizer):
     def last_report(self) -> Optional[Dict[str, Any]]:
         """What the last step did (``OffloadStepReport``'s fields), None before the first."""
         return self._commits.last_report
+
+    @property
+    def alive(self) -> bool:
+        """Whether the optimizer can still step (not closed)."""
+        return self._finalizer.alive
+
+    @property
+    def world_size(self) -> int:
+        """The ranks that train with this optimizer (its process group's size; 1 without)."""
+        return self._ranks.world
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the servers skipped (fp16 overflow, a non-finite gradient) since the job
+        began, restored by load_checkpoint."""
+        return self._native.get_scaler()[2]
 
     @property
     def loss_scale(self) -> float:

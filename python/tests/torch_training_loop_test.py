@@ -636,6 +636,54 @@ class StepSemantics(unittest.TestCase):
         finally:
             opt.close()
 
+    def test_torch_clip_grad_norm_clips_by_the_global_norm(self) -> None:
+        """torch.nn.utils.clip_grad_norm_(model.parameters(), ...), as a torch loop calls it:
+        p.grad is freed during backward, so torch's own function must answer for the
+        optimizer's parameters (offload.clipping): the norm of the gradients sent, returned as
+        torch returns it, and the clip in the coming step, the same bits as the optimizer's own
+        clip_grad_norm_. What it cannot answer exactly is refused with nothing changed."""
+        max_norm = 0.05
+        results = []
+        for use_torch in (True, False):
+            model = make_model()
+            opt = otorch.AdamW(groups_of(model), lr=LR, betas=BETAS, eps=EPS,
+                               servers="inprocess", threads=1)
+            try:
+                norms, coefs = [], []
+                for step in range(6):
+                    opt.zero_grad()
+                    for k in range(2):
+                        opt.backward(micro_loss(model, step, k))
+                    if use_torch:
+                        if step == 0:
+                            params = list(model.parameters())
+                            with self.assertRaisesRegex(ValueError, "part of an offload"):
+                                torch.nn.utils.clip_grad_norm_(params[:1], max_norm)
+                            with self.assertRaisesRegex(ValueError, "norm_type"):
+                                torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=1.0)
+                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                    else:
+                        norm = opt.clip_grad_norm_(max_norm)
+                    opt.step()
+                    norms.append(float(norm))
+                    coefs.append(opt.last_report["clip_coef"])
+                    self.assertEqual(float(norm), float(torch.tensor(
+                        opt.last_report["grad_norm"], dtype=torch.float32)))
+                self.assertTrue(any(c < 1.0 for c in coefs), coefs)
+                results.append((opt.master_weights(), norms))
+            finally:
+                opt.close()
+        self.assertEqual(ulps(results[0][0], results[1][0]), 0)
+        self.assertEqual(results[0][1], results[1][1])
+        # Parameters no offload optimizer owns still go to torch's own function.
+        plain = torch.nn.Linear(3, 2)
+        plain(torch.ones(1, 3)).sum().backward()
+        want = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1)
+                                                   for p in plain.parameters()]))
+        got = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+        self.assertAlmostEqual(float(got), float(want), places=5)
+        self.assertLess(float(torch.linalg.vector_norm(plain.weight.grad)), 1e-3 + 1e-6)
+
 
 if __name__ == "__main__":
     unittest.main()
