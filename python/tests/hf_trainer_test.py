@@ -45,6 +45,7 @@ except Exception:  # noqa: BLE001 - absent (Debian's torch 1.13 has no transform
     transformers = None
 
 import offload.hf  # noqa: E402
+import offload.torch as otorch  # noqa: E402
 from offload import clipping  # noqa: E402
 
 STEPS = 20
@@ -256,6 +257,38 @@ class TrainerTrains(unittest.TestCase):
 
     def test_gpt2_with_plain_trainer_and_optimizer_cls_and_kwargs(self) -> None:
         self.check_model(gpt2, subclass=False)
+
+    def test_an_optimizer_from_a_deepspeed_config_handed_over(self) -> None:
+        """optimizers=(offload.hf.from_deepspeed_config(config, model, args), None): the config's
+        "auto" values are the TrainingArguments', Trainer builds the schedule on the optimizer,
+        and it trains as offload.hf.Trainer's own optimizer does (its groups aside: DeepSpeed
+        decays every parameter, so both do here)."""
+        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto",
+                                                            "eps": "auto",
+                                                            "weight_decay": "auto"}},
+                  "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+                  "gradient_accumulation_steps": "auto"}
+        masters = []
+        for bridge in (True, False):
+            model = gpt2()
+            args = arguments(os.path.join(self.dir, f"ds{bridge}"), max_steps=6)
+            if bridge:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # every key here is honoured
+                    opt = offload.hf.from_deepspeed_config(config, model, args, threads=1)
+            else:
+                opt = otorch.AdamW(model.named_parameters(), lr=args.learning_rate,
+                                   betas=(args.adam_beta1, args.adam_beta2),
+                                   eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                                   max_grad_norm=args.max_grad_norm, threads=1)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=self.data,
+                                           optimizers=(opt, None))
+            trainer.train()
+            self.assertEqual(opt.completed_steps, 6)
+            masters.append(opt.master_weights())
+            opt.close()
+        self.assertEqual(ulps(masters[0], masters[1]), 0)
 
     def test_zero3_trains_as_stage_2_and_saves_the_gathered_model(self) -> None:
         """offload_kwargs=dict(zero_stage=3): Trainer's factory protocol hands the optimizer the
