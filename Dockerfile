@@ -117,7 +117,8 @@ USER root
 RUN apt-get update -q \
  && apt-get install -y -q --no-install-recommends python3 python3-torch python3-numpy \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
-COPY python/offload/*.py /usr/lib/python3/dist-packages/offload/
+# The package with its subpackages (offload.hf); .dockerignore leaves out __pycache__.
+COPY python/offload/ /usr/lib/python3/dist-packages/offload/
 COPY --from=programs /out/pylib/liboffload_c.so /usr/lib/python3/dist-packages/offload/lib/
 RUN mkdir -p /usr/lib/python3/dist-packages/offload/bin \
  && ln -s /opt/offload/bin/cpu_optimizer_server /usr/lib/python3/dist-packages/offload/bin/
@@ -127,7 +128,7 @@ COPY examples/torch_job.py /opt/offload/examples/torch_job.py
 ENV PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 RUN ! ldd /usr/lib/python3/dist-packages/offload/lib/liboffload_c.so \
       | grep -v 'libcuda\.so' | grep 'not found' \
- && python3 -c 'import offload.torch, offload._lib as l; print(l.library_path(), l.server_binary())'
+ && python3 -c 'import offload.torch, offload.hf, offload.native as l; print(l.library_path(), l.server_binary())'
 USER 10001:10001
 
 # The default target: the image of the controller, the optimizer servers and the C++ trainer.
