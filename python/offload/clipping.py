@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import Any, Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Optional, Set, Union
 
 import torch
 
@@ -57,8 +57,8 @@ def owner_of(optimizer: Any) -> Optional[Any]:
     return None
 
 
-def _owners(params: List[torch.Tensor]) -> List[Any]:
-    ids = {id(p) for p in params}
+def owners_of(ids: Set[int]) -> List[Any]:
+    """The live offload optimizers that train any of the parameters whose ids are given."""
     return [opt for opt in live() if ids & opt._trained_ids]
 
 
@@ -66,7 +66,8 @@ def clip_owned(params: List[torch.Tensor], max_norm: float, norm_type: float = 2
                error_if_nonfinite: bool = False) -> Optional[torch.Tensor]:
     """The global norm of ``params``' gradients and the clip by ``max_norm`` in the coming step,
     when an offload optimizer owns them; None when none does (torch's function answers)."""
-    owners = _owners(params)
+    ids = {id(p) for p in params}
+    owners = owners_of(ids)
     if not owners:
         return None
     if len(owners) > 1:
@@ -76,7 +77,6 @@ def clip_owned(params: List[torch.Tensor], max_norm: float, norm_type: float = 2
     if float(norm_type) != 2.0:
         raise ValueError(f"clip_grad_norm_ with norm_type={norm_type}: an offload optimizer "
                          "clips by the global L2 norm only (norm_type=2)")
-    ids = {id(p) for p in params}
     missing = len(opt._trained_ids - ids)
     if missing:
         raise ValueError(f"clip_grad_norm_ over part of an offload optimizer's parameters "

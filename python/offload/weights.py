@@ -34,6 +34,15 @@ CHUNK = 1 << 20
 Values = Callable[[List[torch.nn.Parameter]], Iterable[Tuple[int, torch.nn.Parameter]]]
 
 
+def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """The model's buffers (a BatchNorm's statistics, a causal mask) to ``device``, where the
+    parameters compute: the parameters are the optimizer's, placed by it, never moved."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
+
+
 class Weights:
     """The flat 16-bit buffer and its host copies, for ``layout``'s parameters on ``device``."""
 
@@ -194,12 +203,8 @@ class Weights:
             persistent_bytes=sum(s.numel() for s, keep in zip(layout.shapes, self.persistent)
                                  if keep) * self.flat16.element_size())
         self.changed()
-        # The model's buffers (a BatchNorm's statistics, a causal mask) go where it computes: a
-        # model built on the host is not moved there whole.
-        for module in model.modules():
-            for name, b in module._buffers.items():
-                if b is not None and b.device != self.device:
-                    module._buffers[name] = b.to(self.device)
+        # A model built on the host is not moved to where it computes whole: its buffers are.
+        move_buffers(model, self.device)
 
     # ------------------------------------------------------------------------------ in use
 

@@ -36,6 +36,7 @@ import threading
 from typing import Any, Callable, List, Optional
 
 from offload import clipping
+from offload.weights import move_buffers
 
 _lock = threading.Lock()
 _installed = False
@@ -89,8 +90,7 @@ def _offload_optimizers(accelerator: Any) -> List[Any]:
 def _owner_of_model(accelerator: Any, model: Any) -> Optional[Any]:
     """The live offload optimizer that trains ``model``'s parameters, checked against the
     processes accelerate runs: several processes need the optimizer's ranks to be them."""
-    ids = {id(p) for p in model.parameters() if p.requires_grad}
-    owners = [o for o in clipping.live() if ids & o._trained_ids]
+    owners = clipping.owners_of({id(p) for p in model.parameters() if p.requires_grad})
     if not owners:
         return None
     opt = owners[0]
@@ -118,10 +118,7 @@ def _prepare_model(original: Callable[..., Any], self: Any, model: Any,
             raise ValueError(f"the offload optimizer keeps the weights on {opt.device} and "
                              f"accelerate trains on {self.device}: build it with "
                              "device=accelerator.device")
-        for module in model.modules():
-            for name, b in module._buffers.items():
-                if b is not None and b.device.type != opt.device.type:
-                    module._buffers[name] = b.to(opt.device)
+        move_buffers(model, opt.device)
         device_placement = False
         # With several processes accelerate wraps the model in DistributedDataParallel, whose
         # all-reduce would wait for gradients the optimizer has already taken and freed: the
