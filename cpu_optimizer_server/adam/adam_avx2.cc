@@ -19,6 +19,8 @@ struct Avx2Traits {
   static V Set1(float x) { return _mm256_set1_ps(x); }
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
   static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static void Stream(float* p, V x) { _mm256_stream_ps(p, x); }  // p 64-byte aligned
+  static void Fence() { _mm_sfence(); }
 
   static V LoadFp16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

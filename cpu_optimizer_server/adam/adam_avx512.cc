@@ -20,6 +20,8 @@ struct Avx512Traits {
   static V Set1(float x) { return _mm512_set1_ps(x); }
   static V Load(const float* p) { return _mm512_loadu_ps(p); }
   static void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static void Stream(float* p, V x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned
+  static void Fence() { _mm_sfence(); }
 
   static V LoadFp16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

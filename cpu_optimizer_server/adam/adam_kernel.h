@@ -25,12 +25,18 @@ namespace offload {
 struct AdamSpan {
   const void* grad = nullptr;  // (n,) in grad_dtype
   DType grad_dtype = DType::kFp32;
-  float* param = nullptr;          // (n,) fp32 master weights, updated in place
+  float* param = nullptr;          // (n,) fp32 master weights, updated (see param_in)
   float* exp_avg = nullptr;        // (n,) first moment
   float* exp_avg_sq = nullptr;     // (n,) second moment
   void* out = nullptr;             // (n,) 16-bit copy of the updated param in out_dtype, or nullptr
   DType out_dtype = DType::kFp16;  // kFp16 or kBf16
   int64_t n = 0;
+  // Where the state is read from when it is not param, exp_avg and exp_avg_sq themselves: all
+  // three null (in place) or all three set. An update during backward writes the new state into
+  // the range's staging copy and leaves the state it read untouched, so undoing it costs nothing.
+  const float* param_in = nullptr;       // (n,)
+  const float* exp_avg_in = nullptr;     // (n,)
+  const float* exp_avg_sq_in = nullptr;  // (n,)
 };
 
 using AdamKernelFn = void (*)(const AdamStepScalars& s, const AdamSpan& span);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -431,6 +432,106 @@ TEST_P(SimdVsScalarTest, SimdEqualsScalarReferenceBitForBit) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// An update written elsewhere (AdamSpan::param_in and the rest: an update during backward into
+// the range's staging copy) gives the bits of the update in place, writes nothing outside its
+// destination, and leaves the state it read untouched, with non-temporal stores or without.
+TEST_P(AdamKernelTest, OutOfPlaceEqualsInPlaceAndLeavesTheSourceUntouched) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  for (int64_t n : {1, 15, 17, 33, 100003, 2, 48, 100000}) {
+    for (int offset : {0, 3}) {
+      for (DType grad_dtype : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+        for (const Config& cfg : kConfigs) {
+          SCOPED_TRACE(testing::Message()
+                       << "seed=" << seed << " n=" << n << " offset=" << offset
+                       << " grad=" << DTypeName(grad_dtype) << " " << ConfigName(cfg));
+          Problem in_place(n, offset, grad_dtype, /*with_out=*/n % 2 == 1, DType::kBf16);
+          FillState(in_place, rng);
+          FillGrads(in_place, rng, 0.1);
+          InjectEdgeValues(in_place, rng);
+          const Problem source = in_place;
+          Problem dest = in_place;  // its state is overwritten; only its gradient is read
+          for (int64_t i = 0; i < n; ++i) {
+            dest.param[i] = dest.exp_avg[i] = dest.exp_avg_sq[i] = BitsToFloat(0x7fa5a5a5u);
+            dest.out[i] = 0xa5a5;
+          }
+          Problem read = source;
+          AdamHyperParams hp;
+          hp.adamw = cfg.adamw;
+          hp.weight_decay = cfg.weight_decay;
+          hp.bias_correction = cfg.bias_correction;
+          const AdamStepScalars s = ComputeAdamStepScalars(hp, hp.lr, 3, 0.5f);
+          kernel_(s, in_place.Span());
+          AdamSpan span = dest.Span();
+          span.param_in = read.param.data();
+          span.exp_avg_in = read.exp_avg.data();
+          span.exp_avg_sq_in = read.exp_avg_sq.data();
+          kernel_(s, span);
+          ASSERT_TRUE(dest.GuardsIntact() && read.GuardsIntact());
+          for (int64_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(SameFloat(dest.param[i], in_place.param[i])) << "param[" << i << "]";
+            ASSERT_TRUE(SameFloat(dest.exp_avg[i], in_place.exp_avg[i])) << "exp_avg[" << i << "]";
+            ASSERT_TRUE(SameFloat(dest.exp_avg_sq[i], in_place.exp_avg_sq[i]))
+                << "exp_avg_sq[" << i << "]";
+            ASSERT_EQ(dest.out[i], in_place.out[i]) << "out[" << i << "]";
+            ASSERT_TRUE(SameFloat(read.param[i], source.param[i]) &&
+                        SameFloat(read.exp_avg[i], source.exp_avg[i]) &&
+                        SameFloat(read.exp_avg_sq[i], source.exp_avg_sq[i]))
+                << "the source of element " << i << " changed";
+          }
+        }
+      }
+    }
+  }
+}
+
+// Into 64-byte aligned destinations without a 16-bit copy (an update during backward into the
+// staging copy) the kernel streams its stores: the same bits, and nothing written past the end.
+TEST_P(AdamKernelTest, StreamedOutOfPlaceEqualsInPlace) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  constexpr int64_t kPad = 16;  // sentinel elements after each destination
+  for (int64_t n : {16, 48, 100000, 100003}) {
+    for (DType grad_dtype : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+      SCOPED_TRACE(testing::Message()
+                   << "seed=" << seed << " n=" << n << " grad=" << DTypeName(grad_dtype));
+      Problem in_place(n, 0, grad_dtype, /*with_out=*/false, DType::kBf16);
+      FillState(in_place, rng);
+      FillGrads(in_place, rng, 0.1);
+      Problem source = in_place;
+      const uint32_t sentinel = 0x7fa5a5a5u;
+      auto aligned = [&] {
+        const size_t bytes = (n + kPad) * sizeof(float);
+        std::unique_ptr<float[], void (*)(void*)> p(
+            static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)), &std::free);
+        for (int64_t i = 0; i < n + kPad; ++i) p[i] = BitsToFloat(sentinel);
+        return p;
+      };
+      auto p = aligned(), m = aligned(), v = aligned();
+      const AdamStepScalars s = ComputeAdamStepScalars(AdamHyperParams{}, 1e-3, 2, 1.0f);
+      kernel_(s, in_place.Span());
+      AdamSpan span = source.Span();
+      span.param = p.get();
+      span.exp_avg = m.get();
+      span.exp_avg_sq = v.get();
+      span.param_in = source.param.data();
+      span.exp_avg_in = source.exp_avg.data();
+      span.exp_avg_sq_in = source.exp_avg_sq.data();
+      kernel_(s, span);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_TRUE(SameFloat(p[i], in_place.param[i]) && SameFloat(m[i], in_place.exp_avg[i]) &&
+                    SameFloat(v[i], in_place.exp_avg_sq[i]))
+            << "element " << i;
+      }
+      for (int64_t i = n; i < n + kPad; ++i) {
+        ASSERT_TRUE(FloatBits(p[i]) == sentinel && FloatBits(m[i]) == sentinel &&
+                    FloatBits(v[i]) == sentinel)
+            << "wrote past the end at " << i;
       }
     }
   }

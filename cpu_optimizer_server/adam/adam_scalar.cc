@@ -46,29 +46,33 @@ inline uint16_t ToHalf(float x, DType dtype) {
 }  // namespace
 
 void AdamScalar(const AdamStepScalars& s, const AdamSpan& span) {
-  const float neg_step_size = -s.step_size;                // torch: addcdiv_(..., value=-step_size)
-  float* const param = span.param;                         // (n,)
-  float* const exp_avg = span.exp_avg;                     // (n,)
-  float* const exp_avg_sq = span.exp_avg_sq;               // (n,)
+  const float neg_step_size = -s.step_size;   // torch: addcdiv_(..., value=-step_size)
+  float* const param = span.param;            // (n,)
+  float* const exp_avg = span.exp_avg;        // (n,)
+  float* const exp_avg_sq = span.exp_avg_sq;  // (n,)
+  const float* const param_in = span.param_in != nullptr ? span.param_in : param;
+  const float* const exp_avg_in = span.exp_avg_in != nullptr ? span.exp_avg_in : exp_avg;
+  const float* const exp_avg_sq_in =
+      span.exp_avg_sq_in != nullptr ? span.exp_avg_sq_in : exp_avg_sq;
   uint16_t* const out = static_cast<uint16_t*>(span.out);  // (n,) or nullptr
   const bool lerp = s.form == AdamForm::kLerp;
   const float w = s.one_minus_beta1;
   const bool lerp_from_exp_avg = w < 0.5f && w > -0.5f;
   const float lerp_coeff = lerp_from_exp_avg ? w : w - 1.0f;
   for (int64_t i = 0; i < span.n; ++i) {
-    float p = param[i];
+    float p = param_in[i];
     float g = LoadGrad(span.grad, span.grad_dtype, i) * s.grad_multiplier;
     // torch only adds the L2 term when weight_decay != 0; fma(p, 0, g) would turn an inf or NaN
     // weight into a NaN gradient that torch does not produce.
     if (s.l2_weight_decay != 0.0f) g = std::fma(p, s.l2_weight_decay, g);
     p = p * s.decoupled_decay;
-    float m = exp_avg[i];
+    float m = exp_avg_in[i];
     if (!lerp) {
       m = std::fma(g, s.one_minus_beta1, m * s.beta1);
     } else {
       m = std::fma(lerp_coeff, g - m, lerp_from_exp_avg ? m : g);
     }
-    const float v = std::fma(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
+    const float v = std::fma(s.one_minus_beta2 * g, g, exp_avg_sq_in[i] * s.beta2);
     const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
     p = p + (neg_step_size * m) / denom;
     param[i] = p;
@@ -82,13 +86,17 @@ void RooflineScalar(const AdamSpan& span) {
   float* const param = span.param;
   float* const exp_avg = span.exp_avg;
   float* const exp_avg_sq = span.exp_avg_sq;
+  const float* const param_in = span.param_in != nullptr ? span.param_in : param;
+  const float* const exp_avg_in = span.exp_avg_in != nullptr ? span.exp_avg_in : exp_avg;
+  const float* const exp_avg_sq_in =
+      span.exp_avg_sq_in != nullptr ? span.exp_avg_sq_in : exp_avg_sq;
   uint16_t* const out = static_cast<uint16_t*>(span.out);
   for (int64_t i = 0; i < span.n; ++i) {
     // All loads, then all stores, as in AdamScalar (see RooflineVector in adam_simd.h).
     const float g = LoadGrad(span.grad, span.grad_dtype, i);
-    const float p = param[i] + g;
-    const float m = exp_avg[i] + g;
-    const float v = exp_avg_sq[i] + g;
+    const float p = param_in[i] + g;
+    const float m = exp_avg_in[i] + g;
+    const float v = exp_avg_sq_in[i] + g;
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;

@@ -8,7 +8,8 @@
 //   Set1, Load, Store (unaligned fp32), LoadFp16, LoadBf16 (16-bit -> fp32, exact),
 //   StoreFp16, StoreBf16 (fp32 -> 16-bit, round to nearest even, +-inf on overflow, NaN stays a
 //   quiet NaN with the top payload bits, subnormals kept: bit-identical to dtype.h),
-//   StoreHigh16 (the upper 16 bits of each fp32, for the roofline),
+//   StoreHigh16 (the upper 16 bits of each fp32, for the roofline), Stream (a non-temporal store
+//   to 64-byte aligned fp32) and Fence (orders the streamed stores before later ones),
 //   Add, Sub, Mul, Div, Sqrt (correctly rounded IEEE operations), Fma(a, b, c) = a * b + c rounded
 //   once.
 //
@@ -32,7 +33,10 @@
 //   copy. But the server streams each tile back as soon as it is written: per-tile kernel +
 //   memcpy of the tile's copy ran at 1.77 Gparam/s with ordinary stores and 1.55 with streaming
 //   ones (1 thread), because the read then misses all caches. Streaming p, m and v as well gained
-//   nothing over streaming the copy alone.
+//   nothing over streaming the copy alone. The exception is an update written elsewhere without
+//   a copy (an update during backward into the staging copy, AdamSpanOut): its destination
+//   lines were never read, so an ordinary store first reads each of them (12 bytes an element
+//   more), and nothing reads them before the commit.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_ADAM_ADAM_SIMD_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_ADAM_ADAM_SIMD_H_
 
@@ -101,15 +105,17 @@ inline void StoreOut(void* out, int64_t i, typename T::V p) {
 
 // One vector of the fused update at element i. Same operations, in the same order, as
 // AdamScalar (adam_scalar.cc, which explains the order): the result is bit-identical to it.
-template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment>
-inline void AdamVector(const AdamConsts<T>& c, const void* grad, float* param, float* exp_avg,
-                       float* exp_avg_sq, void* out, int64_t i) {
+// kStream: the new state goes out with non-temporal stores (see AdamSpanOut).
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, bool kStream>
+inline void AdamVector(const AdamConsts<T>& c, const void* grad, const float* param_in,
+                       const float* exp_avg_in, const float* exp_avg_sq_in, float* param,
+                       float* exp_avg, float* exp_avg_sq, void* out, int64_t i) {
   using V = typename T::V;
-  V p = T::Load(param + i);
+  V p = T::Load(param_in + i);
   V g = T::Mul(LoadGrad<T, kGrad>(grad, i), c.grad_multiplier);
   if constexpr (kL2) g = T::Fma(p, c.l2_weight_decay, g);
   p = T::Mul(p, c.decoupled_decay);
-  V m = T::Load(exp_avg + i);
+  V m = T::Load(exp_avg_in + i);
   if constexpr (kMoment == Moment::kMulAdd) {
     m = T::Fma(g, c.one_minus_beta1, T::Mul(m, c.beta1));
   } else if constexpr (kMoment == Moment::kLerpFromExpAvg) {
@@ -117,12 +123,18 @@ inline void AdamVector(const AdamConsts<T>& c, const void* grad, float* param, f
   } else {
     m = T::Fma(c.lerp_coeff, T::Sub(g, m), g);
   }
-  const V v = T::Fma(T::Mul(c.one_minus_beta2, g), g, T::Mul(T::Load(exp_avg_sq + i), c.beta2));
+  const V v = T::Fma(T::Mul(c.one_minus_beta2, g), g, T::Mul(T::Load(exp_avg_sq_in + i), c.beta2));
   const V denom = T::Add(T::Div(T::Sqrt(v), c.bias_correction2_sqrt), c.eps);
   p = T::Add(p, T::Div(T::Mul(c.neg_step_size, m), denom));
-  T::Store(param + i, p);
-  T::Store(exp_avg + i, m);
-  T::Store(exp_avg_sq + i, v);
+  if constexpr (kStream) {
+    T::Stream(param + i, p);
+    T::Stream(exp_avg + i, m);
+    T::Stream(exp_avg_sq + i, v);
+  } else {
+    T::Store(param + i, p);
+    T::Store(exp_avg + i, m);
+    T::Store(exp_avg_sq + i, v);
+  }
   StoreOut<T, kOut>(out, i, p);
 }
 
@@ -131,22 +143,25 @@ inline void AdamVector(const AdamConsts<T>& c, const void* grad, float* param, f
 // followed by a load of exp_avg[i] (same address bits modulo 4 KiB when the buffers are
 // page-aligned) stalls on 4K aliasing, which would make the roofline slower than the kernel.
 template <class T, DType kGrad, Out kOut>
-inline void RooflineVector(const void* grad, float* param, float* exp_avg, float* exp_avg_sq,
-                           void* out, int64_t i) {
+inline void RooflineVector(const void* grad, const float* param_in, const float* exp_avg_in,
+                           const float* exp_avg_sq_in, float* param, float* exp_avg,
+                           float* exp_avg_sq, void* out, int64_t i) {
   using V = typename T::V;
   const V g = LoadGrad<T, kGrad>(grad, i);
-  const V p = T::Add(T::Load(param + i), g);
-  const V m = T::Add(T::Load(exp_avg + i), g);
-  const V v = T::Add(T::Load(exp_avg_sq + i), g);
+  const V p = T::Add(T::Load(param_in + i), g);
+  const V m = T::Add(T::Load(exp_avg_in + i), g);
+  const V v = T::Add(T::Load(exp_avg_sq_in + i), g);
   T::Store(param + i, p);
   T::Store(exp_avg + i, m);
   T::Store(exp_avg_sq + i, v);
   if constexpr (kOut != Out::kNone) T::StoreHigh16(static_cast<uint16_t*>(out) + i, p);
 }
 
-// Runs body(grad, param, exp_avg, exp_avg_sq, out, i) over a span: kUnroll vectors at a time,
-// then single vectors, then the last n % kWidth elements through zero-padded stack copies, so
-// the tail gets exactly the vector arithmetic and any n and any alignment work.
+// Runs body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i) over
+// a span: kUnroll vectors at a time, then single vectors, then the last n % kWidth elements
+// through zero-padded stack copies, so the tail gets exactly the vector arithmetic and any n and
+// any alignment work. The state is read from the span's *_in pointers where they are set (an
+// update written elsewhere), else from where it is written (in place).
 template <class T, DType kGrad, Out kOut, int kUnroll, class Body>
 inline void ForEachVector(const AdamSpan& span, Body&& body) {
   constexpr int W = T::kWidth;
@@ -156,15 +171,23 @@ inline void ForEachVector(const AdamSpan& span, Body&& body) {
   float* const param = span.param;            // (n,)
   float* const exp_avg = span.exp_avg;        // (n,)
   float* const exp_avg_sq = span.exp_avg_sq;  // (n,)
-  void* const out = span.out;                 // (n,) or nullptr
+  const bool in_place = span.param_in == nullptr;
+  const float* const param_in = in_place ? param : span.param_in;                 // (n,)
+  const float* const exp_avg_in = in_place ? exp_avg : span.exp_avg_in;           // (n,)
+  const float* const exp_avg_sq_in = in_place ? exp_avg_sq : span.exp_avg_sq_in;  // (n,)
+  void* const out = span.out;                                                     // (n,) or null
   const int64_t n = span.n;
   int64_t i = 0;
   for (; i + kUnroll * W <= n; i += kUnroll * W) {
     // Independent vectors: their divisions and square roots overlap in the pipeline.
 #pragma GCC unroll 8
-    for (int u = 0; u < kUnroll; ++u) body(grad, param, exp_avg, exp_avg_sq, out, i + u * W);
+    for (int u = 0; u < kUnroll; ++u) {
+      body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i + u * W);
+    }
   }
-  for (; i + W <= n; i += W) body(grad, param, exp_avg, exp_avg_sq, out, i);
+  for (; i + W <= n; i += W) {
+    body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i);
+  }
   const int64_t rest = n - i;
   if (rest == 0) return;
   constexpr int kGradBytes = kGrad == DType::kFp32 ? 4 : 2;
@@ -175,10 +198,11 @@ inline void ForEachVector(const AdamSpan& span, Body&& body) {
   alignas(64) uint16_t out_buf[W] = {};
   std::memcpy(grad_buf, static_cast<const unsigned char*>(grad) + i * kGradBytes,
               rest * kGradBytes);
-  std::memcpy(param_buf, param + i, rest * sizeof(float));
-  std::memcpy(exp_avg_buf, exp_avg + i, rest * sizeof(float));
-  std::memcpy(exp_avg_sq_buf, exp_avg_sq + i, rest * sizeof(float));
-  body(grad_buf, param_buf, exp_avg_buf, exp_avg_sq_buf, out_buf, 0);
+  std::memcpy(param_buf, param_in + i, rest * sizeof(float));
+  std::memcpy(exp_avg_buf, exp_avg_in + i, rest * sizeof(float));
+  std::memcpy(exp_avg_sq_buf, exp_avg_sq_in + i, rest * sizeof(float));
+  body(grad_buf, param_buf, exp_avg_buf, exp_avg_sq_buf, param_buf, exp_avg_buf, exp_avg_sq_buf,
+       out_buf, 0);
   std::memcpy(param + i, param_buf, rest * sizeof(float));
   std::memcpy(exp_avg + i, exp_avg_buf, rest * sizeof(float));
   std::memcpy(exp_avg_sq + i, exp_avg_sq_buf, rest * sizeof(float));
@@ -187,34 +211,39 @@ inline void ForEachVector(const AdamSpan& span, Body&& body) {
   }
 }
 
-template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment>
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, bool kStream>
 void AdamSpanTyped(const AdamStepScalars& s, const AdamSpan& span) {
   const AdamConsts<T> c(s);
   ForEachVector<T, kGrad, kOut, T::kUnroll>(
-      span, [&c](const void* grad, float* param, float* exp_avg, float* exp_avg_sq, void* out,
-                 int64_t i) {
-        AdamVector<T, kGrad, kOut, kL2, kMoment>(c, grad, param, exp_avg, exp_avg_sq, out, i);
+      span, [&c](const void* grad, const float* param_in, const float* exp_avg_in,
+                 const float* exp_avg_sq_in, float* param, float* exp_avg, float* exp_avg_sq,
+                 void* out, int64_t i) {
+        AdamVector<T, kGrad, kOut, kL2, kMoment, kStream>(
+            c, grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i);
       });
 }
 
 // The form, and for lerp which branch of torch's lerp, once per call: the weight is per step.
-template <class T, DType kGrad, Out kOut, bool kL2>
+template <class T, DType kGrad, Out kOut, bool kL2, bool kStream>
 void AdamSpanMoment(const AdamStepScalars& s, const AdamSpan& span) {
   if (s.form != AdamForm::kLerp) {
-    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kMulAdd>(s, span);
+    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kMulAdd, kStream>(s, span);
   } else if (LerpWeightSmall<T>(s.one_minus_beta1)) {
-    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromExpAvg>(s, span);
+    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromExpAvg, kStream>(s, span);
   } else {
-    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromGrad>(s, span);
+    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromGrad, kStream>(s, span);
   }
 }
 
 template <class T, DType kGrad, Out kOut>
 void RooflineSpanTyped(const AdamSpan& span) {
-  ForEachVector<T, kGrad, kOut, T::kUnroll>(span, [](const void* grad, float* param, float* exp_avg,
-                                                     float* exp_avg_sq, void* out, int64_t i) {
-    RooflineVector<T, kGrad, kOut>(grad, param, exp_avg, exp_avg_sq, out, i);
-  });
+  ForEachVector<T, kGrad, kOut, T::kUnroll>(
+      span, [](const void* grad, const float* param_in, const float* exp_avg_in,
+               const float* exp_avg_sq_in, float* param, float* exp_avg, float* exp_avg_sq,
+               void* out, int64_t i) {
+        RooflineVector<T, kGrad, kOut>(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg,
+                                       exp_avg_sq, out, i);
+      });
 }
 
 template <class T>
@@ -224,20 +253,36 @@ inline Out OutKind(const AdamSpan& span) {
 }
 
 // Turns the span's run-time dtypes into template arguments once per call.
-template <class T, DType kGrad, Out kOut>
+template <class T, DType kGrad, Out kOut, bool kStream = false>
 void AdamSpanL2(const AdamStepScalars& s, const AdamSpan& span) {
   // torch adds the L2 term only when weight_decay != 0 (see adam_scalar.cc).
   if (s.l2_weight_decay != 0.0f) {
-    AdamSpanMoment<T, kGrad, kOut, true>(s, span);
+    AdamSpanMoment<T, kGrad, kOut, true, kStream>(s, span);
   } else {
-    AdamSpanMoment<T, kGrad, kOut, false>(s, span);
+    AdamSpanMoment<T, kGrad, kOut, false, kStream>(s, span);
   }
+}
+
+template <class T>
+inline bool Aligned64(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 63) == 0;
 }
 
 template <class T, DType kGrad>
 void AdamSpanOut(const AdamStepScalars& s, const AdamSpan& span) {
   switch (OutKind<T>(span)) {
     case Out::kNone:
+      // An update written elsewhere without a 16-bit copy is an update during backward into
+      // the staging copy, which nothing reads before the commit: non-temporal stores spare the
+      // read of each destination line an ordinary store makes first (12 of the pass's 38 bytes
+      // an element). Where every destination is 64-byte aligned (tiles are; a cut at a group
+      // boundary may not be), so that every vector store fills whole lines.
+      if (span.param_in != nullptr && Aligned64<T>(span.param) && Aligned64<T>(span.exp_avg) &&
+          Aligned64<T>(span.exp_avg_sq)) {
+        AdamSpanL2<T, kGrad, Out::kNone, true>(s, span);
+        T::Fence();  // the commit, on another thread, reads these lines
+        return;
+      }
       return AdamSpanL2<T, kGrad, Out::kNone>(s, span);
     case Out::kFp16:
       return AdamSpanL2<T, kGrad, Out::kFp16>(s, span);

@@ -136,11 +136,24 @@ absl::StatusOr<RangeState*> FindRangeFor(const Job& job, int64_t offset, int64_t
                                             job.config.job_id, " on this shard"));
 }
 
+int64_t RangeState::stride() const { return AlignUp(spec.length, kViewAlignElements); }
+
+void RangeState::CarveViews() {
+  param = static_cast<float*>(storage.data());
+  exp_avg = param + stride();
+  exp_avg_sq = exp_avg + stride();
+}
+
+void RangeState::SwapStaging() {
+  std::swap(storage, staging_storage);
+  CarveViews();
+}
+
 int64_t Job::state_bytes() const {
   int64_t bytes = state_reservation.bytes();
   for (const auto& r : ranges) {
     std::lock_guard<std::mutex> lock(r->mu);
-    bytes += r->accumulator_reservation.bytes() + r->rollback_reservation.bytes();
+    bytes += r->accumulator_reservation.bytes() + r->staging_reservation.bytes();
   }
   return bytes;
 }
@@ -283,16 +296,13 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
       job->ranges.push_back(std::move(range));
       continue;
     }
-    const int64_t stride = AlignUp(range->spec.length, kViewAlignElements);
-    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(3 * stride * 4);
+    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(3 * range->stride() * 4);
     if (!storage.ok()) {
       unclaim();
       return storage.status();
     }
     range->storage = *std::move(storage);
-    range->param = static_cast<float*>(range->storage.data());
-    range->exp_avg = range->param + stride;
-    range->exp_avg_sq = range->exp_avg + stride;
+    range->CarveViews();
     RangeState* rs = range.get();
     // First touch by the tile owners: the pages of a tile land where its thread runs.
     ParallelTiles(0, rs->spec.length, [rs](int64_t lo, int64_t hi) {

@@ -97,13 +97,25 @@ struct RangeState {
   HostBuffer accumulator_storage;  // (length,) fp32, allocated on the first accumulating chunk
   float* accumulator = nullptr;
   Reservation accumulator_reservation;
-  // Where an update during backward (StepSession::UpdateEarly) copies the state it overwrites:
-  // (3, length) fp32, master weights, exp_avg, exp_avg_sq at range-relative positions. Allocated
-  // on the first such update and kept, as the accumulator is: a buffer made anew every step
-  // costs its page faults every step (1.2 GB of them for 100M parameters).
-  HostBuffer rollback_storage;
-  float* rollback = nullptr;
-  Reservation rollback_reservation;
+  // Where an update during backward (StepSession::UpdateEarly) writes the state it computes,
+  // leaving the range's own state untouched until the commit: laid out as `storage`. A commit
+  // that keeps early updates writes every other element there too and then swaps the two
+  // buffers (SwapStaging): so an early update costs no copy, and undoing one costs nothing.
+  // Allocated on the first such update and kept, as the accumulator is: a buffer made anew every
+  // step costs its page faults every step (1.2 GB of them for 100M parameters).
+  HostBuffer staging_storage;
+  Reservation staging_reservation;
+  float* staging_param() const { return static_cast<float*>(staging_storage.data()); }
+  float* staging_exp_avg() const { return staging_param() + stride(); }
+  float* staging_exp_avg_sq() const { return staging_exp_avg() + stride(); }
+
+  // Elements from one view of `storage` (and of `staging_storage`) to the next.
+  int64_t stride() const;
+  // Points param, exp_avg and exp_avg_sq at `storage`'s three views.
+  void CarveViews();
+  // The staging copy becomes the range's state and the state the staging copy: pointers, not
+  // bytes. Under tensors_mu.
+  void SwapStaging();
 
   // Guards the counters and the step lease; held only briefly.
   mutable std::mutex mu;

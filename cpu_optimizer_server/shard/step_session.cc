@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -54,11 +55,6 @@ StepSession::StepSession(ShardStore* store, std::shared_ptr<Job> job, RangeState
       to_half_(internal::GetFloatToHalf(store->simd_path())) {}
 
 StepSession::~StepSession() {
-  // Before the lease goes: the next stream of the range must find the state as it was.
-  if (!committed_ && !early_.empty()) {
-    std::lock_guard<std::mutex> tensors_lock(range_->tensors_mu);
-    RestoreAll();
-  }
   std::lock_guard<std::mutex> lock(range_->mu);
   range_->step_in_progress = false;
 }
@@ -173,10 +169,7 @@ absl::Status StepSession::StartAccumulating() {
   RangeState* r = range_;
   const int64_t length = r->spec.length;
   // The early updates used the first micro-batch's gradients alone: the sum is another step.
-  if (!early_.empty()) {
-    std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
-    RestoreAll();
-  }
+  DropEarly();
   if (r->accumulator == nullptr) {
     const int64_t bytes = length * 4;
     absl::StatusOr<Reservation> reservation =
@@ -201,22 +194,35 @@ absl::Status StepSession::StartAccumulating() {
 }
 
 void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t base, int64_t hi,
-                          uint16_t* out, const StateWave& state) const {
+                          uint16_t* out, const StateWave& state, const StagedState* staged) const {
   const RangeState* r = range_;
   const DType out_dtype = job_->config.param_dtype;
   const AdamKernelFn kernel = store_->adam_kernel();
   float* const master = state.master - state.lo;  // indexed by range element
   float* const exp_avg = state.exp_avg - state.lo;
   float* const exp_avg_sq = state.exp_avg_sq - state.lo;
-  // The 16-bit copy of master weights [b, e) only, as a replay or a skipped range sends it.
-  // A replay only converts: the SIMD conversion of the store's path, bit-identical to dtype.h's.
-  auto convert = [&](int64_t b, int64_t e) {
+  // The 16-bit copy of master weights [b, e) of `from` only, as a replay or a skipped range
+  // sends it. A replay only converts: the SIMD conversion of the store's path, bit-identical to
+  // dtype.h's.
+  auto convert_from = [&](const float* from, int64_t b, int64_t e) {
     if (out == nullptr) return;
     if (to_half_ != nullptr) {
-      to_half_(master + b, out_dtype, out + (b - base), e - b);
+      to_half_(from + b, out_dtype, out + (b - base), e - b);
     } else {
-      ConvertFromFloat(master + b, e - b, out_dtype, out + (b - base));
+      ConvertFromFloat(from + b, e - b, out_dtype, out + (b - base));
     }
+  };
+  auto convert = [&](int64_t b, int64_t e) { convert_from(master, b, e); };
+  // Elements a range step leaves alone: with a staging copy they are copied there as they are,
+  // since the commit swaps the whole copy in.
+  auto keep = [&](int64_t b, int64_t e) {
+    if (staged != nullptr) {
+      const size_t bytes = (e - b) * sizeof(float);
+      std::memcpy(staged->master + b, master + b, bytes);
+      std::memcpy(staged->exp_avg + b, exp_avg + b, bytes);
+      std::memcpy(staged->exp_avg_sq + b, exp_avg_sq + b, bytes);
+    }
+    convert(b, e);
   };
   if (update.empty()) {
     convert(base, hi);
@@ -236,14 +242,25 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
                               [](int64_t pos, const UpdateRun& run) { return pos < run.end; });
     for (const int64_t first = b; b < e;) {
       const int64_t pe = std::min({e, g->end, u->end});
-      if (u->scalars == nullptr) {
-        convert(b, pe);
+      if (u->staged) {
+        convert_from(staged->master, b, pe);
+      } else if (u->scalars == nullptr) {
+        keep(b, pe);
       } else {
         span.grad = static_cast<const char*>(grad) + (b - first) * grad_size;
         span.grad_dtype = grad_dtype;
-        span.param = master + b;
-        span.exp_avg = exp_avg + b;
-        span.exp_avg_sq = exp_avg_sq + b;
+        if (staged == nullptr) {
+          span.param = master + b;
+          span.exp_avg = exp_avg + b;
+          span.exp_avg_sq = exp_avg_sq + b;
+        } else {
+          span.param = staged->master + b;
+          span.exp_avg = staged->exp_avg + b;
+          span.exp_avg_sq = staged->exp_avg_sq + b;
+          span.param_in = master + b;
+          span.exp_avg_in = exp_avg + b;
+          span.exp_avg_sq_in = exp_avg_sq + b;
+        }
         span.out = out != nullptr ? out + (b - base) : nullptr;
         span.n = pe - b;
         kernel(u->scalars[g->group], span);
@@ -268,8 +285,8 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
   }
 }
 
-absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& update,
-                                              ParamSink* sink) {
+absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink,
+                                              const StagedState* staged) {
   const RangeState* r = range_;
   const int64_t length = r->spec.length;
   const int64_t wave = store_->options().wave_elements;
@@ -279,8 +296,9 @@ absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& upda
             [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
   // Applies Adam (if asked) and writes the 16-bit copy for range elements [base, hi) into out,
   // with the state of those elements in `state` (the range's own views, or a disk wave's slot).
-  auto process = [this, &update](int64_t base, int64_t hi, uint16_t* out, const StateWave& state) {
-    Process(update, base, hi, out, state);
+  auto process = [this, &update, staged](int64_t base, int64_t hi, uint16_t* out,
+                                         const StateWave& state) {
+    Process(update, base, hi, out, state, staged);
   };
 
   // A range on disk: each wave's state comes through the tier's ring (read ahead while the wave
@@ -450,7 +468,8 @@ std::vector<StepSession::UpdateRun> StepSession::ToUpdateRuns(const std::vector<
   std::vector<UpdateRun> runs;
   runs.reserve(steps.size());
   for (const StepRun& s : steps) {
-    runs.push_back(UpdateRun{s.end, s.t == 0 ? nullptr : scalars->For(s.t)});
+    const bool update = s.t != 0 && s.t != kStaged;
+    runs.push_back(UpdateRun{s.end, update ? scalars->For(s.t) : nullptr, s.t == kStaged});
   }
   return runs;
 }
@@ -485,30 +504,15 @@ std::vector<StepSession::StepRun> StepSession::ConvertOnly(
   };
   for (const IntervalSet::Interval& k : keep) {
     copy_until(k.first);
-    add(k.second, 0);
+    add(k.second, kStaged);
     at = k.second;
   }
   copy_until(steps.empty() ? 0 : steps.back().end);
   return runs;
 }
 
-void StepSession::Restore(const EarlyUpdate& early) const {
-  RangeState* r = range_;
-  const float* const saved = r->rollback;  // (3, length)
-  const int64_t length = r->spec.length;
-  store_->ParallelTiles(early.begin, early.begin + early.n, [&](int64_t lo, int64_t hi) {
-    const size_t bytes = (hi - lo) * sizeof(float);
-    std::memcpy(r->param + lo, saved + lo, bytes);
-    std::memcpy(r->exp_avg + lo, saved + length + lo, bytes);
-    std::memcpy(r->exp_avg_sq + lo, saved + 2 * length + lo, bytes);
-  });
-}
-
-void StepSession::RestoreAll() {
-  for (const EarlyUpdate& e : early_) {
-    Restore(e);
-    rolled_back_ += e.n;
-  }
+void StepSession::DropEarly() {
+  for (const EarlyUpdate& e : early_) rolled_back_ += e.n;
   early_.clear();
   early_covered_ = IntervalSet();
 }
@@ -562,18 +566,17 @@ absl::StatusOr<bool> StepSession::UpdateEarly(const StepCommitArgs& args, int64_
        std::memcmp(&args.grad_multiplier, &early_multiplier_, sizeof(float)) != 0)) {
     return false;
   }
-  if (r->rollback == nullptr) {
-    const int64_t bytes = 12 * spec.length;
+  if (r->staging_storage.data() == nullptr) {
+    const int64_t bytes = 3 * r->stride() * 4;
     absl::StatusOr<Reservation> reservation = store_->budget()->Take(
-        bytes, absl::StrCat("the rollback copy of updates during backward of range ", r->index));
+        bytes, absl::StrCat("the staging copy of updates during backward of range ", r->index));
     if (!reservation.ok()) return false;
     absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(bytes);
     if (!storage.ok()) return false;
     std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
     std::lock_guard<std::mutex> lock(r->mu);  // DescribeShard reads the reservation under mu
-    r->rollback_storage = *std::move(storage);
-    r->rollback = static_cast<float*>(r->rollback_storage.data());
-    r->rollback_reservation = *std::move(reservation);
+    r->staging_storage = *std::move(storage);
+    r->staging_reservation = *std::move(reservation);
   }
 
   std::lock_guard<std::mutex> tensors_lock(r->tensors_mu);
@@ -596,18 +599,12 @@ absl::StatusOr<bool> StepSession::UpdateEarly(const StepCommitArgs& args, int64_
   const std::vector<UpdateRun> runs = ToUpdateRuns(steps, &scalars);
   std::sort(pieces_.begin(), pieces_.end(),
             [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
-  // Each tile is copied aside and then updated by the thread that owns it, as StreamWaves
+  // Each tile is updated into the staging copy by the thread that owns it, as StreamWaves
   // updates it. No 16-bit output: the commit converts these elements from the same bits.
-  float* const saved = r->rollback;  // (3, length)
-  const int64_t length = spec.length;
-  const StateWave state{0, length, r->param, r->exp_avg, r->exp_avg_sq};
-  store_->ParallelTiles(begin, end, [&](int64_t lo, int64_t hi) {
-    const size_t bytes = (hi - lo) * sizeof(float);
-    std::memcpy(saved + lo, r->param + lo, bytes);
-    std::memcpy(saved + length + lo, r->exp_avg + lo, bytes);
-    std::memcpy(saved + 2 * length + lo, r->exp_avg_sq + lo, bytes);
-    Process(runs, lo, hi, nullptr, state);
-  });
+  const StateWave state{0, spec.length, r->param, r->exp_avg, r->exp_avg_sq};
+  const StagedState staged{r->staging_param(), r->staging_exp_avg(), r->staging_exp_avg_sq()};
+  store_->ParallelTiles(
+      begin, end, [&](int64_t lo, int64_t hi) { Process(runs, lo, hi, nullptr, state, &staged); });
   if (early_.empty()) {
     early_lr_ = std::move(lrs);
     early_multiplier_ = args.grad_multiplier;
@@ -653,7 +650,7 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     if (!sent.ok()) return sent.status();  // a replay only reads: the state is unchanged
     outcome.receiver_gone = !*sent;
   } else if (args.skip) {
-    RestoreAll();
+    DropEarly();
     outcome.skipped = true;
     ServerMetrics::Get().StepSkipped();
   } else {
@@ -668,31 +665,37 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     std::vector<double> lrs = GroupLrs(args);
     // An early update stands where this commit would compute exactly what it computed: the same
     // scalars (lrs, multiplier and t) on the same gradients and state. Those elements are only
-    // converted below; every other early update is undone first and updated as any element.
-    if (!early_.empty()) {
-      const bool same_args =
-          std::memcmp(lrs.data(), early_lr_.data(), lrs.size() * sizeof(double)) == 0 &&
-          std::memcmp(&args.grad_multiplier, &early_multiplier_, sizeof(float)) == 0;
-      std::vector<IntervalSet::Interval> standing;
-      for (const EarlyUpdate& e : early_) {
-        if (same_args && SameSteps(e, steps)) {
-          standing.emplace_back(e.begin, e.begin + e.n);
-          outcome.early_updated += e.n;
-        } else {
-          Restore(e);
-          rolled_back_ += e.n;
-        }
+    // converted below, from the staging copy, and every other element is updated into it, which
+    // is then swapped in. An early update that does not stand is dropped: it never touched the
+    // range's state.
+    const bool same_args =
+        !early_.empty() &&
+        std::memcmp(lrs.data(), early_lr_.data(), lrs.size() * sizeof(double)) == 0 &&
+        std::memcmp(&args.grad_multiplier, &early_multiplier_, sizeof(float)) == 0;
+    std::vector<IntervalSet::Interval> standing;
+    for (const EarlyUpdate& e : early_) {
+      if (same_args && SameSteps(e, steps)) {
+        standing.emplace_back(e.begin, e.begin + e.n);
+        outcome.early_updated += e.n;
+      } else {
+        rolled_back_ += e.n;
       }
+    }
+    early_.clear();
+    early_covered_ = IntervalSet();
+    std::optional<StagedState> staged;
+    if (!standing.empty()) {
       std::sort(standing.begin(), standing.end());
       steps = ConvertOnly(steps, standing);
-      early_.clear();
-      early_covered_ = IntervalSet();
+      staged = StagedState{r->staging_param(), r->staging_exp_avg(), r->staging_exp_avg_sq()};
     }
     ScalarSets scalars(&job_->config.groups, std::move(lrs), args.grad_multiplier);
     const std::vector<UpdateRun> runs = ToUpdateRuns(steps, &scalars);
     // Runs to the end even if the receiver leaves: a step is applied whole or not at all.
     const auto begin = std::chrono::steady_clock::now();
-    absl::StatusOr<bool> sent = StreamWaves(runs, sink);
+    absl::StatusOr<bool> sent = StreamWaves(runs, sink, staged ? &*staged : nullptr);
+    // In memory (an early update declines on disk), so the pass cannot have failed part-way.
+    if (staged && sent.ok()) r->SwapStaging();
     if (!sent.ok()) {
       // Some waves were written back and some not: the range is lost until a restore.
       r->state_lost =

@@ -1,8 +1,8 @@
 // One training step of one range, as one step stream carries it (ARCHITECTURE.md section 4): open,
 // gradient chunks, commit. A commit either applies the whole update or none of it, and a stream
-// that breaks off or sends a bad chunk leaves the shard exactly as it was. Before the commit only
-// an update during backward (UpdateEarly) touches the range's state, and it keeps a copy of what
-// it overwrote, so that the shard can still be put back bit for bit.
+// that breaks off or sends a bad chunk leaves the shard exactly as it was. Before the commit
+// nothing changes the range's state: an update during backward (UpdateEarly) writes into the
+// range's staging copy, which the commit swaps in where it keeps the update.
 #ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_STEP_SESSION_H_
 #define OFFLOAD_CPU_OPTIMIZER_SERVER_SHARD_STEP_SESSION_H_
 
@@ -65,8 +65,8 @@ class StepSession {
   static absl::StatusOr<std::unique_ptr<StepSession>> Open(ShardStore* store,
                                                            const std::string& job_id,
                                                            uint32_t range_index, uint64_t step);
-  // Releases the lease; received gradients are dropped unless committed, and without a commit
-  // every update during backward is first undone.
+  // Releases the lease; received gradients and updates during backward are dropped unless
+  // committed.
   ~StepSession();
 
   // Takes a chunk of n = data.size() / DTypeSize(dtype) gradients of flat elements from
@@ -82,16 +82,18 @@ class StepSession {
   // of flat [offset, offset + n), with args' lr / group_lr / grad_multiplier / range_steps
   // (args.skip must be false; args.step must be the session's), as the commit would run it if
   // it repeats those arguments. Every element must have its gradient, and none may have been
-  // updated early in this session. The master weights and moments it overwrites are copied aside
-  // first, into the range's rollback copy (12 bytes an element of the range, from the store's
-  // budget, allocated on the first such update and kept): the commit keeps the update where it
-  // agrees (the same lrs, multiplier and t, not skipped) and only converts those elements to
-  // 16 bits; everywhere else, and when a second micro-batch starts or the session ends without a
-  // commit, the copy is put back exactly. So the result is the same bits with or without it.
-  // Until then a read of the range's state (ShardStore::ReadState) sees the updated values.
+  // updated early in this session. It reads the range's state and writes the result into the
+  // range's staging copy (12 bytes an element of the range, from the store's budget, allocated
+  // on the first such update and kept), leaving the state as it was: the commit keeps the update
+  // where it agrees (the same lrs, multiplier and t, not skipped), updates every other element
+  // into the staging copy too and swaps it in; elsewhere, and when a second micro-batch starts or
+  // the session ends without a commit, the staged update is dropped. So the result is the same
+  // bits with or without it, and a read of the range's state (ShardStore::ReadState) before the
+  // commit sees the state before the step.
   // true: applied; false: declined, nothing changed (a replay, an accumulating step, a range on
   // disk or whose state is lost, an inf or NaN received, arguments other than this session's
-  // earlier early updates', no memory for the copy): the commit updates those elements as usual.
+  // earlier early updates', no memory for the staging copy): the commit updates those elements
+  // as usual.
   // An error is a malformed request, to be failed as a bad chunk is; nothing changed either.
   absl::StatusOr<bool> UpdateEarly(const StepCommitArgs& args, int64_t offset, int64_t n);
 
@@ -120,16 +122,26 @@ class StepSession {
   bool AnyNonFinite(const char* data, DType dtype, int64_t n) const;
   // A run of range-relative elements ending at `end` (the run before it ends where it begins)
   // and how they update: `scalars` holds one set per parameter group of the job (indexed by
-  // group), null for elements a range step leaves alone this commit.
+  // group), null for elements a range step leaves alone this commit and for `staged` ones, whose
+  // update an early update already wrote into the staging copy.
   struct UpdateRun {
     int64_t end;
     const AdamStepScalars* scalars;
+    bool staged;
   };
   // A run of range-relative elements ending at `end` and the bias-correction step they update
-  // with: 0 for elements a range step leaves alone.
+  // with: 0 for elements a range step leaves alone, kStaged for those an early update stands for.
   struct StepRun {
     int64_t end;
     uint64_t t;
+  };
+  static constexpr uint64_t kStaged = ~uint64_t{0};
+  // Where Process writes the state it computes: the staging copy's views, indexed by range
+  // element (an update during backward, a commit that keeps one); in place without it.
+  struct StagedState {
+    float* master;
+    float* exp_avg;
+    float* exp_avg_sq;
   };
   // The scalars of UpdateRuns: one set per parameter group for each t, for one set of lrs and
   // multiplier. A node of the map never moves, so runs may point into it while it lives.
@@ -147,8 +159,8 @@ class StepSession {
     std::map<uint64_t, std::vector<AdamStepScalars>> by_t_;
   };
   // An update during backward: range-relative elements [begin, begin + n) and the t each run of
-  // them was updated with. Their state before it is at the same positions of the range's
-  // rollback copy (RangeState::rollback) until the commit or a restore.
+  // them was updated with. Their updated state is at the same positions of the range's staging
+  // copy (RangeState::staging_storage) until the commit swaps it in or drops it.
   struct EarlyUpdate {
     int64_t begin;
     int64_t n;
@@ -174,23 +186,25 @@ class StepSession {
   // Whether `steps` (over the whole range) give every element of `early` the t it had.
   static bool SameSteps(const EarlyUpdate& early, const std::vector<StepRun>& steps);
   // `steps` (over [0, length)) with the elements of `keep` (sorted, disjoint, range-relative
-  // [first, second)) given t 0: only converted, not updated again.
+  // [first, second)) given t kStaged: only converted from the staging copy, not updated again.
   static std::vector<StepRun> ConvertOnly(const std::vector<StepRun>& steps,
                                           const std::vector<IntervalSet::Interval>& keep);
   // Applies `update` (as StreamWaves takes it; empty: none) to range elements [base, hi), whose
   // state is in `state`, and writes their 16-bit copy to out (indexed from base; null: none).
-  // The gradients come from pieces_ (sorted, covering [base, hi)) or the accumulator.
+  // With `staged`, the new state goes there and `state` is only read: elements a range step
+  // leaves alone are copied there, and `staged` runs only converted from there. The gradients
+  // come from pieces_ (sorted, covering [base, hi)) or the accumulator.
   void Process(const std::vector<UpdateRun>& update, int64_t base, int64_t hi, uint16_t* out,
-               const StateWave& state) const;
+               const StateWave& state, const StagedState* staged = nullptr) const;
   // Streams the 16-bit copy of [0, length) in waves; `update` (runs in order, the last ending
-  // at length) first applies Adam to each wave, empty for a replay. False when the receiver
-  // went away; an error only from a range on disk whose pass failed.
-  absl::StatusOr<bool> StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink);
-  // Puts the state an early update overwrote back, bit for bit. Under range_->tensors_mu.
-  void Restore(const EarlyUpdate& early) const;
-  // Restores every early update and forgets them, counting the elements in rolled_back_. Under
-  // range_->tensors_mu.
-  void RestoreAll();
+  // at length) first applies Adam to each wave, empty for a replay; with `staged`, into the
+  // staging copy (see Process). False when the receiver went away; an error only from a range on
+  // disk whose pass failed.
+  absl::StatusOr<bool> StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink,
+                                   const StagedState* staged = nullptr);
+  // Drops every early update, counting its elements in rolled_back_: the range's state is still
+  // the state before them.
+  void DropEarly();
 
   ShardStore* const store_;
   const std::shared_ptr<Job> job_;
@@ -213,7 +227,7 @@ class StepSession {
   // uses one set); set by the first.
   std::vector<double> early_lr_;
   float early_multiplier_ = 0;
-  uint64_t rolled_back_ = 0;  // elements restored before the commit (a second micro-batch)
+  uint64_t rolled_back_ = 0;  // elements of early updates dropped (not kept by the commit)
   // The SIMD path's fp32 to 16-bit conversion, null for the scalar path (dtype.h's).
   void (*const to_half_)(const float* in, DType dtype, uint16_t* half, int64_t n);
 };

@@ -3,7 +3,8 @@
 // commit give, bit for bit, what the plain commit gives, whatever the commit decides (the same
 // arguments, a skip, another lr, multiplier or t, a second micro-batch, no commit at all); the
 // shard declines, changing nothing, where it cannot or should not update early; and a malformed
-// update is refused with nothing changed.
+// update is refused with nothing changed. Before the commit an early update changes only the
+// range's staging copy, never the range's state.
 #include "cpu_optimizer_server/shard/step_session.h"
 
 #include <gtest/gtest.h>
@@ -118,6 +119,13 @@ class UpdateEarlyTest : public ::testing::TestWithParam<DType> {
                  std::vector<float>(r.exp_avg_sq, r.exp_avg_sq + kLength)};
   }
   State Read(const std::string& id) { return Read(RangeOf(id)); }
+  // The range's staging copy, where early updates write (RangeState::staging_storage).
+  State ReadStaged(const std::string& id) {
+    const RangeState& r = RangeOf(id);
+    return State{std::vector<float>(r.staging_param(), r.staging_param() + kLength),
+                 std::vector<float>(r.staging_exp_avg(), r.staging_exp_avg() + kLength),
+                 std::vector<float>(r.staging_exp_avg_sq(), r.staging_exp_avg_sq() + kLength)};
+  }
   uint64_t AdamStep(const std::string& id) {
     std::lock_guard<std::mutex> lock(RangeOf(id).mu);
     return RangeOf(id).adam_step;
@@ -200,22 +208,16 @@ class UpdateEarlyTest : public ::testing::TestWithParam<DType> {
         done[i] = true;
       }
     }
-    // The early updates did run before the commit, and only on their elements.
-    const State during = Read(id);
-    IntervalSet updated;
-    for (const Early& e : early) updated.Insert(e.begin, e.begin + e.n);
-    int64_t at = 0;
-    bool outside_changed = false, inside_changed = false;
-    updated.ForEach([&](int64_t b, int64_t e) {
-      if (!during.Same(before, at, b)) outside_changed = true;
-      if (!during.Same(before, b, e)) inside_changed = true;
-      at = e;
-    });
-    if (outside_changed || !during.Same(before, at, kLength)) {
-      return absl::InternalError("an early update changed elements outside its range");
+    // The early updates did run before the commit, into the staging copy: the range's state is
+    // as it was.
+    if (!(Read(id) == before)) {
+      return absl::InternalError("an early update changed the range's state before the commit");
     }
-    if (!early.empty() && !inside_changed) {
-      return absl::InternalError("no early update changed anything");
+    if (!early.empty()) {
+      const State staged = ReadStaged(id);
+      bool inside_changed = false;
+      for (const Early& e : early) inside_changed |= !staged.Same(before, e.begin, e.begin + e.n);
+      if (!inside_changed) return absl::InternalError("no early update changed anything");
     }
     return session->Commit(args, sink);
   }
@@ -281,8 +283,8 @@ TEST_P(UpdateEarlyTest, SameArgumentsStandBitForBit) {
   ExpectSame(a, b, "the whole range");
 }
 
-// An overflow: the commit skips, and every early update is undone.
-TEST_P(UpdateEarlyTest, SkipRestoresEverything) {
+// An overflow: the commit skips, and every early update is dropped.
+TEST_P(UpdateEarlyTest, SkipDropsEverything) {
   CreateLoaded("early");
   CreateLoaded("plain");
   VectorSink warm_a(kOffset, kLength), warm_b(kOffset, kLength);
@@ -407,7 +409,7 @@ TEST_P(UpdateEarlyTest, OtherArgumentsAreUndoneAndRedone) {
 }
 
 // A stream that ends without a commit leaves the range as it was, and the step then works.
-TEST_P(UpdateEarlyTest, EndingWithoutCommitRestores) {
+TEST_P(UpdateEarlyTest, EndingWithoutCommitLeavesTheState) {
   CreateLoaded("early");
   CreateLoaded("plain");
   const std::vector<uint16_t> g1 = Grads();
@@ -424,12 +426,13 @@ TEST_P(UpdateEarlyTest, EndingWithoutCommitRestores) {
     for (const Early& e : std::vector<Early>{{0, 100}, {kCut, 9000}, {kLength - 5, 5}}) {
       EXPECT_TRUE(Applied(session->get(), Args(2), e));
     }
-    EXPECT_FALSE(Read("early") == before);
-    EXPECT_GE(store_->budget()->used(), used + 12 * 9105);  // the copies are accounted
+    EXPECT_TRUE(Read("early") == before);
+    // The staging copy is accounted, all of it, whatever part is updated.
+    EXPECT_GE(store_->budget()->used(), used + 12 * RangeOf("early").stride());
   }
   EXPECT_TRUE(Read("early") == before) << "seed " << seed_;
-  // The range keeps its rollback copy for the next steps; the gradients held are released.
-  EXPECT_EQ(store_->budget()->used(), used + 12 * kLength);
+  // The range keeps its staging copy for the next steps; the gradients held are released.
+  EXPECT_EQ(store_->budget()->used(), used + 12 * RangeOf("early").stride());
   VectorSink a(kOffset, kLength), b(kOffset, kLength);
   absl::StatusOr<StepOutcome> outcome =
       WithEarly("early", 2, g, {{0, kLength / 2}}, Args(2), Args(2), &a);
@@ -437,12 +440,12 @@ TEST_P(UpdateEarlyTest, EndingWithoutCommitRestores) {
   EXPECT_EQ(outcome->early_rolled_back, 0u);
   ASSERT_TRUE(Plain("plain", 2, g, Args(2), &b).ok());
   ExpectSame(a, b, "after the abandoned stream");
-  EXPECT_EQ(store_->budget()->used(), used + 12 * kLength);  // nothing more kept
+  EXPECT_EQ(store_->budget()->used(), used + 12 * RangeOf("early").stride());  // nothing more
 }
 
-// A second micro-batch after early updates: they are undone before it is added, and the commit
-// is the plain accumulated one.
-TEST_P(UpdateEarlyTest, SecondMicroBatchRestoresFirst) {
+// A second micro-batch after early updates: they are dropped when it is added, and the commit is
+// the plain accumulated one.
+TEST_P(UpdateEarlyTest, SecondMicroBatchDropsTheFirstsUpdates) {
   CreateLoaded("early");
   CreateLoaded("plain");
   const std::vector<uint16_t> g = Grads(), h = Grads();
@@ -455,9 +458,9 @@ TEST_P(UpdateEarlyTest, SecondMicroBatchRestoresFirst) {
     ASSERT_TRUE(Send(session->get(), g, 30000, kLength, /*view=*/true).ok());
     ASSERT_TRUE(Applied(session->get(), Args(1), {10, 20000}));
     ASSERT_TRUE(Applied(session->get(), Args(1), {30000, 5000}));
-    ASSERT_FALSE(Read("early") == before);
+    ASSERT_TRUE(Read("early") == before);
     ASSERT_TRUE(Send(session->get(), h, 0, kLength, false, /*accumulate=*/true).ok());
-    EXPECT_TRUE(Read("early") == before) << "restored when the second micro-batch came";
+    EXPECT_TRUE(Read("early") == before);
     // Accumulating: declined, nothing changed.
     absl::StatusOr<bool> declined = Update(session->get(), Args(1), {0, 100});
     ASSERT_TRUE(declined.ok()) << declined.status();
@@ -529,10 +532,10 @@ TEST_P(UpdateEarlyTest, DeclinesChangeNothing) {
   EXPECT_TRUE(Read("early") == before);
 }
 
-// No memory for the rollback copy: declined, and the commit updates those elements as usual.
+// No memory for the staging copy: declined, and the commit updates those elements as usual.
 TEST_P(UpdateEarlyTest, NoMemoryForTheCopyDeclines) {
   // Room for the state, then for the load's chunk (released when applied) and, after it, the
-  // step's gradients (half of that), but not for the range's rollback copy (12 bytes an element
+  // step's gradients (half of that), but not for the range's staging copy (12 bytes an element
   // of the range, whatever part is updated first).
   absl::StatusOr<int64_t> state_bytes = MakeStore(int64_t{64} << 20)->CreateJob(Config("probe"));
   ASSERT_TRUE(state_bytes.ok()) << state_bytes.status();

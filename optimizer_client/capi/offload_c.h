@@ -122,7 +122,7 @@ typedef struct {
   uint64_t adam_step;    /* updates applied so far (the t of bias correction) */
   uint64_t skipped_steps;
   /* The update during backward (offload_speculate): elements of this rank's partition the
-   * shards updated before the commit and kept, and those they restored and updated again (or
+   * shards updated before the commit and kept, and those they dropped and updated again (or
    * skipped) at the commit because it decided otherwise. */
   uint64_t early_updated;
   uint64_t early_rolled_back;

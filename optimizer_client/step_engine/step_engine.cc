@@ -181,7 +181,7 @@ absl::Status StepEngine::NextMicroBatch() {
     sender_->AccumulateInto(accumulator(), lo);
   }
   ++micro_batch_;
-  // The shards restore what they updated early once the second micro-batch's gradients come.
+  // The shards drop what they updated early once the second micro-batch's gradients come.
   speculating_ = false;
   return absl::OkStatus();
 }
