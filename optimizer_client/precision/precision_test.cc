@@ -117,6 +117,44 @@ TEST(GradStats, MeasuringRoundedGradientsMatchesRoundingThem) {
   }
 }
 
+// Every 16-bit value alone, against dtype.h's conversion: the square exact, inf and NaN flagged,
+// and the sum a plain sum would give (inf, or NaN over inf). Then all of them at once.
+TEST(GradStats, MeasuresEvery16BitValueAsDtypeHConvertsIt) {
+  for (DType dtype : {DType::kFp16, DType::kBf16}) {
+    std::vector<uint16_t> all(1 << 16);
+    double finite_sum = 0;
+    bool any_nan = false;
+    for (uint32_t h = 0; h < (1u << 16); ++h) {
+      all[h] = static_cast<uint16_t>(h);
+      const double v = dtype == DType::kFp16 ? Fp16ToFloat(all[h]) : Bf16ToFloat(all[h]);
+      const GradStats one = MeasureGradients16(&all[h], 1, dtype);
+      ASSERT_EQ(one.nonfinite, !std::isfinite(v)) << DTypeName(dtype) << " " << h;
+      if (std::isnan(v)) {
+        ASSERT_TRUE(std::isnan(one.sum_squares)) << h;
+        any_nan = true;
+      } else {
+        ASSERT_EQ(one.sum_squares, v * v) << DTypeName(dtype) << " " << h;
+        if (std::isfinite(v)) finite_sum += v * v;
+      }
+    }
+    const GradStats whole = MeasureGradients16(all.data(), all.size(), dtype);
+    EXPECT_TRUE(whole.nonfinite && any_nan && std::isnan(whole.sum_squares));
+    // Only the finite values: their sum, to the rounding of any order of adding them.
+    std::vector<uint16_t> finite;
+    for (uint16_t h : all) {
+      const float v = dtype == DType::kFp16 ? Fp16ToFloat(h) : Bf16ToFloat(h);
+      if (std::isfinite(v)) finite.push_back(h);
+    }
+    const GradStats sum = MeasureGradients16(finite.data(), finite.size(), dtype);
+    EXPECT_FALSE(sum.nonfinite);
+    EXPECT_NEAR(sum.sum_squares, finite_sum, finite_sum * finite.size() * 0x1p-52);
+    const uint16_t inf = dtype == DType::kFp16 ? 0x7c00 : 0x7f80;
+    finite.push_back(inf);
+    const GradStats with_inf = MeasureGradients16(finite.data(), finite.size(), dtype);
+    EXPECT_TRUE(with_inf.nonfinite && std::isinf(with_inf.sum_squares));
+  }
+}
+
 TEST(StepPolicy, FoldsScaleMicroBatchesAndClipIntoOneMultiplier) {
   StepPolicyOptions options;
   options.loss_scaling = true;
