@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_format.h"
+#include "base/cpu_list.h"
 #include "base/logging.h"
 
 namespace offload {
@@ -24,30 +25,14 @@ void ThreadPool::Ticket::Wait() {
   region_->done_cv.wait(lock, [&] { return region_->remaining == 0; });
 }
 
-namespace {
-
-std::vector<int> AllowedCpus() {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &set)) cpus.push_back(c);
-    }
-  }
-  return cpus;
-}
-
-}  // namespace
-
 ThreadPool::ThreadPool(const Options& options) {
-  const std::vector<int> cpus = AllowedCpus();
+  const std::vector<int> cpus = options.cpus.empty() ? AllowedCpus() : options.cpus;
   int n = options.num_threads;
   if (n <= 0) n = std::max<int>(1, static_cast<int>(cpus.size()));
   workers_.reserve(n);
   for (int i = 0; i < n; ++i) {
     workers_.emplace_back([this, i] { WorkerLoop(i); });
-    if (options.pin && !cpus.empty()) {
+    if ((options.pin || !options.cpus.empty()) && !cpus.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);
       CPU_SET(cpus[i % cpus.size()], &set);

@@ -21,8 +21,11 @@ namespace offload {
 class ThreadPool {
  public:
   struct Options {
-    int num_threads = 0;  // 0: one per available core
+    int num_threads = 0;  // 0: one per available core (per listed one with `cpus`)
     bool pin = false;     // pin worker i to the i-th CPU of the process's affinity mask
+    // Non-empty: pin worker i to cpus[i % cpus.size()] instead (--optimizer_cores: the cores a
+    // server keeps to itself beside a trainer on the same host).
+    std::vector<int> cpus = {};
   };
 
   // A submitted region; Wait() returns once every worker has finished it.

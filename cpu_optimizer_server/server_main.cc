@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "base/cpu_list.h"
 #include "base/host_buffer.h"
 #include "base/logging.h"
 #include "base/metrics/metrics.h"
@@ -45,6 +46,10 @@ ABSL_FLAG(std::string, ucx_net_devices, "auto",
           "UCX_NET_DEVICES (eth0,mlx5_0:1)");
 ABSL_FLAG(int, threads, 0, "Adam worker threads; 0 = one per core this process may use");
 ABSL_FLAG(bool, pin_threads, false, "pin each Adam worker to one core");
+ABSL_FLAG(std::string, optimizer_cores, "",
+          "a CPU list (e.g. 2-7,10): pin the Adam workers to these cores, one each (--threads 0: "
+          "one worker per listed core), for a server sharing its host with a trainer that keeps "
+          "to the other cores");
 ABSL_FLAG(std::string, simd, "auto", "Adam kernel path: auto, scalar, avx2 or avx512");
 ABSL_FLAG(int64_t, memory_limit_mib, 16384,
           "optimizer state, accumulators and gradients in flight may hold at most this much");
@@ -153,6 +158,15 @@ int main(int argc, char** argv) {
   offload::ThreadPool::Options pool_options;
   pool_options.num_threads = absl::GetFlag(FLAGS_threads);
   pool_options.pin = absl::GetFlag(FLAGS_pin_threads);
+  if (const std::string cores = absl::GetFlag(FLAGS_optimizer_cores); !cores.empty()) {
+    absl::StatusOr<std::vector<int>> cpus = offload::ParseCpuList(cores);
+    if (!cpus.ok()) {
+      LOG(ERROR) << absl::StrFormat("cpu_optimizer_server: --optimizer_cores: %s",
+                                    cpus.status().message());
+      return 2;
+    }
+    pool_options.cpus = *std::move(cpus);
+  }
   offload::ThreadPool pool(pool_options);
   offload::ShardOptions shard_options;
   shard_options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_mib) << 20;

@@ -41,6 +41,10 @@ class OffloadOptions:
     server_memory_mib: the local server's ``--memory_limit_mib`` (0: its default).
     trace_file: write a Chrome trace of every step there (backward, the gradients' sends, step)
       at close() and at write_trace().
+    optimizer_cores: cores for the local server alone (servers=None): its Adam workers are
+      pinned to them, one each (``threads`` 0: one worker per core), and this process's threads
+      keep to the other cores, torch's intra-op threads lowered to their number where more
+      (``offload.placement``). None: both use every core.
     """
 
     servers: Any = None
@@ -57,11 +61,14 @@ class OffloadOptions:
     optimizer_state: str = "auto"
     server_memory_mib: int = 0
     trace_file: Optional[str] = None
+    optimizer_cores: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in native.TIERS:
             raise ValueError(f"optimizer_state must be one of {sorted(native.TIERS)}, not "
                              f"{self.optimizer_state!r}")
+        if self.optimizer_cores is not None:
+            object.__setattr__(self, "optimizer_cores", tuple(self.optimizer_cores))
 
     def with_keywords(self, keywords: Dict[str, Any]) -> "OffloadOptions":
         """These options with the keywords (fields by name) that differ from their default; a
@@ -101,13 +108,26 @@ class OffloadOptions:
         """The servers' addresses (none: the in-process engine) and token, and the local server
         started for them, if any."""
         servers, token = self.servers, self.token
+        if self.optimizer_cores is not None and servers is not None:
+            raise ValueError("optimizer_cores= places the local server's (servers=None) Adam "
+                             "threads; a running server takes --optimizer_cores itself")
         if servers is None:
             if world > 1:
                 raise ValueError("several ranks need running servers: pass servers=[...] and "
                                  "token=...")
             from offload.server import LocalServer
+            extra: List[str] = []
+            trainer_cores = server_cpus = None
+            if self.optimizer_cores is not None:
+                from offload import placement
+                cores, trainer_cores = placement.split(self.optimizer_cores)
+                extra.append(f"--optimizer_cores={placement.cpu_list(cores)}")
+                server_cpus = placement.process_cores()
             server = LocalServer(threads=self.threads, state_dir=self.state_dir,
-                                 memory_limit_mib=self.server_memory_mib)
+                                 memory_limit_mib=self.server_memory_mib, extra_flags=extra,
+                                 cpus=server_cpus)
+            if trainer_cores is not None:
+                placement.keep_off(trainer_cores)
             return [server.address], server.token, server
         if self.state_dir is not None:
             raise ValueError("state_dir= is the local server's (servers=None); running servers "

@@ -34,11 +34,13 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
+def _die_with_parent(parent: int, cpus: Optional[List[int]] = None) -> Callable[[], None]:
     def run() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the signal was armed
             os._exit(1)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
     return run
 
 
@@ -47,10 +49,13 @@ class LocalServer:
 
     def __init__(self, threads: int = 0, memory_limit_mib: int = 0, start_timeout: float = 60.0,
                  extra_flags: Optional[List[str]] = None, token: Optional[str] = None,
-                 state_dir: Optional[str] = None, state_memory_mib: int = 0):
+                 state_dir: Optional[str] = None, state_memory_mib: int = 0,
+                 cpus: Optional[List[int]] = None):
         """state_dir: the server's disk tier (``--state_dir``): jobs whose state does not fit
         memory_limit_mib, or that ask for the disk, keep it in files there, streamed through a
-        ring of state_memory_mib (0: the server's default)."""
+        ring of state_memory_mib (0: the server's default). cpus: the cores the server may run
+        on, where not this process's (offload.placement: this process may have been moved off
+        the cores its server is to have)."""
         self.token = token or secrets.token_hex(16)
         self._log = tempfile.NamedTemporaryFile(prefix="offload-server-", suffix=".log",
                                                 delete=False)
@@ -67,7 +72,7 @@ class LocalServer:
         self.process = subprocess.Popen([server_binary()] + flags, env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=self._log,
-                                        preexec_fn=_die_with_parent(os.getpid()))
+                                        preexec_fn=_die_with_parent(os.getpid(), cpus))
         self._log.close()  # the child writes it; log_tail() reads it by name
         self._finalizer = weakref.finalize(self, LocalServer._stop, self.process, self._log.name)
         atexit.register(self._finalizer)
@@ -89,8 +94,9 @@ class LocalServer:
                     return f"127.0.0.1:{int(m.group(1))}"
             elif self.process.poll() is not None:
                 break
+        tail = self.log_tail()  # before close(), which deletes the log
         self.close()
-        raise OffloadError(14, f"cpu_optimizer_server did not start: {self.log_tail()}")
+        raise OffloadError(14, f"cpu_optimizer_server did not start: {tail}")
 
     def log_tail(self, lines: int = 20) -> str:
         try:

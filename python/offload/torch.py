@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,8 +114,9 @@ class AdamW(torch.optim.Optimizer):
         starts a local ``cpu_optimizer_server`` child process, a list of "host:port" uses
         running servers, "inprocess" the same shard engine in this process), token, transport,
         threads, job_id, tls_ca, tls_cert, tls_key, tls_server_name, call_timeout, state_dir,
-        optimizer_state ("auto", "memory" or "disk"), server_memory_mib and trace_file. Each is
-        also a keyword here; one given both ways is refused.
+        optimizer_state ("auto", "memory" or "disk"), server_memory_mib, trace_file and
+        optimizer_cores (cores for the local server alone; this process keeps to the others).
+        Each is also a keyword here; one given both ways is refused.
       max_grad_norm: clip the global gradient norm every step (0: off);
         ``clip_grad_norm_`` sets it for one step.
       loss_scale, loss_scale_window: fp16's initial scale and growth window (GradScaler's).
@@ -143,10 +144,11 @@ class AdamW(torch.optim.Optimizer):
       update_in_backward: the servers run Adam on each bucket as soon as backward has produced
         all of its gradients, so by the end of backward most of the update is done and
         ``step()`` waits for the tail. The step's decision is speculated (nothing skipped or
-        clipped, the lrs the groups have when backward begins): each server keeps what it
-        overwrote (12 bytes a parameter of server memory) and at the commit restores and redoes
-        exactly what the decision changed (an fp16 overflow, clipping that bites, a changed lr,
-        a second ``backward()``), so the weights are the same bits as without it, always. After
+        clipped, the lrs the groups have when backward begins): each server writes the update
+        into a staging copy (12 bytes a parameter of server memory) that the commit swaps in,
+        and drops and redoes exactly what the decision changed (an fp16 overflow, clipping that
+        bites, a changed lr, a second ``backward()``), so the weights are the same bits as
+        without it, always. After
         a step it had to undo, it pauses for a few steps (1, 3, 7, ... up to 63 while undos
         repeat); with several micro-batches per step it stays off. Where a server cannot (no
         memory for the copy, state on disk) it updates at the commit as usual. ``last_report``'s
@@ -215,13 +217,15 @@ class AdamW(torch.optim.Optimizer):
                  delay_warmup_steps: int = 20, update_in_backward: bool = False,
                  zero_stage: int = 2, model: Optional[torch.nn.Module] = None, window: int = 2,
                  max_resident_bytes: int = 0, persist_elements: Optional[int] = None,
-                 blocks: Any = None, _values: Optional[Values] = None):
+                 blocks: Any = None, optimizer_cores: Optional[Sequence[int]] = None,
+                 _values: Optional[Values] = None):
         _check_arguments(lr, betas, eps, weight_decay, amsgrad, dtype)
         options = (options or OffloadOptions()).with_keywords(dict(
             servers=servers, token=token, transport=transport, threads=threads, job_id=job_id,
             tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name,
             call_timeout=call_timeout, state_dir=state_dir, optimizer_state=optimizer_state,
-            server_memory_mib=server_memory_mib, trace_file=trace_file))
+            server_memory_mib=server_memory_mib, trace_file=trace_file,
+            optimizer_cores=optimizer_cores))
         _check_stage(zero_stage, model, blocks, max_resident_bytes, persist_elements)
         params, names = split_names(params)
         self._building = True
