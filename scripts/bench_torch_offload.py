@@ -21,9 +21,17 @@ is timed three ways on the same batches:
           whole step against stage 2's, and the peak bytes of parameters on the device against
           all of the 16-bit weights. On the CPU the "device" is host memory too, so the copies
           are the cost and nothing overlaps them; on a GPU they run on a side stream.
+  overlap the synchronous, delayed and during-backward steps again, their three optimizers alive
+          at once and timed in alternating blocks of --block steps (the first of each block not
+          counted, each block ending with flush()), so that the machine's drift hits all three
+          alike: the whole step of each against the synchronous one, with torch on --threads and
+          again on one thread (the model leaving cores to the server, as on a GPU host), and on
+          one thread with optimizer_cores (each local server on the last core alone, torch kept
+          to the others).
 It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
 
     PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
+        [--overlap_only] [--rounds 7 --block 2]
 """
 
 from __future__ import annotations
@@ -85,6 +93,63 @@ def overlap_fraction(trace_file: str) -> float:
     return 1.0 - inside_fraction(trace_file, "commit_delayed", "step")
 
 
+def overlap_medians(base, loss_of, threads: int, rounds: int, block: int,
+                    optimizer_cores=None) -> dict:
+    """Whole-step medians of the synchronous, delayed and during-backward optimizers, in
+    alternating blocks (see the module's docstring), with torch on `threads` threads; with
+    `optimizer_cores`, each local server on those cores and this process on the others (for
+    good: run it last)."""
+    torch.set_num_threads(threads)
+    modes = {"sync": {}, "delayed": dict(delay_update=True, delay_warmup_steps=0),
+             "during": dict(update_in_backward=True)}
+    runs = {}
+    for mode, kw in modes.items():
+        model = copy.deepcopy(base)
+        runs[mode] = (model, otorch.AdamW(model.parameters(), lr=1e-4,
+                                          optimizer_cores=optimizer_cores, **kw), [])
+    for r in range(rounds + 1):  # round 0 warms every optimizer up
+        for model, opt, times in runs.values():
+            for i in range(block):
+                t = time.perf_counter()
+                opt.zero_grad()
+                opt.backward(loss_of(model))
+                opt.step()
+                if r > 0 and i > 0:
+                    times.append(time.perf_counter() - t)
+            opt.flush()  # a delayed commit must not run into the next optimizer's block
+    for _, opt, _ in runs.values():
+        opt.close()
+    return {mode: statistics.median(times) for mode, (_, _, times) in runs.items()}
+
+
+def overlap_all(base, loss_of, args) -> dict:
+    """overlap_medians on --threads, on one thread, and on one thread with the server on the
+    last core alone (last: the placement moves this process off that core for good)."""
+    runs = {}
+    for t in sorted({args.threads, 1}, reverse=True):
+        runs[(t, None)] = overlap_medians(base, loss_of, t, args.rounds, args.block)
+        if args.overlap_only:
+            print_overlap({(t, None): runs[(t, None)]}, args)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        runs[(1, cores[-1])] = overlap_medians(base, loss_of, 1, args.rounds, args.block,
+                                               optimizer_cores=cores[-1:])
+        if args.overlap_only:
+            print_overlap({(1, cores[-1]): runs[(1, cores[-1])]}, args)
+    torch.set_num_threads(args.threads)
+    return runs
+
+
+def print_overlap(runs: dict, args) -> None:
+    for (t, core), m in runs.items():
+        placed = "shared" if core is None else f"server_on_core={core}"
+        print(f"overlap threads={t} {placed} sync_s={m['sync']:.4f} delayed_s={m['delayed']:.4f} "
+              f"during_s={m['during']:.4f} delayed_vs_sync={m['sync'] / m['delayed']:.3f}x "
+              f"during_vs_sync={m['sync'] / m['during']:.3f}x (alternating blocks of "
+              f"{args.block}, {args.rounds * (args.block - 1)} steps each; target >= 1.0x)",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
@@ -94,6 +159,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="overlap: blocks of each optimizer (after one warm-up block)")
+    ap.add_argument("--block", type=int, default=2, help="overlap: steps per block")
+    ap.add_argument("--overlap_only", action="store_true", help="only the overlap lines")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch's threads (Debian's torch takes one per physical core); the "
                     "local server takes every core")
@@ -107,6 +176,12 @@ def main() -> None:
 
     def loss_of(model):
         return F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
+
+    if args.overlap_only:
+        print(f"torch_offload model=gpt params={n} layers={args.layers} "
+              f"channels={args.channels} batch={args.batch}x{args.seq} threads={args.threads}")
+        overlap_all(base, loss_of, args)  # prints each line as it is measured
+        return
 
     # torch: fp32 parameters, the in-process foreach AdamW.
     ref = copy.deepcopy(base)
@@ -207,6 +282,8 @@ def main() -> None:
         zero3[window] = (step_s, opt.param_window.peak_resident_bytes)
         opt.close()
 
+    overlap_runs = overlap_all(base, loss_of, args)
+
     print(f"torch_offload model=gpt params={n} layers={args.layers} channels={args.channels} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} plane={transport}")
     print(f"optimizer step  torch_foreach_fp32_s={torch_opt_s:.4f} offload_step_s={offload_opt_s:.4f}"
@@ -224,6 +301,7 @@ def main() -> None:
           f"wait_vs_sync={during_opt_s / offload_opt_s:.2f} "
           f"updated_before_commit={early_share:.2f} "
           f"update_inside_backward={inside_backward:.2f} (in-process trace)")
+    print_overlap(overlap_runs, args)
     for window, (step_s, peak) in zero3.items():
         print(f"zero3 window={window} step_s={step_s:.4f} whole_step_stage2_s={offload_step_s:.4f} "
               f"stage3_vs_stage2={step_s / offload_step_s:.2f}x param_bytes_peak={peak} "

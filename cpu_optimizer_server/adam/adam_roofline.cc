@@ -109,8 +109,10 @@ AdamVsRoofline MeasureAdamVsRoofline(const AdamRooflineBuffers& b, DType grad_dt
   run_roofline();
   AdamVsRoofline best{1e30, 1e30};
   for (int k = 0; k < std::max(1, iters); ++k) {
-    best.adam_s = std::min(best.adam_s, run_adam());
-    best.roofline_s = std::min(best.roofline_s, run_roofline());
+    best.adam_passes_s.push_back(run_adam());
+    best.roofline_passes_s.push_back(run_roofline());
+    best.adam_s = std::min(best.adam_s, best.adam_passes_s.back());
+    best.roofline_s = std::min(best.roofline_s, best.roofline_passes_s.back());
   }
   return best;
 }

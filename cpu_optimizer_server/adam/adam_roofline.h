@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
@@ -47,10 +48,12 @@ struct AdamVsRoofline {
   double adam_s = 0;                                    // best pass
   double roofline_s = 0;                                // best pass
   double ratio() const { return roofline_s / adam_s; }  // > 1: faster than the roofline kernel
+  // Every timed pass, in the order run, for medians and spreads.
+  std::vector<double> adam_passes_s, roofline_passes_s;
 };
 
-// One warm-up pass of each, then the best of `iters` alternating passes, over buffers Filled with
-// grad_dtype.
+// One warm-up pass of each, then `iters` alternating passes (best and every pass), over buffers
+// Filled with grad_dtype.
 AdamVsRoofline MeasureAdamVsRoofline(const AdamRooflineBuffers& buffers, DType grad_dtype,
                                      SimdPath path, ThreadPool& pool, int iters);
 

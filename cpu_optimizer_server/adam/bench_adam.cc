@@ -131,6 +131,14 @@ Flags ParseFlags(int argc, char** argv) {
   return flags;
 }
 
+double Best(std::vector<double> v) { return *std::min_element(v.begin(), v.end()); }
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t k = v.size() / 2;
+  return v.size() % 2 == 1 ? v[k] : (v[k - 1] + v[k]) / 2;
+}
+double Worst(std::vector<double> v) { return *std::max_element(v.begin(), v.end()); }
+
 void RunCases(const Flags& flags, int threads) {
   ThreadPool pool(ThreadPool::Options{threads, /*pin=*/true});
   const int nt = pool.num_threads();
@@ -153,12 +161,24 @@ void RunCases(const Flags& flags, int threads) {
       const AdamVsRoofline best = MeasureAdamVsRoofline(**buffers, grad_dtype, *path, pool, iters);
       const double adam_rate = flags.n / best.adam_s * 1e-9;
       const double roofline_rate = flags.n / best.roofline_s * 1e-9;
+      // The rates of the median pass and of the slowest and the fastest (the best-of rate).
+      struct Spread {
+        double median, min, max;
+      };
+      auto spread = [&](const std::vector<double>& passes) {
+        return Spread{flags.n * 1e-9 / Median(passes), flags.n * 1e-9 / Worst(passes),
+                      flags.n * 1e-9 / Best(passes)};
+      };
+      const Spread a = spread(best.adam_passes_s), r = spread(best.roofline_passes_s);
       std::printf(
           "adam path=%s grad=%s out=%s threads=%d n=%lld gparams_per_s=%.2f "
-          "roofline_gparams_per_s=%.2f ratio=%.2f\n",
+          "roofline_gparams_per_s=%.2f ratio=%.2f median_gparams_per_s=%.3f "
+          "min_gparams_per_s=%.3f max_gparams_per_s=%.3f roofline_median_gparams_per_s=%.3f "
+          "roofline_min_gparams_per_s=%.3f roofline_max_gparams_per_s=%.3f\n",
           std::string(SimdPathName(*path)).c_str(), std::string(DTypeName(grad_dtype)).c_str(),
           std::string(DTypeName(grad_dtype)).c_str(), nt, static_cast<long long>(flags.n),
-          adam_rate, roofline_rate, adam_rate / roofline_rate);
+          adam_rate, roofline_rate, adam_rate / roofline_rate, a.median, a.min, a.max, r.median,
+          r.min, r.max);
       std::fflush(stdout);
     }
   }
@@ -170,13 +190,6 @@ constexpr char kJob[] = "bench";
 
 double SecondsSince(std::chrono::steady_clock::time_point begin) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-}
-
-double Best(std::vector<double> v) { return *std::min_element(v.begin(), v.end()); }
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t k = v.size() / 2;
-  return v.size() % 2 == 1 ? v[k] : (v[k - 1] + v[k]) / 2;
 }
 
 // Values in [-1, 1): cheap beside the disk, and never all zeros, so no layer below can shortcut
