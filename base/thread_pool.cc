@@ -7,8 +7,8 @@
 #include <cstdio>
 
 #include "absl/strings/str_format.h"
-#include "base/cpu_list.h"
 #include "base/logging.h"
+#include "base/placement/cpu_list.h"
 
 namespace offload {
 

@@ -1,4 +1,4 @@
-#include "base/cpu_list.h"
+#include "base/placement/cpu_list.h"
 
 #include <sched.h>
 

@@ -1,8 +1,8 @@
 // CPU lists as Linux writes them (cpuset(7): "0-3,8,10-11"): the cores a server's Adam threads are
 // pinned to when it shares a host with its trainer (--optimizer_cores, ARCHITECTURE.md section 16),
 // so that the two never take turns on one core.
-#ifndef OFFLOAD_BASE_CPU_LIST_H_
-#define OFFLOAD_BASE_CPU_LIST_H_
+#ifndef OFFLOAD_BASE_PLACEMENT_CPU_LIST_H_
+#define OFFLOAD_BASE_PLACEMENT_CPU_LIST_H_
 
 #include <string>
 #include <vector>
@@ -25,4 +25,4 @@ std::string FormatCpuList(const std::vector<int>& cpus);
 
 }  // namespace offload
 
-#endif  // OFFLOAD_BASE_CPU_LIST_H_
+#endif  // OFFLOAD_BASE_PLACEMENT_CPU_LIST_H_
