@@ -194,16 +194,15 @@ absl::Status StepSession::StartAccumulating() {
 }
 
 void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t base, int64_t hi,
-                          uint16_t* out, const StateWave& state, const StagedState* staged) const {
+                          uint16_t* out, const StateWave& state, const StateWave* staged) const {
   const RangeState* r = range_;
   const DType out_dtype = job_->config.param_dtype;
   const AdamKernelFn kernel = store_->adam_kernel();
   float* const master = state.master - state.lo;  // indexed by range element
   float* const exp_avg = state.exp_avg - state.lo;
   float* const exp_avg_sq = state.exp_avg_sq - state.lo;
-  // The 16-bit copy of master weights [b, e) of `from` only, as a replay or a skipped range
-  // sends it. A replay only converts: the SIMD conversion of the store's path, bit-identical to
-  // dtype.h's.
+  // The 16-bit copy of master weights [b, e) of `from` only (a replay, a skipped range): the
+  // SIMD conversion of the store's path, bit-identical to dtype.h's.
   auto convert_from = [&](const float* from, int64_t b, int64_t e) {
     if (out == nullptr) return;
     if (to_half_ != nullptr) {
@@ -212,9 +211,7 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
       ConvertFromFloat(from + b, e - b, out_dtype, out + (b - base));
     }
   };
-  auto convert = [&](int64_t b, int64_t e) { convert_from(master, b, e); };
-  // Elements a range step leaves alone: with a staging copy they are copied there as they are,
-  // since the commit swaps the whole copy in.
+  // Elements a range step leaves alone go into the staging copy as they are: it is swapped in.
   auto keep = [&](int64_t b, int64_t e) {
     if (staged != nullptr) {
       const size_t bytes = (e - b) * sizeof(float);
@@ -222,10 +219,10 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
       std::memcpy(staged->exp_avg + b, exp_avg + b, bytes);
       std::memcpy(staged->exp_avg_sq + b, exp_avg_sq + b, bytes);
     }
-    convert(b, e);
+    convert_from(master, b, e);
   };
   if (update.empty()) {
-    convert(base, hi);
+    convert_from(master, base, hi);
     return;
   }
   AdamSpan span;
@@ -286,7 +283,7 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
 }
 
 absl::StatusOr<bool> StepSession::StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink,
-                                              const StagedState* staged) {
+                                              const StateWave* staged) {
   const RangeState* r = range_;
   const int64_t length = r->spec.length;
   const int64_t wave = store_->options().wave_elements;
@@ -599,10 +596,11 @@ absl::StatusOr<bool> StepSession::UpdateEarly(const StepCommitArgs& args, int64_
   const std::vector<UpdateRun> runs = ToUpdateRuns(steps, &scalars);
   std::sort(pieces_.begin(), pieces_.end(),
             [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
-  // Each tile is updated into the staging copy by the thread that owns it, as StreamWaves
-  // updates it. No 16-bit output: the commit converts these elements from the same bits.
+  // Into the staging copy, tile by tile as StreamWaves updates, without a 16-bit output: the
+  // commit converts these elements from the same bits.
   const StateWave state{0, spec.length, r->param, r->exp_avg, r->exp_avg_sq};
-  const StagedState staged{r->staging_param(), r->staging_exp_avg(), r->staging_exp_avg_sq()};
+  const StateWave staged{0, spec.length, r->staging_param(), r->staging_exp_avg(),
+                         r->staging_exp_avg_sq()};
   store_->ParallelTiles(
       begin, end, [&](int64_t lo, int64_t hi) { Process(runs, lo, hi, nullptr, state, &staged); });
   if (early_.empty()) {
@@ -663,11 +661,9 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     // each run with the t it updates with.
     std::vector<StepRun> steps = ResolveSteps(args.range_steps, t);
     std::vector<double> lrs = GroupLrs(args);
-    // An early update stands where this commit would compute exactly what it computed: the same
-    // scalars (lrs, multiplier and t) on the same gradients and state. Those elements are only
-    // converted below, from the staging copy, and every other element is updated into it, which
-    // is then swapped in. An early update that does not stand is dropped: it never touched the
-    // range's state.
+    // An early update stands where this commit would compute what it computed (the same lrs,
+    // multiplier and t): converted only, from the staging copy, into which every other element
+    // is updated before the swap. One that does not stand never touched the state: dropped.
     const bool same_args =
         !early_.empty() &&
         std::memcmp(lrs.data(), early_lr_.data(), lrs.size() * sizeof(double)) == 0 &&
@@ -683,11 +679,12 @@ absl::StatusOr<StepOutcome> StepSession::Commit(const StepCommitArgs& args, Para
     }
     early_.clear();
     early_covered_ = IntervalSet();
-    std::optional<StagedState> staged;
+    std::optional<StateWave> staged;
     if (!standing.empty()) {
       std::sort(standing.begin(), standing.end());
       steps = ConvertOnly(steps, standing);
-      staged = StagedState{r->staging_param(), r->staging_exp_avg(), r->staging_exp_avg_sq()};
+      staged =
+          StateWave{0, length, r->staging_param(), r->staging_exp_avg(), r->staging_exp_avg_sq()};
     }
     ScalarSets scalars(&job_->config.groups, std::move(lrs), args.grad_multiplier);
     const std::vector<UpdateRun> runs = ToUpdateRuns(steps, &scalars);

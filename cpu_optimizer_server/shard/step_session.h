@@ -136,13 +136,6 @@ class StepSession {
     uint64_t t;
   };
   static constexpr uint64_t kStaged = ~uint64_t{0};
-  // Where Process writes the state it computes: the staging copy's views, indexed by range
-  // element (an update during backward, a commit that keeps one); in place without it.
-  struct StagedState {
-    float* master;
-    float* exp_avg;
-    float* exp_avg_sq;
-  };
   // The scalars of UpdateRuns: one set per parameter group for each t, for one set of lrs and
   // multiplier. A node of the map never moves, so runs may point into it while it lives.
   class ScalarSets {
@@ -191,17 +184,18 @@ class StepSession {
                                           const std::vector<IntervalSet::Interval>& keep);
   // Applies `update` (as StreamWaves takes it; empty: none) to range elements [base, hi), whose
   // state is in `state`, and writes their 16-bit copy to out (indexed from base; null: none).
-  // With `staged`, the new state goes there and `state` is only read: elements a range step
+  // With `staged` (the staging copy's views, over the whole range), the new state goes there and
+  // `state` is only read: elements a range step
   // leaves alone are copied there, and `staged` runs only converted from there. The gradients
   // come from pieces_ (sorted, covering [base, hi)) or the accumulator.
   void Process(const std::vector<UpdateRun>& update, int64_t base, int64_t hi, uint16_t* out,
-               const StateWave& state, const StagedState* staged = nullptr) const;
+               const StateWave& state, const StateWave* staged = nullptr) const;
   // Streams the 16-bit copy of [0, length) in waves; `update` (runs in order, the last ending
   // at length) first applies Adam to each wave, empty for a replay; with `staged`, into the
   // staging copy (see Process). False when the receiver went away; an error only from a range on
   // disk whose pass failed.
   absl::StatusOr<bool> StreamWaves(const std::vector<UpdateRun>& update, ParamSink* sink,
-                                   const StagedState* staged = nullptr);
+                                   const StateWave* staged = nullptr);
   // Drops every early update, counting its elements in rolled_back_: the range's state is still
   // the state before them.
   void DropEarly();
