@@ -11,6 +11,8 @@ median of --iters timed steps after one warm-up, and their spread (min-max).
                   in the parameters' dtype). torch_foreach: AdamW(foreach=True), fp32.
   offload_kernel  build/bin/bench_adam, best SIMD path: 16-bit grad in, fp32 p, m, v updated,
                   16-bit copy out, one pass; roofline: the same loads and stores, an add each.
+                  offload_kernel_s16 and roofline_s16: the same with bf16 moments
+                  (state_dtype=bf16, stochastic rounding), 20 bytes an element.
   offload_inproc  a whole step of offload.torch.AdamW(servers="inprocess") through the C library
                   (begin_step, gradients_ready, commit writing the 16-bit weights into a host
                   tensor), Offload's counterpart of ds_adam+copy; offload_server: the same
@@ -243,7 +245,8 @@ def kernel_rows(n: int, threads: List[int], iters: int, build: str, rows: List[R
     for t in threads:
         if not fits(f"offload_kernel n={n}", n * 16):
             return
-        cmd = [binary, f"--n={n}", f"--iters={iters}", f"--threads={t}", f"--paths={path}"]
+        cmd = [binary, f"--n={n}", f"--iters={iters}", f"--threads={t}", f"--paths={path}",
+               "--state_dtypes=fp32,bf16"]
         print(f"# offload_kernel threads: {' '.join(cmd)} (its ThreadPool, pinned)", flush=True)
         children_cpu = lambda: sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])  # noqa: E731
         wall0, cpu0 = time.perf_counter(), children_cpu()
@@ -261,8 +264,11 @@ def kernel_rows(n: int, threads: List[int], iters: int, build: str, rows: List[R
                 continue
             kv = dict(re.findall(r"(\w+)=(\S+)", line))
             match = kv["grad"]
-            for impl, key in (("offload_kernel", "gparams_per_s"),
-                              ("roofline", "roofline_gparams_per_s")):
+            # bf16 moments (state_dtype=bf16): 8 bytes an element less, rows of their own.
+            bf16_state = kv.get("state") == "bf16"
+            suffix, states, nbytes = ("_s16", "bf", 20) if bf16_state else ("", "32", 28)
+            for impl, key in (("offload_kernel" + suffix, "gparams_per_s"),
+                              ("roofline" + suffix, "roofline_gparams_per_s")):
                 # Its median_, min_ and max_ fields (the roofline's in either order) where it
                 # prints them, else its best pass.
                 names = [(f"{s}_{key}", key.replace("roofline_", f"roofline_{s}_"))
@@ -270,7 +276,7 @@ def kernel_rows(n: int, threads: List[int], iters: int, build: str, rows: List[R
                 got = [next((float(kv[k]) for k in ks if k in kv and k != key), None)
                        for ks in names]
                 rates = got if all(got) else [float(kv[key])] * 3
-                rows.append(row_of(impl, f"g{match[:2]} p32 s32 o{match[:2]}", 28,
+                rows.append(row_of(impl, f"g{match[:2]} p32 s{states} o{match[:2]}", nbytes,
                                    int(kv["threads"]), n, ([n / r * 1e-9 for r in rates], cores),
                                    match, "" if all(got) else f"best of {iters}"))
 

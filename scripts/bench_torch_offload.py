@@ -16,6 +16,10 @@ is timed three ways on the same batches:
           of the elements the server updated before the commit (last_report), and, from the
           Chrome trace of the same run on the in-process engine (whose early updates are spans
           of the sender's thread), the share of the update's time that lay inside backward;
+  bf16    offload with state_dtype=torch.bfloat16 (the server's Adam moments in bf16): the local
+          server's anonymous memory (RssAnon: the state, its allocator and buffers; gradients
+          come through shared memory) per parameter against the fp32-state run's, and the step;
+          scripts/bench_state_dtype.py has the loss curves;
   zero3   offload with zero_stage=3 (the 16-bit weights in host memory, each block copied to the
           device before its forward and again for its backward), windows of 1 and 2 blocks: the
           whole step against stage 2's, and the peak bytes of parameters on the device against
@@ -67,6 +71,15 @@ def timed(fn, steps: int, warmup: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def rss_anon(pid: int) -> int:
+    """Bytes of anonymous memory process `pid` holds (/proc/PID/status RssAnon)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
 
 
 def load_spans(trace_file: str, name: str):
@@ -244,6 +257,14 @@ def main() -> None:
                                       ctypes.byref(report)))
         opt._commits.step += 1
     bare_s = timed(bare, args.steps, args.warmup)
+    fp32_state_bytes = rss_anon(opt._server.pid) / n
+    opt.close()
+
+    # bf16: the same with the server's moments in bf16.
+    model = copy.deepcopy(base)
+    opt = otorch.AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)
+    bf16_step_s, bf16_opt_s = offload_steps()
+    bf16_state_bytes = rss_anon(opt._server.pid) / n
     opt.close()
 
     # delayed: the same with delay_update (the paper's DPU, no warm-up): step() returns once the
@@ -301,6 +322,10 @@ def main() -> None:
           f"wait_vs_sync={during_opt_s / offload_opt_s:.2f} "
           f"updated_before_commit={early_share:.2f} "
           f"update_inside_backward={inside_backward:.2f} (in-process trace)")
+    print(f"bf16 state      server_bytes_per_param fp32_state={fp32_state_bytes:.2f} "
+          f"bf16_state={bf16_state_bytes:.2f} (RssAnon) step() sync_s={offload_opt_s:.4f} "
+          f"bf16_state_s={bf16_opt_s:.4f} whole_step_sync_s={offload_step_s:.4f} "
+          f"whole_step_bf16_state_s={bf16_step_s:.4f}")
     print_overlap(overlap_runs, args)
     for window, (step_s, peak) in zero3.items():
         print(f"zero3 window={window} step_s={step_s:.4f} whole_step_stage2_s={offload_step_s:.4f} "

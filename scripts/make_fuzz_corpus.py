@@ -314,6 +314,10 @@ def op_read(tensor, dtype, offset, length, chunk):
     return bytes([9, tensor, dtype]) + struct.pack('<hH', offset, length) + bytes([chunk])
 
 
+def op_update(slot, offset, count, t=0, lr=0, mult=0, flags=0):
+    return bytes([10, slot]) + struct.pack('<hH', offset, count) + bytes([t, lr, mult, flags])
+
+
 def step_session_corpus():
     d = 'cpu_optimizer_server/shard/fuzz/step_session_corpus'
     cfg = bytes([3])  # plenty of headroom, scalar path, fp16
@@ -345,6 +349,12 @@ def step_session_corpus():
           op_commit_range_steps(1, [(10, 100, 0), (16380, 10, 1), (16470, 14, 2)]))
     write(d, 'reads.steps', cfg + op_read(0, 1, 0, 300, 7) + op_read(1, 0, -10, 400, 0) +
           op_read(2, 2, 100, 20000, 255))
+    # bf16 moments (config bit 6): an update during backward that stands, a commit, a load of
+    # exp_avg (rounded to bf16) and reads of both moments.
+    write(d, 'bf16_state.steps', bytes([3 | 4 | 8 | 64]) + op_open(0, 1) +
+          op_grads(0, 0, 16484) + op_update(0, 0, 5000) + op_commit(0) + bytes([4]) +
+          op_load_chunk(1, 1, 0, 300) + bytes([7]) + op_read(1, 0, 0, 16484, 9) +
+          op_read(2, 0, 16000, 484, 0))
 
 
 def main():

@@ -56,6 +56,29 @@ struct Avx2Traits {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), PackHigh16(_mm256_castps_si256(x)));
   }
 
+  using VI = __m256i;
+  // murmur3's finalizer of (element + lane) xor key in each lane, as StochasticRoundingBits.
+  static VI RandomBits(uint32_t key, int64_t element) {
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(element)),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    x = _mm256_xor_si256(x, _mm256_set1_epi32(static_cast<int32_t>(key)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x85ebca6bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xc2b2ae35u)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static VI High16(VI x) { return _mm256_srli_epi32(x, 16); }
+  // As FloatToBf16Stochastic: add the lane's low 16 random bits, keep the high half; a NaN as
+  // StoreBf16.
+  static void StoreBf16Stochastic(uint16_t* p, V x, VI random) {
+    const __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_add_epi32(u, _mm256_and_si256(random, _mm256_set1_epi32(0xffff)));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), PackHigh16(r));
+  }
+
   static V Add(V a, V b) { return _mm256_add_ps(a, b); }
   static V Sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }

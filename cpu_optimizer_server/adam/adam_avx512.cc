@@ -53,6 +53,31 @@ struct Avx512Traits {
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
   }
 
+  using VI = __m512i;
+  // murmur3's finalizer of (element + lane) xor key in each lane, as StochasticRoundingBits.
+  static VI RandomBits(uint32_t key, int64_t element) {
+    __m512i x =
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(element)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    x = _mm512_xor_si512(x, _mm512_set1_epi32(static_cast<int32_t>(key)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(0x85ebca6bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(0xc2b2ae35u)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  static VI High16(VI x) { return _mm512_srli_epi32(x, 16); }
+  // As FloatToBf16Stochastic: add the lane's low 16 random bits, keep the high half; a NaN as
+  // StoreBf16.
+  static void StoreBf16Stochastic(uint16_t* p, V x, VI random) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i add = _mm512_and_si512(random, _mm512_set1_epi32(0xffff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, add), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+
   static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   static V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }

@@ -44,6 +44,15 @@ absl::StatusOr<SimdPath> ParseSimdPath(absl::string_view name) {
   return path;
 }
 
+uint32_t StochasticRoundingKey(uint64_t t) {
+  // splitmix64's finalizer: neighbouring steps get unrelated keys.
+  uint64_t z = t + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z >> 32) ^ static_cast<uint32_t>(z);
+}
+
 namespace {
 
 // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c" (GCC's

@@ -47,7 +47,7 @@ AdamRooflineBuffers::~AdamRooflineBuffers() {
   std::free(out_);
 }
 
-void AdamRooflineBuffers::Fill(DType grad_dtype, ThreadPool& pool) {
+void AdamRooflineBuffers::Fill(DType grad_dtype, ThreadPool& pool, DType state_dtype) {
   const int nt = pool.num_threads();
   pool.Run([&](int t) {
     ForEachOwnedTile(0, n_, t, nt, [&](int64_t lo, int64_t hi) {
@@ -58,21 +58,34 @@ void AdamRooflineBuffers::Fill(DType grad_dtype, ThreadPool& pool) {
         const float g = 1e-3f + 9e-3f * u;
         grad_[i] = grad_dtype == DType::kBf16 ? FloatToBf16(g) : FloatToFp16(g);
         param_[i] = u - 0.5f;
-        exp_avg_[i] = 0.0f;
-        exp_avg_sq_[i] = 1e-6f;
+        if (state_dtype == DType::kBf16) {
+          reinterpret_cast<uint16_t*>(exp_avg_)[i] = 0;
+          reinterpret_cast<uint16_t*>(exp_avg_sq_)[i] = FloatToBf16(1e-6f);
+        } else {
+          exp_avg_[i] = 0.0f;
+          exp_avg_sq_[i] = 1e-6f;
+        }
         out_[i] = 0;
       }
     });
   });
 }
 
-AdamSpan AdamRooflineBuffers::Span(DType grad_dtype, int64_t lo, int64_t hi) const {
+AdamSpan AdamRooflineBuffers::Span(DType grad_dtype, int64_t lo, int64_t hi,
+                                   DType state_dtype) const {
   AdamSpan s;
   s.grad = grad_ + lo;
   s.grad_dtype = grad_dtype;
   s.param = param_ + lo;
-  s.exp_avg = exp_avg_ + lo;
-  s.exp_avg_sq = exp_avg_sq_ + lo;
+  if (state_dtype == DType::kBf16) {
+    s.exp_avg = reinterpret_cast<uint16_t*>(exp_avg_) + lo;
+    s.exp_avg_sq = reinterpret_cast<uint16_t*>(exp_avg_sq_) + lo;
+  } else {
+    s.exp_avg = exp_avg_ + lo;
+    s.exp_avg_sq = exp_avg_sq_ + lo;
+  }
+  s.state_dtype = state_dtype;
+  s.first_element = lo;
   s.out = out_ + lo;
   s.out_dtype = grad_dtype;  // fp16 grads -> fp16 copy, bf16 -> bf16
   s.n = hi - lo;
@@ -80,7 +93,7 @@ AdamSpan AdamRooflineBuffers::Span(DType grad_dtype, int64_t lo, int64_t hi) con
 }
 
 AdamVsRoofline MeasureAdamVsRoofline(const AdamRooflineBuffers& b, DType grad_dtype, SimdPath path,
-                                     ThreadPool& pool, int iters) {
+                                     ThreadPool& pool, int iters, DType state_dtype) {
   const int nt = pool.num_threads();
   const int64_t n = b.n();
   const AdamKernelFn adam = GetAdamKernel(path);
@@ -90,18 +103,23 @@ AdamVsRoofline MeasureAdamVsRoofline(const AdamRooflineBuffers& b, DType grad_dt
   int64_t step = 0;
   auto run_adam = [&] {
     const AdamStepScalars s = ComputeAdamStepScalars(hp, hp.lr, ++step, 1.0f);
+    const uint32_t key = StochasticRoundingKey(step);
     const auto start = std::chrono::steady_clock::now();
     pool.Run([&](int t) {
-      ForEachOwnedTile(0, n, t, nt,
-                       [&](int64_t lo, int64_t hi) { adam(s, b.Span(grad_dtype, lo, hi)); });
+      ForEachOwnedTile(0, n, t, nt, [&](int64_t lo, int64_t hi) {
+        AdamSpan span = b.Span(grad_dtype, lo, hi, state_dtype);
+        span.rounding_key = key;
+        adam(s, span);
+      });
     });
     return Seconds(std::chrono::steady_clock::now() - start);
   };
   auto run_roofline = [&] {
     const auto start = std::chrono::steady_clock::now();
     pool.Run([&](int t) {
-      ForEachOwnedTile(0, n, t, nt,
-                       [&](int64_t lo, int64_t hi) { roofline(b.Span(grad_dtype, lo, hi)); });
+      ForEachOwnedTile(0, n, t, nt, [&](int64_t lo, int64_t hi) {
+        roofline(b.Span(grad_dtype, lo, hi, state_dtype));
+      });
     });
     return Seconds(std::chrono::steady_clock::now() - start);
   };

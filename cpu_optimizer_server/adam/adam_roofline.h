@@ -30,9 +30,10 @@ class AdamRooflineBuffers {
 
   int64_t n() const { return n_; }
   // Fills every stream with positive, moderate values (the roofline's `+= g` keeps them finite
-  // and normal across passes), tile by tile on the pool: also the first touch.
-  void Fill(DType grad_dtype, ThreadPool& pool);
-  AdamSpan Span(DType grad_dtype, int64_t lo, int64_t hi) const;
+  // and normal across passes), tile by tile on the pool: also the first touch. With bf16 state
+  // the moments are bf16, in the first half of their fp32 buffers' bytes.
+  void Fill(DType grad_dtype, ThreadPool& pool, DType state_dtype = DType::kFp32);
+  AdamSpan Span(DType grad_dtype, int64_t lo, int64_t hi, DType state_dtype = DType::kFp32) const;
 
  private:
   AdamRooflineBuffers() = default;
@@ -53,9 +54,10 @@ struct AdamVsRoofline {
 };
 
 // One warm-up pass of each, then `iters` alternating passes (best and every pass), over buffers
-// Filled with grad_dtype.
+// Filled with grad_dtype and state_dtype (bf16 moments: stochastic rounding).
 AdamVsRoofline MeasureAdamVsRoofline(const AdamRooflineBuffers& buffers, DType grad_dtype,
-                                     SimdPath path, ThreadPool& pool, int iters);
+                                     SimdPath path, ThreadPool& pool, int iters,
+                                     DType state_dtype = DType::kFp32);
 
 }  // namespace offload
 

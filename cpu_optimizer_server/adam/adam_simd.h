@@ -11,7 +11,10 @@
 //   StoreHigh16 (the upper 16 bits of each fp32, for the roofline), Stream (a non-temporal store
 //   to 64-byte aligned fp32) and Fence (orders the streamed stores before later ones),
 //   Add, Sub, Mul, Div, Sqrt (correctly rounded IEEE operations), Fma(a, b, c) = a * b + c rounded
-//   once.
+//   once;
+//   using VI (a vector of kWidth uint32), RandomBits(key, element) (StochasticRoundingBits of
+//   elements element .. element + kWidth - 1), High16 (each lane >> 16) and StoreBf16Stochastic
+//   (FloatToBf16Stochastic with each lane's low 16 bits), all bit-identical to adam_kernel.h.
 //
 // Every function here is a template on T, and each instruction set's T lives in an unnamed
 // namespace of its .cc file, so every instantiation has internal linkage. That matters: code
@@ -42,6 +45,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "base/dtype.h"
 #include "cpu_optimizer_server/adam/adam_kernel.h"
@@ -103,19 +107,59 @@ inline void StoreOut(void* out, int64_t i, typename T::V p) {
   }
 }
 
+// How the moments are stored (AdamSpan::state_dtype and rounding).
+enum class State { kFp32, kBf16Nearest, kBf16Stochastic };
+
+// The element type of the moments' views.
+template <State kState>
+using MomentT = std::conditional_t<kState == State::kFp32, float, uint16_t>;
+
+template <class T, State kState>
+inline typename T::V LoadMoment(const MomentT<kState>* p, int64_t i) {
+  if constexpr (kState == State::kFp32) {
+    return T::Load(p + i);
+  } else {
+    return T::LoadBf16(p + i);
+  }
+}
+
+// Stores both moments of the vector at i; `element` is its first element's flat index (the
+// stochastic rounding's random bits, AdamScalar's StochasticRoundingBits per lane).
+template <class T, State kState, bool kStream>
+inline void StoreMoments(MomentT<kState>* exp_avg, MomentT<kState>* exp_avg_sq, int64_t i,
+                         typename T::V m, typename T::V v, uint32_t key, int64_t element) {
+  if constexpr (kState == State::kFp32) {
+    if constexpr (kStream) {
+      T::Stream(exp_avg + i, m);
+      T::Stream(exp_avg_sq + i, v);
+    } else {
+      T::Store(exp_avg + i, m);
+      T::Store(exp_avg_sq + i, v);
+    }
+  } else if constexpr (kState == State::kBf16Nearest) {
+    T::StoreBf16(exp_avg + i, m);
+    T::StoreBf16(exp_avg_sq + i, v);
+  } else {
+    const typename T::VI bits = T::RandomBits(key, element);
+    T::StoreBf16Stochastic(exp_avg + i, m, bits);
+    T::StoreBf16Stochastic(exp_avg_sq + i, v, T::High16(bits));
+  }
+}
+
 // One vector of the fused update at element i. Same operations, in the same order, as
 // AdamScalar (adam_scalar.cc, which explains the order): the result is bit-identical to it.
 // kStream: the new state goes out with non-temporal stores (see AdamSpanOut).
-template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, bool kStream>
-inline void AdamVector(const AdamConsts<T>& c, const void* grad, const float* param_in,
-                       const float* exp_avg_in, const float* exp_avg_sq_in, float* param,
-                       float* exp_avg, float* exp_avg_sq, void* out, int64_t i) {
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, State kState, bool kStream>
+inline void AdamVector(const AdamConsts<T>& c, uint32_t key, const void* grad,
+                       const float* param_in, const MomentT<kState>* exp_avg_in,
+                       const MomentT<kState>* exp_avg_sq_in, float* param, MomentT<kState>* exp_avg,
+                       MomentT<kState>* exp_avg_sq, void* out, int64_t i, int64_t element) {
   using V = typename T::V;
   V p = T::Load(param_in + i);
   V g = T::Mul(LoadGrad<T, kGrad>(grad, i), c.grad_multiplier);
   if constexpr (kL2) g = T::Fma(p, c.l2_weight_decay, g);
   p = T::Mul(p, c.decoupled_decay);
-  V m = T::Load(exp_avg_in + i);
+  V m = LoadMoment<T, kState>(exp_avg_in, i);
   if constexpr (kMoment == Moment::kMulAdd) {
     m = T::Fma(g, c.one_minus_beta1, T::Mul(m, c.beta1));
   } else if constexpr (kMoment == Moment::kLerpFromExpAvg) {
@@ -123,18 +167,16 @@ inline void AdamVector(const AdamConsts<T>& c, const void* grad, const float* pa
   } else {
     m = T::Fma(c.lerp_coeff, T::Sub(g, m), g);
   }
-  const V v = T::Fma(T::Mul(c.one_minus_beta2, g), g, T::Mul(T::Load(exp_avg_sq_in + i), c.beta2));
+  const V v = T::Fma(T::Mul(c.one_minus_beta2, g), g,
+                     T::Mul(LoadMoment<T, kState>(exp_avg_sq_in, i), c.beta2));
   const V denom = T::Add(T::Div(T::Sqrt(v), c.bias_correction2_sqrt), c.eps);
   p = T::Add(p, T::Div(T::Mul(c.neg_step_size, m), denom));
   if constexpr (kStream) {
     T::Stream(param + i, p);
-    T::Stream(exp_avg + i, m);
-    T::Stream(exp_avg_sq + i, v);
   } else {
     T::Store(param + i, p);
-    T::Store(exp_avg + i, m);
-    T::Store(exp_avg_sq + i, v);
   }
+  StoreMoments<T, kState, kStream>(exp_avg, exp_avg_sq, i, m, v, key, element);
   StoreOut<T, kOut>(out, i, p);
 }
 
@@ -142,108 +184,147 @@ inline void AdamVector(const AdamConsts<T>& c, const void* grad, const float* pa
 // add per stream: the memory roofline of the pass. The order matters: a store to param[i]
 // followed by a load of exp_avg[i] (same address bits modulo 4 KiB when the buffers are
 // page-aligned) stalls on 4K aliasing, which would make the roofline slower than the kernel.
-template <class T, DType kGrad, Out kOut>
-inline void RooflineVector(const void* grad, const float* param_in, const float* exp_avg_in,
-                           const float* exp_avg_sq_in, float* param, float* exp_avg,
-                           float* exp_avg_sq, void* out, int64_t i) {
+// bf16 moments are stored as their high halves, the cheapest store of those bytes.
+template <class T, DType kGrad, Out kOut, State kState>
+inline void RooflineVector(const void* grad, const float* param_in,
+                           const MomentT<kState>* exp_avg_in, const MomentT<kState>* exp_avg_sq_in,
+                           float* param, MomentT<kState>* exp_avg, MomentT<kState>* exp_avg_sq,
+                           void* out, int64_t i) {
   using V = typename T::V;
   const V g = LoadGrad<T, kGrad>(grad, i);
   const V p = T::Add(T::Load(param_in + i), g);
-  const V m = T::Add(T::Load(exp_avg_in + i), g);
-  const V v = T::Add(T::Load(exp_avg_sq_in + i), g);
+  const V m = T::Add(LoadMoment<T, kState>(exp_avg_in, i), g);
+  const V v = T::Add(LoadMoment<T, kState>(exp_avg_sq_in, i), g);
   T::Store(param + i, p);
-  T::Store(exp_avg + i, m);
-  T::Store(exp_avg_sq + i, v);
+  if constexpr (kState == State::kFp32) {
+    T::Store(exp_avg + i, m);
+    T::Store(exp_avg_sq + i, v);
+  } else {
+    T::StoreHigh16(exp_avg + i, m);
+    T::StoreHigh16(exp_avg_sq + i, v);
+  }
   if constexpr (kOut != Out::kNone) T::StoreHigh16(static_cast<uint16_t*>(out) + i, p);
 }
 
-// Runs body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i) over
-// a span: kUnroll vectors at a time, then single vectors, then the last n % kWidth elements
-// through zero-padded stack copies, so the tail gets exactly the vector arithmetic and any n and
-// any alignment work. The state is read from the span's *_in pointers where they are set (an
-// update written elsewhere), else from where it is written (in place).
-template <class T, DType kGrad, Out kOut, int kUnroll, class Body>
+// Runs body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i,
+// element) over a span: kUnroll vectors at a time, then single vectors, then the last n % kWidth
+// elements through zero-padded stack copies, so the tail gets exactly the vector arithmetic and any
+// n and any alignment work. `element` is the flat index of the vector's first element (i in the
+// span, also in the tail, where i indexes the copies). The state is read from the span's *_in
+// pointers where they are set (an update written elsewhere), else from where it is written (in
+// place).
+template <class T, DType kGrad, Out kOut, State kState, int kUnroll, class Body>
 inline void ForEachVector(const AdamSpan& span, Body&& body) {
+  using M = MomentT<kState>;
   constexpr int W = T::kWidth;
   // Locals, not span.*: the stores through float* could alias the span, which would make the
   // compiler reload every pointer after every store.
-  const void* const grad = span.grad;         // (n,)
-  float* const param = span.param;            // (n,)
-  float* const exp_avg = span.exp_avg;        // (n,)
-  float* const exp_avg_sq = span.exp_avg_sq;  // (n,)
+  const void* const grad = span.grad;                      // (n,)
+  float* const param = span.param;                         // (n,)
+  M* const exp_avg = static_cast<M*>(span.exp_avg);        // (n,)
+  M* const exp_avg_sq = static_cast<M*>(span.exp_avg_sq);  // (n,)
   const bool in_place = span.param_in == nullptr;
-  const float* const param_in = in_place ? param : span.param_in;                 // (n,)
-  const float* const exp_avg_in = in_place ? exp_avg : span.exp_avg_in;           // (n,)
-  const float* const exp_avg_sq_in = in_place ? exp_avg_sq : span.exp_avg_sq_in;  // (n,)
-  void* const out = span.out;                                                     // (n,) or null
+  const float* const param_in = in_place ? param : span.param_in;  // (n,)
+  const M* const exp_avg_in = in_place ? exp_avg : static_cast<const M*>(span.exp_avg_in);
+  const M* const exp_avg_sq_in = in_place ? exp_avg_sq : static_cast<const M*>(span.exp_avg_sq_in);
+  void* const out = span.out;  // (n,) or null
   const int64_t n = span.n;
+  const int64_t first = span.first_element;
   int64_t i = 0;
   for (; i + kUnroll * W <= n; i += kUnroll * W) {
     // Independent vectors: their divisions and square roots overlap in the pipeline.
 #pragma GCC unroll 8
     for (int u = 0; u < kUnroll; ++u) {
-      body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i + u * W);
+      body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i + u * W,
+           first + i + u * W);
     }
   }
   for (; i + W <= n; i += W) {
-    body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i);
+    body(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i, first + i);
   }
   const int64_t rest = n - i;
   if (rest == 0) return;
   constexpr int kGradBytes = kGrad == DType::kFp32 ? 4 : 2;
   alignas(64) unsigned char grad_buf[W * 4] = {};
   alignas(64) float param_buf[W] = {};
-  alignas(64) float exp_avg_buf[W] = {};
-  alignas(64) float exp_avg_sq_buf[W] = {};
+  alignas(64) M exp_avg_buf[W] = {};
+  alignas(64) M exp_avg_sq_buf[W] = {};
   alignas(64) uint16_t out_buf[W] = {};
   std::memcpy(grad_buf, static_cast<const unsigned char*>(grad) + i * kGradBytes,
               rest * kGradBytes);
   std::memcpy(param_buf, param_in + i, rest * sizeof(float));
-  std::memcpy(exp_avg_buf, exp_avg_in + i, rest * sizeof(float));
-  std::memcpy(exp_avg_sq_buf, exp_avg_sq_in + i, rest * sizeof(float));
+  std::memcpy(exp_avg_buf, exp_avg_in + i, rest * sizeof(M));
+  std::memcpy(exp_avg_sq_buf, exp_avg_sq_in + i, rest * sizeof(M));
   body(grad_buf, param_buf, exp_avg_buf, exp_avg_sq_buf, param_buf, exp_avg_buf, exp_avg_sq_buf,
-       out_buf, 0);
+       out_buf, 0, first + i);
   std::memcpy(param + i, param_buf, rest * sizeof(float));
-  std::memcpy(exp_avg + i, exp_avg_buf, rest * sizeof(float));
-  std::memcpy(exp_avg_sq + i, exp_avg_sq_buf, rest * sizeof(float));
+  std::memcpy(exp_avg + i, exp_avg_buf, rest * sizeof(M));
+  std::memcpy(exp_avg_sq + i, exp_avg_sq_buf, rest * sizeof(M));
   if constexpr (kOut != Out::kNone) {
     std::memcpy(static_cast<uint16_t*>(out) + i, out_buf, rest * sizeof(uint16_t));
   }
 }
 
-template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, bool kStream>
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, State kState, bool kStream>
 void AdamSpanTyped(const AdamStepScalars& s, const AdamSpan& span) {
+  using M = MomentT<kState>;
   const AdamConsts<T> c(s);
-  ForEachVector<T, kGrad, kOut, T::kUnroll>(
-      span, [&c](const void* grad, const float* param_in, const float* exp_avg_in,
-                 const float* exp_avg_sq_in, float* param, float* exp_avg, float* exp_avg_sq,
-                 void* out, int64_t i) {
-        AdamVector<T, kGrad, kOut, kL2, kMoment, kStream>(
-            c, grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i);
+  const uint32_t key = span.rounding_key;
+  ForEachVector<T, kGrad, kOut, kState, T::kUnroll>(
+      span, [&c, key](const void* grad, const float* param_in, const M* exp_avg_in,
+                      const M* exp_avg_sq_in, float* param, M* exp_avg, M* exp_avg_sq, void* out,
+                      int64_t i, int64_t element) {
+        AdamVector<T, kGrad, kOut, kL2, kMoment, kState, kStream>(
+            c, key, grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg, exp_avg_sq, out, i,
+            element);
       });
+}
+
+// The moments' storage, once per call. Streaming stores are for fp32 moments only (see
+// AdamSpanOut).
+template <class T, DType kGrad, Out kOut, bool kL2, Moment kMoment, bool kStream>
+void AdamSpanState(const AdamStepScalars& s, const AdamSpan& span) {
+  if constexpr (kStream) {
+    AdamSpanTyped<T, kGrad, kOut, kL2, kMoment, State::kFp32, true>(s, span);
+  } else if (span.state_dtype != DType::kBf16) {
+    AdamSpanTyped<T, kGrad, kOut, kL2, kMoment, State::kFp32, false>(s, span);
+  } else if (span.rounding == StateRounding::kNearest) {
+    AdamSpanTyped<T, kGrad, kOut, kL2, kMoment, State::kBf16Nearest, false>(s, span);
+  } else {
+    AdamSpanTyped<T, kGrad, kOut, kL2, kMoment, State::kBf16Stochastic, false>(s, span);
+  }
 }
 
 // The form, and for lerp which branch of torch's lerp, once per call: the weight is per step.
 template <class T, DType kGrad, Out kOut, bool kL2, bool kStream>
 void AdamSpanMoment(const AdamStepScalars& s, const AdamSpan& span) {
   if (s.form != AdamForm::kLerp) {
-    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kMulAdd, kStream>(s, span);
+    AdamSpanState<T, kGrad, kOut, kL2, Moment::kMulAdd, kStream>(s, span);
   } else if (LerpWeightSmall<T>(s.one_minus_beta1)) {
-    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromExpAvg, kStream>(s, span);
+    AdamSpanState<T, kGrad, kOut, kL2, Moment::kLerpFromExpAvg, kStream>(s, span);
   } else {
-    AdamSpanTyped<T, kGrad, kOut, kL2, Moment::kLerpFromGrad, kStream>(s, span);
+    AdamSpanState<T, kGrad, kOut, kL2, Moment::kLerpFromGrad, kStream>(s, span);
   }
 }
 
-template <class T, DType kGrad, Out kOut>
+template <class T, DType kGrad, Out kOut, State kState>
 void RooflineSpanTyped(const AdamSpan& span) {
-  ForEachVector<T, kGrad, kOut, T::kUnroll>(
-      span, [](const void* grad, const float* param_in, const float* exp_avg_in,
-               const float* exp_avg_sq_in, float* param, float* exp_avg, float* exp_avg_sq,
-               void* out, int64_t i) {
-        RooflineVector<T, kGrad, kOut>(grad, param_in, exp_avg_in, exp_avg_sq_in, param, exp_avg,
-                                       exp_avg_sq, out, i);
+  using M = MomentT<kState>;
+  ForEachVector<T, kGrad, kOut, kState, T::kUnroll>(
+      span, [](const void* grad, const float* param_in, const M* exp_avg_in, const M* exp_avg_sq_in,
+               float* param, M* exp_avg, M* exp_avg_sq, void* out, int64_t i, int64_t /*element*/) {
+        RooflineVector<T, kGrad, kOut, kState>(grad, param_in, exp_avg_in, exp_avg_sq_in, param,
+                                               exp_avg, exp_avg_sq, out, i);
       });
+}
+
+template <class T, DType kGrad, Out kOut>
+void RooflineSpanState(const AdamSpan& span) {
+  if (span.state_dtype == DType::kBf16) {
+    RooflineSpanTyped<T, kGrad, kOut, State::kBf16Nearest>(span);
+  } else {
+    RooflineSpanTyped<T, kGrad, kOut, State::kFp32>(span);
+  }
 }
 
 template <class T>
@@ -277,8 +358,8 @@ void AdamSpanOut(const AdamStepScalars& s, const AdamSpan& span) {
       // read of each destination line an ordinary store makes first (12 of the pass's 38 bytes
       // an element). Where every destination is 64-byte aligned (tiles are; a cut at a group
       // boundary may not be), so that every vector store fills whole lines.
-      if (span.param_in != nullptr && Aligned64<T>(span.param) && Aligned64<T>(span.exp_avg) &&
-          Aligned64<T>(span.exp_avg_sq)) {
+      if (span.param_in != nullptr && span.state_dtype == DType::kFp32 &&
+          Aligned64<T>(span.param) && Aligned64<T>(span.exp_avg) && Aligned64<T>(span.exp_avg_sq)) {
         AdamSpanL2<T, kGrad, Out::kNone, true>(s, span);
         T::Fence();  // the commit, on another thread, reads these lines
         return;
@@ -307,11 +388,11 @@ template <class T, DType kGrad>
 void RooflineSpanOut(const AdamSpan& span) {
   switch (OutKind<T>(span)) {
     case Out::kNone:
-      return RooflineSpanTyped<T, kGrad, Out::kNone>(span);
+      return RooflineSpanState<T, kGrad, Out::kNone>(span);
     case Out::kFp16:
-      return RooflineSpanTyped<T, kGrad, Out::kFp16>(span);
+      return RooflineSpanState<T, kGrad, Out::kFp16>(span);
     case Out::kBf16:
-      return RooflineSpanTyped<T, kGrad, Out::kBf16>(span);
+      return RooflineSpanState<T, kGrad, Out::kBf16>(span);
   }
 }
 

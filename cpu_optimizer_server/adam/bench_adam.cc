@@ -67,6 +67,7 @@ struct Flags {
   int scalar_iters = 2;  // the scalar path is a correctness reference and slow
   std::vector<std::string> paths;
   std::vector<int> threads;
+  std::vector<DType> state_dtypes = {DType::kFp32};  // the moments' storage
   bool iters_given = false;  // the disk mode's passes are seconds each: it defaults to fewer
   // Disk mode (the disk tier vs its bound) when state_dir is not empty.
   std::string state_dir;
@@ -77,7 +78,7 @@ struct Flags {
 void Usage() {
   std::fprintf(stderr,
                "usage: bench_adam [--n=N] [--iters=K] [--scalar_iters=K] "
-               "[--paths=scalar,avx2,avx512] [--threads=1,2]\n"
+               "[--paths=scalar,avx2,avx512] [--threads=1,2] [--state_dtypes=fp32,bf16]\n"
                "       bench_adam --state_dir=DIR [--n=N] [--iters=K (default 3)] "
                "[--state_memory_mib=192] [--wave_elements=2097152]\n");
   std::exit(2);
@@ -116,6 +117,13 @@ Flags ParseFlags(int argc, char** argv) {
         if (!absl::SimpleAtoi(t, &k) || k <= 0) Usage();
         flags.threads.push_back(k);
       }
+    } else if (ParseFlag(argv[a], "state_dtypes", &v)) {
+      flags.state_dtypes.clear();
+      for (absl::string_view d : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+        if (d != "fp32" && d != "bf16") Usage();
+        flags.state_dtypes.push_back(d == "bf16" ? DType::kBf16 : DType::kFp32);
+      }
+      if (flags.state_dtypes.empty()) Usage();
     } else if (ParseFlag(argv[a], "state_dir", &v)) {
       if (v.empty()) Usage();
       flags.state_dir = std::string(v);
@@ -148,38 +156,41 @@ void RunCases(const Flags& flags, int threads) {
     std::fprintf(stderr, "bench_adam: %s\n", buffers.status().ToString().c_str());
     std::exit(1);
   }
-  for (const DType grad_dtype : {DType::kFp16, DType::kBf16}) {
-    // (Re)initialise with the tile-ownership rule: the first pass is also the first touch.
-    (*buffers)->Fill(grad_dtype, pool);
-    for (const std::string& name : flags.paths) {
-      absl::StatusOr<SimdPath> path = ParseSimdPath(name);
-      if (!path.ok()) {
-        std::printf("# skip path=%s: %s\n", name.c_str(), path.status().ToString().c_str());
-        continue;
+  for (const DType state_dtype : flags.state_dtypes) {
+    for (const DType grad_dtype : {DType::kFp16, DType::kBf16}) {
+      // (Re)initialise with the tile-ownership rule: the first pass is also the first touch.
+      (*buffers)->Fill(grad_dtype, pool, state_dtype);
+      for (const std::string& name : flags.paths) {
+        absl::StatusOr<SimdPath> path = ParseSimdPath(name);
+        if (!path.ok()) {
+          std::printf("# skip path=%s: %s\n", name.c_str(), path.status().ToString().c_str());
+          continue;
+        }
+        const int iters = *path == SimdPath::kScalar ? flags.scalar_iters : flags.iters;
+        const AdamVsRoofline best =
+            MeasureAdamVsRoofline(**buffers, grad_dtype, *path, pool, iters, state_dtype);
+        const double adam_rate = flags.n / best.adam_s * 1e-9;
+        const double roofline_rate = flags.n / best.roofline_s * 1e-9;
+        // The rates of the median pass and of the slowest and the fastest (the best-of rate).
+        struct Spread {
+          double median, min, max;
+        };
+        auto spread = [&](const std::vector<double>& passes) {
+          return Spread{flags.n * 1e-9 / Median(passes), flags.n * 1e-9 / Worst(passes),
+                        flags.n * 1e-9 / Best(passes)};
+        };
+        const Spread a = spread(best.adam_passes_s), r = spread(best.roofline_passes_s);
+        std::printf(
+            "adam path=%s grad=%s out=%s state=%s threads=%d n=%lld gparams_per_s=%.2f "
+            "roofline_gparams_per_s=%.2f ratio=%.2f median_gparams_per_s=%.3f "
+            "min_gparams_per_s=%.3f max_gparams_per_s=%.3f roofline_median_gparams_per_s=%.3f "
+            "roofline_min_gparams_per_s=%.3f roofline_max_gparams_per_s=%.3f\n",
+            std::string(SimdPathName(*path)).c_str(), std::string(DTypeName(grad_dtype)).c_str(),
+            std::string(DTypeName(grad_dtype)).c_str(), std::string(DTypeName(state_dtype)).c_str(),
+            nt, static_cast<long long>(flags.n), adam_rate, roofline_rate,
+            adam_rate / roofline_rate, a.median, a.min, a.max, r.median, r.min, r.max);
+        std::fflush(stdout);
       }
-      const int iters = *path == SimdPath::kScalar ? flags.scalar_iters : flags.iters;
-      const AdamVsRoofline best = MeasureAdamVsRoofline(**buffers, grad_dtype, *path, pool, iters);
-      const double adam_rate = flags.n / best.adam_s * 1e-9;
-      const double roofline_rate = flags.n / best.roofline_s * 1e-9;
-      // The rates of the median pass and of the slowest and the fastest (the best-of rate).
-      struct Spread {
-        double median, min, max;
-      };
-      auto spread = [&](const std::vector<double>& passes) {
-        return Spread{flags.n * 1e-9 / Median(passes), flags.n * 1e-9 / Worst(passes),
-                      flags.n * 1e-9 / Best(passes)};
-      };
-      const Spread a = spread(best.adam_passes_s), r = spread(best.roofline_passes_s);
-      std::printf(
-          "adam path=%s grad=%s out=%s threads=%d n=%lld gparams_per_s=%.2f "
-          "roofline_gparams_per_s=%.2f ratio=%.2f median_gparams_per_s=%.3f "
-          "min_gparams_per_s=%.3f max_gparams_per_s=%.3f roofline_median_gparams_per_s=%.3f "
-          "roofline_min_gparams_per_s=%.3f roofline_max_gparams_per_s=%.3f\n",
-          std::string(SimdPathName(*path)).c_str(), std::string(DTypeName(grad_dtype)).c_str(),
-          std::string(DTypeName(grad_dtype)).c_str(), nt, static_cast<long long>(flags.n),
-          adam_rate, roofline_rate, adam_rate / roofline_rate, a.median, a.min, a.max, r.median,
-          r.min, r.max);
-      std::fflush(stdout);
     }
   }
 }

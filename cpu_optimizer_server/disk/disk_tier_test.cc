@@ -149,12 +149,14 @@ void PassUpdatesEveryWaveOnce(int64_t n, int slots) {
         auto wave = pass.Acquire(w);
         ASSERT_TRUE(wave.ok()) << wave.status();
         ASSERT_EQ(wave->lo, w * kWave);
+        float* const exp_avg = static_cast<float*>(wave->exp_avg);  // a slot's moments: fp32
+        float* const exp_avg_sq = static_cast<float*>(wave->exp_avg_sq);
         for (int64_t e = wave->lo; e < wave->hi; ++e) {
           ASSERT_EQ(wave->master[e - wave->lo], Before(0, e));
-          ASSERT_EQ(wave->exp_avg_sq[e - wave->lo], Before(2, e));
+          ASSERT_EQ(exp_avg_sq[e - wave->lo], Before(2, e));
           wave->master[e - wave->lo] += 1;
-          wave->exp_avg[e - wave->lo] *= 2;
-          wave->exp_avg_sq[e - wave->lo] = -wave->exp_avg_sq[e - wave->lo];
+          exp_avg[e - wave->lo] *= 2;
+          exp_avg_sq[e - wave->lo] = -exp_avg_sq[e - wave->lo];
         }
       }
       if (w > 0) {

@@ -19,11 +19,12 @@
 namespace offload {
 
 // A wave's state in memory: element e of the range (lo <= e < hi) is master[e - lo], and so on.
+// The moments are in the job's state_dtype (fp32 in a state file's slot).
 struct StateWave {
   int64_t lo = 0, hi = 0;
-  float* master = nullptr;      // (hi - lo,)
-  float* exp_avg = nullptr;     // (hi - lo,)
-  float* exp_avg_sq = nullptr;  // (hi - lo,)
+  float* master = nullptr;     // (hi - lo,)
+  void* exp_avg = nullptr;     // (hi - lo,)
+  void* exp_avg_sq = nullptr;  // (hi - lo,)
 };
 
 // Per-pass figures, also added to the tier's counters.

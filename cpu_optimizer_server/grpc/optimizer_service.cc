@@ -373,6 +373,10 @@ grpc::Status OptimizerService::DescribeShard(grpc::ServerContext* context,
     status->set_state_bytes(job->state_bytes());
     status->set_state_tier(job->config.state_tier == StateTier::kDisk ? v1::STATE_TIER_DISK
                                                                       : v1::STATE_TIER_MEMORY);
+    status->set_state_dtype(DTypeToProto(job->config.state_dtype));
+    status->set_state_rounding(job->config.state_rounding == StateRounding::kNearest
+                                   ? v1::STATE_ROUNDING_NEAREST
+                                   : v1::STATE_ROUNDING_STOCHASTIC);
     status->set_disk_bytes(job->disk_bytes());
     for (const auto& r : job->ranges) {
       v1::RangeStatus* rs = status->add_ranges();

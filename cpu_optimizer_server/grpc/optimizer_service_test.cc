@@ -488,6 +488,23 @@ TEST_F(OptimizerServiceTest, DropJobFreesItsMemory) {
   EXPECT_EQ(describe->jobs_size(), 0);
 }
 
+// bf16 moments over the wire: the job holds 8 bytes an element and DescribeShard says so.
+TEST_F(OptimizerServiceTest, Bf16StateIsReportedWithItsBytes) {
+  v1::CreateJobRequest request = CreateRequest();
+  request.set_state_dtype(v1::DTYPE_BF16);
+  request.set_state_rounding(v1::STATE_ROUNDING_NEAREST);
+  absl::StatusOr<v1::CreateJobResponse> created = client_->CreateJob(request);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto stride = [](int64_t n) { return (n + 15) / 16 * 16; };
+  EXPECT_EQ(created->state_bytes(), 8u * (stride(kLen0) + stride(kLen1)));
+  auto describe = client_->DescribeShard();
+  ASSERT_TRUE(describe.ok()) << describe.status();
+  ASSERT_EQ(describe->jobs_size(), 1);
+  EXPECT_EQ(describe->jobs(0).state_dtype(), v1::DTYPE_BF16);
+  EXPECT_EQ(describe->jobs(0).state_rounding(), v1::STATE_ROUNDING_NEAREST);
+  EXPECT_EQ(describe->jobs(0).state_bytes(), created->state_bytes());
+}
+
 TEST_F(OptimizerServiceTest, RefusesAWaveLargerThanTheMessageLimit) {
   ShardOptions options;
   options.wave_elements = int64_t{8} << 20;  // 16 MiB of 16-bit parameters

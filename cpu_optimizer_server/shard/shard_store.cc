@@ -136,12 +136,25 @@ absl::StatusOr<RangeState*> FindRangeFor(const Job& job, int64_t offset, int64_t
                                             job.config.job_id, " on this shard"));
 }
 
-int64_t RangeState::stride() const { return AlignUp(spec.length, kViewAlignElements); }
+namespace {
+
+// Elements a view of `length` holds: whole 64-byte lines of fp32, so of bf16 too.
+int64_t ViewStride(int64_t length) { return AlignUp(length, kViewAlignElements); }
+
+}  // namespace
+
+int64_t RangeState::stride() const { return ViewStride(spec.length); }
+
+int64_t RangeState::storage_bytes() const { return stride() * StateBytesPerElement(state_dtype); }
+
+void* RangeState::MomentView(const HostBuffer& buffer, int moment) const {
+  return static_cast<char*>(buffer.data()) + stride() * (4 + moment * DTypeSize(state_dtype));
+}
 
 void RangeState::CarveViews() {
   param = static_cast<float*>(storage.data());
-  exp_avg = param + stride();
-  exp_avg_sq = exp_avg + stride();
+  exp_avg = MomentView(storage, 0);
+  exp_avg_sq = MomentView(storage, 1);
 }
 
 void RangeState::SwapStaging() {
@@ -191,6 +204,9 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
   if (requested.param_dtype == DType::kFp32) {
     return absl::InvalidArgumentError("param_dtype must be FP16 or BF16");
   }
+  if (requested.state_dtype == DType::kFp16) {
+    return absl::InvalidArgumentError("state_dtype must be FP32 or BF16");
+  }
   JobConfig config = requested;
   std::vector<RangeSpec> sorted = config.ranges;
   int64_t total = 0;
@@ -221,7 +237,9 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
 
   auto job = std::make_shared<Job>();
   int64_t bytes = 0;
-  for (const RangeSpec& r : config.ranges) bytes += 3 * AlignUp(r.length, kViewAlignElements) * 4;
+  for (const RangeSpec& r : config.ranges) {
+    bytes += ViewStride(r.length) * StateBytesPerElement(config.state_dtype);
+  }
   int64_t disk_bytes = 0;
   for (const RangeSpec& r : config.ranges) disk_bytes += StateFileBytes(r.length);
   if (config.state_tier == StateTier::kDisk && disk_ == nullptr) {
@@ -239,6 +257,15 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
     bool on_disk = config.state_tier == StateTier::kDisk;
     if (config.state_tier == StateTier::kAuto && disk_ != nullptr) {
       on_disk = options_.state_on_disk || bytes > budget_.limit() - budget_.used();
+    }
+    if (on_disk && config.state_dtype != DType::kFp32) {
+      // The state files' layout is fp32 (state_file.h).
+      return absl::UnimplementedError(
+          absl::StrCat("job ", config.job_id,
+                       " asks for bf16 optimizer state, which the disk tier does not "
+                       "hold yet: keep it in memory (state_tier MEMORY; in memory it needs ",
+                       bytes, " bytes; the shard holds ", budget_.used(), " of its ",
+                       budget_.limit(), " byte limit, --memory_limit)"));
     }
     if (on_disk) {
       const int64_t free_bytes = disk_->FreeBytes();
@@ -296,7 +323,8 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
       job->ranges.push_back(std::move(range));
       continue;
     }
-    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(3 * range->stride() * 4);
+    range->state_dtype = config.state_dtype;
+    absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(range->storage_bytes());
     if (!storage.ok()) {
       unclaim();
       return storage.status();
@@ -305,10 +333,12 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
     range->CarveViews();
     RangeState* rs = range.get();
     // First touch by the tile owners: the pages of a tile land where its thread runs.
-    ParallelTiles(0, rs->spec.length, [rs](int64_t lo, int64_t hi) {
+    const int moment_size = DTypeSize(rs->state_dtype);
+    ParallelTiles(0, rs->spec.length, [rs, moment_size](int64_t lo, int64_t hi) {
       std::memset(rs->param + lo, 0, (hi - lo) * 4);
-      std::memset(rs->exp_avg + lo, 0, (hi - lo) * 4);
-      std::memset(rs->exp_avg_sq + lo, 0, (hi - lo) * 4);
+      std::memset(static_cast<char*>(rs->exp_avg) + lo * moment_size, 0, (hi - lo) * moment_size);
+      std::memset(static_cast<char*>(rs->exp_avg_sq) + lo * moment_size, 0,
+                  (hi - lo) * moment_size);
     });
     job->ranges.push_back(std::move(range));
   }
@@ -403,8 +433,14 @@ absl::Status ShardStore::ReadState(
         OFFLOAD_RETURN_IF_ERROR(
             r->file->Read(static_cast<int>(tensor), begin + done, n, from_disk.data()));
         ConvertFromFloat(from_disk.data(), n, dtype, chunk.data());
+      } else if (r->TensorDType(tensor) == DType::kBf16) {
+        // bf16 moments, widened exactly (moments are read as fp32 only).
+        const uint16_t* from = static_cast<const uint16_t*>(r->Tensor(tensor)) + begin + done;
+        float* to = reinterpret_cast<float*>(chunk.data());
+        for (int64_t i = 0; i < n; ++i) to[i] = Bf16ToFloat(from[i]);
       } else {
-        ConvertFromFloat(r->Tensor(tensor) + begin + done, n, dtype, chunk.data());
+        ConvertFromFloat(static_cast<const float*>(r->Tensor(tensor)) + begin + done, n, dtype,
+                         chunk.data());
       }
       if (!emit(at + done, n, chunk)) return absl::OkStatus();
     }

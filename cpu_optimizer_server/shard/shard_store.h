@@ -62,6 +62,10 @@ struct JobConfig {
   // so a created job's config always has at least one group.
   std::vector<ParamGroupSpec> groups;
   StateTier state_tier = StateTier::kAuto;  // after CreateJob: kMemory or kDisk, what was chosen
+  // The Adam moments' storage: kFp32 (12 bytes of state a parameter with the master), or kBf16
+  // (8 bytes), rounded as state_rounding says (adam_kernel.h). The master weights are fp32.
+  DType state_dtype = DType::kFp32;
+  StateRounding state_rounding = StateRounding::kStochastic;
 };
 
 // Where one group meets one range: range-relative elements [begin, end) take the scalars of
@@ -78,11 +82,13 @@ struct RangeState {
   int index = 0;                              // position in JobConfig::ranges
   std::vector<RangeGroupPiece> group_pieces;  // fixed at creation
 
-  // In memory: one mapping carved into three views, each (length,) fp32 and 64-byte aligned.
+  // In memory: one mapping carved into three views, each (length,) and 64-byte aligned: the
+  // master in fp32, the moments in state_dtype.
+  DType state_dtype = DType::kFp32;
   HostBuffer storage;
   float* param = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
   // On disk instead (the views above stay null): the same three tensors in a state file, which
   // a commit streams through the disk tier's ring.
   std::unique_ptr<StateFile> file;
@@ -106,11 +112,14 @@ struct RangeState {
   HostBuffer staging_storage;
   Reservation staging_reservation;
   float* staging_param() const { return static_cast<float*>(staging_storage.data()); }
-  float* staging_exp_avg() const { return staging_param() + stride(); }
-  float* staging_exp_avg_sq() const { return staging_exp_avg() + stride(); }
+  void* staging_exp_avg() const { return MomentView(staging_storage, 0); }
+  void* staging_exp_avg_sq() const { return MomentView(staging_storage, 1); }
 
-  // Elements from one view of `storage` (and of `staging_storage`) to the next.
+  // Elements in each view of `storage` (and of `staging_storage`): length, rounded up to whole
+  // 64-byte lines of every view.
   int64_t stride() const;
+  // The bytes `storage` (and `staging_storage`) takes.
+  int64_t storage_bytes() const;
   // Points param, exp_avg and exp_avg_sq at `storage`'s three views.
   void CarveViews();
   // The staging copy becomes the range's state and the state the staging copy: pointers, not
@@ -126,12 +135,22 @@ struct RangeState {
   uint64_t skipped_steps() const { return completed_step - adam_step; }
   IntervalSet loaded;  // range-relative elements of the master weights loaded so far
 
-  float* Tensor(StateTensor t) const {
-    return t == StateTensor::kMasterWeights ? param
+  void* Tensor(StateTensor t) const {
+    return t == StateTensor::kMasterWeights ? static_cast<void*>(param)
            : t == StateTensor::kExpAvg      ? exp_avg
                                             : exp_avg_sq;
   }
+  // What Tensor(t) holds: fp32 for the master, state_dtype for the moments.
+  DType TensorDType(StateTensor t) const {
+    return t == StateTensor::kMasterWeights ? DType::kFp32 : state_dtype;
+  }
+
+ private:
+  void* MomentView(const HostBuffer& buffer, int moment) const;
 };
+
+// Bytes of fp32 master and moments in `state_dtype` a parameter: 12 or 8.
+inline int StateBytesPerElement(DType state_dtype) { return 4 + 2 * DTypeSize(state_dtype); }
 
 struct Job {
   JobConfig config;

@@ -36,8 +36,8 @@ Snapshot Take(const RangeState& r) {
   Snapshot s;
   const int64_t n = r.spec.length;
   s.p.assign(r.param, r.param + n);
-  s.m.assign(r.exp_avg, r.exp_avg + n);
-  s.v.assign(r.exp_avg_sq, r.exp_avg_sq + n);
+  s.m.assign(Fp32(r.exp_avg), Fp32(r.exp_avg) + n);
+  s.v.assign(Fp32(r.exp_avg_sq), Fp32(r.exp_avg_sq) + n);
   std::lock_guard<std::mutex> lock(r.mu);
   s.completed = r.completed_step;
   s.adam = r.adam_step;
@@ -195,8 +195,8 @@ TEST_F(ShardStoreTest, StepMatchesTheKernelOnTheSameState) {
     ASSERT_EQ(std::memcmp(sink.out().data(), out.data(), kLength * 2), 0) << "seed " << seed_;
     const RangeState& r = Range();
     ASSERT_EQ(std::memcmp(r.param, p.data(), kLength * 4), 0);
-    ASSERT_EQ(std::memcmp(r.exp_avg, m.data(), kLength * 4), 0);
-    ASSERT_EQ(std::memcmp(r.exp_avg_sq, v.data(), kLength * 4), 0);
+    ASSERT_EQ(std::memcmp(Fp32(r.exp_avg), m.data(), kLength * 4), 0);
+    ASSERT_EQ(std::memcmp(Fp32(r.exp_avg_sq), v.data(), kLength * 4), 0);
   }
 }
 
@@ -649,7 +649,9 @@ TEST_F(ParamGroupTest, TwoGroupsAreTwoJobsBitForBit) {
     for (StateTensor t :
          {StateTensor::kMasterWeights, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
       ASSERT_EQ(std::memcmp(r.Tensor(t), a.Tensor(t), kCut * 4), 0) << "step " << step;
-      ASSERT_EQ(std::memcmp(r.Tensor(t) + kCut, b.Tensor(t), (kLength - kCut) * 4), 0)
+      ASSERT_EQ(std::memcmp(static_cast<const float*>(r.Tensor(t)) + kCut, b.Tensor(t),
+                            (kLength - kCut) * 4),
+                0)
           << "step " << step;
     }
   }
@@ -679,6 +681,38 @@ TEST_F(ParamGroupTest, OneGroupEqualToAdamIsNoGroups) {
     EXPECT_EQ(ReadAll("plain"), ReadAll("exact"));
     EXPECT_EQ(ReadAll("plain"), ReadAll("wide"));
   }
+}
+
+// The moments' storage on the wire: unset is fp32; bf16 with either rounding; anything else is
+// refused by name, and fp16 state is refused by the store itself.
+TEST_F(ParamGroupTest, WireStateDtype) {
+  v1::CreateJobRequest request;
+  request.set_job_id("wire");
+  request.set_param_dtype(v1::DTYPE_BF16);
+  v1::ParamRange* r = request.add_ranges();
+  r->set_offset(0);
+  r->set_length(100);
+  *request.mutable_adam() = AdamConfigToProto(A());
+  absl::StatusOr<JobConfig> config = JobConfigFromProto(request);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->state_dtype, DType::kFp32);
+  request.set_state_dtype(v1::DTYPE_BF16);
+  request.set_state_rounding(v1::STATE_ROUNDING_NEAREST);
+  config = JobConfigFromProto(request);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->state_dtype, DType::kBf16);
+  EXPECT_EQ(config->state_rounding, StateRounding::kNearest);
+  request.set_state_rounding(static_cast<v1::StateRounding>(7));
+  EXPECT_NE(JobConfigFromProto(request).status().message().find("state_rounding 7"),
+            std::string::npos);
+  request.set_state_rounding(v1::STATE_ROUNDING_STOCHASTIC);
+  request.set_state_dtype(v1::DTYPE_FP16);
+  EXPECT_NE(JobConfigFromProto(request).status().message().find("state_dtype DTYPE_FP16"),
+            std::string::npos);
+  JobConfig fp16_state = *config;
+  fp16_state.state_dtype = DType::kFp16;
+  EXPECT_EQ(store_->CreateJob(fp16_state).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store_->Jobs().empty());
 }
 
 // The default group JobConfigFromProto makes from `adam`, and a request's groups as given.
@@ -826,8 +860,9 @@ TEST_F(ParamGroupTest, RangeStepsSkipOrOverrideTExactly) {
     ASSERT_TRUE(Step("plain", step, g.data(), 77, args, &b).ok());
   }
   const RangeState& r = RangeOf("ranged");
-  const std::vector<float> p0(r.param, r.param + kLength), m0(r.exp_avg, r.exp_avg + kLength),
-      v0(r.exp_avg_sq, r.exp_avg_sq + kLength);
+  const std::vector<float> p0(r.param, r.param + kLength),
+      m0(Fp32(r.exp_avg), Fp32(r.exp_avg) + kLength),
+      v0(Fp32(r.exp_avg_sq), Fp32(r.exp_avg_sq) + kLength);
 
   // Range-relative runs; the range's own t for step 3 is 3.
   struct Run {
@@ -884,8 +919,8 @@ TEST_F(ParamGroupTest, RangeStepsSkipOrOverrideTExactly) {
   reference(at, kLength, 3);
   EXPECT_EQ(std::memcmp(ranged.out().data(), out.data(), kLength * 2), 0) << "seed " << seed_;
   EXPECT_EQ(std::memcmp(r.param, p.data(), kLength * 4), 0) << "seed " << seed_;
-  EXPECT_EQ(std::memcmp(r.exp_avg, m.data(), kLength * 4), 0) << "seed " << seed_;
-  EXPECT_EQ(std::memcmp(r.exp_avg_sq, v.data(), kLength * 4), 0) << "seed " << seed_;
+  EXPECT_EQ(std::memcmp(Fp32(r.exp_avg), m.data(), kLength * 4), 0) << "seed " << seed_;
+  EXPECT_EQ(std::memcmp(Fp32(r.exp_avg_sq), v.data(), kLength * 4), 0) << "seed " << seed_;
 
   // Spelled out: the skipped run is untouched, its output its master rounded; an element no run
   // covers, and the run with the range's own t, are the plain job's.
@@ -893,14 +928,14 @@ TEST_F(ParamGroupTest, RangeStepsSkipOrOverrideTExactly) {
   const Run& skipped = runs[1];
   for (int64_t i = skipped.begin; i < skipped.end; ++i) {
     ASSERT_EQ(std::memcmp(&r.param[i], &p0[i], 4), 0) << i;
-    ASSERT_EQ(std::memcmp(&r.exp_avg[i], &m0[i], 4), 0) << i;
-    ASSERT_EQ(std::memcmp(&r.exp_avg_sq[i], &v0[i], 4), 0) << i;
+    ASSERT_EQ(std::memcmp(&Fp32(r.exp_avg)[i], &m0[i], 4), 0) << i;
+    ASSERT_EQ(std::memcmp(&Fp32(r.exp_avg_sq)[i], &v0[i], 4), 0) << i;
     ASSERT_EQ(ranged.out()[i], FloatToFp16(p0[i])) << i;
   }
   for (int64_t i : {int64_t{0}, int64_t{16}, runs[0].end, skipped.begin - 1, skipped.end,
                     kCut - 101, kCut + 101, kLength - 14, kLength - 13, kLength - 1}) {
     EXPECT_EQ(std::memcmp(&r.param[i], &q.param[i], 4), 0) << i;
-    EXPECT_EQ(std::memcmp(&r.exp_avg_sq[i], &q.exp_avg_sq[i], 4), 0) << i;
+    EXPECT_EQ(std::memcmp(&Fp32(r.exp_avg_sq)[i], &Fp32(q.exp_avg_sq)[i], 4), 0) << i;
     EXPECT_EQ(ranged.out()[i], plain.out()[i]) << i;
   }
   // And the overrides did something: t 1 in group A gives other weights than t 3.

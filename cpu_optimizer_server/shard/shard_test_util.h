@@ -40,6 +40,9 @@ class VectorSink : public ParamSink {
   int refuse_after_ = -1;
 };
 
+// A moment view of a job with fp32 state (RangeState::exp_avg and exp_avg_sq are untyped).
+inline float* Fp32(void* moment) { return static_cast<float*>(moment); }
+
 inline std::string Bytes(const void* p, size_t n) {
   return std::string(static_cast<const char*>(p), n);
 }

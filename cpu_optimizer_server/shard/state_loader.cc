@@ -1,5 +1,7 @@
 #include "cpu_optimizer_server/shard/state_loader.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -147,12 +149,20 @@ absl::StatusOr<int64_t> StateLoader::Apply() {
       elements += c.n;
       continue;
     }
-    float* dst = c.range->Tensor(c.tensor);
+    void* dst = c.range->Tensor(c.tensor);
+    const bool to_bf16 = c.range->TensorDType(c.tensor) == DType::kBf16;
     const char* src = c.data.data();
     const int64_t n = static_cast<int64_t>(c.data.size()) / 4;
     std::lock_guard<std::mutex> tensors_lock(c.range->tensors_mu);
     store_->ParallelTiles(c.begin, c.begin + n, [&](int64_t lo, int64_t hi) {
-      std::memcpy(dst + lo, src + (lo - c.begin) * 4, (hi - lo) * 4);
+      const float* from = reinterpret_cast<const float*>(src) + (lo - c.begin);
+      if (to_bf16) {
+        // bf16 moments: a checkpoint of bf16 state comes back exactly, one of fp32 state rounded
+        // to nearest.
+        ConvertFromFloat(from, hi - lo, DType::kBf16, static_cast<uint16_t*>(dst) + lo);
+      } else {
+        std::memcpy(static_cast<float*>(dst) + lo, from, (hi - lo) * 4);
+      }
     });
     elements += n;
   }
@@ -171,6 +181,10 @@ absl::StatusOr<int64_t> StateLoader::Apply() {
   chunks_.clear();
   staging_.clear();
   held_bytes_.Reset();
+  // The chunks were as large as the state they loaded (4 bytes an element for the master weights
+  // alone) and came in pieces below glibc's adaptive mmap threshold, so their free pages stay in
+  // the heap, counted in the server's RSS for good: give them back.
+  malloc_trim(0);
   return elements;
 }
 

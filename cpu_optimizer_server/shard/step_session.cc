@@ -198,9 +198,12 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
   const RangeState* r = range_;
   const DType out_dtype = job_->config.param_dtype;
   const AdamKernelFn kernel = store_->adam_kernel();
-  float* const master = state.master - state.lo;  // indexed by range element
-  float* const exp_avg = state.exp_avg - state.lo;
-  float* const exp_avg_sq = state.exp_avg_sq - state.lo;
+  // Indexed by range element; the moments are fp32 or bf16 (JobConfig::state_dtype).
+  const int msize = DTypeSize(r->state_dtype);
+  auto at = [msize](void* moments, int64_t e) { return static_cast<char*>(moments) + e * msize; };
+  float* const master = state.master - state.lo;
+  void* const exp_avg = at(state.exp_avg, -state.lo);
+  void* const exp_avg_sq = at(state.exp_avg_sq, -state.lo);
   // The 16-bit copy of master weights [b, e) of `from` only (a replay, a skipped range): the
   // SIMD conversion of the store's path, bit-identical to dtype.h's.
   auto convert_from = [&](const float* from, int64_t b, int64_t e) {
@@ -214,10 +217,9 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
   // Elements a range step leaves alone go into the staging copy as they are: it is swapped in.
   auto keep = [&](int64_t b, int64_t e) {
     if (staged != nullptr) {
-      const size_t bytes = (e - b) * sizeof(float);
-      std::memcpy(staged->master + b, master + b, bytes);
-      std::memcpy(staged->exp_avg + b, exp_avg + b, bytes);
-      std::memcpy(staged->exp_avg_sq + b, exp_avg_sq + b, bytes);
+      std::memcpy(staged->master + b, master + b, (e - b) * sizeof(float));
+      std::memcpy(at(staged->exp_avg, b), at(exp_avg, b), (e - b) * msize);
+      std::memcpy(at(staged->exp_avg_sq, b), at(exp_avg_sq, b), (e - b) * msize);
     }
     convert_from(master, b, e);
   };
@@ -227,6 +229,8 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
   }
   AdamSpan span;
   span.out_dtype = out_dtype;
+  span.state_dtype = r->state_dtype;
+  span.rounding = job_->config.state_rounding;
   // [b, e) is cut where a parameter group ends and where an update run (range_steps) ends:
   // each piece runs with its group's scalars for its run's t, or only converts where the run
   // is skipped. The update is elementwise, so the cuts change no bit (one group and no range
@@ -248,16 +252,19 @@ void StepSession::Process(const std::vector<UpdateRun>& update, const int64_t ba
         span.grad_dtype = grad_dtype;
         if (staged == nullptr) {
           span.param = master + b;
-          span.exp_avg = exp_avg + b;
-          span.exp_avg_sq = exp_avg_sq + b;
+          span.exp_avg = at(exp_avg, b);
+          span.exp_avg_sq = at(exp_avg_sq, b);
         } else {
           span.param = staged->master + b;
-          span.exp_avg = staged->exp_avg + b;
-          span.exp_avg_sq = staged->exp_avg_sq + b;
+          span.exp_avg = at(staged->exp_avg, b);
+          span.exp_avg_sq = at(staged->exp_avg_sq, b);
           span.param_in = master + b;
-          span.exp_avg_in = exp_avg + b;
-          span.exp_avg_sq_in = exp_avg_sq + b;
+          span.exp_avg_in = at(exp_avg, b);
+          span.exp_avg_sq_in = at(exp_avg_sq, b);
         }
+        // Rounding bits by step and flat element: an early update and a commit round alike.
+        span.rounding_key = StochasticRoundingKey(u->t);
+        span.first_element = r->spec.offset + b;
         span.out = out != nullptr ? out + (b - base) : nullptr;
         span.n = pe - b;
         kernel(u->scalars[g->group], span);
@@ -466,7 +473,7 @@ std::vector<StepSession::UpdateRun> StepSession::ToUpdateRuns(const std::vector<
   runs.reserve(steps.size());
   for (const StepRun& s : steps) {
     const bool update = s.t != 0 && s.t != kStaged;
-    runs.push_back(UpdateRun{s.end, update ? scalars->For(s.t) : nullptr, s.t == kStaged});
+    runs.push_back(UpdateRun{s.end, update ? scalars->For(s.t) : nullptr, s.t == kStaged, s.t});
   }
   return runs;
 }
@@ -564,7 +571,7 @@ absl::StatusOr<bool> StepSession::UpdateEarly(const StepCommitArgs& args, int64_
     return false;
   }
   if (r->staging_storage.data() == nullptr) {
-    const int64_t bytes = 3 * r->stride() * 4;
+    const int64_t bytes = r->storage_bytes();
     absl::StatusOr<Reservation> reservation = store_->budget()->Take(
         bytes, absl::StrCat("the staging copy of updates during backward of range ", r->index));
     if (!reservation.ok()) return false;

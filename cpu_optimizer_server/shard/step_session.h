@@ -128,6 +128,7 @@ class StepSession {
     int64_t end;
     const AdamStepScalars* scalars;
     bool staged;
+    uint64_t t;
   };
   // A run of range-relative elements ending at `end` and the bias-correction step they update
   // with: 0 for elements a range step leaves alone, kStaged for those an early update stands for.

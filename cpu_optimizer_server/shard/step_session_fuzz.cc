@@ -14,8 +14,8 @@
 // without any: the fingerprint from before the first, or the commit's (which may change it).
 //
 // Input: byte 0 configures the shard (memory headroom, SIMD path, 16-bit dtype, weight decay, two
-// parameter groups cutting range 1 inside a tile); then operations, each an opcode byte and its
-// operands (missing bytes read as 0):
+// parameter groups cutting range 1 inside a tile, bf16 moments); then operations, each an opcode
+// byte and its operands (missing bytes read as 0):
 //   0 open        slot, range (0..2, 3: an index the job lacks), step delta (int8: 0 opens the
 //                 range's next step, -1 its last one, a replay)
 //   1 gradients   slot, flags (bit 0 accumulate, 1 view, 2-3 dtype, 4 a NaN/inf, 5 a ragged byte
@@ -247,9 +247,10 @@ void Run(const uint8_t* data, size_t size) {
   const uint8_t config = in.U8();
   // The state, room for the initial load's chunks (held until it is applied), and headroom for
   // gradients in flight and accumulators: none, a little, one accumulator, plenty.
+  const DType state_dtype = (config & 64) != 0 ? DType::kBf16 : DType::kFp32;
   int64_t state_bytes = 0, load_bytes = 0;
   for (const RangeSpec& r : kRanges) {
-    state_bytes += 3 * ((r.length + 15) / 16 * 16) * 4;
+    state_bytes += StateBytesPerElement(state_dtype) * ((r.length + 15) / 16 * 16);
     load_bytes += r.length * 4;
   }
   ShardOptions options;
@@ -263,6 +264,7 @@ void Run(const uint8_t* data, size_t size) {
   job.job_id = kJob;
   job.ranges = kRanges;
   job.param_dtype = (config & 8) != 0 ? DType::kBf16 : DType::kFp16;
+  job.state_dtype = state_dtype;
   job.adam.lr = 1e-3f;
   job.adam.weight_decay = (config & 16) != 0 ? 0.1f : 0.0f;
   if ((config & 32) != 0) {

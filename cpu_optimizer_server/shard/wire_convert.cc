@@ -109,6 +109,29 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::CreateJobRequest& request
       return absl::InvalidArgumentError(
           absl::StrCat("state_tier ", static_cast<int>(request.state_tier()), " is not a tier"));
   }
+  switch (request.state_dtype()) {
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DTYPE_FP32:
+      config.state_dtype = DType::kFp32;
+      break;
+    case v1::DTYPE_BF16:
+      config.state_dtype = DType::kBf16;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state_dtype ", v1::DType_Name(request.state_dtype()), " is neither FP32 nor BF16"));
+  }
+  switch (request.state_rounding()) {
+    case v1::STATE_ROUNDING_STOCHASTIC:
+      config.state_rounding = StateRounding::kStochastic;
+      break;
+    case v1::STATE_ROUNDING_NEAREST:
+      config.state_rounding = StateRounding::kNearest;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state_rounding ", static_cast<int>(request.state_rounding()), " is not a rounding"));
+  }
   return config;
 }
 

@@ -299,7 +299,9 @@ class Bench {
       OFFLOAD_ASSIGN_OR_RETURN(std::shared_ptr<Job> state, store.FindJob(job));
       for (const auto& range : state->ranges) {
         const RangeState& r = *range;
-        kernel_state.push_back({r.spec.offset, r.spec.length, r.param, r.exp_avg, r.exp_avg_sq});
+        kernel_state.push_back({r.spec.offset, r.spec.length, r.param,
+                                static_cast<float*>(r.exp_avg),
+                                static_cast<float*>(r.exp_avg_sq)});  // fp32 state
       }
     }
 

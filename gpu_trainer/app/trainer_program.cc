@@ -60,6 +60,11 @@ ABSL_FLAG(std::string, optimizer_state, "auto",
           "where the optimizer servers keep the fp32 master weights and Adam moments: auto (in "
           "memory when they fit the server's --memory_limit_mib, else on its disk tier), memory, "
           "or disk (the server needs --state_dir)");
+ABSL_FLAG(std::string, state_dtype, "fp32",
+          "the Adam moments on the optimizer: fp32 (12 bytes of state a parameter with the fp32 "
+          "master) or bf16 (8 bytes, kept in memory)");
+ABSL_FLAG(std::string, state_rounding, "stochastic",
+          "how bf16 moments are stored: stochastic (unbiased; the same bits every run) or nearest");
 ABSL_FLAG(int, optimizer_threads, 0,
           "Adam threads of the in-process optimizer; 0: one per core this process may use");
 ABSL_FLAG(bool, optimizer_pin_threads, false,
@@ -381,6 +386,18 @@ int TrainerProgramMain(int argc, char** argv, PoolWorkersFn pool_workers) {
     data_plane = (*remote)->TransportNames();
     backend = std::move(*remote);
   }
+  const std::string state_dtype = absl::GetFlag(FLAGS_state_dtype);
+  const std::string state_rounding = absl::GetFlag(FLAGS_state_rounding);
+  if ((state_dtype != "fp32" && state_dtype != "bf16") ||
+      (state_rounding != "stochastic" && state_rounding != "nearest")) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--state_dtype is ", state_dtype, " and --state_rounding ", state_rounding,
+                     "; they must be fp32 or bf16, and stochastic or nearest")));
+  }
+  backend->SetStateStorage(
+      state_dtype == "bf16" ? offload::v1::DTYPE_BF16 : offload::v1::DTYPE_FP32,
+      state_rounding == "nearest" ? offload::v1::STATE_ROUNDING_NEAREST
+                                  : offload::v1::STATE_ROUNDING_STOCHASTIC);
 
   // Declared before the trainer, so it outlives the trainer's background commit; written when
   // main returns, whichever way.

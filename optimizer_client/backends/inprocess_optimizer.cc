@@ -48,7 +48,7 @@ absl::Status InProcessOptimizer::CreateJob(const std::string& job_id, const v1::
   param_dtype_ = param_dtype;
   for (int s = 0; s < num_shards(); ++s) {
     absl::StatusOr<JobConfig> config =
-        JobConfigFromProto(ShardCreateJobRequest(map_, s, job_id, adam, param_dtype, groups));
+        JobConfigFromProto(ShardRequest(s, job_id, adam, param_dtype, groups));
     if (!config.ok()) return config.status();
     if (absl::StatusOr<int64_t> bytes = stores_[s]->CreateJob(*config); !bytes.ok()) {
       return bytes.status();

@@ -28,6 +28,16 @@ v1::CreateJobRequest ShardCreateJobRequest(const v1::PartitionMap& map, int shar
   return request;
 }
 
+v1::CreateJobRequest OptimizerBackend::ShardRequest(
+    int shard, const std::string& job_id, const v1::AdamConfig& adam, DType param_dtype,
+    const std::vector<v1::ParamGroup>& groups) const {
+  v1::CreateJobRequest request =
+      ShardCreateJobRequest(map_, shard, job_id, adam, param_dtype, groups);
+  request.set_state_dtype(state_dtype_);
+  request.set_state_rounding(state_rounding_);
+  return request;
+}
+
 absl::Status OptimizerBackend::LoadShardState(int shard, const std::vector<StateSliceRef>& slices,
                                               const StepCounters* steps) {
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<ShardStateLoad> load, BeginShardLoad(shard, steps));

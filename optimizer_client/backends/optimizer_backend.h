@@ -59,6 +59,14 @@ class OptimizerBackend {
     param_dtype_ = param_dtype;
   }
 
+  // The Adam moments' storage CreateJob asks every shard for (CreateJobRequest.state_dtype and
+  // state_rounding): FP32 unless set.
+  void SetStateStorage(v1::DType dtype, v1::StateRounding rounding) {
+    state_dtype_ = dtype;
+    state_rounding_ = rounding;
+  }
+  v1::DType state_dtype() const { return state_dtype_; }
+
   // Creates the job on every shard with the slices the map gives it. A job of the same id left
   // on a shard by an earlier run of this trainer is replaced. groups: PyTorch's param_groups
   // over the flat space (CreateJobRequest.groups: in offset order, covering [0, padded_length),
@@ -177,9 +185,16 @@ class OptimizerBackend {
   virtual uint64_t SliceGradientAreaId(int /*slice*/) { return 0; }
   DType grad_dtype() const { return param_dtype_; }
 
+  // ShardCreateJobRequest with this backend's state storage.
+  v1::CreateJobRequest ShardRequest(int shard, const std::string& job_id,
+                                    const v1::AdamConfig& adam, DType param_dtype,
+                                    const std::vector<v1::ParamGroup>& groups) const;
+
   v1::PartitionMap map_;
   DType param_dtype_ = DType::kFp16;
   std::string job_id_;
+  v1::DType state_dtype_ = v1::DTYPE_FP32;
+  v1::StateRounding state_rounding_ = v1::STATE_ROUNDING_STOCHASTIC;
 
  private:
   using SliceIterator = google::protobuf::RepeatedPtrField<v1::ShardSlice>::const_iterator;

@@ -66,8 +66,7 @@ absl::Status RemoteOptimizer::CreateJob(const std::string& job_id, const v1::Ada
   job_id_ = job_id;
   param_dtype_ = param_dtype;
   for (int s = 0; s < num_shards(); ++s) {
-    v1::CreateJobRequest request =
-        ShardCreateJobRequest(map_, s, job_id, adam, param_dtype, groups);
+    v1::CreateJobRequest request = ShardRequest(s, job_id, adam, param_dtype, groups);
     request.set_state_tier(state_tier_);
     absl::StatusOr<v1::CreateJobResponse> created = clients_[s]->CreateJob(request);
     if (absl::IsAlreadyExists(created.status())) {

@@ -52,6 +52,8 @@ static const OffloadFieldLayout kHeader[] = {
     FIELD(OffloadConfig, trace_file),
     FIELD(OffloadConfig, state_tier),
     FIELD(OffloadConfig, adam_form),
+    FIELD(OffloadConfig, state_dtype),
+    FIELD(OffloadConfig, state_rounding),
 
     STRUCT(OffloadNamedTensor),
     FIELD(OffloadNamedTensor, name),

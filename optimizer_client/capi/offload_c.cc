@@ -76,23 +76,10 @@ absl::StatusOr<std::vector<v1::ParamGroup>> GroupsFromConfig(const OffloadConfig
   return groups;
 }
 
-// The shards of the config (or the in-process engine), connected, not yet holding the job.
-absl::StatusOr<std::unique_ptr<OptimizerBackend>> MakeBackend(const OffloadConfig& c,
-                                                              const v1::PartitionMap& map,
-                                                              std::string* transport_names) {
-  if (c.state_tier < OFFLOAD_TIER_AUTO || c.state_tier > OFFLOAD_TIER_DISK) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("state_tier ", c.state_tier, " is none of auto (0), memory (1), disk (2)"));
-  }
-  if (c.num_shards == 0) {
-    if (c.state_tier == OFFLOAD_TIER_DISK) {
-      return absl::InvalidArgumentError(
-          "the in-process engine keeps its state in memory: the disk tier needs a server with "
-          "--state_dir (a local one, or running servers)");
-    }
-    *transport_names = "inprocess";
-    return std::make_unique<InProcessOptimizer>(map, c.threads, BestSimdPath());
-  }
+// The remote half of MakeBackend: the config's shards, connected.
+absl::StatusOr<std::unique_ptr<OptimizerBackend>> MakeRemoteBackend(const OffloadConfig& c,
+                                                                    const v1::PartitionMap& map,
+                                                                    std::string* transport_names) {
   ClientOptions options;
   options.token = Str(c.token);
   options.tls.ca_file = Str(c.tls_ca);
@@ -108,6 +95,43 @@ absl::StatusOr<std::unique_ptr<OptimizerBackend>> MakeBackend(const OffloadConfi
   *transport_names = remote->TransportNames();
   remote->SetStateTier(static_cast<v1::StateTier>(c.state_tier));
   return remote;
+}
+
+// The shards of the config (or the in-process engine), connected, not yet holding the job.
+absl::StatusOr<std::unique_ptr<OptimizerBackend>> MakeBackend(const OffloadConfig& c,
+                                                              const v1::PartitionMap& map,
+                                                              std::string* transport_names) {
+  if (c.state_tier < OFFLOAD_TIER_AUTO || c.state_tier > OFFLOAD_TIER_DISK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_tier ", c.state_tier, " is none of auto (0), memory (1), disk (2)"));
+  }
+  if (c.state_dtype != 0 && c.state_dtype != OFFLOAD_FP32 && c.state_dtype != OFFLOAD_BF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dtype ", c.state_dtype, " is neither fp32 (1) nor bf16 (3)"));
+  }
+  if (c.state_rounding != OFFLOAD_ROUND_STOCHASTIC && c.state_rounding != OFFLOAD_ROUND_NEAREST) {
+    return absl::InvalidArgumentError(absl::StrCat("state_rounding ", c.state_rounding,
+                                                   " is neither stochastic (0) nor nearest (1)"));
+  }
+  if (c.state_dtype == OFFLOAD_BF16 && c.state_tier == OFFLOAD_TIER_DISK) {
+    return absl::InvalidArgumentError(
+        "bf16 optimizer state is kept in memory: the disk tier holds fp32 state only");
+  }
+  std::unique_ptr<OptimizerBackend> backend;
+  if (c.num_shards == 0) {
+    if (c.state_tier == OFFLOAD_TIER_DISK) {
+      return absl::InvalidArgumentError(
+          "the in-process engine keeps its state in memory: the disk tier needs a server with "
+          "--state_dir (a local one, or running servers)");
+    }
+    *transport_names = "inprocess";
+    backend = std::make_unique<InProcessOptimizer>(map, c.threads, BestSimdPath());
+  } else {
+    OFFLOAD_ASSIGN_OR_RETURN(backend, MakeRemoteBackend(c, map, transport_names));
+  }
+  backend->SetStateStorage(c.state_dtype == OFFLOAD_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32,
+                           static_cast<v1::StateRounding>(c.state_rounding));
+  return backend;
 }
 
 absl::Status Create(const OffloadConfig* c, OffloadOptimizer** out) {

@@ -26,13 +26,13 @@ extern "C" {
 #endif
 
 /* Bumped on any change of a struct below or of a function's meaning. */
-#define OFFLOAD_C_ABI_VERSION 4
+#define OFFLOAD_C_ABI_VERSION 5
 
 typedef struct OffloadOptimizer OffloadOptimizer;
 
-enum { OFFLOAD_FP16 = 2, OFFLOAD_BF16 = 3 };                 /* offload.v1.DType */
-enum { OFFLOAD_ADAM = 1, OFFLOAD_ADAMW = 2 };                /* offload.v1.OptimizerKind */
-enum { OFFLOAD_FORM_TORCH_1_13 = 0, OFFLOAD_FORM_LERP = 1 }; /* offload.v1.AdamForm */
+enum { OFFLOAD_FP32 = 1, OFFLOAD_FP16 = 2, OFFLOAD_BF16 = 3 }; /* offload.v1.DType */
+enum { OFFLOAD_ADAM = 1, OFFLOAD_ADAMW = 2 };                  /* offload.v1.OptimizerKind */
+enum { OFFLOAD_FORM_TORCH_1_13 = 0, OFFLOAD_FORM_LERP = 1 };   /* offload.v1.AdamForm */
 enum {
   OFFLOAD_MASTER = 1,
   OFFLOAD_EXP_AVG = 2,
@@ -42,7 +42,8 @@ enum {
   OFFLOAD_TIER_AUTO = 0,
   OFFLOAD_TIER_MEMORY = 1,
   OFFLOAD_TIER_DISK = 2
-}; /* offload.v1.StateTier */
+};                                                                /* offload.v1.StateTier */
+enum { OFFLOAD_ROUND_STOCHASTIC = 0, OFFLOAD_ROUND_NEAREST = 1 }; /* offload.v1.StateRounding */
 
 /* A contiguous run [offset, offset + length) of the flat space with its own Adam
  * hyper-parameters (a torch parameter group). Groups are in offset order and cover
@@ -100,6 +101,12 @@ typedef struct {
   /* Which torch's single-tensor Adam/AdamW the update matches bit for bit: OFFLOAD_FORM_TORCH_1_13
    * (exp_avg.mul_().add_()) or OFFLOAD_FORM_LERP (torch 2.x, exp_avg.lerp_()). */
   int32_t adam_form;
+  /* The Adam moments' storage on the shards (CreateJobRequest.state_dtype): 0 or OFFLOAD_FP32
+   * (12 bytes of state a parameter), or OFFLOAD_BF16 (8: fp32 master, bf16 moments), stored with
+   * state_rounding, OFFLOAD_ROUND_STOCHASTIC or OFFLOAD_ROUND_NEAREST. bf16 state is kept in
+   * memory only. */
+  int32_t state_dtype;
+  int32_t state_rounding;
 } OffloadConfig;
 
 /* One parameter of the flat space, by name (checkpoints): numel = the product of shape. */

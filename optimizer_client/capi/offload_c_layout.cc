@@ -58,6 +58,8 @@ constexpr OffloadFieldLayout kLayout[] = {
     OFFLOAD_FIELD(OffloadConfig, trace_file),
     OFFLOAD_FIELD(OffloadConfig, state_tier),
     OFFLOAD_FIELD(OffloadConfig, adam_form),
+    OFFLOAD_FIELD(OffloadConfig, state_dtype),
+    OFFLOAD_FIELD(OffloadConfig, state_rounding),
 
     OFFLOAD_STRUCT(OffloadNamedTensor),
     OFFLOAD_FIELD(OffloadNamedTensor, name),

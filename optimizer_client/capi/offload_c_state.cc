@@ -113,6 +113,7 @@ absl::Status SaveCheckpoint(OffloadOptimizer* opt, const char* root,
   info.counters = StepCounters{completed, adam};
   info.loss_scale = opt->engine->policy().State();
   info.param_dtype = opt->engine->dtype();
+  info.state_dtype = opt->backend->state_dtype();
   info.front_end = Str(front_end);
   // Between two micro-batches: the step's gradient sum so far goes with the state, so that a
   // run that loads it can go on with the step (offload_read_checkpoint_gradient_sum).

@@ -220,6 +220,7 @@ absl::StatusOr<std::string> SaveParamState(const std::string& root,
   m.set_step(info.counters.completed_step);
   m.set_adam_step(info.counters.adam_step);
   m.set_param_dtype(DTypeToProto(info.param_dtype));
+  m.set_state_dtype(info.state_dtype);
   *m.mutable_loss_scale() = info.loss_scale;
   m.set_front_end(info.front_end);
   for (const NamedParam& p : params) {

@@ -43,7 +43,8 @@ struct ParamStateInfo {
   StepCounters counters;
   v1::LossScaleState loss_scale;
   DType param_dtype = DType::kBf16;
-  std::string front_end;  // the front end's own record (JSON), kept as it is
+  v1::DType state_dtype = v1::DTYPE_FP32;  // the servers' moments (ParamStateManifest.state_dtype)
+  std::string front_end;                   // the front end's own record (JSON), kept as it is
   // Saved between two micro-batches of a step: its fp32 gradient sum so far, (num_params,) in the
   // flat space, not owned; written to grad_sum.safetensors by parameter name. Null: none.
   const float* grad_sum = nullptr;

@@ -45,6 +45,9 @@ class Manifest:
     # Saved between two micro-batches of a step: which parameters had a gradient and how many
     # micro-batches ran (the gradient sum so far is in grad_sum.safetensors); None between steps.
     accumulated: Optional[Dict[str, Any]] = None
+    # How the servers that saved it stored the Adam moments (torch.float32 or torch.bfloat16);
+    # the files hold fp32 either way, bf16 moments exactly.
+    state_dtype: Any = None
 
     def step_of(self, name: str) -> int:
         return self.param_steps.get(name, self.adam_step)
@@ -79,7 +82,8 @@ def parse_manifest(text: str, directory: str) -> Manifest:
         param_groups=front_end.get("param_groups", []),
         params=[(p["name"], [int(d) for d in p.get("shape", [])]) for p in m.get("params", [])],
         param_steps={str(k): int(v) for k, v in front_end.get("param_steps", {}).items()},
-        accumulated=front_end.get("accumulated"))
+        accumulated=front_end.get("accumulated"),
+        state_dtype=torch.bfloat16 if m.get("state_dtype") == "DTYPE_BF16" else torch.float32)
 
 
 def find_manifest(path: str) -> Tuple[str, str]:

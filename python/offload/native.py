@@ -27,12 +27,13 @@ import pathlib
 import shutil
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
-ABI_VERSION = 4
-FP16, BF16 = 2, 3
+ABI_VERSION = 5
+FP32, FP16, BF16 = 1, 2, 3
 ADAM, ADAMW = 1, 2
 FORM_TORCH_1_13, FORM_LERP = 0, 1  # OffloadConfig.adam_form
 MASTER, EXP_AVG, EXP_AVG_SQ = 1, 2, 3
 TIERS = {"auto": 0, "memory": 1, "disk": 2}
+ROUNDINGS = {"stochastic": 0, "nearest": 1}  # OffloadConfig.state_rounding
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 _REPO = _PACKAGE.parents[1]
@@ -76,7 +77,8 @@ class OffloadConfig(ctypes.Structure):
                 ("transport", c_str), ("token", c_str), ("tls_ca", c_str), ("tls_cert", c_str),
                 ("tls_key", c_str), ("tls_server_name", c_str), ("call_timeout_seconds", dbl),
                 ("loss_scale_init", f32), ("loss_scale_window", i32), ("grad_clip", f32),
-                ("trace_file", c_str), ("state_tier", i32), ("adam_form", i32)]
+                ("trace_file", c_str), ("state_tier", i32), ("adam_form", i32),
+                ("state_dtype", i32), ("state_rounding", i32)]
 
 
 class OffloadNamedTensor(ctypes.Structure):

@@ -41,6 +41,13 @@ class OffloadOptions:
     server_memory_mib: the local server's ``--memory_limit_mib`` (0: its default).
     trace_file: write a Chrome trace of every step there (backward, the gradients' sends, step)
       at close() and at write_trace().
+    state_dtype: the servers' Adam moments: None or torch.float32 (fp32, 12 bytes of state a
+      parameter with the fp32 master weights) or torch.bfloat16 (8 bytes; also "fp32", "bf16").
+      bf16 moments are kept in memory (``optimizer_state`` "disk" is refused) and the weights'
+      update is computed in fp32 from them; the checkpoint records which.
+    state_rounding: how bf16 moments are stored: "stochastic" (default; unbiased, the same bits
+      on every run) or "nearest" (which freezes exp_avg_sq where beta2's decay is under half a
+      bf16 ulp, as with beta2 = 0.999).
     optimizer_cores: cores for the local server alone (servers=None): its Adam workers are
       pinned to them, one each (``threads`` 0: one worker per core), and this process's threads
       keep to the other cores, torch's intra-op threads lowered to their number where more
@@ -62,11 +69,20 @@ class OffloadOptions:
     server_memory_mib: int = 0
     trace_file: Optional[str] = None
     optimizer_cores: Optional[Tuple[int, ...]] = None
+    state_dtype: Any = None
+    state_rounding: str = "stochastic"
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in native.TIERS:
             raise ValueError(f"optimizer_state must be one of {sorted(native.TIERS)}, not "
                              f"{self.optimizer_state!r}")
+        state_dtype = _state_dtype_name(self.state_dtype)  # checks it
+        if self.state_rounding not in native.ROUNDINGS:
+            raise ValueError(f"state_rounding must be one of {sorted(native.ROUNDINGS)}, not "
+                             f"{self.state_rounding!r}")
+        if state_dtype == "bf16" and self.optimizer_state == "disk":
+            raise ValueError("state_dtype=bfloat16 keeps the state in memory: the disk tier "
+                             "holds fp32 state only (optimizer_state='disk')")
         if self.optimizer_cores is not None:
             object.__setattr__(self, "optimizer_cores", tuple(self.optimizer_cores))
 
@@ -166,7 +182,8 @@ class OffloadOptions:
             call_timeout_seconds=self.call_timeout, loss_scale_init=loss_scale,
             loss_scale_window=loss_scale_window, grad_clip=grad_clip,
             trace_file=enc(self.trace_file), state_tier=native.TIERS[self.optimizer_state],
-            adam_form=adam_form)
+            adam_form=adam_form, state_dtype=_STATE_DTYPES[_state_dtype_name(self.state_dtype)],
+            state_rounding=native.ROUNDINGS[self.state_rounding])
         create = lambda: NativeOptimizer.create(config)  # noqa: E731
         created, error = native.attempt(create) if ranks.rank == 0 else (None, None)
         ranks.agree(error, "creating the job")
@@ -174,6 +191,22 @@ class OffloadOptions:
             created, error = native.attempt(create)
         ranks.agree(error, "joining the job")
         return created, job_id, server
+
+
+_STATE_DTYPES = {"fp32": native.FP32, "bf16": native.BF16}
+
+
+def _state_dtype_name(dtype: Any) -> str:
+    """"fp32" or "bf16" for a torch dtype (str(torch.bfloat16) is "torch.bfloat16", so no torch
+    import here), a name, or None (fp32)."""
+    if dtype is None:
+        return "fp32"
+    name = str(dtype).replace("torch.", "")
+    names = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
+             "bfloat16": "bf16"}
+    if name not in names:
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, not {dtype!r}")
+    return names[name]
 
 
 def fresh_job_id() -> str:

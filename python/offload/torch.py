@@ -114,8 +114,10 @@ class AdamW(torch.optim.Optimizer):
         starts a local ``cpu_optimizer_server`` child process, a list of "host:port" uses
         running servers, "inprocess" the same shard engine in this process), token, transport,
         threads, job_id, tls_ca, tls_cert, tls_key, tls_server_name, call_timeout, state_dir,
-        optimizer_state ("auto", "memory" or "disk"), server_memory_mib, trace_file and
-        optimizer_cores (cores for the local server alone; this process keeps to the others).
+        optimizer_state ("auto", "memory" or "disk"), server_memory_mib, trace_file,
+        optimizer_cores (cores for the local server alone; this process keeps to the others),
+        state_dtype (torch.bfloat16: the servers keep the Adam moments in bf16, 8 bytes of
+        state a parameter instead of 12) and state_rounding ("stochastic" or "nearest").
         Each is also a keyword here; one given both ways is refused.
       max_grad_norm: clip the global gradient norm every step (0: off);
         ``clip_grad_norm_`` sets it for one step.
@@ -218,6 +220,7 @@ class AdamW(torch.optim.Optimizer):
                  zero_stage: int = 2, model: Optional[torch.nn.Module] = None, window: int = 2,
                  max_resident_bytes: int = 0, persist_elements: Optional[int] = None,
                  blocks: Any = None, optimizer_cores: Optional[Sequence[int]] = None,
+                 state_dtype: Optional[torch.dtype] = None, state_rounding: str = "stochastic",
                  _values: Optional[Values] = None):
         _check_arguments(lr, betas, eps, weight_decay, amsgrad, dtype)
         options = (options or OffloadOptions()).with_keywords(dict(
@@ -225,7 +228,8 @@ class AdamW(torch.optim.Optimizer):
             tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name,
             call_timeout=call_timeout, state_dir=state_dir, optimizer_state=optimizer_state,
             server_memory_mib=server_memory_mib, trace_file=trace_file,
-            optimizer_cores=optimizer_cores))
+            optimizer_cores=optimizer_cores, state_dtype=state_dtype,
+            state_rounding=state_rounding))
         _check_stage(zero_stage, model, blocks, max_resident_bytes, persist_elements)
         params, names = split_names(params)
         self._building = True

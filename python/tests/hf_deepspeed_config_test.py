@@ -131,6 +131,23 @@ class ReadsConfigs(unittest.TestCase):
         self.assertEqual(read.kwargs["loss_scale_window"], 500)
         self.assertIn("fp16.loss_scale", not_honoured(read))  # a static scale
 
+    def test_bf16_optimizer_states_are_bf16_moments(self) -> None:
+        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                  "bf16": {"enabled": True, "bf16_optimizer_states": True,
+                           "bf16_master_weights_and_grads": True}}
+        read = read_config(config)
+        self.assertEqual(read.kwargs["state_dtype"], torch.bfloat16)
+        self.assertEqual(read.kwargs["dtype"], torch.bfloat16)
+        self.assertIn("bf16.bf16_master_weights_and_grads", not_honoured(read))
+        self.assertNotIn("bf16.bf16_optimizer_states", not_honoured(read))
+        config["bf16"] = {"enabled": True, "bf16_optimizer_states": False}
+        self.assertNotIn("state_dtype", read_config(config).kwargs)
+        # bf16 moments stay in memory: with nvme the optimizer refuses, naming the disk tier.
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/x"}
+        config["bf16"] = {"enabled": True, "bf16_optimizer_states": True}
+        with self.assertRaisesRegex(ValueError, "disk"):
+            from_deepspeed_config(config, torch.nn.Linear(4, 4))
+
     def test_what_cannot_be_done_is_refused(self) -> None:
         for config, words in (
                 ({"zero_optimization": {"stage": 0}}, "no ZeRO"),

@@ -163,6 +163,16 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]],
     if fp16 and bf16:
         raise ValueError("fp16.enabled and bf16.enabled are both true")
     kwargs["dtype"] = torch.float16 if fp16 else torch.bfloat16
+    # DeepSpeed's bf16 optimizer states (with CPU offload: bf16 Adam moments in host memory) are
+    # the servers' state_dtype; its bf16 master weights are not (the master stays fp32).
+    if value("bf16.bf16_optimizer_states"):
+        kwargs["state_dtype"] = torch.bfloat16
+    if leaves.get("bf16.bf16_master_weights_and_grads") not in (None, False, _AUTO):
+        used["bf16.bf16_master_weights_and_grads"] = (
+            "the master weights stay fp32 on the servers (bf16_optimizer_states makes the "
+            "moments bf16)")
+    else:
+        value("bf16.bf16_master_weights_and_grads")
     if fp16:
         power = value("fp16.initial_scale_power")
         if power is not None:
