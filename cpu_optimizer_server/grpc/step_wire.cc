@@ -1,6 +1,7 @@
 #include "cpu_optimizer_server/grpc/step_wire.h"
 
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -69,6 +70,20 @@ uint32_t ReadTag(CodedInputStream* in) {
   return in->CurrentPosition() - before > 5 ? UINT32_MAX : tag;
 }
 
+// A length-delimited field's length, read as protobuf's parser reads it: at most 5 bytes and
+// below 2 GiB. CodedInputStream::ReadVarint32 reads up to 10 bytes and keeps the low 32 bits, so
+// `80 80 80 80 80 6d` would read as 0 where protobuf refuses the message.
+bool ReadLength(CodedInputStream* in, uint32_t* length) {
+  const int before = in->CurrentPosition();
+  uint64_t value = 0;
+  if (!in->ReadVarint64(&value) || in->CurrentPosition() - before > 5 ||
+      value > static_cast<uint64_t>(std::numeric_limits<int>::max())) {
+    return false;
+  }
+  *length = static_cast<uint32_t>(value);
+  return true;
+}
+
 // Skips a field of `tag` the parser does not know; false when it cannot (a group, or the end).
 bool SkipField(CodedInputStream* in, uint32_t tag) {
   if ((tag >> 3) == 0) return false;  // field number 0 is not protobuf
@@ -80,7 +95,7 @@ bool SkipField(CodedInputStream* in, uint32_t tag) {
     case kFixed64:
       return in->Skip(8);
     case kLengthDelimited:
-      return in->ReadVarint32(&length) && in->Skip(static_cast<int>(length));
+      return ReadLength(in, &length) && in->Skip(static_cast<int>(length));
     case kFixed32:
       return in->Skip(4);
     default:
@@ -151,7 +166,7 @@ absl::Status ParseStepRequest(grpc::ByteBuffer* buffer, StepRequestView* view) {
     is_grad = ReadTag(&in) == Tag(2, kLengthDelimited);
     if (is_grad) {
       uint32_t length = 0;
-      if (!in.ReadVarint32(&length)) return absl::InvalidArgumentError("unreadable GradChunk");
+      if (!ReadLength(&in, &length)) return absl::InvalidArgumentError("unreadable GradChunk");
       const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
       view->offset = 0;
       view->dtype = 0;
@@ -169,7 +184,7 @@ absl::Status ParseStepRequest(grpc::ByteBuffer* buffer, StepRequestView* view) {
           view->accumulate = value != 0;
         } else if (tag == Tag(4, kLengthDelimited)) {
           uint32_t size = 0;
-          ok = in.ReadVarint32(&size) && ReadPayload(&in, size, &view->data, &view->copied);
+          ok = ReadLength(&in, &size) && ReadPayload(&in, size, &view->data, &view->copied);
           view->size = size;
         } else {
           ok = SkipField(&in, tag);
@@ -207,7 +222,7 @@ absl::Status ReadStepResponse(grpc::ByteBuffer* buffer, const ParamPlacement& pl
     uint32_t length = 0;
     if (tag == Tag(2, kLengthDelimited)) {  // result
       std::string bytes;
-      if (!in.ReadVarint32(&length) || !in.ReadString(&bytes, static_cast<int>(length)) ||
+      if (!ReadLength(&in, &length) || !in.ReadString(&bytes, static_cast<int>(length)) ||
           !message_result.MergeFromString(bytes)) {
         return absl::DataLossError("unreadable StepResult");
       }
@@ -222,7 +237,7 @@ absl::Status ReadStepResponse(grpc::ByteBuffer* buffer, const ParamPlacement& pl
       if (!SkipField(&in, tag)) return absl::DataLossError("unreadable StepResponse");
       continue;
     }
-    if (!in.ReadVarint32(&length)) return absl::DataLossError("unreadable ParamChunk");
+    if (!ReadLength(&in, &length)) return absl::DataLossError("unreadable ParamChunk");
     const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
     uint64_t offset = 0, dtype = 0;
     bool seen_offset = false, placed = false;
@@ -237,7 +252,7 @@ absl::Status ReadStepResponse(grpc::ByteBuffer* buffer, const ParamPlacement& pl
         ok = in.ReadVarint64(&dtype);
       } else if (t == Tag(3, kLengthDelimited)) {
         uint32_t size = 0;
-        ok = in.ReadVarint32(&size);
+        ok = ReadLength(&in, &size);
         if (ok && seen_offset) {
           // The usual order (offset, dtype, data): one copy, from gRPC's slices to its place.
           char* dest = placement.place(offset, static_cast<int>(dtype), size);

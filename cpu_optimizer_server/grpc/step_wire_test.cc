@@ -147,6 +147,13 @@ TEST(StepWireTest, MalformedRequestsAreRefused) {
       std::string("\x12\x0b\x08\x07\x01\x01\x01\x01\x01\x01\x01\x01\x01", 13),
       std::string("\x12\xff\xff\x5f\x08\x03\x10\x01", 8),
       std::string("\x12\x02\x08\x01\xd8\xd7\xd7\xd7\xd7\xd7\xd7\xd3\x28", 13),
+      // Lengths protobuf refuses and a 32-bit varint read would wrap to 0: six bytes, and five
+      // whose last byte reaches past 2 GiB (a result, a params chunk, a gradient's payload).
+      std::string("\x08\x06\x12\x80\x80\x80\x80\x80\x6d", 9),
+      std::string("\x12\x80\x80\x80\x80\x70", 6),
+      std::string("\x0a\x80\x80\x80\x80\x80\x01", 7),
+      std::string("\x12\x07\x22\x80\x80\x80\x80\x80\x01", 9),
+      std::string("\x1a\x80\x80\x80\x80\x80\x01", 7),
   };
   for (const std::string& bytes : bad) {
     v1::StepRequest request;
