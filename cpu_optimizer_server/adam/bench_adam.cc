@@ -16,11 +16,13 @@
 // three alike; each reports the best and the median of --iters timed passes after one warm-up,
 // which also turns the preallocated files' unwritten extents (read as zeros without any I/O) into
 // written ones. A dd-like O_DIRECT sequential write and read of the same bytes is the reference.
+// --state_dtypes=fp32,bf16 there runs it all for each storage of the moments in turn (bf16: the
+// job's moments and the bound's file in bf16).
 //
 //   bench_adam [--n=67108864] [--iters=10] [--scalar_iters=2] [--paths=scalar,avx2,avx512]
-//              [--threads=1,2]
+//              [--threads=1,2] [--state_dtypes=fp32,bf16]
 //   bench_adam --state_dir=DIR [--n=67108864] [--iters=3] [--state_memory_mib=192]
-//              [--wave_elements=2097152]
+//              [--wave_elements=2097152] [--state_dtypes=fp32,bf16]
 #include <fcntl.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -80,7 +82,7 @@ void Usage() {
                "usage: bench_adam [--n=N] [--iters=K] [--scalar_iters=K] "
                "[--paths=scalar,avx2,avx512] [--threads=1,2] [--state_dtypes=fp32,bf16]\n"
                "       bench_adam --state_dir=DIR [--n=N] [--iters=K (default 3)] "
-               "[--state_memory_mib=192] [--wave_elements=2097152]\n");
+               "[--state_memory_mib=192] [--wave_elements=2097152] [--state_dtypes=fp32,bf16]\n");
   std::exit(2);
 }
 
@@ -321,11 +323,10 @@ absl::StatusOr<IoFigures> BoundPass(IoRing* io, const StateFile& file, int64_t w
   auto queue = [&](int s, bool write) -> absl::Status {
     const int64_t w = slot_wave[s];
     const int64_t elements = std::min(wave, length - w * wave);
-    const int64_t bytes =
-        (elements * 4 + kStateBlockBytes - 1) / kStateBlockBytes * kStateBlockBytes;
     for (int t = 0; t < kStateTensors; ++t) {
+      const int64_t bytes = StateRegionBytes(elements, file.ElementBytes(t));
       float* buf = ring + (int64_t{s} * kStateTensors + t) * wave;
-      const int64_t offset = file.TensorOffset(t) + w * wave * 4;
+      const int64_t offset = file.TensorOffset(t) + w * wave * file.ElementBytes(t);
       const uint64_t tag = static_cast<uint64_t>(s * kStateTensors + t) << 1 | (write ? 1 : 0);
       OFFLOAD_RETURN_IF_ERROR(write ? io->QueueWrite(file.direct_fd(), buf, bytes, offset, tag)
                                     : io->QueueRead(file.direct_fd(), buf, bytes, offset, tag));
@@ -404,9 +405,9 @@ absl::StatusOr<double> TimedStep(ShardStore* store, uint64_t step, const uint16_
   return seconds;
 }
 
-absl::Status RunDisk(const Flags& flags) {
+absl::Status RunDisk(const Flags& flags, DType moments) {
   const int64_t n = flags.n;
-  const int64_t pass_bytes = StateFileBytes(n);  // read, then written back, by every pass
+  const int64_t pass_bytes = StateFileBytes(n, moments);  // read, then written back, by a pass
   const std::string& dir = flags.state_dir;
 
   // DIR is made if missing, and then removed again at the end if the bench left it empty.
@@ -449,14 +450,16 @@ absl::Status RunDisk(const Flags& flags) {
   const int slots = tier->slots();
 
   std::printf(
-      "# bench_adam --state_dir: one fp16 job of n=%lld params (%lld bytes of state per pass, "
-      "read then written back), %d threads, %s, ring of %d slots x %lld elements x 3 tensors "
+      "# bench_adam --state_dir: one fp16 job of n=%lld params, %s moments (%lld bytes of state "
+      "per pass, read then written back), %d threads, %s, ring of %d slots x %lld elements x 3 "
+      "tensors "
       "(%lld MiB). Per iteration, in turn: disk = StepSession::Commit of a full step with the "
       "state in a state file (O_DIRECT, io_uring); bound = the same bytes in the same per-tensor "
       "transfers through the same slots by a bare io_uring loop, no compute; memory = the same "
       "step on a store in memory. Best and median of %d timed iterations after 1 warm-up; dd = "
       "sequential O_DIRECT 8 MiB blocks (write + fdatasync, then read), once.\n",
-      static_cast<long long>(n), static_cast<long long>(pass_bytes), pool.num_threads(),
+      static_cast<long long>(n), std::string(DTypeName(moments)).c_str(),
+      static_cast<long long>(pass_bytes), pool.num_threads(),
       std::string(SimdPathName(BestSimdPath())).c_str(), slots, static_cast<long long>(wave),
       static_cast<long long>(tier->ring_bytes() >> 20), flags.iters);
   std::fflush(stdout);
@@ -478,6 +481,7 @@ absl::Status RunDisk(const Flags& flags) {
   config.job_id = kJob;
   config.ranges = {{0, n}};
   config.param_dtype = DType::kFp16;
+  config.state_dtype = moments;
   for (ShardStore* store : {&disk_store, &memory_store}) {
     OFFLOAD_RETURN_IF_ERROR(store->CreateJob(config).status());
     OFFLOAD_RETURN_IF_ERROR(LoadMaster(store, n));
@@ -493,7 +497,8 @@ absl::Status RunDisk(const Flags& flags) {
   // The bound's own file, ring and io_uring, of the tier's shapes, beside the job's state file;
   // filled with random values so it moves the same kind of bytes.
   OFFLOAD_ASSIGN_OR_RETURN(std::unique_ptr<StateFile> bound_file,
-                           StateFile::Create(absl::StrCat(tier->dir(), "/bound.state"), n));
+                           StateFile::Create(absl::StrCat(tier->dir(), "/bound.state"), n,
+                                             /*sparse=*/false, moments));
   OFFLOAD_RETURN_IF_ERROR(CheckDirect(bound_file->direct_fd(), bound_file->path()));
   OFFLOAD_ASSIGN_OR_RETURN(HostBuffer bound_ring, HostBuffer::Allocate(tier->ring_bytes()));
   auto* ring = static_cast<float*>(bound_ring.data());
@@ -558,10 +563,12 @@ absl::Status RunDisk(const Flags& flags) {
   std::printf("%-16s %9.3f %9s %9.3f %13lld %13s %9s\n", "dd read", dd.read_s, "-", dd_read_gbps,
               static_cast<long long>(pass_bytes), "-", "-");
   std::printf(
-      "adam_disk n=%lld state_gb=%.3f slots=%d wave=%lld pass_s=%.3f pass_s_median=%.3f "
+      "adam_disk n=%lld state_dtype=%s state_gb=%.3f slots=%d wave=%lld pass_s=%.3f "
+      "pass_s_median=%.3f "
       "pass_gbps=%.3f bound_s=%.3f bound_gbps=%.3f ratio_to_bound=%.3f memory_pass_s=%.3f "
       "ratio_to_memory=%.3f dd_write_gbps=%.3f dd_read_gbps=%.3f\n",
-      static_cast<long long>(n), 12.0 * n * 1e-9, slots, static_cast<long long>(wave), Best(disk_s),
+      static_cast<long long>(n), std::string(DTypeName(moments)).c_str(),
+      StateBytesPerElement(moments) * n * 1e-9, slots, static_cast<long long>(wave), Best(disk_s),
       Median(disk_s), gbps(disk_best), Best(bound_s), gbps(bound_best),
       Best(bound_s) / Best(disk_s), Best(memory_s), Best(memory_s) / Best(disk_s), dd_write_gbps,
       dd_read_gbps);
@@ -575,11 +582,13 @@ absl::Status RunDisk(const Flags& flags) {
 int main(int argc, char** argv) {
   const offload::Flags flags = offload::ParseFlags(argc, argv);
   if (!flags.state_dir.empty()) {
-    const absl::Status s = offload::RunDisk(flags);
-    if (!s.ok()) {
-      std::fprintf(stderr, "bench_adam: --state_dir=%s: %s\n", flags.state_dir.c_str(),
-                   s.ToString().c_str());
-      return 1;
+    for (const offload::DType moments : flags.state_dtypes) {
+      const absl::Status s = offload::RunDisk(flags, moments);
+      if (!s.ok()) {
+        std::fprintf(stderr, "bench_adam: --state_dir=%s: %s\n", flags.state_dir.c_str(),
+                     s.ToString().c_str());
+        return 1;
+      }
     }
     return 0;
   }

@@ -110,12 +110,13 @@ int64_t DiskTier::FreeBytes() const {
 
 absl::StatusOr<std::unique_ptr<StateFile>> DiskTier::CreateStateFile(const std::string& job_id,
                                                                      int range_index,
-                                                                     int64_t length, bool staging) {
+                                                                     int64_t length, bool staging,
+                                                                     DType moments) {
   const std::string path =
       absl::StrCat(dir_, "/", job_id, ".range-", range_index,
                    staging ? absl::StrCat(".load-", next_file_.fetch_add(1)) : "", ".state");
   if (!staging) {
-    const int64_t need = StateFileBytes(length);
+    const int64_t need = StateFileBytes(length, moments);
     const int64_t free_bytes = FreeBytes();
     if (free_bytes >= 0 && need > free_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -123,7 +124,7 @@ absl::StatusOr<std::unique_ptr<StateFile>> DiskTier::CreateStateFile(const std::
           " bytes of optimizer state on disk but ", dir_, " has ", free_bytes, " bytes free"));
     }
   }
-  return StateFile::Create(path, length, /*sparse=*/staging);
+  return StateFile::Create(path, length, /*sparse=*/staging, moments);
 }
 
 }  // namespace offload

@@ -54,11 +54,13 @@ class DiskTier {
   // Free bytes of the state directory's file system (statvfs), -1 if unknown.
   int64_t FreeBytes() const;
 
-  // A state file for range `range_index` of `job_id`, preallocated (see StateFile::Create).
-  // RESOURCE_EXHAUSTED naming the file and both sizes when the disk has no room.
+  // A state file for range `range_index` of `job_id`, preallocated (see StateFile::Create), its
+  // moments in `moments`. RESOURCE_EXHAUSTED naming the file and both sizes when the disk has no
+  // room.
   absl::StatusOr<std::unique_ptr<StateFile>> CreateStateFile(const std::string& job_id,
                                                              int range_index, int64_t length,
-                                                             bool staging);
+                                                             bool staging,
+                                                             DType moments = DType::kFp32);
 
   DiskTierCounters& counters() { return counters_; }
 

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "base/dtype.h"
 #include "base/testing/test_util.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/disk/io_ring.h"
@@ -86,6 +87,35 @@ TEST(StateFile, StartsAsZerosAndReadsWhatWasWritten) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/s"));  // scratch: gone with its job
 }
 
+// bf16 moments: half the bytes on disk; written fp32 is rounded to nearest even, read back widened
+// exactly, at any alignment, and the master weights stay fp32.
+TEST(StateFile, Bf16MomentsAreRoundedOnTheWayIn) {
+  TempDir dir;
+  const int64_t n = 5000;
+  auto file = StateFile::Create(dir.path() + "/s", n, /*sparse=*/false, DType::kBf16);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(std::filesystem::file_size(dir.path() + "/s"),
+            static_cast<uintmax_t>(StateFileBytes(n, DType::kBf16)));
+  EXPECT_LT(StateFileBytes(n, DType::kBf16), StateFileBytes(n));
+  std::vector<float> values(299);
+  for (int i = 0; i < 299; ++i) values[i] = 1.0f + i * 0.001f + 1e-5f;  // not bf16 values
+  for (int t = 0; t < kStateTensors; ++t) {
+    ASSERT_TRUE((*file)->Write(t, 4701, 299, values.data()).ok());
+  }
+  std::vector<float> back(300, -1.f);
+  for (int t = 0; t < kStateTensors; ++t) {
+    ASSERT_TRUE((*file)->Read(t, 4700, 300, back.data()).ok());
+    EXPECT_EQ(back[0], 0.f) << "tensor " << t;  // the neighbour before is untouched
+    for (int i = 0; i < 299; ++i) {
+      const float want = t == 0 ? values[i] : Bf16ToFloat(FloatToBf16(values[i]));
+      ASSERT_EQ(back[i + 1], want) << "tensor " << t << " element " << 4701 + i;
+    }
+  }
+  EXPECT_NE(Bf16ToFloat(FloatToBf16(values[1])), values[1]);  // the rounding was seen
+  EXPECT_EQ(StateFile::Create(dir.path() + "/h", n, false, DType::kFp16).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(StateFile, ReadPastATruncatedEndNamesTheFile) {
   TempDir dir;
   const std::string path = dir.path() + "/s";
@@ -126,16 +156,31 @@ TEST(DiskTier, ADeadServersDirectoryGoesAndALiveOnesStays) {
   EXPECT_FALSE(std::filesystem::exists(mine));
 }
 
-// A pass over a file of `n` elements with `slots` slots that adds 1 to every master weight,
-// doubles exp_avg and negates exp_avg_sq, wave by wave, holding at most two waves at once as a
-// commit does. Checks every element of every tensor afterwards.
-void PassUpdatesEveryWaveOnce(int64_t n, int slots) {
-  SCOPED_TRACE(testing::Message() << "n=" << n << " slots=" << slots);
+// A pass over a file of `n` elements with `slots` slots and `moments` moments that adds 1 to every
+// master weight, doubles exp_avg and negates exp_avg_sq, wave by wave, holding at most two waves
+// at once as a commit does. Checks every element of every tensor afterwards.
+void PassUpdatesEveryWaveOnce(int64_t n, int slots, DType moments = DType::kFp32) {
+  SCOPED_TRACE(testing::Message() << "n=" << n << " slots=" << slots << " moments "
+                                  << DTypeName(moments));
   TempDir dir;
   auto tier = DiskTier::Open(SmallTier(dir.path(), slots));
   ASSERT_TRUE(tier.ok()) << tier.status();
-  auto file = (*tier)->CreateStateFile("job", 0, n, /*staging=*/false);
+  auto file = (*tier)->CreateStateFile("job", 0, n, /*staging=*/false, moments);
   ASSERT_TRUE(file.ok()) << file.status();
+  const bool bf16 = moments == DType::kBf16;
+  // What a moment written as fp32 holds: bf16 rounds it to nearest (StateFile::Write).
+  auto stored = [bf16](float x) { return bf16 ? Bf16ToFloat(FloatToBf16(x)) : x; };
+  // Element i of a wave's moments, in their storage (doubling and negating are exact in both).
+  auto get = [bf16](void* m, int64_t i) {
+    return bf16 ? Bf16ToFloat(static_cast<uint16_t*>(m)[i]) : static_cast<float*>(m)[i];
+  };
+  auto set = [bf16](void* m, int64_t i, float x) {
+    if (bf16) {
+      static_cast<uint16_t*>(m)[i] = FloatToBf16(x);
+    } else {
+      static_cast<float*>(m)[i] = x;
+    }
+  };
   std::vector<float> v(n);
   for (int t = 0; t < kStateTensors; ++t) {
     for (int64_t e = 0; e < n; ++e) v[e] = Before(t, e);
@@ -149,14 +194,14 @@ void PassUpdatesEveryWaveOnce(int64_t n, int slots) {
         auto wave = pass.Acquire(w);
         ASSERT_TRUE(wave.ok()) << wave.status();
         ASSERT_EQ(wave->lo, w * kWave);
-        float* const exp_avg = static_cast<float*>(wave->exp_avg);  // a slot's moments: fp32
-        float* const exp_avg_sq = static_cast<float*>(wave->exp_avg_sq);
         for (int64_t e = wave->lo; e < wave->hi; ++e) {
-          ASSERT_EQ(wave->master[e - wave->lo], Before(0, e));
-          ASSERT_EQ(exp_avg_sq[e - wave->lo], Before(2, e));
-          wave->master[e - wave->lo] += 1;
-          exp_avg[e - wave->lo] *= 2;
-          exp_avg_sq[e - wave->lo] = -exp_avg_sq[e - wave->lo];
+          const int64_t i = e - wave->lo;
+          ASSERT_EQ(wave->master[i], Before(0, e));
+          ASSERT_EQ(get(wave->exp_avg, i), stored(Before(1, e)));
+          ASSERT_EQ(get(wave->exp_avg_sq, i), stored(Before(2, e)));
+          wave->master[i] += 1;
+          set(wave->exp_avg, i, 2 * get(wave->exp_avg, i));
+          set(wave->exp_avg_sq, i, -get(wave->exp_avg_sq, i));
         }
       }
       if (w > 0) {
@@ -164,24 +209,29 @@ void PassUpdatesEveryWaveOnce(int64_t n, int slots) {
       }
     }
     ASSERT_TRUE(pass.Finish().ok());
-    const int64_t bytes = 3 * StateRegionBytes(n);
+    const int64_t bytes = StateFileBytes(n, moments);
+    EXPECT_EQ(bytes, StateRegionBytes(n) + 2 * StateRegionBytes(n, bf16 ? 2 : 4));
     EXPECT_EQ(pass.stats().bytes_read, bytes);
     EXPECT_EQ(pass.stats().bytes_written, bytes);
   }
   for (int t = 0; t < kStateTensors; ++t) {
     ASSERT_TRUE((*file)->Read(t, 0, n, v.data()).ok());
     for (int64_t e = 0; e < n; ++e) {
-      const float want = t == 0 ? Before(0, e) + 1 : t == 1 ? 2 * Before(1, e) : -Before(2, e);
+      const float want = t == 0   ? Before(0, e) + 1
+                         : t == 1 ? 2 * stored(Before(1, e))
+                                  : -stored(Before(2, e));
       ASSERT_EQ(v[e], want) << "tensor " << t << " element " << e;
     }
   }
 }
 
 TEST(StatePass, UpdatesEveryWaveOnce) {
-  PassUpdatesEveryWaveOnce(5 * kWave, 3);         // whole waves, the smallest ring
-  PassUpdatesEveryWaveOnce(7 * kWave + 333, 4);   // a tail wave that is not a whole block
-  PassUpdatesEveryWaveOnce(100, 5);               // one wave, smaller than a block
-  PassUpdatesEveryWaveOnce(2 * kWave + 1024, 8);  // more slots than waves
+  for (DType moments : {DType::kFp32, DType::kBf16}) {
+    PassUpdatesEveryWaveOnce(5 * kWave, 3, moments);         // whole waves, the smallest ring
+    PassUpdatesEveryWaveOnce(7 * kWave + 333, 4, moments);   // a tail wave, not a whole block
+    PassUpdatesEveryWaveOnce(100, 5, moments);               // one wave, smaller than a block
+    PassUpdatesEveryWaveOnce(2 * kWave + 1024, 8, moments);  // more slots than waves
+  }
 }
 
 TEST(StatePass, AReadOnlyPassChangesNothing) {

@@ -3,10 +3,13 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace offload {
 
@@ -23,8 +26,10 @@ const char* StateTensorName(int tensor) {
 }
 
 absl::StatusOr<std::unique_ptr<StateFile>> StateFile::Create(const std::string& path,
-                                                             int64_t length, bool sparse) {
+                                                             int64_t length, bool sparse,
+                                                             DType moments) {
   if (length <= 0) return absl::InvalidArgumentError("a state file needs a length > 0");
+  if (moments == DType::kFp16) return absl::InvalidArgumentError("moments are fp32 or bf16");
   int direct_fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
   // A file system without O_DIRECT (tmpfs before Linux 6.6) still works, through its cache.
   if (direct_fd < 0 && errno == EINVAL) {
@@ -40,7 +45,7 @@ absl::StatusOr<std::unique_ptr<StateFile>> StateFile::Create(const std::string& 
     const std::string message = absl::StrCat(what, " ", path, ": ", std::strerror(err));
     return err == ENOSPC ? absl::ResourceExhaustedError(message) : absl::InternalError(message);
   };
-  const int64_t bytes = StateFileBytes(length);
+  const int64_t bytes = StateFileBytes(length, moments);
   if (sparse) {
     if (::ftruncate(direct_fd, bytes) != 0) return fail("cannot size", errno);
   } else if (::fallocate(direct_fd, 0, 0, bytes) != 0) {
@@ -55,7 +60,7 @@ absl::StatusOr<std::unique_ptr<StateFile>> StateFile::Create(const std::string& 
   }
   const int buffered_fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (buffered_fd < 0) return fail("cannot reopen", errno);
-  return std::unique_ptr<StateFile>(new StateFile(path, length, direct_fd, buffered_fd));
+  return std::unique_ptr<StateFile>(new StateFile(path, length, moments, direct_fd, buffered_fd));
 }
 
 StateFile::~StateFile() {
@@ -65,9 +70,36 @@ StateFile::~StateFile() {
 }
 
 absl::Status StateFile::Read(int tensor, int64_t begin, int64_t n, float* out) const {
-  auto* dst = reinterpret_cast<char*>(out);
-  int64_t offset = TensorOffset(tensor) + begin * 4;
-  for (int64_t left = n * 4; left > 0;) {
+  if (ElementBytes(tensor) == 4) return ReadBytes(tensor, begin, n, out);
+  // bf16: into the upper half of `out`'s bytes, then widened from the front (element i's fp32
+  // lands at bytes [4i, 4i + 4), never over the 16-bit elements it has yet to read).
+  char* const bytes = reinterpret_cast<char*>(out);
+  OFFLOAD_RETURN_IF_ERROR(ReadBytes(tensor, begin, n, bytes + 2 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes + 2 * n + 2 * i, 2);
+    out[i] = Bf16ToFloat(h);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StateFile::Write(int tensor, int64_t begin, int64_t n, const float* in) {
+  if (ElementBytes(tensor) == 4) return WriteBytes(tensor, begin, n, in);
+  constexpr int64_t kPiece = int64_t{1} << 16;
+  std::vector<uint16_t> half(std::min(n, kPiece));
+  for (int64_t done = 0; done < n; done += kPiece) {
+    const int64_t k = std::min(kPiece, n - done);
+    ConvertFromFloat(in + done, k, DType::kBf16, half.data());
+    OFFLOAD_RETURN_IF_ERROR(WriteBytes(tensor, begin + done, k, half.data()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StateFile::ReadBytes(int tensor, int64_t begin, int64_t n, void* out) const {
+  auto* dst = static_cast<char*>(out);
+  const int size = ElementBytes(tensor);
+  int64_t offset = TensorOffset(tensor) + begin * size;
+  for (int64_t left = n * size; left > 0;) {
     const ssize_t got = ::pread(buffered_fd_, dst, static_cast<size_t>(left), offset);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
@@ -82,10 +114,11 @@ absl::Status StateFile::Read(int tensor, int64_t begin, int64_t n, float* out) c
   return absl::OkStatus();
 }
 
-absl::Status StateFile::Write(int tensor, int64_t begin, int64_t n, const float* in) {
-  const auto* src = reinterpret_cast<const char*>(in);
-  int64_t offset = TensorOffset(tensor) + begin * 4;
-  for (int64_t left = n * 4; left > 0;) {
+absl::Status StateFile::WriteBytes(int tensor, int64_t begin, int64_t n, const void* in) {
+  const auto* src = static_cast<const char*>(in);
+  const int size = ElementBytes(tensor);
+  int64_t offset = TensorOffset(tensor) + begin * size;
+  for (int64_t left = n * size; left > 0;) {
     const ssize_t put = ::pwrite(buffered_fd_, src, static_cast<size_t>(left), offset);
     if (put < 0 && errno == EINTR) continue;
     if (put <= 0) {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/thread_pool.h"
 
 namespace offload {
 
@@ -39,10 +40,10 @@ int64_t StatePass::WaveElements(int64_t w) const {
   return std::min(wave_, file_->length() - w * wave_);
 }
 
-int64_t StatePass::WaveBytes(int64_t w) const {
+int64_t StatePass::WaveBytes(int64_t w, int tensor) const {
   // The tail wave reads and writes through to its block's end: the regions are padded to whole
   // blocks, so the padding it carries back is the padding it read.
-  return (WaveElements(w) * 4 + kStateBlockBytes - 1) / kStateBlockBytes * kStateBlockBytes;
+  return StateRegionBytes(WaveElements(w), file_->ElementBytes(tensor));
 }
 
 absl::Status StatePass::Fail(absl::Status s) {
@@ -50,12 +51,17 @@ absl::Status StatePass::Fail(absl::Status s) {
   return error_;
 }
 
+// Waves are whole tiles (DiskTier::Open), so a wave of 2-byte moments starts on a block too.
+static_assert(kTileElements * 2 % kStateBlockBytes == 0, "a bf16 wave must be whole blocks");
+
 absl::Status StatePass::QueueWave(int64_t w, bool write) {
   const int s = static_cast<int>(w % slots_);
-  const int64_t bytes = WaveBytes(w);
   float* slot = tier_->Slot(s);
   for (int t = 0; t < kStateTensors; ++t) {
-    const int64_t offset = file_->TensorOffset(t) + w * wave_ * 4;
+    // A slot holds each tensor in a region of wave_ fp32 elements; bf16 moments fill the first
+    // half of theirs (wave_ is whole tiles, so their file offsets stay block-aligned).
+    const int64_t bytes = WaveBytes(w, t);
+    const int64_t offset = file_->TensorOffset(t) + w * wave_ * file_->ElementBytes(t);
     absl::Status st = write ? tier_->io_->QueueWrite(file_->direct_fd(), slot + t * wave_, bytes,
                                                      offset, Tag(w, t, true))
                             : tier_->io_->QueueRead(file_->direct_fd(), slot + t * wave_, bytes,

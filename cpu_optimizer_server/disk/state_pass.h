@@ -19,7 +19,7 @@
 namespace offload {
 
 // A wave's state in memory: element e of the range (lo <= e < hi) is master[e - lo], and so on.
-// The moments are in the job's state_dtype (fp32 in a state file's slot).
+// The moments are in the job's state_dtype, in a slot as in memory.
 struct StateWave {
   int64_t lo = 0, hi = 0;
   float* master = nullptr;     // (hi - lo,)
@@ -56,7 +56,7 @@ class StatePass {
 
  private:
   int64_t WaveElements(int64_t w) const;
-  int64_t WaveBytes(int64_t w) const;  // per tensor, rounded up to whole blocks
+  int64_t WaveBytes(int64_t w, int tensor) const;  // rounded up to whole blocks
   // Queues wave w's three transfers between its slot and the file (not yet submitted).
   absl::Status QueueWave(int64_t w, bool write);
   absl::Status IssueReads();

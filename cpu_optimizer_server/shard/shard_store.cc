@@ -173,7 +173,9 @@ int64_t Job::state_bytes() const {
 
 int64_t Job::disk_bytes() const {
   int64_t bytes = 0;
-  for (const auto& r : ranges) bytes += r->file != nullptr ? StateFileBytes(r->spec.length) : 0;
+  for (const auto& r : ranges) {
+    bytes += r->file != nullptr ? StateFileBytes(r->spec.length, r->state_dtype) : 0;
+  }
   return bytes;
 }
 
@@ -241,7 +243,9 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
     bytes += ViewStride(r.length) * StateBytesPerElement(config.state_dtype);
   }
   int64_t disk_bytes = 0;
-  for (const RangeSpec& r : config.ranges) disk_bytes += StateFileBytes(r.length);
+  for (const RangeSpec& r : config.ranges) {
+    disk_bytes += StateFileBytes(r.length, config.state_dtype);
+  }
   if (config.state_tier == StateTier::kDisk && disk_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", config.job_id,
@@ -257,15 +261,6 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
     bool on_disk = config.state_tier == StateTier::kDisk;
     if (config.state_tier == StateTier::kAuto && disk_ != nullptr) {
       on_disk = options_.state_on_disk || bytes > budget_.limit() - budget_.used();
-    }
-    if (on_disk && config.state_dtype != DType::kFp32) {
-      // The state files' layout is fp32 (state_file.h).
-      return absl::UnimplementedError(
-          absl::StrCat("job ", config.job_id,
-                       " asks for bf16 optimizer state, which the disk tier does not "
-                       "hold yet: keep it in memory (state_tier MEMORY; in memory it needs ",
-                       bytes, " bytes; the shard holds ", budget_.used(), " of its ",
-                       budget_.limit(), " byte limit, --memory_limit)"));
     }
     if (on_disk) {
       const int64_t free_bytes = disk_->FreeBytes();
@@ -310,10 +305,12 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
             RangeGroupPiece{lo - range->spec.offset, hi - range->spec.offset, static_cast<int>(g)});
       }
     }
+    range->state_dtype = config.state_dtype;
     if (config.state_tier == StateTier::kDisk) {
       // Preallocated blocks read as zeros: the state of a new job, with nothing written.
-      absl::StatusOr<std::unique_ptr<StateFile>> file = disk_->CreateStateFile(
-          config.job_id, static_cast<int>(i), range->spec.length, /*staging=*/false);
+      absl::StatusOr<std::unique_ptr<StateFile>> file =
+          disk_->CreateStateFile(config.job_id, static_cast<int>(i), range->spec.length,
+                                 /*staging=*/false, config.state_dtype);
       if (!file.ok()) {
         job->ranges.clear();  // unlinks the files made so far
         unclaim();
@@ -323,7 +320,6 @@ absl::StatusOr<int64_t> ShardStore::CreateJob(const JobConfig& requested) {
       job->ranges.push_back(std::move(range));
       continue;
     }
-    range->state_dtype = config.state_dtype;
     absl::StatusOr<HostBuffer> storage = HostBuffer::Allocate(range->storage_bytes());
     if (!storage.ok()) {
       unclaim();

@@ -592,8 +592,10 @@ TEST_P(UpdateEarlyTest, NoMemoryForTheCopyDeclines) {
   EXPECT_EQ(a.out(), b.out());
 }
 
-// A range on the disk tier: declined (its state is only streamed at the commit).
-TEST_P(UpdateEarlyTest, DiskTierDeclines) {
+// A range on the disk tier: an early update is declined (its state is only streamed at the
+// commit), and its steps give the bits the same steps give in memory, bf16 moments included (the
+// state files hold them in the memory's storage).
+TEST_P(UpdateEarlyTest, DiskTierDeclinesAndStepsAsInMemory) {
   TempDir dir;
   DiskTierOptions d;
   d.state_dir = dir.path() + "/state";
@@ -602,30 +604,42 @@ TEST_P(UpdateEarlyTest, DiskTierDeclines) {
   absl::StatusOr<std::unique_ptr<DiskTier>> disk = DiskTier::Open(d);
   ASSERT_TRUE(disk.ok()) << disk.status();
   std::unique_ptr<ShardStore> on_disk = MakeStore(int64_t{64} << 20, disk->get());
-  if (GetParam().state == DType::kBf16) {
-    // The state files are fp32: bf16 state is refused there, with nothing made.
-    absl::StatusOr<int64_t> refused = on_disk->CreateJob(Config("early"));
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
-    EXPECT_TRUE(on_disk->Jobs().empty());
-    EXPECT_EQ(on_disk->budget()->used(), 0);
-    return;
-  }
   CreateLoaded(on_disk.get(), "early");
   ASSERT_NE(RangeOf(on_disk.get(), "early").file, nullptr);
+  EXPECT_EQ(RangeOf(on_disk.get(), "early").file->moments(), GetParam().state);
   ASSERT_NO_FATAL_FAILURE(CreateLoaded("plain"));
-  const std::vector<uint16_t> g = Grads();
-  auto session = StepSession::Open(on_disk.get(), "early", 0, 1);
-  ASSERT_TRUE(session.ok()) << session.status();
-  ASSERT_TRUE(Send(session->get(), g, 0, kLength).ok());
-  absl::StatusOr<bool> r = Update(session->get(), Args(1), {0, 1000});
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_FALSE(*r);
-  VectorSink a(kOffset, kLength), b(kOffset, kLength);
-  absl::StatusOr<StepOutcome> outcome = (*session)->Commit(Args(1), &a);
-  ASSERT_TRUE(outcome.ok()) << outcome.status();
-  EXPECT_EQ(outcome->early_updated, 0u);
-  ASSERT_TRUE(Plain("plain", 1, g, Args(1), &b).ok());
-  EXPECT_EQ(a.out(), b.out());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    const std::vector<uint16_t> g = Grads();
+    auto session = StepSession::Open(on_disk.get(), "early", 0, step);
+    ASSERT_TRUE(session.ok()) << session.status();
+    ASSERT_TRUE(Send(session->get(), g, 0, kLength).ok());
+    absl::StatusOr<bool> r = Update(session->get(), Args(step), {0, 1000});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(*r);
+    VectorSink a(kOffset, kLength), b(kOffset, kLength);
+    absl::StatusOr<StepOutcome> outcome = (*session)->Commit(Args(step), &a);
+    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    EXPECT_EQ(outcome->early_updated, 0u);
+    ASSERT_TRUE(Plain("plain", step, g, Args(step), &b).ok());
+    EXPECT_EQ(a.out(), b.out()) << "step " << step << " seed " << seed_;
+  }
+  // The state as a checkpoint reads it (fp32, bf16 widened): the memory job's, bit for bit.
+  State read;
+  std::vector<float>* tensors[] = {&read.p, &read.m, &read.v};
+  const StateTensor kinds[] = {StateTensor::kMasterWeights, StateTensor::kExpAvg,
+                               StateTensor::kExpAvgSq};
+  for (int t = 0; t < 3; ++t) {
+    tensors[t]->resize(kLength);
+    ASSERT_TRUE(on_disk
+                    ->ReadState("early", kinds[t], DType::kFp32, kOffset, kLength, 5000,
+                                [&](int64_t offset, int64_t, const std::string& chunk) {
+                                  std::memcpy(tensors[t]->data() + (offset - kOffset), chunk.data(),
+                                              chunk.size());
+                                  return true;
+                                })
+                    .ok());
+  }
+  EXPECT_TRUE(read == Read("plain")) << "seed " << seed_;
 }
 
 // Malformed updates are refused, each with nothing changed, and the stream can still commit.

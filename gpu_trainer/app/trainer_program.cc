@@ -62,7 +62,7 @@ ABSL_FLAG(std::string, optimizer_state, "auto",
           "or disk (the server needs --state_dir)");
 ABSL_FLAG(std::string, state_dtype, "fp32",
           "the Adam moments on the optimizer: fp32 (12 bytes of state a parameter with the fp32 "
-          "master) or bf16 (8 bytes, kept in memory)");
+          "master) or bf16 (8 bytes, in memory or on the disk tier)");
 ABSL_FLAG(std::string, state_rounding, "stochastic",
           "how bf16 moments are stored: stochastic (unbiased; the same bits every run) or nearest");
 ABSL_FLAG(int, optimizer_threads, 0,

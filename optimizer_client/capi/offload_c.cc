@@ -113,10 +113,6 @@ absl::StatusOr<std::unique_ptr<OptimizerBackend>> MakeBackend(const OffloadConfi
     return absl::InvalidArgumentError(absl::StrCat("state_rounding ", c.state_rounding,
                                                    " is neither stochastic (0) nor nearest (1)"));
   }
-  if (c.state_dtype == OFFLOAD_BF16 && c.state_tier == OFFLOAD_TIER_DISK) {
-    return absl::InvalidArgumentError(
-        "bf16 optimizer state is kept in memory: the disk tier holds fp32 state only");
-  }
   std::unique_ptr<OptimizerBackend> backend;
   if (c.num_shards == 0) {
     if (c.state_tier == OFFLOAD_TIER_DISK) {

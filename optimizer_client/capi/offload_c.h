@@ -103,8 +103,8 @@ typedef struct {
   int32_t adam_form;
   /* The Adam moments' storage on the shards (CreateJobRequest.state_dtype): 0 or OFFLOAD_FP32
    * (12 bytes of state a parameter), or OFFLOAD_BF16 (8: fp32 master, bf16 moments), stored with
-   * state_rounding, OFFLOAD_ROUND_STOCHASTIC or OFFLOAD_ROUND_NEAREST. bf16 state is kept in
-   * memory only. */
+   * state_rounding, OFFLOAD_ROUND_STOCHASTIC or OFFLOAD_ROUND_NEAREST, in memory or on the disk
+   * tier. */
   int32_t state_dtype;
   int32_t state_rounding;
 } OffloadConfig;

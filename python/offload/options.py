@@ -43,8 +43,8 @@ class OffloadOptions:
       at close() and at write_trace().
     state_dtype: the servers' Adam moments: None or torch.float32 (fp32, 12 bytes of state a
       parameter with the fp32 master weights) or torch.bfloat16 (8 bytes; also "fp32", "bf16").
-      bf16 moments are kept in memory (``optimizer_state`` "disk" is refused) and the weights'
-      update is computed in fp32 from them; the checkpoint records which.
+      bf16 moments are kept so in memory and on the disk tier alike, and the weights' update is
+      computed in fp32 from them; the checkpoint records which.
     state_rounding: how bf16 moments are stored: "stochastic" (default; unbiased, the same bits
       on every run) or "nearest" (which freezes exp_avg_sq where beta2's decay is under half a
       bf16 ulp, as with beta2 = 0.999).
@@ -76,13 +76,10 @@ class OffloadOptions:
         if self.optimizer_state not in native.TIERS:
             raise ValueError(f"optimizer_state must be one of {sorted(native.TIERS)}, not "
                              f"{self.optimizer_state!r}")
-        state_dtype = _state_dtype_name(self.state_dtype)  # checks it
+        _state_dtype_name(self.state_dtype)  # checks it
         if self.state_rounding not in native.ROUNDINGS:
             raise ValueError(f"state_rounding must be one of {sorted(native.ROUNDINGS)}, not "
                              f"{self.state_rounding!r}")
-        if state_dtype == "bf16" and self.optimizer_state == "disk":
-            raise ValueError("state_dtype=bfloat16 keeps the state in memory: the disk tier "
-                             "holds fp32 state only (optimizer_state='disk')")
         if self.optimizer_cores is not None:
             object.__setattr__(self, "optimizer_cores", tuple(self.optimizer_cores))
 

@@ -4,7 +4,8 @@ parameter instead of 12), run by CTest as `torch_state_dtype_test`.
 - The moments the servers hold are bf16 values, and they change the run (it is not fp32 state
   under another name); stochastic and nearest rounding differ from each other.
 - Every run gives the same bits: again, through a local server instead of the in-process engine,
-  and with the update during backward (whose early update and commit round alike).
+  with the update during backward (whose early update and commit round alike), and with the
+  state on the server's disk tier (bf16 moments in its state files).
 - A checkpoint says which storage saved it, and resuming from it gives the uninterrupted run's
   bits; an fp32 checkpoint loads into bf16 state too.
 - What cannot be honoured is refused before anything starts.
@@ -91,6 +92,9 @@ class StateDtypeTest(unittest.TestCase):
                          "through a local server")
         self.assertEqual(first, run(state_dtype=torch.bfloat16, servers=None,
                                     update_in_backward=True)[0], "with the update in backward")
+        with tempfile.TemporaryDirectory() as d:
+            self.assertEqual(first, run(state_dtype=torch.bfloat16, servers=None, state_dir=d,
+                                        optimizer_state="disk")[0], "on the disk tier")
 
     def resumed(self, saving: Optional[torch.dtype], loading: Optional[torch.dtype]
                 ) -> Tuple[bytes, ockpt.Manifest]:
@@ -128,8 +132,7 @@ class StateDtypeTest(unittest.TestCase):
         for kwargs, words in [
                 (dict(state_dtype=torch.float16), "state_dtype"),
                 (dict(state_dtype="int8"), "state_dtype"),
-                (dict(state_dtype=torch.bfloat16, state_rounding="up"), "state_rounding"),
-                (dict(state_dtype=torch.bfloat16, optimizer_state="disk"), "disk")]:
+                (dict(state_dtype=torch.bfloat16, state_rounding="up"), "state_rounding")]:
             with self.subTest(**{k: str(v) for k, v in kwargs.items()}):
                 with self.assertRaisesRegex(ValueError, words):
                     otorch.AdamW(net.parameters(), servers="inprocess", **kwargs)
@@ -140,8 +143,7 @@ class StateDtypeTest(unittest.TestCase):
             weight_decay=0.0))
         for fields, words in [(dict(state_dtype=native.FP16), "state_dtype 2"),
                               (dict(state_dtype=native.BF16, state_rounding=5),
-                               "state_rounding 5"),
-                              (dict(state_dtype=native.BF16, state_tier=2), "disk tier")]:
+                               "state_rounding 5")]:
             config = native.OffloadConfig(
                 abi_version=native.ABI_VERSION, job_id=b"abi-refusal", num_params=64,
                 world_size=1, rank=0, create_job=1, dtype=native.BF16, num_groups=1,
