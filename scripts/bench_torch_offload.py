@@ -31,11 +31,12 @@ is timed three ways on the same batches:
           alike: the whole step of each against the synchronous one, with torch on --threads and
           again on one thread (the model leaving cores to the server, as on a GPU host), and on
           one thread with optimizer_cores (each local server on the last core alone, torch kept
-          to the others).
+          to the others). --overlap_priority idle runs the delayed and during-backward servers
+          on shared cores with server_priority="idle" (SCHED_IDLE).
 It prints one line per measure (median of --steps timed steps after --warmup) and the ratios.
 
     PYTHONPATH=python /usr/bin/python3 scripts/bench_torch_offload.py [--layers 12 --channels 832]
-        [--overlap_only] [--rounds 7 --block 2]
+        [--overlap_only] [--rounds 7 --block 2] [--overlap_priority normal|idle]
 """
 
 from __future__ import annotations
@@ -107,14 +108,15 @@ def overlap_fraction(trace_file: str) -> float:
 
 
 def overlap_medians(base, loss_of, threads: int, rounds: int, block: int,
-                    optimizer_cores=None) -> dict:
+                    optimizer_cores=None, priority: str = "normal") -> dict:
     """Whole-step medians of the synchronous, delayed and during-backward optimizers, in
     alternating blocks (see the module's docstring), with torch on `threads` threads; with
     `optimizer_cores`, each local server on those cores and this process on the others (for
-    good: run it last)."""
+    good: run it last); else the delayed and during-backward servers at `priority`."""
     torch.set_num_threads(threads)
-    modes = {"sync": {}, "delayed": dict(delay_update=True, delay_warmup_steps=0),
-             "during": dict(update_in_backward=True)}
+    overlapped = dict(server_priority=priority) if optimizer_cores is None else {}
+    modes = {"sync": {}, "delayed": dict(delay_update=True, delay_warmup_steps=0, **overlapped),
+             "during": dict(update_in_backward=True, **overlapped)}
     runs = {}
     for mode, kw in modes.items():
         model = copy.deepcopy(base)
@@ -140,7 +142,8 @@ def overlap_all(base, loss_of, args) -> dict:
     last core alone (last: the placement moves this process off that core for good)."""
     runs = {}
     for t in sorted({args.threads, 1}, reverse=True):
-        runs[(t, None)] = overlap_medians(base, loss_of, t, args.rounds, args.block)
+        runs[(t, None)] = overlap_medians(base, loss_of, t, args.rounds, args.block,
+                                          priority=args.overlap_priority)
         if args.overlap_only:
             print_overlap({(t, None): runs[(t, None)]}, args)
     cores = sorted(os.sched_getaffinity(0))
@@ -155,7 +158,8 @@ def overlap_all(base, loss_of, args) -> dict:
 
 def print_overlap(runs: dict, args) -> None:
     for (t, core), m in runs.items():
-        placed = "shared" if core is None else f"server_on_core={core}"
+        placed = (f"shared priority={args.overlap_priority}" if core is None
+                  else f"server_on_core={core}")
         print(f"overlap threads={t} {placed} sync_s={m['sync']:.4f} delayed_s={m['delayed']:.4f} "
               f"during_s={m['during']:.4f} delayed_vs_sync={m['sync'] / m['delayed']:.3f}x "
               f"during_vs_sync={m['sync'] / m['during']:.3f}x (alternating blocks of "
@@ -176,6 +180,9 @@ def main() -> None:
                     help="overlap: blocks of each optimizer (after one warm-up block)")
     ap.add_argument("--block", type=int, default=2, help="overlap: steps per block")
     ap.add_argument("--overlap_only", action="store_true", help="only the overlap lines")
+    ap.add_argument("--overlap_priority", choices=("normal", "idle"), default="normal",
+                    help="overlap: server_priority of the delayed and during-backward servers "
+                         "on shared cores")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch's threads (Debian's torch takes one per physical core); the "
                     "local server takes every core")

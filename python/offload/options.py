@@ -52,6 +52,12 @@ class OffloadOptions:
       pinned to them, one each (``threads`` 0: one worker per core), and this process's threads
       keep to the other cores, torch's intra-op threads lowered to their number where more
       (``offload.placement``). None: both use every core.
+    server_priority: the local server's scheduling (servers=None): "normal" (default), or
+      "idle" (SCHED_IDLE: it runs only on cycles no other process wants, so the update it
+      overlaps with this process's forward and backward, ``update_in_backward`` or
+      ``delay_update``, takes only what torch leaves, and its commit, which this process waits
+      for, gets the cores then). Only where this process is the machine's one busy neighbour:
+      beside other busy processes an idle server gets almost nothing.
     """
 
     servers: Any = None
@@ -71,6 +77,7 @@ class OffloadOptions:
     optimizer_cores: Optional[Tuple[int, ...]] = None
     state_dtype: Any = None
     state_rounding: str = "stochastic"
+    server_priority: str = "normal"
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in native.TIERS:
@@ -80,6 +87,9 @@ class OffloadOptions:
         if self.state_rounding not in native.ROUNDINGS:
             raise ValueError(f"state_rounding must be one of {sorted(native.ROUNDINGS)}, not "
                              f"{self.state_rounding!r}")
+        if self.server_priority not in ("normal", "idle"):
+            raise ValueError(f"server_priority must be 'normal' or 'idle', not "
+                             f"{self.server_priority!r}")
         if self.optimizer_cores is not None:
             object.__setattr__(self, "optimizer_cores", tuple(self.optimizer_cores))
 
@@ -138,13 +148,16 @@ class OffloadOptions:
                 server_cpus = placement.process_cores()
             server = LocalServer(threads=self.threads, state_dir=self.state_dir,
                                  memory_limit_mib=self.server_memory_mib, extra_flags=extra,
-                                 cpus=server_cpus)
+                                 cpus=server_cpus, idle=self.server_priority == "idle")
             if trainer_cores is not None:
                 placement.keep_off(trainer_cores)
             return [server.address], server.token, server
         if self.state_dir is not None:
             raise ValueError("state_dir= is the local server's (servers=None); running servers "
                              "have their own --state_dir")
+        if self.server_priority != "normal":
+            raise ValueError("server_priority= is the local server's (servers=None); running "
+                             "servers and the in-process engine keep their own scheduling")
         if isinstance(servers, str):
             if servers == "inprocess":
                 if world > 1:

@@ -44,18 +44,36 @@ def _die_with_parent(parent: int, cpus: Optional[List[int]] = None) -> Callable[
     return run
 
 
+def _make_idle(pid: int) -> None:
+    """Every thread of process `pid` under SCHED_IDLE (lowering needs no privilege); the threads
+    they start later inherit it. Again until a pass finds none left, for a thread started by one
+    not yet moved while the pass ran."""
+    while True:
+        moved = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
+                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+                    moved += 1
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        if moved == 0:
+            return
+
+
 class LocalServer:
     """One cpu_optimizer_server child; ``address`` and ``token`` reach it."""
 
     def __init__(self, threads: int = 0, memory_limit_mib: int = 0, start_timeout: float = 60.0,
                  extra_flags: Optional[List[str]] = None, token: Optional[str] = None,
                  state_dir: Optional[str] = None, state_memory_mib: int = 0,
-                 cpus: Optional[List[int]] = None):
+                 cpus: Optional[List[int]] = None, idle: bool = False):
         """state_dir: the server's disk tier (``--state_dir``): jobs whose state does not fit
         memory_limit_mib, or that ask for the disk, keep it in files there, streamed through a
         ring of state_memory_mib (0: the server's default). cpus: the cores the server may run
         on, where not this process's (offload.placement: this process may have been moved off
-        the cores its server is to have)."""
+        the cores its server is to have). idle: run the server under SCHED_IDLE, on the cycles no
+        other process of the machine wants (OffloadOptions.server_priority)."""
         self.token = token or secrets.token_hex(16)
         self._log = tempfile.NamedTemporaryFile(prefix="offload-server-", suffix=".log",
                                                 delete=False)
@@ -77,6 +95,8 @@ class LocalServer:
         self._finalizer = weakref.finalize(self, LocalServer._stop, self.process, self._log.name)
         atexit.register(self._finalizer)
         self.address = self._wait_for_port(start_timeout)
+        if idle:  # once started: its start-up does not wait for an idle machine
+            _make_idle(self.process.pid)
 
     def _wait_for_port(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout

@@ -117,7 +117,9 @@ class AdamW(torch.optim.Optimizer):
         optimizer_state ("auto", "memory" or "disk"), server_memory_mib, trace_file,
         optimizer_cores (cores for the local server alone; this process keeps to the others),
         state_dtype (torch.bfloat16: the servers keep the Adam moments in bf16, 8 bytes of
-        state a parameter instead of 12) and state_rounding ("stochastic" or "nearest").
+        state a parameter instead of 12), state_rounding ("stochastic" or "nearest") and
+        server_priority (the local server's scheduling: "normal", or "idle": SCHED_IDLE, so an
+        update overlapped with the model takes only the cycles torch leaves).
         Each is also a keyword here; one given both ways is refused.
       max_grad_norm: clip the global gradient norm every step (0: off);
         ``clip_grad_norm_`` sets it for one step.
@@ -221,7 +223,7 @@ class AdamW(torch.optim.Optimizer):
                  max_resident_bytes: int = 0, persist_elements: Optional[int] = None,
                  blocks: Any = None, optimizer_cores: Optional[Sequence[int]] = None,
                  state_dtype: Optional[torch.dtype] = None, state_rounding: str = "stochastic",
-                 _values: Optional[Values] = None):
+                 server_priority: str = "normal", _values: Optional[Values] = None):
         _check_arguments(lr, betas, eps, weight_decay, amsgrad, dtype)
         options = (options or OffloadOptions()).with_keywords(dict(
             servers=servers, token=token, transport=transport, threads=threads, job_id=job_id,
@@ -229,7 +231,7 @@ class AdamW(torch.optim.Optimizer):
             call_timeout=call_timeout, state_dir=state_dir, optimizer_state=optimizer_state,
             server_memory_mib=server_memory_mib, trace_file=trace_file,
             optimizer_cores=optimizer_cores, state_dtype=state_dtype,
-            state_rounding=state_rounding))
+            state_rounding=state_rounding, server_priority=server_priority))
         _check_stage(zero_stage, model, blocks, max_resident_bytes, persist_elements)
         params, names = split_names(params)
         self._building = True

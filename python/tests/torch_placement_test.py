@@ -1,6 +1,7 @@
 """optimizer_cores= (offload.placement): the local server's Adam workers on the given cores, this
 process's threads on the others, torch's intra-op threads no more than those, and the same bits as
 without it; and every list that cannot be honoured is refused before anything starts.
+server_priority="idle": the local server under SCHED_IDLE, with the same bits.
 
 Each placed run is a child process: the placement moves the whole process's threads.
 """
@@ -87,6 +88,60 @@ class PlacementTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "running server takes --optimizer_cores"):
             otorch.AdamW(param, optimizer_cores=allowed[-1:], servers="inprocess")
         self.assertEqual(os.sched_getaffinity(0), before)  # nothing was moved
+
+
+def _policies(pid: int) -> set:
+    """The scheduling policy of every thread of process `pid`."""
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+class ServerPriorityTest(unittest.TestCase):
+    """server_priority="idle": every thread of the local server under SCHED_IDLE, "normal" (the
+    default) as started, for synchronous and overlapping jobs; the same bits either way; what
+    cannot be honoured is refused."""
+
+    def weights_and_policies(self, steps: int = 2, **kwargs) -> tuple:
+        """The master weights' CRC after `steps` steps and the server's threads' policies. An idle
+        server runs only on cycles nothing else wants: tests running beside this one can starve
+        it, so the idle runs here are short."""
+        import zlib
+        torch = otorch.torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        opt = otorch.AdamW(model.parameters(), lr=1e-2, **kwargs)
+        try:
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            for _ in range(steps):
+                opt.zero_grad()
+                opt.backward(model(x).float().square().mean())
+                opt.step()
+            opt.flush()
+            return zlib.crc32(opt.master_weights().numpy().tobytes()), _policies(opt._server.pid)
+        finally:
+            opt.close()
+
+    def test_idle_when_asked_with_the_same_bits(self) -> None:
+        idle, other = {os.SCHED_IDLE}, {os.SCHED_OTHER}
+        sync_bits, policies = self.weights_and_policies()
+        self.assertEqual(policies, other, "the default")
+        normal_bits, policies = self.weights_and_policies(update_in_backward=True)
+        self.assertEqual(policies, other, "the default, update_in_backward")
+        self.assertEqual(normal_bits, sync_bits)
+        during_bits, policies = self.weights_and_policies(update_in_backward=True,
+                                                          server_priority="idle")
+        self.assertEqual(policies, idle, "idle, update_in_backward")
+        self.assertEqual(during_bits, normal_bits)
+        _, policies = self.weights_and_policies(steps=0, delay_update=True, server_priority="idle")
+        self.assertEqual(policies, idle, "idle, delay_update")
+
+    def test_what_cannot_be_honoured_is_refused(self) -> None:
+        param = [otorch.torch.nn.Parameter(otorch.torch.zeros(4, dtype=otorch.torch.bfloat16))]
+        with self.assertRaisesRegex(ValueError, "server_priority must be"):
+            otorch.AdamW(param, server_priority="low")
+        for servers in ("inprocess", ["127.0.0.1:1"]):
+            with self.subTest(servers=servers):
+                with self.assertRaisesRegex(ValueError, "local server's"):
+                    otorch.AdamW(param, server_priority="idle", servers=servers)
 
 
 if __name__ == "__main__":
