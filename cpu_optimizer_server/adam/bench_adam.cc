@@ -452,12 +452,11 @@ absl::Status RunDisk(const Flags& flags, DType moments) {
   std::printf(
       "# bench_adam --state_dir: one fp16 job of n=%lld params, %s moments (%lld bytes of state "
       "per pass, read then written back), %d threads, %s, ring of %d slots x %lld elements x 3 "
-      "tensors "
-      "(%lld MiB). Per iteration, in turn: disk = StepSession::Commit of a full step with the "
-      "state in a state file (O_DIRECT, io_uring); bound = the same bytes in the same per-tensor "
-      "transfers through the same slots by a bare io_uring loop, no compute; memory = the same "
-      "step on a store in memory. Best and median of %d timed iterations after 1 warm-up; dd = "
-      "sequential O_DIRECT 8 MiB blocks (write + fdatasync, then read), once.\n",
+      "tensors (%lld MiB). Per iteration, in turn: disk = StepSession::Commit of a full step "
+      "with the state in a state file (O_DIRECT, io_uring); bound = the same bytes in the same "
+      "per-tensor transfers through the same slots by a bare io_uring loop, no compute; memory = "
+      "the same step on a store in memory. Best and median of %d timed iterations after 1 "
+      "warm-up; dd = sequential O_DIRECT 8 MiB blocks (write + fdatasync, then read), once.\n",
       static_cast<long long>(n), std::string(DTypeName(moments)).c_str(),
       static_cast<long long>(pass_bytes), pool.num_threads(),
       std::string(SimdPathName(BestSimdPath())).c_str(), slots, static_cast<long long>(wave),
@@ -564,9 +563,8 @@ absl::Status RunDisk(const Flags& flags, DType moments) {
               static_cast<long long>(pass_bytes), "-", "-");
   std::printf(
       "adam_disk n=%lld state_dtype=%s state_gb=%.3f slots=%d wave=%lld pass_s=%.3f "
-      "pass_s_median=%.3f "
-      "pass_gbps=%.3f bound_s=%.3f bound_gbps=%.3f ratio_to_bound=%.3f memory_pass_s=%.3f "
-      "ratio_to_memory=%.3f dd_write_gbps=%.3f dd_read_gbps=%.3f\n",
+      "pass_s_median=%.3f pass_gbps=%.3f bound_s=%.3f bound_gbps=%.3f ratio_to_bound=%.3f "
+      "memory_pass_s=%.3f ratio_to_memory=%.3f dd_write_gbps=%.3f dd_read_gbps=%.3f\n",
       static_cast<long long>(n), std::string(DTypeName(moments)).c_str(),
       StateBytesPerElement(moments) * n * 1e-9, slots, static_cast<long long>(wave), Best(disk_s),
       Median(disk_s), gbps(disk_best), Best(bound_s), gbps(bound_best),

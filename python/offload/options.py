@@ -43,7 +43,7 @@ class OffloadOptions:
       at close() and at write_trace().
     state_dtype: the servers' Adam moments: None or torch.float32 (fp32, 12 bytes of state a
       parameter with the fp32 master weights) or torch.bfloat16 (8 bytes; also "fp32", "bf16").
-      bf16 moments are kept so in memory and on the disk tier alike, and the weights' update is
+      bf16 moments stay bf16 in memory and on the disk tier alike, and the weights' update is
       computed in fp32 from them; the checkpoint records which.
     state_rounding: how bf16 moments are stored: "stochastic" (default; unbiased, the same bits
       on every run) or "nearest" (which freezes exp_avg_sq where beta2's decay is under half a
