@@ -6,13 +6,14 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/thread_pool.h"
 
 namespace offload {
@@ -21,9 +22,12 @@ namespace {
 
 constexpr char kServerDirPrefix[] = "server-";
 constexpr char kLockName[] = "lock";
+constexpr char kRootLockName[] = ".lock";
+constexpr absl::Duration kRootLockWait = absl::Seconds(60);
 
 // Removes the directories under `state_dir` of servers that are gone: whoever made one holds
-// its lock until it exits, so a lock we can take belongs to nobody.
+// its lock until it exits, so a lock we can take belongs to nobody. Runs under the root's lock,
+// as every claim does, so a directory without a lock file is one whose maker died making it.
 void RemoveAbandonedDirs(const std::filesystem::path& state_dir) {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(state_dir, ec)) {
@@ -33,10 +37,42 @@ void RemoveAbandonedDirs(const std::filesystem::path& state_dir) {
     }
     const std::string lock = (entry.path() / kLockName).string();
     const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;  // being made right now, or not ours
+    if (fd < 0) {
+      if (errno == ENOENT) std::filesystem::remove_all(entry.path(), ec);
+      continue;
+    }
     if (::flock(fd, LOCK_EX | LOCK_NB) == 0) std::filesystem::remove_all(entry.path(), ec);
     ::close(fd);
   }
+}
+
+// The lock on the state root, held while a server sweeps it and claims a directory of its own.
+// Without it a sibling starting at the same moment could find the new directory between its
+// creation and its owner's flock, take the free lock and remove a live server's state.
+absl::StatusOr<int> LockRoot(const std::filesystem::path& root) {
+  const std::string path = (root / kRootLockName).string();
+  // Read-only is enough for flock, and lets servers of other users share the root.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  // Claims take milliseconds; a holder stuck for a minute is hung, and waiting on forever would
+  // hang this server's start with it.
+  const absl::Time deadline = absl::Now() + kRootLockWait;
+  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if ((err != EWOULDBLOCK && err != EINTR) || absl::Now() > deadline) {
+      ::close(fd);
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot lock ", path, ": ",
+                       err == EWOULDBLOCK ? absl::StrCat("another server has held it for over ",
+                                                         absl::FormatDuration(kRootLockWait))
+                                          : std::strerror(err)));
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return fd;
 }
 
 }  // namespace
@@ -62,23 +98,28 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
     return absl::FailedPreconditionError(
         absl::StrCat("cannot make --state_dir ", options.state_dir, ": ", ec.message()));
   }
+  absl::StatusOr<int> root_fd = LockRoot(root);
+  if (!root_fd.ok()) return root_fd.status();
   RemoveAbandonedDirs(root);
-  const auto stamp = std::chrono::steady_clock::now().time_since_epoch().count();
-  const std::filesystem::path dir =
-      root / absl::StrCat(kServerDirPrefix, ::getpid(), "-", stamp % 1000000007);
-  std::filesystem::create_directory(dir, ec);
-  if (ec) {
+  // mkdtemp: a name no sibling has, made atomically.
+  std::string dir_name = (root / absl::StrCat(kServerDirPrefix, ::getpid(), "-XXXXXX")).string();
+  if (::mkdtemp(dir_name.data()) == nullptr) {
+    const int err = errno;
+    ::close(*root_fd);
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot make ", dir.string(), ": ", ec.message()));
+        absl::StrCat("cannot make ", dir_name, ": ", std::strerror(err)));
   }
+  const std::filesystem::path dir(dir_name);
   const std::string lock = (dir / kLockName).string();
   const int lock_fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (lock_fd < 0 || ::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
+  const bool locked = lock_fd >= 0 && ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0;
+  const int lock_err = errno;
+  ::close(*root_fd);  // the directory is claimed: a sweep now finds its lock taken
+  if (!locked) {
     if (lock_fd >= 0) ::close(lock_fd);
     std::filesystem::remove_all(dir, ec);
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot lock ", lock, ": ", std::strerror(err)));
+        absl::StrCat("cannot lock ", lock, ": ", std::strerror(lock_err)));
   }
   auto fail = [&](absl::Status s) {
     ::close(lock_fd);

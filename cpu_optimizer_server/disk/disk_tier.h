@@ -43,7 +43,8 @@ class DiskTier {
  public:
   // Makes state_dir (and its parents) and a directory of this server's own in it, holding a
   // lock for as long as the server lives; removes the directories of servers that died without
-  // removing theirs (their lock is free). Several servers may share one state_dir.
+  // removing theirs (their lock is free). Several servers may share one state_dir and start
+  // together: the sweep and the claim run under a lock on state_dir/.lock.
   static absl::StatusOr<std::unique_ptr<DiskTier>> Open(const DiskTierOptions& options);
   ~DiskTier();  // removes this server's directory
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -154,6 +155,72 @@ TEST(DiskTier, ADeadServersDirectoryGoesAndALiveOnesStays) {
   const std::string mine = (*second)->dir();
   second->reset();
   EXPECT_FALSE(std::filesystem::exists(mine));
+}
+
+// Servers of one node share the state root and start together (a pool or StatefulSet restart):
+// one's sweep of abandoned directories must never take a sibling's directory in the moment
+// between its creation and its lock. Each round forks the servers, lets them all open at once,
+// and checks, while every one of them still lives, that each one's directory is there.
+TEST(DiskTier, ServersOpeningTogetherNeverRemoveEachOther) {
+  TempDir dir;
+  const std::string root = dir.path() + "/state";
+  constexpr int kServers = 8;
+  constexpr int kRounds = 150;
+  for (int round = 0; round < kRounds; ++round) {
+    int start[2], opened[2], check[2];
+    ASSERT_EQ(::pipe(start), 0);
+    ASSERT_EQ(::pipe(opened), 0);
+    ASSERT_EQ(::pipe(check), 0);
+    std::vector<pid_t> children;
+    for (int i = 0; i < kServers; ++i) {
+      const pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        // The child: exit codes say what went wrong (1 open, 2 gone, 3 file), 0 all well.
+        ::close(start[1]);
+        ::close(opened[0]);
+        ::close(check[1]);
+        char c;
+        (void)!::read(start[0], &c, 1);  // returns when the parent closes its end: all go
+        auto tier = DiskTier::Open(SmallTier(root, 3));
+        (void)!::write(opened[1], "x", 1);
+        (void)!::read(check[0], &c, 1);  // every sibling has opened
+        int code = 0;
+        if (!tier.ok()) {
+          code = 1;
+        } else if (!std::filesystem::exists((*tier)->dir())) {
+          code = 2;
+        } else if (!(*tier)->CreateStateFile("job", 0, kWave, false, DType::kFp32).ok()) {
+          code = 3;
+        }
+        if (tier.ok()) tier->reset();  // _exit runs no destructors: the server's own exit
+        ::_exit(code);
+      }
+      children.push_back(pid);
+    }
+    ::close(start[0]);
+    ::close(opened[1]);
+    ::close(check[0]);
+    ::close(start[1]);
+    char c;
+    for (int i = 0; i < kServers; ++i) ASSERT_EQ(::read(opened[0], &c, 1), 1);
+    ::close(opened[0]);
+    ::close(check[1]);
+    for (pid_t pid : children) {
+      int status = 0;
+      ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+      ASSERT_TRUE(WIFEXITED(status));
+      EXPECT_EQ(WEXITSTATUS(status), 0)
+          << "round " << round << ": "
+          << (WEXITSTATUS(status) == 1   ? "a server could not open the tier"
+              : WEXITSTATUS(status) == 2 ? "a sibling removed a live server's directory"
+                                         : "a server could not make a state file in its directory");
+    }
+  }
+  // Every server closed its tier as it exited; no directory is left behind.
+  for (const auto& entry : std::filesystem::directory_iterator(root)) {
+    EXPECT_FALSE(entry.is_directory()) << entry.path() << " was left";
+  }
 }
 
 // A pass over a file of `n` elements with `slots` slots and `moments` moments that adds 1 to every

@@ -462,6 +462,16 @@ void ConfigureRestServer(httplib::Server& server, JobApi* api, const Identities*
     const_cast<httplib::Request&>(req).ranges.clear();
     RestRoutes(api, identities, req).Route(req, res);
   };
+  // A request with neither Content-Length nor Transfer-Encoding has an empty body (RFC 9112
+  // 6.3), which is what `curl -X POST .../jobs/ID:cancel` sends. httplib (0.11) reads such a
+  // body until the client closes, so the action waited out the read timeout and answered 400.
+  // The pre-routing handler runs before the body is read, on httplib's own non-const request.
+  server.set_pre_routing_handler([](const httplib::Request& req, httplib::Response&) {
+    if (!req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
+      const_cast<httplib::Request&>(req).headers.emplace("Content-Length", "0");
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
   server.Get(".*", handler);
   server.Post(".*", handler);
   server.Put(".*", handler);
