@@ -13,6 +13,9 @@
 #      b. only the trainers' path to a shard is cut (blackhole routes; the server still reaches
 #         the controller): a rank fails by itself, UNAVAILABLE naming the shard, within the bound
 #         of the shard channel's gRPC keepalive, and the job restarts and succeeds;
+#      c. an optimizer server is stopped (SIGSTOP) mid-step: the attempt ends within the bound of
+#         2a; the server, continued, rejoins; the job restarts from its checkpoint and ends
+#         byte-identical to the same job run without the stop;
 #   3. the controller's port goes down during a running attempt:
 #      a. for longer than a heartbeat interval and well within the heartbeat timeout: the ranks
 #         keep stepping meanwhile, and the same attempt ends SUCCEEDED once the link is back;
@@ -359,6 +362,32 @@ grep -qE "$shard_error" <<<"$(events "$job")" ||
 echo "a rank failed UNAVAILABLE naming ${addr[s2]}:50051; attempt 2 resumed at step" \
   "$(resumed_at "$job" 2) and succeeded"
 
+step "2c. an optimizer server stops (SIGSTOP) mid-step; it is continued once the ranks are gone"
+# The reference: the same job, uninterrupted, for the bytes the restarted one must end with.
+job=$(submit straight-2c grpc 200 "$work/ckpt-2c-straight")
+wait_state "$job" JOB_STATE_SUCCEEDED 90
+job=$(submit stop-server grpc 200 "$work/ckpt-2c")
+wait_step "$job" 1 45 60
+kill -STOP "${server_pid[s2]}"
+cut_begins
+# Its sockets stay open and the kernel still acknowledges what the ranks send, so TCP notices
+# nothing; its worker's heartbeats stop with it, so the controller's path of 2a ends the attempt
+# (3 s + 6 s + 3 x 0.2 s), before the rank's keepalive (10 s + 5 s) and step timeout (60 s). Here
+# no rank cuts it short as in 2a: the whole path runs, and the bound allows it 3 s of delay.
+bound_2c=$((3 * heartbeat_timeout_s + 4))
+wait_ranks_gone $bound_2c
+took_2c=$took
+echo "both ranks gone ${took_2c} s after the stop (bound ${bound_2c} s)"
+# Continued, the server is a live member again: the old attempt's streams are gone and its job is
+# dropped, so whatever it still held must not reach attempt 2, which may well run on it.
+kill -CONT "${server_pid[s2]}"
+wait_state "$job" JOB_STATE_SUCCEEDED 90
+[ "$(attempt_of "$job")" = 2 ] || fail "job $job ended in attempt $(attempt_of "$job")"
+[ -n "$(resumed_at "$job" 2)" ] || fail "attempt 2 did not resume"
+steps=200 same_checkpoint "$work/ckpt-2c-straight" "$work/ckpt-2c" "a server stopped and continued"
+echo "attempt 2 resumed at step $(resumed_at "$job" 2) and ended byte-identical to the" \
+  "uninterrupted run"
+
 # cut_controller JOB SECONDS: the controller's port goes down for SECONDS while attempt 1 of JOB
 # runs; checks that its rank 0 keeps stepping meanwhile. Sets $before and $stepped.
 cut_controller() {
@@ -409,5 +438,6 @@ echo "the controller lost every worker for the cut and took them back; attempt 1
   "succeeded"
 
 echo "multihost_test: PASS in $(since "$test_start") s (server cut: ranks gone in ${took_2a} s," \
-  "bound ${bound_2a} s; path cut: ${took_2b} s, bound ${bound_2b} s; auto picks" \
+  "bound ${bound_2a} s; path cut: ${took_2b} s, bound ${bound_2b} s; server stopped:" \
+  "${took_2c} s, bound ${bound_2c} s; auto picks" \
   "$auto_shared with a shared /dev/shm, $auto_private without)"

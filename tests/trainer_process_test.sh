@@ -6,6 +6,8 @@
 #   - a run killed with kill -9 after a checkpoint and resumed equals the straight run;
 #   - Ctrl-C (SIGINT to the launcher) checkpoints, leaves no processes and no half-written
 #     files, and the resumed run equals the straight run too;
+#   - a server stopped with SIGSTOP mid-run is named within the step timeout, and the resumed
+#     run equals the straight run;
 #   - a missing data file fails with a message naming it.
 set -euo pipefail
 launcher=$1
@@ -68,8 +70,35 @@ job "$work/c2.log" --checkpoint_dir="$work/c" --resume
 wait "$launched" || fail "the run resumed after Ctrl-C failed"
 same_checkpoint "$work/a" "$work/c" "Ctrl-C and resume"
 
-# 5. Bad input: a clear error, non-zero.
+# 5. A server stopped (SIGSTOP) mid-run: alive to the kernel, its sockets open, silent. The
+# trainer gives up within its step timeout (10x its median step, at least 2 s here) naming the
+# shard; the stopped server is continued while its job ends; the resumed run (on new servers)
+# equals the straight run.
+job "$work/e1.log" --checkpoint_dir="$work/e" --checkpoint_every=20 --shard_step_timeout_floor=2s
+wait_for_checkpoint "$work/e"
+victim=$(pgrep -P "$launched" -f -- "^$server " | head -1)
+[ -n "$victim" ] || fail "no server of the job to stop"
+kill -STOP "$victim"
+waited=0
+until grep -q "no answer within 2s" "$work/e1.log"; do
+  [ "$waited" -lt 300 ] || fail "the trainer did not name the stopped server within 30 s"
+  sleep 0.1
+  waited=$((waited + 1))
+done
+kill -CONT "$victim"
+wait "$launched" && fail "the job whose server stopped answering succeeded"
+grep -q "optimizer shard 127.0.0.1:[0-9]*.*no answer within 2s" "$work/e1.log" ||
+  fail "the error does not name the shard: $(grep -m1 "no answer" "$work/e1.log")"
+no_processes_left
+job "$work/e2.log" --checkpoint_dir="$work/e" --resume
+wait "$launched" || fail "the run resumed after the stopped server failed"
+grep -q "resumed from" "$work/e2.log" || fail "the run after the stopped server did not resume"
+same_checkpoint "$work/a" "$work/e" "a server stopped mid-run and resume"
+stopped_after="$((waited / 10)).$((waited % 10)) s"
+
+# 6. Bad input: a clear error, non-zero.
 job "$work/d.log" --data="$work/missing.txt"
 wait "$launched" && fail "a missing data file did not fail"
 grep -q "missing.txt" "$work/d.log" || fail "the error does not name the missing file"
-echo "trainer_process_test: all cases passed (killed run resumed at step $resumed_at)"
+echo "trainer_process_test: all cases passed (killed run resumed at step $resumed_at; a stopped" \
+  "server named $stopped_after after the stop)"

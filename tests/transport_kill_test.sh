@@ -5,7 +5,10 @@
 #       while stepping flat out): the server keeps serving, a new trainer process completes the
 #       same step number, and no /dev/shm/offload* entry remains;
 #   (b) the server is killed -9 mid-exchange (the same two ways): the trainer exits non-zero with
-#       an UNAVAILABLE error within 20 s, never hangs.
+#       an UNAVAILABLE error within 20 s, never hangs;
+#   (c) the server is stopped (SIGSTOP) mid-exchange: the trainer fails within its step timeout
+#       saying the shard gave no answer, and the server, continued, serves the next trainer from
+#       where the stopped one left off.
 # A plane the build lacks (ucx without libucx-dev) is skipped (the peer exits 77).
 set -euo pipefail
 server_bin=$1
@@ -151,6 +154,31 @@ run_plane() {
   grep -q "UNAVAILABLE" "$work/$plane-b2.log" || fail "no UNAVAILABLE error: $(tail -2 "$work/$plane-b2.log")"
   no_new_shm_entries
   echo "trainer gave up $((waited / 10)).$((waited % 10)) s after the kill: $(tail -1 "$work/$plane-b2.log")"
+
+  echo "(c) server stopped (SIGSTOP) while the trainer steps flat out, continued after"
+  # Alive to the kernel and its sockets open, it answers nothing: only the step timeout (here
+  # 10x a step of milliseconds, at least 3 s) finds it before keepalive does (10 s + 5 s).
+  start_tracked_server "$work/$plane-server3.log"
+  peer "$work/$plane-c.log" --steps=1000000 --step_timeout_floor=3s
+  wait_for_line "$work/$plane-c.log" "^peer step=5 "
+  kill -STOP "$server_pid"
+  wait_bounded "$peer_pid"
+  kill -CONT "$server_pid"
+  [ "$rc" -ne 0 ] || fail "the trainer exited 0 while its server was stopped"
+  grep -q "no answer within 3s" "$work/$plane-c.log" ||
+    fail "the error does not say the shard did not answer: $(tail -2 "$work/$plane-c.log")"
+  echo "trainer gave up $((waited / 10)).$((waited % 10)) s after the stop: $(tail -1 "$work/$plane-c.log")"
+  # Running again, the server is consistent: a new trainer goes on from where the old one stopped.
+  last=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-c.log" | tail -1)
+  peer "$work/$plane-c-next.log" --steps=2
+  wait_bounded "$peer_pid"
+  [ "$rc" -eq 0 ] || fail "a new trainer could not step on the continued server (rc=$rc)"
+  first=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-c-next.log" | head -1)
+  # The stopped commit may have been taken before the stop and applied after it.
+  [ "$first" -eq $((last + 1)) ] || [ "$first" -eq $((last + 2)) ] ||
+    fail "after step $last the next run began at step $first"
+  kill9 "$server_pid"
+  no_new_shm_entries
 }
 
 planes=${TRANSPORT_KILL_PLANES:-grpc shm ucx ucx-tcp}

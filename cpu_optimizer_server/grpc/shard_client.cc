@@ -217,6 +217,11 @@ absl::StatusOr<std::unique_ptr<StepStream>> ShardClient::OpenStep(const std::str
   std::unique_ptr<GrpcStepStream> s(new GrpcStepStream());
   s->context_ = std::make_unique<grpc::ClientContext>();
   Prepare(s->context_.get());
+  // The call timeout bounds the whole stream; the step timeout each wait on the shard inside it.
+  s->opened_ = absl::Now();
+  s->limit_ = step_timeout_.Get();
+  s->watch_ = std::make_unique<StallMonitor::Watch>(s->context_.get());
+  stall_monitor_.Add(s->watch_.get());
   const size_t channel = Next();
   s->stream_.reset(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
@@ -234,7 +239,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> ShardClient::OpenStep(const std::str
   open->set_step(step);
   if (!s->WriteMessage(s->request_)) {
     s->done_ = true;
-    return FromGrpcStatus(s->stream_->Finish());
+    return s->Finish();
   }
   return std::unique_ptr<StepStream>(std::move(s));
 }
@@ -245,8 +250,15 @@ ShardClient::Attach(grpc::ClientContext* context) {
   return NextStub()->Attach(context);
 }
 
+bool GrpcStepStream::Write(const grpc::ByteBuffer& message) {
+  watch_->Begin(limit_);
+  const bool written = stream_->Write(message);
+  watch_->End();
+  return written;
+}
+
 bool GrpcStepStream::WriteMessage(const v1::StepRequest& request) {
-  return stream_->Write(SerializedMessage(request));
+  return Write(SerializedMessage(request));
 }
 
 absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
@@ -278,11 +290,11 @@ absl::Status GrpcStepStream::SendGradients(int64_t offset, const void* data, DTy
       char* copy = buffer->data();
       payload = SharedSlice(std::move(buffer), copy, m * size);
     }
-    if (!stream_->Write(GradChunkMessage(static_cast<uint64_t>(offset + done), wire_dtype,
-                                         accumulate, payload))) {
+    if (!Write(GradChunkMessage(static_cast<uint64_t>(offset + done), wire_dtype, accumulate,
+                                payload))) {
       // The shard ended the stream (a refused chunk): its status says why.
       done_ = true;
-      return FromGrpcStatus(stream_->Finish());
+      return Finish();
     }
   }
   return absl::OkStatus();
@@ -358,7 +370,7 @@ absl::Status GrpcStepStream::UpdateEarly(int64_t offset, int64_t n, uint64_t t, 
   update->mutable_group_lr()->Assign(group_lr.begin(), group_lr.end());
   if (!WriteMessage(request_)) {
     done_ = true;
-    return FromGrpcStatus(stream_->Finish());
+    return Finish();
   }
   return absl::OkStatus();
 }
@@ -392,8 +404,10 @@ absl::StatusOr<v1::StepResult> GrpcStepStream::CommitAndReceive(
   commit->set_grad_multiplier(grad_multiplier);
   commit->set_skip(skip);
   done_ = true;
-  if (!WriteMessage(request_)) return FromGrpcStatus(stream_->Finish());
+  if (!WriteMessage(request_)) return Finish();
+  watch_->Begin(limit_);
   stream_->WritesDone();
+  watch_->End();
   v1::StepResult result;
   bool have_result = false;
   absl::Status bad_chunk;
@@ -409,14 +423,19 @@ absl::StatusOr<v1::StepResult> GrpcStepStream::CommitAndReceive(
     return out + at * 2;
   };
   grpc::ByteBuffer response;
-  while (stream_->Read(&response)) {
+  for (;;) {
+    // Each wave is a wait on the shard's Adam pass.
+    watch_->Begin(limit_);
+    const bool read = stream_->Read(&response);
+    watch_->End();
+    if (!read) break;
     bad_chunk = ReadStepResponse(&response, placement, &result, &have_result);
     if (!bad_chunk.ok()) {
       context_->TryCancel();
       break;
     }
   }
-  absl::Status s = FromGrpcStatus(stream_->Finish());
+  absl::Status s = Finish();
   if (!bad_chunk.ok()) return bad_chunk;
   if (!s.ok()) return s;
   if (!have_result) return absl::DataLossError("step stream ended without a result");
@@ -430,7 +449,16 @@ absl::StatusOr<v1::StepResult> GrpcStepStream::CommitAndReceive(
     return absl::DataLossError(
         absl::StrCat("shard sent ", received, " of ", expected, " parameters of the range"));
   }
+  client_->step_timeout().Record(absl::Now() - opened_);
   return result;
+}
+
+absl::Status GrpcStepStream::Finish() {
+  watch_->Begin(limit_);
+  const grpc::Status s = stream_->Finish();
+  watch_->End();
+  if (watch_->fired()) return absl::DeadlineExceededError(client_->step_timeout().Describe(limit_));
+  return FromGrpcStatus(s);
 }
 
 void GrpcStepStream::Abandon() {
@@ -443,6 +471,8 @@ void GrpcStepStream::Abandon() {
 GrpcStepStream::~GrpcStepStream() {
   Abandon();
   ReturnArea(/*committed=*/false);
+  // Before context_ goes: the monitor holds a pointer to it until Remove returns.
+  if (watch_ != nullptr) client_->stall_monitor_.Remove(watch_.get());
 }
 
 }  // namespace offload

@@ -19,6 +19,8 @@
 #include "base/dtype.h"
 #include "base/security/security.h"
 #include "cpu_optimizer_server/grpc/slice_buffer_pool.h"
+#include "cpu_optimizer_server/grpc/stall_monitor.h"
+#include "cpu_optimizer_server/transport/step_timeout.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/optimizer.grpc.pb.h"
@@ -34,6 +36,11 @@ struct ClientOptions {
   // Deadline of every call, a whole step stream included. Keepalive notices a vanished host;
   // this bounds a live shard that stops answering, so a trainer never waits forever.
   absl::Duration call_timeout = absl::Minutes(10);
+  // Inside a step, a shard that makes no progress is hung after step_timeout_multiple x its
+  // median step, at least step_timeout_floor, at most call_timeout (step_timeout.h). A stopped
+  // host is found sooner by keepalive.
+  absl::Duration step_timeout_floor = absl::Seconds(60);
+  double step_timeout_multiple = 10;
   // Each answer of a data plane's Attach set-up (the stream itself has no deadline: it lives as
   // long as the attachment).
   absl::Duration attach_setup_timeout = absl::Seconds(30);
@@ -130,6 +137,10 @@ class GrpcStepStream final : public StepStream {
                                                   absl::Span<const RangeStep> range_steps);
   // Gives the gradient area back to the client; `committed`: the shard has all it was sent.
   void ReturnArea(bool committed);
+  // The stream's end status; after the stall monitor cancelled it, the step timeout's.
+  absl::Status Finish();
+  // stream_->Write of a message, watched.
+  bool Write(const grpc::ByteBuffer& message);
 
   ShardClient* client_ = nullptr;
   std::unique_ptr<grpc::ClientContext> context_;
@@ -142,6 +153,10 @@ class GrpcStepStream final : public StepStream {
   bool done_ = false;
   std::string job_id_;
   uint32_t range_index_ = 0;
+  absl::Time opened_;     // for the step timeout's record
+  absl::Duration limit_;  // the step timeout: the longest a blocking call may wait on the shard
+  // Watched by the client's StallMonitor while a call blocks (Begin/End around it).
+  std::unique_ptr<StallMonitor::Watch> watch_;
   std::mutex area_mu_;  // guards the three below
   bool area_asked_ = false;
   // (range_length_,) 16-bit values; null when none, and once given back
@@ -183,11 +198,16 @@ class ShardClient final : public StepTransport {
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> Attach(
       grpc::ClientContext* context);
   const ClientOptions& options() const { return options_; }
+  // The bound on a wait for this shard inside a step, which every plane's streams feed.
+  StepTimeout& step_timeout() { return step_timeout_; }
 
  private:
   friend class GrpcStepStream;
 
-  explicit ShardClient(const ClientOptions& options) : options_(options) {}
+  explicit ShardClient(const ClientOptions& options)
+      : options_(options),
+        step_timeout_(StepTimeoutOptions{options.call_timeout, options.step_timeout_floor,
+                                         options.step_timeout_multiple}) {}
   // The gradient area of range `range_index` of job_id (GrpcStepStream::GradientArea) for a
   // stream, with its id; null when another stream of the range has it.
   std::shared_ptr<SliceBuffer> TakeGradientArea(const std::string& job_id, uint32_t range_index,
@@ -200,6 +220,8 @@ class ShardClient final : public StepTransport {
   void Prepare(grpc::ClientContext* context) const;
 
   ClientOptions options_;
+  StepTimeout step_timeout_;
+  StallMonitor stall_monitor_;  // of the step streams' blocking calls
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::OptimizerShard::Stub>> stubs_;
   // OptimizerShard.Step on each channel, for streams of raw bytes (step_wire.h).

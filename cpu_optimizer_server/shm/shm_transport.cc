@@ -55,8 +55,8 @@ absl::StatusOr<ShmSegment> Handshake(const v1::AttachOpen& open, AttachClient* l
 // One (job, range) attachment: the mapped segment and the Attach stream that keeps it alive.
 class Attachment {
  public:
-  Attachment(std::string address, const ShmOptions& options, absl::Duration call_timeout)
-      : address_(std::move(address)), options_(options), call_timeout_(call_timeout) {}
+  Attachment(std::string address, const ShmOptions& options, StepTimeout* timeout)
+      : address_(std::move(address)), options_(options), timeout_(timeout) {}
 
   // Unique among the attachments of this process, never 0 (StepStream::GradientAreaId).
   uint64_t id() const { return id_; }
@@ -84,10 +84,12 @@ class Attachment {
   ShmHeader* header() const { return segment_.header(); }
 
   // Waits until done() (called with the segment's state fresh) is true. UNAVAILABLE once the
-  // shard is gone; DEADLINE_EXCEEDED after the call timeout, which also retires the attachment
+  // shard is gone; DEADLINE_EXCEEDED after the step timeout, which also retires the attachment
   // (its shard may still act on what was pushed).
-  absl::Status WaitUntil(const std::function<bool()>& done, absl::Time deadline) {
+  absl::Status WaitUntil(const std::function<bool()>& done) {
     ShmHeader* h = header();
+    const absl::Duration limit = timeout_->Get();
+    const absl::Time deadline = absl::Now() + limit;
     for (;;) {
       const uint32_t event = h->shard_event.load(std::memory_order_acquire);
       if (done()) return absl::OkStatus();
@@ -97,22 +99,20 @@ class Attachment {
       const absl::Time now = absl::Now();
       if (now >= deadline) {
         broken_.store(true);
-        return absl::DeadlineExceededError(absl::StrCat("optimizer shard ", address_,
-                                                        " did not answer on shared memory within ",
-                                                        absl::FormatDuration(call_timeout_)));
+        return absl::DeadlineExceededError(absl::StrCat(
+            "optimizer shard ", address_, " on shared memory: ", timeout_->Describe(limit)));
       }
       ShmWait(&h->shard_event, event, std::min(options_.poll_interval, deadline - now));
     }
   }
 
-  absl::Time Deadline() const { return absl::Now() + call_timeout_; }
+  StepTimeout* timeout() const { return timeout_; }
 
   // Pushes a command, waiting for a free ring entry. Returns its sequence number.
   absl::StatusOr<uint32_t> Push(const ShmCommand& cmd) {
     ShmHeader* h = header();
     OFFLOAD_RETURN_IF_ERROR(WaitUntil(
-        [&] { return head_ - h->cmd_tail.load(std::memory_order_acquire) < kShmRingSize; },
-        Deadline()));
+        [&] { return head_ - h->cmd_tail.load(std::memory_order_acquire) < kShmRingSize; }));
     h->ring[head_ % kShmRingSize] = cmd;
     ++head_;
     h->cmd_head.store(head_, std::memory_order_release);
@@ -139,7 +139,7 @@ class Attachment {
  private:
   const std::string address_;
   const ShmOptions options_;
-  const absl::Duration call_timeout_;
+  StepTimeout* const timeout_;  // the control client's, which outlives its transports
   ShmSegment segment_;
   // The Attach stream that keeps the attachment alive. After segment_: its watcher wakes waits
   // through the segment, so it must stop (be destroyed) before the segment is unmapped.
@@ -159,7 +159,7 @@ class Attachment {
 class ShmStepStream final : public StepStream {
  public:
   ShmStepStream(std::shared_ptr<Attachment> attachment, uint64_t step, uint32_t open_seq)
-      : a_(std::move(attachment)), step_(step), open_seq_(open_seq) {}
+      : a_(std::move(attachment)), step_(step), open_seq_(open_seq), opened_(absl::Now()) {}
   ~ShmStepStream() override { Abandon(); }
 
   absl::Status SendGradients(int64_t offset, const void* data, DType dtype, int64_t n,
@@ -214,6 +214,7 @@ class ShmStepStream final : public StepStream {
   const std::shared_ptr<Attachment> a_;
   const uint64_t step_;
   const uint32_t open_seq_;
+  const absl::Time opened_;  // for the step timeout's record
   bool done_ = false;
 };
 
@@ -246,8 +247,7 @@ absl::Status ShmStepStream::SendGradients(int64_t offset, const void* data, DTyp
   for (int64_t done = 0; done < n; done += per_slot) {
     const int64_t m = std::min(per_slot, n - done);
     OFFLOAD_RETURN_IF_ERROR(a_->WaitUntil(
-        [&] { return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots; },
-        a_->Deadline()));
+        [&] { return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots; }));
     const uint32_t slot = a_->slot_uses % slots;
     std::memcpy(a_->segment().slot(slot), bytes + done * size, m * size);
     ++a_->slot_uses;
@@ -321,8 +321,7 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(
     const uint32_t slots = h->chunk_slots;
     if (slots == 0) return absl::FailedPreconditionError("the shm segment has no chunk slots");
     OFFLOAD_RETURN_IF_ERROR(a_->WaitUntil(
-        [&] { return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots; },
-        a_->Deadline()));
+        [&] { return a_->slot_uses - h->slots_released.load(std::memory_order_acquire) < slots; }));
     range_steps_slot = a_->slot_uses % slots;
     std::memcpy(a_->segment().slot(range_steps_slot), range_steps.data(),
                 range_steps.size() * sizeof(RangeStep));
@@ -359,13 +358,11 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(
     if (published > copied) on_wave(copied, published - copied, area + copied * 2);
     copied = published;
   };
-  absl::Status waited = a_->WaitUntil(
-      [&] {
-        const bool replied = h->reply_seq.load(std::memory_order_acquire) == *seq;
-        copy_published();  // after the reply's acquire: everything published is visible
-        return replied || bad_progress;
-      },
-      a_->Deadline());
+  absl::Status waited = a_->WaitUntil([&] {
+    const bool replied = h->reply_seq.load(std::memory_order_acquire) == *seq;
+    copy_published();  // after the reply's acquire: everything published is visible
+    return replied || bad_progress;
+  });
   done_ = true;
   if (!waited.ok()) return waited;
   if (bad_progress) {
@@ -393,6 +390,7 @@ absl::StatusOr<v1::StepResult> ShmStepStream::CommitInPlace(
     return absl::DataLossError(
         absl::StrCat("shard sent ", copied, " of ", expected, " parameters of the range"));
   }
+  a_->timeout()->Record(absl::Now() - opened_);
   return result;
 }
 
@@ -421,7 +419,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> ShmTransport::Attach(const std::stri
       job_id, range_index, [](const Attachment& a) { return a.usable(); },
       [&]() -> absl::StatusOr<std::shared_ptr<Attachment>> {
         auto attachment = std::make_shared<Attachment>(control_->options().address, options_,
-                                                       control_->options().call_timeout);
+                                                       &control_->step_timeout());
         v1::AttachOpen open;
         open.set_job_id(job_id);
         open.set_range_index(range_index);
@@ -454,8 +452,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> ShmTransport::OpenStep(const std::st
   absl::StatusOr<uint32_t> seq = a->Push(cmd);
   absl::Status s = seq.status();
   if (s.ok()) {
-    s = a->WaitUntil([&] { return h->reply_seq.load(std::memory_order_acquire) == *seq; },
-                     a->Deadline());
+    s = a->WaitUntil([&] { return h->reply_seq.load(std::memory_order_acquire) == *seq; });
   }
   if (s.ok()) s = a->ReplyStatus();
   if (!s.ok()) {

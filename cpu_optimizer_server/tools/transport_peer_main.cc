@@ -39,6 +39,8 @@ ABSL_FLAG(std::string, transport, "grpc", "data plane: grpc, shm or ucx (UCX_TLS
 ABSL_FLAG(std::string, job, "peer", "job id");
 ABSL_FLAG(int64_t, n, int64_t{1} << 20, "parameters in the job's one range");
 ABSL_FLAG(int, steps, 1, "steps to run");
+ABSL_FLAG(absl::Duration, step_timeout_floor, absl::Seconds(60),
+          "the least a wait inside a step may take before the shard is hung (ClientOptions)");
 ABSL_FLAG(int, pause_mid_step_ms, 0,
           "in the first step, after half of the gradients: print 'peer mid-exchange' and sleep "
           "this long before sending the rest and committing");
@@ -106,6 +108,7 @@ int Run() {
   // A dead shard must end the run within the test's bound, whatever the plane.
   options.connect_timeout = absl::Seconds(5);
   options.call_timeout = absl::Seconds(60);
+  options.step_timeout_floor = absl::GetFlag(FLAGS_step_timeout_floor);
   auto client = ShardClient::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
 

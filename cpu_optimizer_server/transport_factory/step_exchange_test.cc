@@ -29,6 +29,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/metrics/metrics.h"
 #include "base/thread_pool.h"
 #include "cpu_optimizer_server/grpc/optimizer_service.h"
@@ -38,6 +40,7 @@
 #include "cpu_optimizer_server/shard/wire_convert.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
+#include "cpu_optimizer_server/transport/step_timeout.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 #ifdef OFFLOAD_HAVE_UCX
 #include "cpu_optimizer_server/ucx/ucx_transport.h"
@@ -117,7 +120,34 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
     auto server = OptimizerServer::Start(server_options, store_.get());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
+    Connect(ClientOptions().step_timeout_floor);
+    if (HasFatalFailure()) return;
+
+    seed_ = std::random_device()();
+    rng_.seed(seed_);
+    AdamHyperParams adam;
+    adam.lr = kLr;
+    adam.weight_decay = 0.01f;
+    hp_ = adam;
+    ASSERT_TRUE(client_
+                    ->CreateJob(MakeCreateJobRequest(kJob, {{0, kLen0}, {kLen0, kLen1}}, adam,
+                                                     DType::kBf16))
+                    .ok());
+    ref_p_ = Random(kTotal, 1.0f);
+    ref_m_.assign(kTotal, 0.0f);
+    ref_v_.assign(kTotal, 0.0f);
+    ASSERT_TRUE(
+        client_->LoadState(kJob, v1::STATE_TENSOR_MASTER_WEIGHTS, 0, ref_p_.data(), kTotal).ok());
+  }
+
+  // The trainer's side: a client and the plane's transport on it, in place of any before.
+  void Connect(absl::Duration step_timeout_floor) {
+    const Plane& plane = GetParam();
+    owned_transport_.reset();
+    transport_ = nullptr;
+    client_.reset();
     ClientOptions client_options;
+    client_options.step_timeout_floor = step_timeout_floor;
     client_options.address = "127.0.0.1:" + std::to_string(server_->port());
     client_options.chunk_bytes = kChunkBytes;
     client_options.max_message_bytes = int64_t{8} << 20;
@@ -149,22 +179,6 @@ class StepExchangeTest : public ::testing::TestWithParam<Plane> {
     }
     ASSERT_NE(transport_, nullptr) << "no transport " << plane.kind;
     EXPECT_EQ(transport_->name(), plane.kind);
-
-    seed_ = std::random_device()();
-    rng_.seed(seed_);
-    AdamHyperParams adam;
-    adam.lr = kLr;
-    adam.weight_decay = 0.01f;
-    hp_ = adam;
-    ASSERT_TRUE(client_
-                    ->CreateJob(MakeCreateJobRequest(kJob, {{0, kLen0}, {kLen0, kLen1}}, adam,
-                                                     DType::kBf16))
-                    .ok());
-    ref_p_ = Random(kTotal, 1.0f);
-    ref_m_.assign(kTotal, 0.0f);
-    ref_v_.assign(kTotal, 0.0f);
-    ASSERT_TRUE(
-        client_->LoadState(kJob, v1::STATE_TENSOR_MASTER_WEIGHTS, 0, ref_p_.data(), kTotal).ok());
   }
 
   void TearDown() override {
@@ -1110,6 +1124,34 @@ std::vector<Plane> Planes() {
   planes.push_back({"ucx_sm", "ucx", "sm,self"});
 #endif
   return planes;
+}
+
+// The step timeout bounds waits on the shard, not the stream: a trainer that pauses inside a step
+// (a debugger between backward and step, a slow collective) longer than the timeout still
+// commits, on every plane.
+TEST_P(StepExchangeTest, ATrainerPausedInsideAStepIsNotAStalledShard) {
+  Connect(absl::Milliseconds(500));
+  ASSERT_FALSE(HasFatalFailure());
+  std::vector<uint16_t> p;
+  for (uint64_t step = 1; step <= StepTimeout::kMinSteps; ++step) {
+    std::vector<uint16_t> g = Bf16Grads(kLen0);
+    auto result = Exchange(0, step, Whole(0, g.data()), &p);
+    ASSERT_TRUE(result.ok()) << result.status();
+    Reference(0, g.data(), DType::kBf16);
+  }
+  ASSERT_EQ(client_->step_timeout().Get(), absl::Milliseconds(500));
+  const uint64_t step = StepTimeout::kMinSteps + 1;
+  std::vector<uint16_t> g = Bf16Grads(kLen0);
+  auto stream = transport_->OpenStep(kJob, 0, kOffsets[0], kLengths[0], step);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_TRUE((*stream)->SendGradients(0, g.data(), DType::kBf16, kLen0).ok());
+  absl::SleepFor(absl::Milliseconds(1500));  // 3x the timeout
+  p.assign(kLen0, kSentinel);
+  auto result = (*stream)->Commit(kLr, 1.0f, false, p.data());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->adam_step(), step);
+  const std::vector<uint16_t> e = Reference(0, g.data(), DType::kBf16);
+  EXPECT_TRUE(p == e) << FirstDifference(p, e) << " seed " << seed_;
 }
 
 INSTANTIATE_TEST_SUITE_P(Planes, StepExchangeTest, ::testing::ValuesIn(Planes()),

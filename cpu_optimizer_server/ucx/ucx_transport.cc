@@ -118,7 +118,7 @@ class UcxTransport final : public StepTransport {
   std::string shard() const { return control_->options().address; }
   ucx::Worker* worker() { return worker_.get(); }
   const UcxOptions& options() const { return options_; }
-  absl::Time Deadline() const { return absl::Now() + control_->options().call_timeout; }
+  StepTimeout* step_timeout() const { return &control_->step_timeout(); }
 
   // Registers a stream and returns its id.
   std::pair<uint64_t, std::shared_ptr<StreamState>> AddStream(Attachment* att) {
@@ -274,13 +274,14 @@ ucs_status_t UcxTransport::OnAm(void* arg, const void* header, size_t header_len
 
 absl::Status UcxTransport::Wait(Attachment* att, StreamState* state,
                                 const std::function<bool()>& done, const char* what) {
-  const absl::Time deadline = Deadline();
+  const absl::Duration limit = step_timeout()->Get();
+  const absl::Time deadline = absl::Now() + limit;
   std::unique_lock<std::mutex> lock(state->mu);
   while (!done()) {
     if (att->dead) return att->DeadStatus();
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("shard ", shard(), " did not answer ", what, " over UCX in time"));
+      return absl::DeadlineExceededError(absl::StrCat("shard ", shard(), " over UCX, ", what, ": ",
+                                                      step_timeout()->Describe(limit)));
     }
     state->cv.wait_for(lock, absl::ToChronoNanoseconds(options_.poll_interval));
   }
@@ -356,7 +357,8 @@ class UcxStepStream final : public StepStream {
         att_(std::move(att)),
         id_(id),
         state_(std::move(state)),
-        step_(step) {}
+        step_(step),
+        opened_(absl::Now()) {}
   ~UcxStepStream() override {
     Abandon();
     transport_->RemoveStream(att_.get(), id_);
@@ -389,11 +391,13 @@ class UcxStepStream final : public StepStream {
   // Waits until every send of this stream completed (the caller may reuse its buffers).
   absl::Status WaitSends() {
     Attachment* att = att_.get();
-    if (!state_->sends->WaitIdle(transport_->options().poll_interval, transport_->Deadline(),
+    const absl::Duration limit = transport_->step_timeout()->Get();
+    if (!state_->sends->WaitIdle(transport_->options().poll_interval, absl::Now() + limit,
                                  [att] { return att->dead.load(); })) {
       if (att->dead) return att->DeadStatus();
       return absl::DeadlineExceededError(
-          absl::StrCat("sending to shard ", transport_->shard(), " over UCX timed out"));
+          absl::StrCat("sending to shard ", transport_->shard(),
+                       " over UCX: ", transport_->step_timeout()->Describe(limit)));
     }
     if (ucs_status_t e = state_->sends->error(); e != UCS_OK) {
       return ucx::UcsError(e, absl::StrCat("sending to shard ", transport_->shard(), " over UCX"));
@@ -406,6 +410,7 @@ class UcxStepStream final : public StepStream {
   const uint64_t id_;
   const std::shared_ptr<StreamState> state_;
   const uint64_t step_;
+  const absl::Time opened_;  // for the step timeout's record
   bool done_ = false;
 };
 
@@ -537,6 +542,7 @@ absl::StatusOr<v1::StepResult> UcxStepStream::Commit(double lr, float grad_multi
     return absl::DataLossError(
         absl::StrCat("shard sent ", st->received, " of ", expected, " parameters of the range"));
   }
+  transport_->step_timeout()->Record(absl::Now() - opened_);
   return result;
 }
 

@@ -80,6 +80,9 @@ ABSL_FLAG(std::string, sample_prompt, "\n", "text the sample starts from");
 ABSL_FLAG(float, sample_temperature, 0.8f, "softmax temperature of the sample");
 ABSL_FLAG(absl::Duration, shard_timeout, absl::Minutes(10),
           "deadline of each call to an optimizer shard, a whole step included");
+ABSL_FLAG(absl::Duration, shard_step_timeout_floor, absl::Seconds(60),
+          "inside a step, a shard that has not answered within 10x its median step, and at "
+          "least this long, is hung: the step fails naming it (at most --shard_timeout)");
 ABSL_FLAG(int, world_size, 1, "trainer ranks of the job (data parallel, ZeRO-2)");
 ABSL_FLAG(int, rank, 0, "this trainer's rank, in [0, world_size)");
 ABSL_FLAG(std::string, rendezvous, "",
@@ -364,6 +367,7 @@ int TrainerProgramMain(int argc, char** argv, PoolWorkersFn pool_workers) {
   } else {
     offload::ClientOptions client_options;
     client_options.call_timeout = absl::GetFlag(FLAGS_shard_timeout);
+    client_options.step_timeout_floor = absl::GetFlag(FLAGS_shard_step_timeout_floor);
     // The shards see the same TLS flags as the controller, and the credential shard_token says.
     absl::StatusOr<offload::SecurityOptions> security = offload::SecurityFromFlags();
     if (!security.ok()) return Fail(security.status());

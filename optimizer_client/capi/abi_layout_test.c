@@ -54,6 +54,7 @@ static const OffloadFieldLayout kHeader[] = {
     FIELD(OffloadConfig, adam_form),
     FIELD(OffloadConfig, state_dtype),
     FIELD(OffloadConfig, state_rounding),
+    FIELD(OffloadConfig, step_timeout_floor_seconds),
 
     STRUCT(OffloadNamedTensor),
     FIELD(OffloadNamedTensor, name),

@@ -87,6 +87,9 @@ absl::StatusOr<std::unique_ptr<OptimizerBackend>> MakeRemoteBackend(const Offloa
   options.tls.key_file = Str(c.tls_key);
   options.tls.server_name_override = Str(c.tls_server_name);
   if (c.call_timeout_seconds > 0) options.call_timeout = absl::Seconds(c.call_timeout_seconds);
+  if (c.step_timeout_floor_seconds > 0) {
+    options.step_timeout_floor = absl::Seconds(c.step_timeout_floor_seconds);
+  }
   OFFLOAD_ASSIGN_OR_RETURN(TransportChoice transport,
                            ParseTransportChoice(c.transport == nullptr ? "auto" : c.transport));
   std::vector<std::string> addresses(c.shard_addresses, c.shard_addresses + c.num_shards);

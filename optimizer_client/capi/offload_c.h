@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 /* Bumped on any change of a struct below or of a function's meaning. */
-#define OFFLOAD_C_ABI_VERSION 5
+#define OFFLOAD_C_ABI_VERSION 6
 
 typedef struct OffloadOptimizer OffloadOptimizer;
 
@@ -107,6 +107,10 @@ typedef struct {
    * tier. */
   int32_t state_dtype;
   int32_t state_rounding;
+  /* Inside a step, a shard that has not answered within 10x its median step, and at least this
+   * many seconds, is hung: the step fails naming it (never beyond call_timeout_seconds); <= 0:
+   * 60. */
+  double step_timeout_floor_seconds;
 } OffloadConfig;
 
 /* One parameter of the flat space, by name (checkpoints): numel = the product of shape. */

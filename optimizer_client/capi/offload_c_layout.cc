@@ -60,6 +60,7 @@ constexpr OffloadFieldLayout kLayout[] = {
     OFFLOAD_FIELD(OffloadConfig, adam_form),
     OFFLOAD_FIELD(OffloadConfig, state_dtype),
     OFFLOAD_FIELD(OffloadConfig, state_rounding),
+    OFFLOAD_FIELD(OffloadConfig, step_timeout_floor_seconds),
 
     OFFLOAD_STRUCT(OffloadNamedTensor),
     OFFLOAD_FIELD(OffloadNamedTensor, name),

@@ -27,7 +27,7 @@ import pathlib
 import shutil
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 FP32, FP16, BF16 = 1, 2, 3
 ADAM, ADAMW = 1, 2
 FORM_TORCH_1_13, FORM_LERP = 0, 1  # OffloadConfig.adam_form
@@ -78,7 +78,8 @@ class OffloadConfig(ctypes.Structure):
                 ("tls_key", c_str), ("tls_server_name", c_str), ("call_timeout_seconds", dbl),
                 ("loss_scale_init", f32), ("loss_scale_window", i32), ("grad_clip", f32),
                 ("trace_file", c_str), ("state_tier", i32), ("adam_form", i32),
-                ("state_dtype", i32), ("state_rounding", i32)]
+                ("state_dtype", i32), ("state_rounding", i32),
+                ("step_timeout_floor_seconds", dbl)]
 
 
 class OffloadNamedTensor(ctypes.Structure):

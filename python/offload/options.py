@@ -35,6 +35,8 @@ class OffloadOptions:
     job_id: the job's name on the servers (default: a fresh one).
     tls_ca, tls_cert, tls_key, tls_server_name: TLS to the servers (cert and key: mutual TLS).
     call_timeout: seconds any call to a server may take.
+    step_timeout_floor: inside a step, a server that has not answered within 10x its median step,
+      and at least this many seconds, is hung: the step raises naming it (at most call_timeout).
     state_dir: the local server's disk tier (``--state_dir``, servers=None only).
     optimizer_state: "auto" (on disk when the state does not fit the server's memory limit),
       "memory" or "disk": where the servers keep this job's fp32 state.
@@ -70,6 +72,7 @@ class OffloadOptions:
     tls_key: Optional[str] = None
     tls_server_name: Optional[str] = None
     call_timeout: float = 600.0
+    step_timeout_floor: float = 60.0
     state_dir: Optional[str] = None
     optimizer_state: str = "auto"
     server_memory_mib: int = 0
@@ -189,7 +192,8 @@ class OffloadOptions:
             shard_addresses=shards, threads=self.threads, transport=self.transport.encode(),
             token=enc(token), tls_ca=enc(self.tls_ca), tls_cert=enc(self.tls_cert),
             tls_key=enc(self.tls_key), tls_server_name=enc(self.tls_server_name),
-            call_timeout_seconds=self.call_timeout, loss_scale_init=loss_scale,
+            call_timeout_seconds=self.call_timeout,
+            step_timeout_floor_seconds=self.step_timeout_floor, loss_scale_init=loss_scale,
             loss_scale_window=loss_scale_window, grad_clip=grad_clip,
             trace_file=enc(self.trace_file), state_tier=native.TIERS[self.optimizer_state],
             adam_form=adam_form, state_dtype=_STATE_DTYPES[_state_dtype_name(self.state_dtype)],

@@ -113,8 +113,10 @@ class AdamW(torch.optim.Optimizer):
       options: where the job runs, an ``OffloadOptions`` (``offload.options``): servers (None
         starts a local ``cpu_optimizer_server`` child process, a list of "host:port" uses
         running servers, "inprocess" the same shard engine in this process), token, transport,
-        threads, job_id, tls_ca, tls_cert, tls_key, tls_server_name, call_timeout, state_dir,
-        optimizer_state ("auto", "memory" or "disk"), server_memory_mib, trace_file,
+        threads, job_id, tls_ca, tls_cert, tls_key, tls_server_name, call_timeout,
+        step_timeout_floor (a server silent inside a step for 10x its median step, and at least
+        this many seconds, is hung), state_dir, optimizer_state ("auto", "memory" or "disk"),
+        server_memory_mib, trace_file,
         optimizer_cores (cores for the local server alone; this process keeps to the others),
         state_dtype (torch.bfloat16: the servers keep the Adam moments in bf16, 8 bytes of
         state a parameter instead of 12), state_rounding ("stochastic" or "nearest") and

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offload.torch as otorch  # noqa: E402
 from offload import OffloadError  # noqa: E402
+from offload.options import OffloadOptions  # noqa: E402
 from offload.server import LocalServer  # noqa: E402
 from torch_test_util import alive  # noqa: E402
 
@@ -50,6 +51,34 @@ class Failures(unittest.TestCase):
                     self.assertLess(time.monotonic() - start, 30)
                     self.assertIn(server.address, str(raised.exception))
                 finally:
+                    opt.close()
+                    server.close()
+
+    def test_a_server_that_stops_answering_is_named_within_its_step_timeout(self) -> None:
+        # SIGSTOP: the process lives and its sockets stay open, so only the step timeout (10x the
+        # median step, at least step_timeout_floor) finds it before keepalive does (10 s + 5 s).
+        for transport in ("grpc", "shm"):
+            with self.subTest(transport=transport):
+                server = LocalServer(threads=1)
+                model = small_model()
+                options = OffloadOptions(servers=[server.address], token=server.token,
+                                         transport=transport, step_timeout_floor=2.0)
+                opt = otorch.AdamW(model.parameters(), lr=1e-3, options=options)
+                try:
+                    for _ in range(4):  # steps measured: the bound is now the floor
+                        backward(model, opt)
+                        opt.step()
+                    backward(model, opt)
+                    server.process.send_signal(signal.SIGSTOP)
+                    start = time.monotonic()
+                    with self.assertRaises(RuntimeError) as raised:
+                        opt.step()
+                    took = time.monotonic() - start
+                    self.assertLess(took, 9, "keepalive, not the step timeout, found it")
+                    self.assertIn(server.address, str(raised.exception))
+                    self.assertIn("no answer within 2s", str(raised.exception))
+                finally:
+                    server.process.send_signal(signal.SIGCONT)
                     opt.close()
                     server.close()
 
