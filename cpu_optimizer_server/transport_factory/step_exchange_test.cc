@@ -39,8 +39,8 @@
 #include "cpu_optimizer_server/shard/shard_store.h"
 #include "cpu_optimizer_server/shard/wire_convert.h"
 #include "cpu_optimizer_server/shm/shm_transport.h"
+#include "cpu_optimizer_server/stall/step_timeout.h"
 #include "cpu_optimizer_server/tools/range_driver.h"
-#include "cpu_optimizer_server/transport/step_timeout.h"
 #include "cpu_optimizer_server/transport/step_transport.h"
 #ifdef OFFLOAD_HAVE_UCX
 #include "cpu_optimizer_server/ucx/ucx_transport.h"

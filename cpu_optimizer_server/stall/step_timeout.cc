@@ -1,4 +1,4 @@
-#include "cpu_optimizer_server/transport/step_timeout.h"
+#include "cpu_optimizer_server/stall/step_timeout.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "cpu_optimizer_server/grpc/stall_monitor.h"
+#include "cpu_optimizer_server/stall/stall_monitor.h"
 
 namespace offload {
 

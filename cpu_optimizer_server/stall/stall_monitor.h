@@ -1,10 +1,10 @@
 // Cancels a gRPC step stream that has waited on its shard longer than the step timeout
-// (transport/step_timeout.h). gRPC's deadline covers a whole call, and a step stream stays open
+// (step_timeout.h). gRPC's deadline covers a whole call, and a step stream stays open
 // while its trainer computes or pauses (a debugger between backward and step): only the time
 // spent inside a blocking call (a write the shard does not take, a read of its answer) is the
 // shard's, so only that is bounded. One thread per client, started with its first stream.
-#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_STALL_MONITOR_H_
-#define OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_STALL_MONITOR_H_
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_STALL_STALL_MONITOR_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_STALL_STALL_MONITOR_H_
 
 #include <atomic>
 #include <cstdint>
@@ -60,4 +60,4 @@ class StallMonitor {
 
 }  // namespace offload
 
-#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_GRPC_STALL_MONITOR_H_
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_STALL_STALL_MONITOR_H_

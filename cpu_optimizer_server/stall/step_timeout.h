@@ -3,8 +3,8 @@
 // keepalive; a shard whose process answers keepalives but whose step makes no progress (a stuck
 // disk, a wedged thread) is found only by a deadline. A fixed one must cover the largest model's
 // step, so it is far too long for most: this one follows the shard's own step times.
-#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TIMEOUT_H_
-#define OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TIMEOUT_H_
+#ifndef OFFLOAD_CPU_OPTIMIZER_SERVER_STALL_STEP_TIMEOUT_H_
+#define OFFLOAD_CPU_OPTIMIZER_SERVER_STALL_STEP_TIMEOUT_H_
 
 #include <array>
 #include <mutex>
@@ -49,4 +49,4 @@ class StepTimeout {
 
 }  // namespace offload
 
-#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_TRANSPORT_STEP_TIMEOUT_H_
+#endif  // OFFLOAD_CPU_OPTIMIZER_SERVER_STALL_STEP_TIMEOUT_H_
