@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/logging.h"
 #include "base/placement/cpu_list.h"
@@ -32,6 +33,9 @@ ThreadPool::ThreadPool(const Options& options) {
   workers_.reserve(n);
   for (int i = 0; i < n; ++i) {
     workers_.emplace_back([this, i] { WorkerLoop(i); });
+    // Linux keeps 15 characters of a thread's name.
+    const std::string name = absl::StrCat(options.name.substr(0, 10), "-", i).substr(0, 15);
+    pthread_setname_np(workers_.back().native_handle(), name.c_str());
     if ((options.pin || !options.cpus.empty()) && !cpus.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);

@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -26,6 +27,9 @@ class ThreadPool {
     // Non-empty: pin worker i to cpus[i % cpus.size()] instead (--optimizer_cores: the cores a
     // server keeps to itself beside a trainer on the same host).
     std::vector<int> cpus = {};
+    // Workers are named "<name>-<i>" (the first 10 characters of name), as top -H and
+    // /proc/<pid>/task/<tid>/comm show them.
+    std::string name = "pool";
   };
 
   // A submitted region; Wait() returns once every worker has finished it.

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -35,6 +36,22 @@ TEST(ThreadPoolTest, RunCallsFnOncePerWorker) {
     });
     for (int i = 0; i < n; ++i) EXPECT_EQ(calls[i].load(), 1) << "worker " << i << " of " << n;
   }
+}
+
+// Operators (top -H) and the stall tests (tests/freeze_threads.py) find the workers by name.
+TEST(ThreadPoolTest, WorkersCarryThePoolsName) {
+  ThreadPool::Options options;
+  options.num_threads = 2;
+  options.name = "adam";
+  ThreadPool pool(options);
+  std::vector<std::string> names(2);
+  pool.Run([&](int t) {
+    char name[16] = {};
+    pthread_getname_np(pthread_self(), name, sizeof(name));
+    names[t] = name;
+  });
+  EXPECT_EQ(names[0], "adam-0");
+  EXPECT_EQ(names[1], "adam-1");
 }
 
 // The default takes every core of the process's affinity mask, and pin puts worker i on the

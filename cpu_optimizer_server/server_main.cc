@@ -158,6 +158,7 @@ int main(int argc, char** argv) {
   offload::ThreadPool::Options pool_options;
   pool_options.num_threads = absl::GetFlag(FLAGS_threads);
   pool_options.pin = absl::GetFlag(FLAGS_pin_threads);
+  pool_options.name = "adam";
   if (const std::string cores = absl::GetFlag(FLAGS_optimizer_cores); !cores.empty()) {
     absl::StatusOr<std::vector<int>> cpus = offload::ParseCpuList(cores);
     if (!cpus.ok()) {

@@ -8,7 +8,10 @@
 #       an UNAVAILABLE error within 20 s, never hangs;
 #   (c) the server is stopped (SIGSTOP) mid-exchange: the trainer fails within its step timeout
 #       saying the shard gave no answer, and the server, continued, serves the next trainer from
-#       where the stopped one left off.
+#       where the stopped one left off;
+#   (d) only the server's Adam threads are stopped (ptrace, tests/freeze_threads.py), so its
+#       gRPC threads still answer keepalive: the same, found by the step timeout alone (skipped
+#       where ptrace is not allowed).
 # A plane the build lacks (ucx without libucx-dev) is skipped (the peer exits 77).
 set -euo pipefail
 server_bin=$1
@@ -93,6 +96,20 @@ completes_step() {  # completes_step LOG STEP
   grep -q "^peer step=$2 applied=1" "$1" || fail "expected step $2 applied in $1"
 }
 
+# goes_on_after LOG WHAT: a new trainer on the same server steps twice, and its first step follows
+# the last one LOG shows, or the one after it: the interrupted commit may have been applied
+# without its answer reaching the old trainer. WHAT says when, for the failure.
+goes_on_after() {
+  local last first
+  last=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$1" | tail -1)
+  peer "${1%.log}-next.log" --steps=2
+  wait_bounded "$peer_pid"
+  [ "$rc" -eq 0 ] || fail "a new trainer could not step $2 (rc=$rc)"
+  first=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "${1%.log}-next.log" | head -1)
+  [ "$first" -eq $((last + 1)) ] || [ "$first" -eq $((last + 2)) ] ||
+    fail "after step $last the next run began at step $first"
+}
+
 run_plane() {
   plane=$1 transport=$2
   echo "--- $plane"
@@ -123,16 +140,7 @@ run_plane() {
   kill -0 "$server_pid" || fail "the server died with its trainer"
   no_new_shm_entries
   # Whatever step the kill interrupted, the shard is consistent: the next run goes on from it.
-  local last
-  last=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-a2.log" | tail -1)
-  peer "$work/$plane-a2-next.log" --steps=2
-  wait_bounded "$peer_pid"
-  [ "$rc" -eq 0 ] || fail "a new trainer could not step after the old one died (rc=$rc)"
-  local first
-  first=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-a2-next.log" | head -1)
-  # The killed peer may have had its last commit applied without hearing the reply.
-  [ "$first" -eq $((last + 1)) ] || [ "$first" -eq $((last + 2)) ] ||
-    fail "after step $last the next run began at step $first"
+  goes_on_after "$work/$plane-a2.log" "after the old one died"
 
   echo "(b1) server killed while the trainer is half-way through a step's gradients"
   peer "$work/$plane-b1.log" --steps=1 --pause_mid_step_ms=1500
@@ -169,14 +177,33 @@ run_plane() {
     fail "the error does not say the shard did not answer: $(tail -2 "$work/$plane-c.log")"
   echo "trainer gave up $((waited / 10)).$((waited % 10)) s after the stop: $(tail -1 "$work/$plane-c.log")"
   # Running again, the server is consistent: a new trainer goes on from where the old one stopped.
-  last=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-c.log" | tail -1)
-  peer "$work/$plane-c-next.log" --steps=2
-  wait_bounded "$peer_pid"
-  [ "$rc" -eq 0 ] || fail "a new trainer could not step on the continued server (rc=$rc)"
-  first=$(sed -n 's/^peer step=\([0-9]*\) .*/\1/p' "$work/$plane-c-next.log" | head -1)
-  # The stopped commit may have been taken before the stop and applied after it.
-  [ "$first" -eq $((last + 1)) ] || [ "$first" -eq $((last + 2)) ] ||
-    fail "after step $last the next run began at step $first"
+  goes_on_after "$work/$plane-c.log" "on the continued server"
+  kill9 "$server_pid"
+  no_new_shm_entries
+
+  echo "(d) the server's Adam threads stall while its other threads answer (ptrace), then go on"
+  # A disk that blocks or a wedged lock: keepalive and heartbeats are answered, so only the step
+  # timeout can tell.
+  start_tracked_server "$work/$plane-server4.log"
+  peer "$work/$plane-d.log" --steps=1000000 --step_timeout_floor=3s
+  wait_for_line "$work/$plane-d.log" "^peer step=5 "
+  /usr/bin/python3 "$(dirname "$0")/freeze_threads.py" "$server_pid" adam- 6 \
+    >"$work/$plane-freeze.log" 2>&1 &
+  local freezer=$!
+  wait_for_line "$work/$plane-freeze.log" "^frozen\|^SKIP"
+  if grep -q "^SKIP" "$work/$plane-freeze.log"; then
+    echo "(d) skipped: $(cat "$work/$plane-freeze.log")"
+    kill9 "$peer_pid"
+  else
+    wait_bounded "$peer_pid"
+    [ "$rc" -ne 0 ] || fail "the trainer exited 0 while its server's Adam threads were stopped"
+    grep -q "no answer within 3s" "$work/$plane-d.log" ||
+      fail "the error does not say the shard did not answer: $(tail -2 "$work/$plane-d.log")"
+    echo "trainer gave up $((waited / 10)).$((waited % 10)) s after the stall: $(tail -1 "$work/$plane-d.log")"
+    wait "$freezer" || fail "the threads were not let go: $(cat "$work/$plane-freeze.log")"
+    goes_on_after "$work/$plane-d.log" "once the threads went on"
+  fi
+  wait "$freezer" 2>/dev/null || true
   kill9 "$server_pid"
   no_new_shm_entries
 }
