@@ -32,6 +32,23 @@ def backward(model: torch.nn.Module, opt: otorch.AdamW) -> None:
     opt.backward(model(x).float().square().mean())
 
 
+def wait_until_stopped(pid: int) -> None:
+    """Returns once every thread of pid is stopped (state T in /proc/pid/task/*/stat)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+        if states and all(state == "T" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within 30 s")
+
+
 class Failures(unittest.TestCase):
 
     def test_a_server_that_dies_mid_step_is_named_and_nothing_hangs(self) -> None:
@@ -70,6 +87,9 @@ class Failures(unittest.TestCase):
                         opt.step()
                     backward(model, opt)
                     server.process.send_signal(signal.SIGSTOP)
+                    # A stop lands when each thread next enters the kernel: a server thread
+                    # polling the segment could still take a commit sent before then.
+                    wait_until_stopped(server.process.pid)
                     start = time.monotonic()
                     with self.assertRaises(RuntimeError) as raised:
                         opt.step()
