@@ -105,6 +105,14 @@ ABSL_FLAG(std::string, error_file, "",
 ABSL_FLAG(std::string, rank_metrics_address, "",
           "with --controller: HOST:PORT where each rank this worker runs serves its training "
           "metrics (the worker's own are on --metrics_address)");
+ABSL_FLAG(std::string, script_user, "",
+          "with --controller: run torch jobs' scripts as uid N + k (gid the same) for worker k "
+          "of this process instead of as the worker, so a script cannot read the worker's token "
+          "or TLS key or reach another worker's script; needs root with CAP_SETUID, CAP_SETGID "
+          "and CAP_KILL, and credential files the scripts' users cannot read (checked at start)");
+ABSL_FLAG(std::string, script_groups, "",
+          "with --script_user: supplementary gids of every script (a data or checkpoint "
+          "volume's group), comma-separated");
 ABSL_FLAG(int, workers, 1,
           "with --controller: pool workers this process runs, one rank each (a node or pod of "
           "that many GPUs): worker k has index worker_index * workers + k and its rank serves "
@@ -276,6 +284,8 @@ int TrainerProgramMain(int argc, char** argv, PoolWorkersFn pool_workers) {
     args.rank_address = absl::GetFlag(FLAGS_rank_address);
     args.worker_index = absl::GetFlag(FLAGS_worker_index);
     args.rank_metrics_address = absl::GetFlag(FLAGS_rank_metrics_address);
+    args.script_user = absl::GetFlag(FLAGS_script_user);
+    args.script_groups = absl::GetFlag(FLAGS_script_groups);
     args.rank_args = std::move(rank_args);
     args.stop = &g_stop;
     return pool_workers(args);

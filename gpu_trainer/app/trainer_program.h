@@ -20,6 +20,8 @@ struct PoolWorkerArgs {
   std::string rank_address;            // --rank_address
   int worker_index = -1;               // --worker_index
   std::string rank_metrics_address;    // --rank_metrics_address
+  std::string script_user;             // --script_user (unparsed: the worker's to check)
+  std::string script_groups;           // --script_groups
   std::vector<std::string> rank_args;  // after "--": this worker's additions to every rank's flags
   volatile std::sig_atomic_t* stop = nullptr;  // set by SIGINT/SIGTERM
 };

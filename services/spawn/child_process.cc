@@ -1,6 +1,7 @@
 #include "services/spawn/child_process.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -18,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
 namespace offload {
@@ -27,11 +29,37 @@ void CloseFd(int fd) {
   if (fd >= 0) close(fd);
 }
 
+// What a child that could not start passes back through its error pipe.
+struct StartError {
+  enum Stage : int { kExec = 0, kRunAs = 1, kChdir = 2 };
+  int stage;
+  int error;  // errno
+};
+
+void ReportStartError(int error_fd, StartError::Stage stage) {
+  const StartError report = {stage, errno};
+  ssize_t ignored = write(error_fd, &report, sizeof(report));
+  (void)ignored;
+}
+
+// Groups, then gid, then uid: once the uid is given up the others can no longer be changed.
+// Async-signal-safe.
+bool SwitchUser(const RunAs& who) {
+  return setgroups(who.groups.size(), who.groups.data()) == 0 && setgid(who.gid) == 0 &&
+         setuid(who.uid) == 0;
+}
+
 // Only async-signal-safe calls from here to exec: the launcher has other threads whose locks
 // (malloc, stdio) may have been held at the fork and never get released in the child.
 [[noreturn]] void ExecChild(char* const* argv, char* const* envp, const char* working_dir,
-                            pid_t parent, int stdin_fd, int output_fd, int error_fd) {
+                            const RunAs* run_as, pid_t parent, int stdin_fd, int output_fd,
+                            int error_fd) {
   setpgid(0, 0);
+  if (run_as != nullptr && !SwitchUser(*run_as)) {
+    ReportStartError(error_fd, StartError::kRunAs);
+    _exit(127);
+  }
+  // After the switch: a change of credentials clears the death signal.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The parent may have died before prctl took effect; then nobody would ever kill us.
   if (getppid() != parent) _exit(127);
@@ -51,11 +79,18 @@ void CloseFd(int fd) {
       (dup2(output_fd, STDOUT_FILENO) < 0 || dup2(output_fd, STDERR_FILENO) < 0)) {
     _exit(127);
   }
-  if (working_dir == nullptr || chdir(working_dir) == 0) execve(argv[0], argv, envp);
-  int error = errno;
-  ssize_t ignored = write(error_fd, &error, sizeof(error));
-  (void)ignored;
+  if (working_dir != nullptr && chdir(working_dir) != 0) {
+    ReportStartError(error_fd, StartError::kChdir);
+    _exit(127);
+  }
+  execve(argv[0], argv, envp);
+  ReportStartError(error_fd, StartError::kExec);
   _exit(127);
+}
+
+std::string Describe(const RunAs& who) {
+  return absl::StrCat("uid ", who.uid, ", gid ", who.gid, ", groups [",
+                      absl::StrJoin(who.groups, ","), "]");
 }
 
 }  // namespace
@@ -119,8 +154,9 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const SpawnOpt
   pid_t pid = fork();
   if (pid == 0) {
     ExecChild(argv.data(), envp.data(),
-              options.working_dir.empty() ? nullptr : options.working_dir.c_str(), parent, stdin_fd,
-              output_pipe[1], error_pipe[1]);
+              options.working_dir.empty() ? nullptr : options.working_dir.c_str(),
+              options.run_as ? &*options.run_as : nullptr, parent, stdin_fd, output_pipe[1],
+              error_pipe[1]);
   }
   int fork_error = errno;
   CloseFd(stdin_fd);
@@ -134,17 +170,28 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const SpawnOpt
   // Also from this side: a signal sent to the group before the child ran setpgid must not miss.
   setpgid(pid, pid);
 
-  int exec_error = 0;
+  StartError start_error;
   ssize_t n;
   do {
-    n = read(error_pipe[0], &exec_error, sizeof(exec_error));
+    n = read(error_pipe[0], &start_error, sizeof(start_error));
   } while (n < 0 && errno == EINTR);
   CloseFd(error_pipe[0]);
-  if (n == static_cast<ssize_t>(sizeof(exec_error))) {
+  if (n == static_cast<ssize_t>(sizeof(start_error))) {
     CloseFd(output_pipe[0]);
     while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }
-    return absl::ErrnoToStatus(exec_error, absl::StrCat("cannot execute ", program));
+    if (start_error.stage == StartError::kRunAs) {
+      return absl::ErrnoToStatus(
+          start_error.error, absl::StrCat("cannot run ", program, " as ", Describe(*options.run_as),
+                                          " (switching users needs CAP_SETUID and CAP_SETGID)"));
+    }
+    if (start_error.stage == StartError::kChdir) {
+      return absl::ErrnoToStatus(
+          start_error.error,
+          absl::StrCat("cannot enter the working directory ", options.working_dir,
+                       options.run_as ? absl::StrCat(" as ", Describe(*options.run_as)) : ""));
+    }
+    return absl::ErrnoToStatus(start_error.error, absl::StrCat("cannot execute ", program));
   }
 
   int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
@@ -206,6 +253,101 @@ bool ChildProcess::WaitFor(absl::Duration timeout) {
     }
   }
   return true;
+}
+
+namespace {
+
+// Runs `body` in a child process switched to `who` and returns what it wrote to its descriptor:
+// the switch's errno first (0: switched; then `body` ran). Only async-signal-safe calls in `body`.
+template <typename Body>
+absl::StatusOr<std::string> ReportAs(const RunAs& who, const Body& body) {
+  int report_pipe[2];
+  if (pipe2(report_pipe, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(report_pipe[0]);
+    const int switch_error = SwitchUser(who) ? 0 : errno;
+    ssize_t ignored = write(report_pipe[1], &switch_error, sizeof(switch_error));
+    (void)ignored;
+    if (switch_error == 0) body(report_pipe[1]);
+    _exit(0);
+  }
+  const int fork_error = errno;
+  close(report_pipe[1]);
+  if (pid < 0) {
+    close(report_pipe[0]);
+    return absl::ErrnoToStatus(fork_error, "fork");
+  }
+  std::string report;
+  char buffer[256];
+  for (;;) {
+    const ssize_t n = read(report_pipe[0], buffer, sizeof(buffer));
+    if (n > 0) {
+      report.append(buffer, n);
+    } else if (n == 0 || errno != EINTR) {
+      break;
+    }
+  }
+  close(report_pipe[0]);
+  while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  }
+  int switch_error = 0;
+  if (report.size() < sizeof(switch_error)) {
+    return absl::InternalError(absl::StrCat("a process as ", Describe(who), " reported nothing"));
+  }
+  std::memcpy(&switch_error, report.data(), sizeof(switch_error));
+  if (switch_error != 0) {
+    return absl::ErrnoToStatus(switch_error,
+                               absl::StrCat("cannot switch to ", Describe(who),
+                                            " (that needs CAP_SETUID and CAP_SETGID)"));
+  }
+  return report.substr(sizeof(switch_error));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> ReadableAs(const RunAs& who,
+                                                    const std::vector<std::string>& paths) {
+  absl::StatusOr<std::string> opened = ReportAs(who, [&paths](int fd) {
+    for (const std::string& path : paths) {
+      // Non-blocking, so that a FIFO cannot hold the check up.
+      const int file = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+      const char readable = file >= 0 ? 1 : 0;
+      if (file >= 0) close(file);
+      ssize_t ignored = write(fd, &readable, 1);
+      (void)ignored;
+    }
+  });
+  if (!opened.ok()) return opened.status();
+  if (opened->size() != paths.size()) {
+    return absl::InternalError(
+        absl::StrCat("checking what ", Describe(who), " can read: the report was cut short"));
+  }
+  std::vector<std::string> readable;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    if ((*opened)[i] != 0) readable.push_back(paths[i]);
+  }
+  return readable;
+}
+
+absl::Status KillEveryProcessOf(const RunAs& who) {
+  absl::StatusOr<std::string> killed = ReportAs(who, [](int fd) {
+    // -1: every process this user may signal but the caller (and init); ESRCH: there was none.
+    const int error = kill(-1, SIGKILL) == 0 || errno == ESRCH ? 0 : errno;
+    ssize_t ignored = write(fd, &error, sizeof(error));
+    (void)ignored;
+  });
+  if (!killed.ok()) return killed.status();
+  int error = 0;
+  if (killed->size() != sizeof(error)) {
+    return absl::InternalError(
+        absl::StrCat("killing the processes of ", Describe(who), ": no report"));
+  }
+  std::memcpy(&error, killed->data(), sizeof(error));
+  if (error != 0) {
+    return absl::ErrnoToStatus(error, absl::StrCat("killing the processes of ", Describe(who)));
+  }
+  return absl::OkStatus();
 }
 
 std::string DescribeWaitStatus(int wait_status) {

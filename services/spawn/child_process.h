@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,15 @@
 #include "absl/time/time.h"
 
 namespace offload {
+
+// A user the child runs as instead of the launcher's: what that user cannot read, the child cannot
+// either (a script kept from the launcher's credentials). Switching needs CAP_SETUID and
+// CAP_SETGID, and signalling the child afterwards CAP_KILL.
+struct RunAs {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;  // supplementary groups; empty: none (the launcher's are dropped)
+};
 
 struct SpawnOptions {
   // argv[0] is the program's path, used as is: no PATH search, no shell.
@@ -28,6 +38,8 @@ struct SpawnOptions {
   std::vector<std::string> env;
   // The child's working directory; empty: the parent's.
   std::string working_dir;
+  // Empty: the launcher's user. The working directory is entered as the new user.
+  std::optional<RunAs> run_as;
 };
 
 class ChildProcess {
@@ -72,6 +84,16 @@ class ChildProcess {
   bool reaped_ = false;
   int wait_status_ = 0;
 };
+
+// Which of `paths` `who` can open for reading, tried by a child process that switches to `who`
+// (so directories' permissions, ACLs and mounts all count, as they will for a real child).
+// An error where the switch itself fails (no CAP_SETUID), naming it.
+absl::StatusOr<std::vector<std::string>> ReadableAs(const RunAs& who,
+                                                    const std::vector<std::string>& paths);
+
+// Kills every process running as `who` (a process switched to it sends SIGKILL to all it may
+// signal), whatever process group or session it is in: what a child started cannot outlive it.
+absl::Status KillEveryProcessOf(const RunAs& who);
 
 // "exited with status 3" or "was killed by signal 9 (Killed)".
 std::string DescribeWaitStatus(int wait_status);

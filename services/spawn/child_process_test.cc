@@ -1,14 +1,20 @@
 #include "services/spawn/child_process.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "services/spawn/child_output.h"
 
@@ -162,6 +168,128 @@ TEST(ChildProcessTest, DestructorKillsAndReaps) {
   }
   EXPECT_EQ(kill(pid, 0), -1);
   EXPECT_EQ(errno, ESRCH);
+}
+
+// Users no account of this machine has: what they can read is what "other" may.
+constexpr uid_t kOtherUid = 20001;
+constexpr gid_t kOtherGid = 20002;
+constexpr gid_t kOtherGroup = 20003;
+
+RunAs OtherUser() { return RunAs{kOtherUid, kOtherGid, {kOtherGroup}}; }
+
+TEST(ChildProcessTest, RunsAsAnotherUserWithOnlyTheGroupsGiven) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching users needs root here";
+  SpawnOptions options;
+  options.argv = {"/bin/sh", "-c", "id -u; id -g; id -G"};
+  options.capture_output = true;
+  options.null_stdin = true;
+  options.working_dir = "/";
+  options.run_as = OtherUser();
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(options);
+  ASSERT_TRUE(child.ok()) << child.status();
+  LineReader output((*child)->TakeOutputFd());
+  std::vector<std::string> lines;
+  std::string line;
+  while (output.ReadLine(absl::Now() + absl::Seconds(10), -1, &line) == LineReader::Result::kLine) {
+    lines.push_back(line);
+  }
+  ASSERT_TRUE((*child)->WaitFor(absl::Seconds(10)));
+  EXPECT_EQ(lines, (std::vector<std::string>{"20001", "20002", "20002 20003"}));
+}
+
+TEST(ChildProcessTest, AChildRunAsAnotherUserStillDiesWithItsThread) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching users needs root here";
+  std::unique_ptr<ChildProcess> child;
+  std::thread([&child] {
+    SpawnOptions options;
+    options.argv = {"/bin/sleep", "30"};
+    options.run_as = OtherUser();
+    absl::StatusOr<std::unique_ptr<ChildProcess>> spawned = ChildProcess::Spawn(options);
+    ASSERT_TRUE(spawned.ok()) << spawned.status();
+    child = *std::move(spawned);
+  }).join();
+  ASSERT_NE(child, nullptr);
+  ASSERT_TRUE(child->WaitFor(absl::Seconds(10)));
+  ASSERT_TRUE(WIFSIGNALED(child->wait_status()));
+  EXPECT_EQ(WTERMSIG(child->wait_status()), SIGKILL);
+}
+
+TEST(ChildProcessTest, ReadableAsTriesEachPathAsTheOtherUser) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching users needs root here";
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("offload-readable-as-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  chmod(dir.c_str(), 0755);
+  const std::string secret = (dir / "secret").string();
+  const std::string open_file = (dir / "open").string();
+  const std::string group_file = (dir / "group").string();
+  for (const std::string& path : {secret, open_file, group_file}) std::ofstream(path) << "x";
+  chmod(secret.c_str(), 0600);
+  chmod(open_file.c_str(), 0644);
+  ASSERT_EQ(chown(group_file.c_str(), 0, kOtherGroup), 0);
+  chmod(group_file.c_str(), 0640);
+  absl::StatusOr<std::vector<std::string>> readable =
+      ReadableAs(OtherUser(), {secret, open_file, group_file, (dir / "missing").string()});
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(readable.ok()) << readable.status();
+  EXPECT_EQ(*readable, (std::vector<std::string>{open_file, group_file}));
+}
+
+// Without CAP_SETUID (a child process of the test that gave root up) both refuse, saying so.
+TEST(ChildProcessTest, SwitchingUsersWithoutTheCapabilityIsAClearError) {
+  if (geteuid() != 0) GTEST_SKIP() << "giving root up needs root here";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    absl::StatusOr<std::vector<std::string>> readable = ReadableAs(OtherUser(), {"/"});
+    if (readable.ok() || !absl::StrContains(readable.status().message(), "CAP_SETUID")) _exit(3);
+    SpawnOptions options;
+    options.argv = {"/bin/true"};
+    options.run_as = OtherUser();
+    absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(options);
+    if (child.ok() || !absl::StrContains(child.status().message(), "as uid 20001") ||
+        !absl::StrContains(child.status().message(), "CAP_SETUID")) {
+      _exit(4);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: could not give root up, 3: ReadableAs, 4: Spawn";
+}
+
+TEST(ChildProcessTest, KillEveryProcessOfEndsWhatAChildLeftBehind) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching users needs root here";
+  // A uid of this test alone: the kill reaches every process of it.
+  const RunAs who{20011, 20011, {}};
+  SpawnOptions options;
+  options.argv = {"/bin/sh", "-c", "setsid sleep 60 </dev/null >/dev/null 2>&1 & echo $!"};
+  options.capture_output = true;
+  options.null_stdin = true;
+  options.working_dir = "/";
+  options.run_as = who;
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(options);
+  ASSERT_TRUE(child.ok()) << child.status();
+  LineReader output((*child)->TakeOutputFd());
+  std::string line;
+  ASSERT_EQ(output.ReadLine(absl::Now() + absl::Seconds(10), -1, &line), LineReader::Result::kLine);
+  ASSERT_TRUE((*child)->WaitFor(absl::Seconds(10)));
+  const pid_t left = std::stoi(line);
+  const std::string stat = "/proc/" + line + "/stat";
+  // Gone, or a zombie its new parent has not reaped yet.
+  auto alive = [&stat] {
+    std::ifstream in(stat);
+    std::string pid, name, state;
+    return in >> pid >> name >> state && state != "Z";
+  };
+  ASSERT_TRUE(alive()) << "the process the child left (" << left << ") is not running";
+  ASSERT_TRUE(KillEveryProcessOf(who).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (alive() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_FALSE(alive()) << "pid " << left << " outlived KillEveryProcessOf";
+  // Nothing left to kill is not an error.
+  EXPECT_TRUE(KillEveryProcessOf(who).ok());
 }
 
 }  // namespace

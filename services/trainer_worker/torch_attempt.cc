@@ -1,15 +1,15 @@
 #include "services/trainer_worker/torch_attempt.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <system_error>
 #include <utility>
 
@@ -39,25 +39,53 @@ constexpr absl::Duration kTick = absl::Milliseconds(200);
 constexpr size_t kMaxProgressBytes = 64 << 10;
 constexpr char kMasterKey[] = "torch/master";
 
-bool ReadSmallFile(const std::string& path, std::string* text) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream out;
-  out << in.rdbuf();
-  *text = out.str();
-  return true;
+// The script's file, as the script left it: not through a link (the script may own the directory,
+// and a link to the worker's token would have the worker read it out), a regular file of at most
+// twice the largest report (a larger one is refused by ParseScriptProgress, which says so).
+bool ReadScriptFile(const std::string& path, std::string* text) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return false;
+  struct stat st;
+  bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+            static_cast<size_t>(st.st_size) <= 2 * kMaxProgressBytes;
+  if (ok) {
+    text->assign(static_cast<size_t>(st.st_size), '\0');
+    ssize_t n;
+    do {
+      n = pread(fd, text->data(), text->size(), 0);
+    } while (n < 0 && errno == EINTR);
+    ok = n >= 0;
+    if (ok) text->resize(static_cast<size_t>(n));
+  }
+  close(fd);
+  return ok;
 }
 
-// Replaces `path` whole: the script reads either the old text or the new.
+// Replaces `path` whole: the script reads either the old text or the new. The temporary file has a
+// name nobody can know in advance, made with O_EXCL, so a link the script planted is never
+// written through.
 absl::Status WriteAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = absl::StrCat(path, ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out.good()) return absl::InternalError(absl::StrCat("writing ", tmp));
+  std::string tmp = absl::StrCat(path, ".XXXXXX");
+  const int fd = mkstemp(tmp.data());
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("creating ", tmp));
+  // Readable by the script, whichever user it runs as.
+  bool ok = fchmod(fd, 0644) == 0;
+  for (size_t done = 0; ok && done < text.size();) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    ok = n > 0;
+    if (ok) done += static_cast<size_t>(n);
+  }
+  const int error = errno;
+  close(fd);
+  if (!ok) {
+    unlink(tmp.c_str());
+    return absl::ErrnoToStatus(error, absl::StrCat("writing ", tmp));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("renaming ", tmp));
+    const int rename_error = errno;
+    unlink(tmp.c_str());
+    return absl::ErrnoToStatus(rename_error, absl::StrCat("renaming ", tmp));
   }
   return absl::OkStatus();
 }
@@ -178,9 +206,11 @@ std::vector<std::string> TorchEnvironment(const v1::Assignment& a, const std::st
   return env;
 }
 
-std::vector<std::string> TorchTlsEnvironment(const std::vector<std::string>& security_flags) {
+std::vector<std::string> TorchTlsEnvironment(const std::vector<std::string>& security_flags,
+                                             bool client_identity) {
   std::vector<std::string> env;
-  for (const char* name : {"tls_ca", "tls_cert", "tls_key", "tls_server_name"}) {
+  for (const absl::string_view name : {"tls_ca", "tls_cert", "tls_key", "tls_server_name"}) {
+    if (!client_identity && (name == "tls_cert" || name == "tls_key")) continue;
     const std::string prefix = absl::StrCat("--", name, "=");
     for (const std::string& flag : security_flags) {
       if (flag.rfind(prefix, 0) == 0) {
@@ -278,6 +308,18 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
     return Failed(result, absl::StrCat("creating a control directory: ", strerror(errno)));
   }
   const std::string control_dir = control_template;
+  // A script of its own user writes its files here, but may not own the directory (it could
+  // move it and leave a link to another in its place): the worker's, the script user's group,
+  // sticky, so neither can replace the other's files.
+  if (options.run_as &&
+      (chown(control_dir.c_str(), static_cast<uid_t>(-1), options.run_as->gid) != 0 ||
+       chmod(control_dir.c_str(), 01770) != 0)) {
+    const int error = errno;
+    std::error_code ignored;
+    fs::remove_all(control_dir, ignored);
+    return Failed(result, absl::StrCat("handing the control directory ", control_dir,
+                                       " to the script's user: ", strerror(error)));
+  }
   struct RemoveDir {
     std::string path;
     ~RemoveDir() {
@@ -310,6 +352,7 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
   spawn.working_dir = torch.working_dir();
   spawn.capture_output = true;
   spawn.null_stdin = true;
+  spawn.run_as = options.run_as;
   absl::StatusOr<std::unique_ptr<ChildProcess>> spawned = ChildProcess::Spawn(spawn);
   if (!spawned.ok()) {
     return Failed(result, absl::StrCat("torch.command: ", spawned.status().message()));
@@ -327,7 +370,7 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
   // Reads the script's report if it changed, and passes the controller's answer back.
   auto relay = [&]() {
     std::string text;
-    if (ReadSmallFile(progress_file, &text) && text != last_progress) {
+    if (ReadScriptFile(progress_file, &text) && text != last_progress) {
       last_progress = text;
       absl::StatusOr<v1::ScriptProgress> p = ParseScriptProgress(text);
       if (p.ok()) {
@@ -382,6 +425,11 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
       // Withdrawn: the attempt is over elsewhere, and the script's checkpoints are atomic.
       child.Signal(SIGKILL).IgnoreError();
     }
+  }
+  // A script of its own user leaves nothing behind for the next attempt that user runs.
+  if (options.run_as) {
+    absl::Status killed = KillEveryProcessOf(*options.run_as);
+    if (!killed.ok()) LOG(WARNING) << options.output_prefix << killed;
   }
   // Helpers the script started may hold the output open after it exits: read for a moment only.
   copy_output(absl::Now() + absl::Seconds(1));

@@ -10,6 +10,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "offload/v1/worker.pb.h"
+#include "services/spawn/child_process.h"
 
 namespace offload {
 
@@ -29,6 +31,9 @@ struct TorchAttemptOptions {
   // How the command reaches the optimizer servers over TLS, "OFFLOAD_TLS_CA=path" and the like
   // (TorchTlsEnvironment of the worker's own flags); empty without TLS.
   std::vector<std::string> tls_env;
+  // The user the command runs as (script_user.h); empty: the worker's. Its control directory is
+  // then shared through the user's group, and every process of that user is killed at the end.
+  std::optional<RunAs> run_as;
   // Prefixes every line of the command's output this worker copies to its stderr.
   std::string output_prefix;
   // How long the command has to stop on its own after the controller asked the job to pause or
@@ -59,9 +64,11 @@ std::vector<std::string> TorchEnvironment(const v1::Assignment& a, const std::st
                                           const std::string& master);
 
 // The worker's TLS flags ("--tls_ca=path", as SecurityFlagsForChild gives them) as the command's
-// OFFLOAD_TLS_CA, OFFLOAD_TLS_CERT, OFFLOAD_TLS_KEY and OFFLOAD_TLS_SERVER_NAME; other flags are
-// not the script's.
-std::vector<std::string> TorchTlsEnvironment(const std::vector<std::string>& security_flags);
+// OFFLOAD_TLS_CA and OFFLOAD_TLS_SERVER_NAME, and with `client_identity` OFFLOAD_TLS_CERT and
+// OFFLOAD_TLS_KEY (the worker's own certificate: not for a script of its own user, which could
+// not read the key anyway); other flags are not the script's.
+std::vector<std::string> TorchTlsEnvironment(const std::vector<std::string>& security_flags,
+                                             bool client_identity);
 
 // argv[0] as the worker runs it: a name without '/' searched on `path` (a PATH value) for an
 // executable file, one with a '/' taken relative to `working_dir` (or as is). NOT_FOUND naming it.

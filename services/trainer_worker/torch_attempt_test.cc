@@ -63,12 +63,18 @@ TEST(TorchAttemptTest, EnvironmentSetsEveryJobVariableOnce) {
 }
 
 TEST(TorchAttemptTest, TlsFlagsBecomeTheScriptsVariables) {
-  EXPECT_THAT(TorchTlsEnvironment({"--token_file=/t", "--tls_ca=/ca.pem", "--tls_cert=/c.pem",
-                                   "--tls_key=/k.pem", "--tls_client_auth=require",
-                                   "--tls_server_name=shard"}),
+  EXPECT_THAT(TorchTlsEnvironment(
+                  {"--token_file=/t", "--tls_ca=/ca.pem", "--tls_cert=/c.pem", "--tls_key=/k.pem",
+                   "--tls_client_auth=require", "--tls_server_name=shard"},
+                  /*client_identity=*/true),
               testing::ElementsAre("OFFLOAD_TLS_CA=/ca.pem", "OFFLOAD_TLS_CERT=/c.pem",
                                    "OFFLOAD_TLS_KEY=/k.pem", "OFFLOAD_TLS_SERVER_NAME=shard"));
-  EXPECT_TRUE(TorchTlsEnvironment({"--token_file=/t"}).empty());
+  // A script of its own user gets what verifies the servers, not the worker's identity.
+  EXPECT_THAT(TorchTlsEnvironment({"--tls_ca=/ca.pem", "--tls_cert=/c.pem", "--tls_key=/k.pem",
+                                   "--tls_server_name=shard"},
+                                  /*client_identity=*/false),
+              testing::ElementsAre("OFFLOAD_TLS_CA=/ca.pem", "OFFLOAD_TLS_SERVER_NAME=shard"));
+  EXPECT_TRUE(TorchTlsEnvironment({"--token_file=/t"}, true).empty());
 }
 
 TEST(TorchAttemptTest, ResolvesTheProgramOnPathOrRelativeToTheWorkingDirectory) {

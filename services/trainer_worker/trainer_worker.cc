@@ -83,7 +83,8 @@ class Mailbox {
 // the controller and to this worker's trainer metrics.
 v1::AttemptResult RunTorchRank(const v1::Assignment& a, std::shared_ptr<grpc::Channel> channel,
                                const std::string& token, const std::string& rank_address,
-                               Mailbox* mailbox, volatile std::sig_atomic_t* stop) {
+                               const std::optional<RunAs>& script_user, Mailbox* mailbox,
+                               volatile std::sig_atomic_t* stop) {
   TrainerInfo info;
   info.job_id = a.job_id();
   info.rank = static_cast<int>(a.rank());
@@ -95,7 +96,15 @@ v1::AttemptResult RunTorchRank(const v1::Assignment& a, std::shared_ptr<grpc::Ch
   options.channel = std::move(channel);
   options.token = token;
   options.rank_address = rank_address;
-  options.tls_env = TorchTlsEnvironment(SecurityFlagsForChild());
+  options.tls_env =
+      TorchTlsEnvironment(SecurityFlagsForChild(), /*client_identity=*/!script_user.has_value());
+  options.run_as = script_user;
+  if (!script_user) {
+    LOG(WARNING) << absl::StrFormat(
+        "gpu_trainer: torch job %s's script runs as this worker's user and can read its "
+        "credentials; give the worker --script_user to run scripts as users of their own",
+        a.job_id().c_str());
+  }
   options.output_prefix = absl::StrFormat("[%s rank %u] ", a.job_id(), a.rank());
   options.withdrawn = [mailbox, &a] { return mailbox->Withdrawn(a); };
   options.stop = stop;
@@ -150,7 +159,7 @@ std::vector<std::string> RankCommandLine(const std::string& trainer_binary,
 int RunTrainerWorker(const std::string& trainer_binary, const std::string& controller,
                      const std::string& rank_address, int worker_index,
                      const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop,
-                     const std::string& name_suffix) {
+                     const std::string& name_suffix, const std::optional<RunAs>& script_user) {
   const std::string self = ThisExecutable(trainer_binary);
 
   absl::StatusOr<SecurityOptions> security = SecurityFromFlags();
@@ -196,8 +205,8 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
       LOG(INFO) << absl::StrFormat(
           "gpu_trainer: worker %s runs rank %u of %u of torch job %s (attempt %u)",
           (*agent)->worker_id().c_str(), a.rank(), a.world_size(), a.job_id().c_str(), a.attempt());
-      (*agent)->Finished(
-          RunTorchRank(a, *channel, security->client_token, rank_address, &mailbox, stop));
+      (*agent)->Finished(RunTorchRank(a, *channel, security->client_token, rank_address,
+                                      script_user, &mailbox, stop));
       continue;
     }
     const std::string error_file =
@@ -263,7 +272,17 @@ int RunTrainerWorker(const std::string& trainer_binary, const std::string& contr
 int RunTrainerWorkers(int workers, const std::string& trainer_binary, const std::string& controller,
                       const std::string& rank_address, int worker_index,
                       const std::string& rank_metrics_address,
-                      const std::vector<std::string>& rank_args, volatile std::sig_atomic_t* stop) {
+                      const std::vector<std::string>& rank_args,
+                      const std::optional<ScriptUsers>& script_users,
+                      volatile std::sig_atomic_t* stop) {
+  if (script_users) {
+    absl::Status checked =
+        CheckScriptUsers(*script_users, workers, CredentialFiles(SecurityFlagsForChild()));
+    if (!checked.ok()) {
+      LOG(ERROR) << "gpu_trainer: " << checked;
+      return 2;
+    }
+  }
   std::string metrics_host;
   int metrics_port = 0;
   if (!rank_metrics_address.empty()) {
@@ -286,9 +305,11 @@ int RunTrainerWorkers(int workers, const std::string& trainer_binary, const std:
       const int port = metrics_port == 0 ? 0 : metrics_port + k;
       args.push_back(absl::StrCat("--metrics_address=", metrics_host, ":", port));
     }
-    status[k] = RunTrainerWorker(trainer_binary, controller, rank_address,
-                                 worker_index < 0 ? -1 : worker_index * workers + k, args, stop,
-                                 workers > 1 ? absl::StrCat("/", k) : "");
+    status[k] = RunTrainerWorker(
+        trainer_binary, controller, rank_address,
+        worker_index < 0 ? -1 : worker_index * workers + k, args, stop,
+        workers > 1 ? absl::StrCat("/", k) : "",
+        script_users ? std::optional<RunAs>(ScriptUserOf(*script_users, k)) : std::nullopt);
   };
   std::vector<std::thread> threads;
   for (int k = 1; k < workers; ++k) threads.emplace_back(run, k);

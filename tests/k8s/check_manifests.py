@@ -9,6 +9,8 @@ objects, for validate.py) and checks what the API schemas cannot express:
 - every container: the restrictive securityContext (non-root uid 10001, read-only root
   filesystem with an emptyDir /tmp, no privilege escalation, capabilities dropped (only IPC_LOCK
   may be added), seccomp RuntimeDefault), cpu and memory requests and limits, the bearer token;
+  a trainer pool worker that runs torch jobs' scripts as users of their own (--script_user) is
+  the one exception: root with SETUID, SETGID, KILL and CHOWN;
 - the controller and optimizer servers: gRPC readiness and liveness probes on their gRPC port;
   trainer workers: tcpSocket or httpGet probes;
 - pods with an optimizer server are Guaranteed QoS, with --memory_limit_mib below the limit;
@@ -22,7 +24,9 @@ objects, for validate.py) and checks what the API schemas cannot express:
 - the PrometheusRules' groups equal those of monitoring/prometheus/rules/*.yml (as data);
 - the example job file agrees with the layout (ranks, shards, paths, transport); a torch job's
   program is installed and its script shipped by the Dockerfile's torch stage (or the script
-  lies on a volume every trainer mounts), and its trainers (only) run the torch image;
+  lies on a volume every trainer mounts), and its trainers (only) run the torch image, run the
+  scripts as users of their own (--script_user, none of them 0 or the pods' uid) and mount the
+  operator token readable by its owner (root) alone;
 - the namespace's Pod Security level admits the pods (IPC_LOCK needs `privileged`);
 - the NetworkPolicies, evaluated as Kubernetes does: a default deny of ingress; each selects
   pods and names only ports they have; every flow the binaries open is admitted (pool workers
@@ -253,9 +257,15 @@ def check_security(case, obj, pod_spec):
         if not isinstance(sc, dict):
             case.error(obj, f"container {name}: no securityContext")
             continue
-        if (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))) is not True:
+        # A pool worker that runs scripts as users of their own switches to them: root, with
+        # exactly the capabilities that takes (check_script_users holds the rest).
+        launcher = binary(c) == "gpu_trainer" and "script_user" in flags(c)
+        if launcher:
+            if sc.get("runAsUser", pod_sc.get("runAsUser")) != 0:
+                case.error(obj, f"container {name}: --script_user, but not runAsUser 0 (switching users needs root)")
+        elif (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))) is not True:
             case.error(obj, f"container {name}: runAsNonRoot is not true")
-        if sc.get("runAsUser", pod_sc.get("runAsUser")) != UID:
+        elif sc.get("runAsUser", pod_sc.get("runAsUser")) != UID:
             case.error(obj, f"container {name}: runAsUser is not {UID}")
         if sc.get("readOnlyRootFilesystem") is not True:
             case.error(obj, f"container {name}: readOnlyRootFilesystem is not true")
@@ -266,9 +276,12 @@ def check_security(case, obj, pod_spec):
         caps = d(sc.get("capabilities"))
         if "ALL" not in lst(caps.get("drop")):
             case.error(obj, f"container {name}: capabilities do not drop ALL")
-        added = set(lst(caps.get("add"))) - {"IPC_LOCK"}
+        allowed = {"IPC_LOCK"} | (SCRIPT_LAUNCHER_CAPABILITIES if launcher else set())
+        added = set(lst(caps.get("add"))) - allowed
         if added:
-            case.error(obj, f"container {name}: adds capabilities {sorted(added)} (only IPC_LOCK may be added)")
+            case.error(obj, f"container {name}: adds capabilities {sorted(added)} (only {sorted(allowed)} may be added)")
+        if launcher and not SCRIPT_LAUNCHER_CAPABILITIES <= set(lst(caps.get("add"))):
+            case.error(obj, f"container {name}: --script_user needs capabilities {sorted(SCRIPT_LAUNCHER_CAPABILITIES)}")
         seccomp = d(sc.get("seccompProfile")) or d(pod_sc.get("seccompProfile"))
         if seccomp.get("type") != "RuntimeDefault":
             case.error(obj, f"container {name}: seccompProfile is not RuntimeDefault")
@@ -474,6 +487,8 @@ def check_roles(case, obj, pod_meta, pod_spec, ctx, metrics_jobs):
 
 
 # Capabilities a container may add under each Pod Security Standard level.
+# What a trainer pool worker needs to run scripts as users of their own (--script_user).
+SCRIPT_LAUNCHER_CAPABILITIES = {"SETUID", "SETGID", "KILL", "CHOWN"}
 PSS_CAPABILITIES = {
     "restricted": {"NET_BIND_SERVICE"},
     "baseline": {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
@@ -677,6 +692,31 @@ def dockerfile_stage(repo, name):
     return stage
 
 
+def check_script_users(case, obj, pod_spec):
+    """A trainer that runs torch jobs' scripts runs them as users of their own (--script_user=N:
+    worker k as N + k), none of them the pods' user or root, and mounts the operator token so that
+    only root (the worker) reads it."""
+    vols = volumes(pod_spec)
+    for c in containers(pod_spec, init=False):
+        if binary(c) != "gpu_trainer":
+            continue
+        f = flags(c)
+        user = f.get("script_user", "")
+        if not user.isdigit():
+            case.error(obj, f"container {c.get('name')}: runs torch jobs' scripts without --script_user: a script could read the operator token")
+            continue
+        first = int(user)
+        workers = int(f.get("workers", "1")) if str(f.get("workers", "1")).isdigit() else 1
+        if first == 0 or first <= UID < first + workers:
+            case.error(obj, f"container {c.get('name')}: --script_user={user} with {workers} worker(s) includes uid {0 if first == 0 else UID}")
+        m = mounts(c).get(TOKEN_DIR)
+        secret = d(d(vols.get(m.get("name")) if m else None).get("secret"))
+        modes = [secret.get("defaultMode", 0o644)] + [i.get("mode") for i in lst(secret.get("items"))
+                                                      if isinstance(i, dict) and "mode" in i]
+        if any(not isinstance(mode, int) or mode & 0o077 for mode in modes):
+            case.error(obj, f"container {c.get('name')}: the token secret's mode {[oct(x) if isinstance(x, int) else x for x in modes]} lets others than its owner read it: the scripts' group would")
+
+
 def check_torch_job(case, ctx, cm, torch):
     """A torch job (a PyTorch script on the pool): its program is one the Dockerfile's `torch`
     stage installs, the script it runs is one that stage ships or one on a volume every trainer
@@ -711,6 +751,7 @@ def check_torch_job(case, ctx, cm, torch):
                 case.error(obj, f"trainer {image!r} is not the torch image ({TORCH_IMAGE}) a torch job needs")
             if binary(c) != "gpu_trainer" and torch_image:
                 case.error(obj, f"{c.get('name')} runs the torch image, which only trainers need")
+        check_script_users(case, obj, ps)
 
 
 # ---------------------------------------------------------------------------------------------
