@@ -49,7 +49,9 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
-        dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE: the job's
+        # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE: the job's. Since offload is imported, the
+        # rendezvous store answers only this attempt's ranks (offload.rendezvous).
+        dist.init_process_group("gloo")
 
     torch.manual_seed(0)  # every rank, every attempt: the same initial model
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.GELU(),

@@ -7,8 +7,10 @@
 # the same time. Each try is a line of the job's output, named here.
 #   control: a worker without --script_user: the probe reads the token and registers with it;
 #   --script_user with a token file the scripts could read: the worker refuses to start, naming it;
-#   --script_user=21000 --workers=2: two probe jobs at once, as uids 21000 and 21001, every try
+#   --script_user=21000 --workers=3: two probe jobs at once, as uids 21000 and 21001, every try
 #     refused and the token in no output; what a script leaves running is killed with its attempt;
+#     a rank of one job can neither read another job's torch.distributed store nor join its
+#     process group (issue 60 part 2), while the test, given that job's secret, reads the key;
 #     examples/torch_job.py still trains to SUCCEEDED under its own user.
 # usage: torch_script_isolation_test.sh CONTROLLER SERVER TRAINER REPO_ROOT BUILD_DIR
 set -euo pipefail
@@ -24,7 +26,7 @@ mkdir -m 1777 "$work/ckpt"
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  pkill -9 -u "$first_uid,$((first_uid + 1))" 2>/dev/null || true
+  pkill -9 -u "$first_uid,$((first_uid + 1)),$((first_uid + 2))" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -82,10 +84,11 @@ wait_end() {  # job timeout_s: prints the final state
   done
   fail "job $1 did not end (now $(get "/v1/jobs/$1"))"
 }
-probe_job() {  # NAME PEER_WAIT
+probe_job_args() {  # NAME ARGS (a JSON list's items)
   submit "{\"name\": \"$1\", \"max_restarts\": 0,
-    \"torch\": {\"command\": [\"$py\", \"$probe\", \"--peer_wait=$2\"]}}"
+    \"torch\": {\"command\": [\"$py\", \"$probe\", $2]}}"
 }
+probe_job() { probe_job_args "$1" "\"--peer_wait=$2\""; }  # NAME PEER_WAIT
 start_workers() {  # LOG ARGS...: starts gpu_trainer --controller; sets worker_pid
   local log=$1
   shift
@@ -129,11 +132,11 @@ CUDA_VISIBLE_DEVICES= timeout 30 "$trainer_bin" --controller="$grpc" --token_fil
   --script_user=nobody >"$work/refused.log" 2>&1 && fail "--script_user=nobody was taken"
 grep -qF "must be a numeric uid" "$work/refused.log" || fail "nobody: $(cat "$work/refused.log")"
 
-step "--script_user=$first_uid --workers=2: two probes at once, each as its own user, reach nothing"
+step "--script_user=$first_uid --workers=3: two probes at once, each as its own user, reach nothing"
 chmod 0400 "$work/token"
 start_pool isolated
-start_workers isolated.log --script_user=$first_uid --workers=2
-wait_registered isolated.log 2
+start_workers isolated.log --script_user=$first_uid --workers=3
+wait_registered isolated.log 3
 a=$(probe_job probe-a 30)
 b=$(probe_job probe-b 30)
 sa=$(wait_end "$a" 90)
@@ -141,9 +144,11 @@ sb=$(wait_end "$b" 90)
 [ "$sa" = JOB_STATE_SUCCEEDED ] && [ "$sb" = JOB_STATE_SUCCEEDED ] ||
   fail "probes: $sa $sb; $(get "/v1/jobs/$a" | json ".get('reason')") $(get "/v1/jobs/$b" | json ".get('reason')")"
 grep "probe: " "$work/isolated.log" >"$work/probe-lines.txt"
-grep -q "probe: uid $first_uid gid $first_uid " "$work/probe-lines.txt" &&
-  grep -q "probe: uid $((first_uid + 1)) gid $((first_uid + 1)) " "$work/probe-lines.txt" ||
-  fail "the scripts' users: $(grep 'probe: uid' "$work/probe-lines.txt")"
+# Two workers' users, each its own uid and gid and no group of the worker's.
+users=$(sed -n 's/.*probe: uid \([0-9]*\) gid \([0-9]*\) groups \[\];.*/\1 \2/p' \
+  "$work/probe-lines.txt" | sort -u)
+[ "$(wc -l <<<"$users")" = 2 ] && awk -v f=$first_uid '$1 != $2 || $1 < f || $1 > f + 2 {bad=1}
+  END {exit bad}' <<<"$users" || fail "the scripts' users: $(grep 'probe: uid' "$work/probe-lines.txt")"
 for refused in "refused the worker's --token_file file: $work/token: Permission denied" \
   "refused the worker's /proc/environ" "refused the worker's /proc/mem" \
   "refused the worker's /proc/fd" "refused a signal to the worker" \
@@ -173,8 +178,59 @@ for _ in $(seq 50); do
 done
 [ "$state" = gone ] || [ "$state" = Z ] || fail "pid $left outlived its attempt ($state)"
 # Zombies aside (their new parent reaps them in its own time), nothing of either user runs.
-left_running=$(ps -u "$first_uid,$((first_uid + 1))" -o pid=,stat=,args= | awk '$2 !~ /^Z/')
+left_running=$(ps -u "$first_uid,$((first_uid + 1)),$((first_uid + 2))" -o pid=,stat=,args= |
+  awk '$2 !~ /^Z/')
 [ -z "$left_running" ] || fail "processes of the scripts' users remain: $left_running"
+
+step "a rank of another job neither reads this job's torch.distributed store nor joins it"
+victim=$(submit "{\"name\": \"victim\", \"max_restarts\": 0, \"parallel\": {\"ranks\": 2},
+  \"torch\": {\"command\": [\"$py\", \"$probe\", \"--victim\", \"--until=$work/victim-go\"]}}")
+for _ in $(seq 600); do
+  grep -q "\[$victim rank 0\] probe: victim ready" "$work/isolated.log" && break
+  sleep 0.1
+done
+grep -q "\[$victim rank 0\] probe: victim ready" "$work/isolated.log" ||
+  fail "the victim's ranks did not meet: $(get "/v1/jobs/$victim")"
+# What only the victim's rank 0 holds: the test reads it as root, as no script can.
+rank0=
+for p in $(pgrep -f -- "--victim --until=$work/victim-go" || true); do
+  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=0"; then rank0=$p; fi
+done
+[ -n "$rank0" ] || fail "no victim rank 0 process"
+victim_env() { tr '\0' '\n' <"/proc/$rank0/environ" | sed -n "s/^$1=//p"; }
+echo "$(victim_env MASTER_ADDR) $(victim_env MASTER_PORT)" >"$work/victim-target.tmp"
+mv "$work/victim-target.tmp" "$work/victim-target"
+attacker=$(probe_job_args attacker "\"--attack=$work/victim-target\"")
+[ "$(wait_end "$attacker" 90)" = JOB_STATE_SUCCEEDED ] ||
+  fail "the attacker reached something: $(get "/v1/jobs/$attacker" | json ".get('reason')")"
+for refused in "refused the other job's store key with no prefix" \
+  "refused the other job's store key with this job's prefix" \
+  "refused joining the other job's process group"; do
+  grep -qF "[$attacker rank 0] probe: $refused" "$work/isolated.log" || fail "not refused: $refused"
+done
+grep -F "[$attacker rank 0] probe: " "$work/isolated.log" | grep -v "probe: uid" | sed 's/^/  /'
+
+# The control: with the victim's own secret the key is there to read.
+read_marker() {
+  "$py" - "$@" <<'PY'
+import datetime, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[4])
+from offload import rendezvous
+store = dist.PrefixStore(rendezvous.key_prefix(sys.argv[3]),
+                         dist.TCPStore(sys.argv[1], int(sys.argv[2]), 2, False,
+                                       datetime.timedelta(seconds=10), wait_for_workers=False))
+print(store.get("marker").decode())
+PY
+}
+marker=$(read_marker $(cat "$work/victim-target") "$(victim_env OFFLOAD_TOKEN)" "$root/python" 2>&1) ||
+  fail "the victim's key with its secret: $marker"
+[ "$marker" = "published by the victim's rank 0" ] || fail "the victim's key read back as '$marker'"
+touch "$work/victim-go"
+[ "$(wait_end "$victim" 60)" = JOB_STATE_SUCCEEDED ] ||
+  fail "the victim: $(get "/v1/jobs/$victim" | json ".get('reason')")"
+grep -q "\[$victim rank 1\] probe: victim rank 1 all_reduce 2" "$work/isolated.log" ||
+  fail "the victim's rank 1 did not reduce with its rank 0"
 
 step "a real script trains under its own user"
 j=$(submit "{\"name\": \"trains\", \"max_restarts\": 0, \"checkpoint\": {\"dir\": \"$work/ckpt/trains\"},

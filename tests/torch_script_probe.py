@@ -11,6 +11,13 @@ worker kept everything to itself). It needs only the standard library and grpcio
 RPCs as raw bytes (an empty request: a call that gets past authentication answers something
 other than UNAUTHENTICATED or PERMISSION_DENIED), and waits up to --peer_wait seconds for
 another probe to appear so that two jobs running at once each try the other.
+
+With --victim it is instead one rank of a two-rank job that meets its peer through
+torch.distributed's env:// rendezvous (offload imported first, as a job's script does), and rank
+0 publishes a key through the store its process group got, then holds until --until exists.
+With --attack FILE it is a rank of another job that, once FILE names the victim's rendezvous
+("host port"), tries to read that key from the victim's store and to join the victim's group as
+its rank 1, with its own job's environment.
 """
 import argparse
 import os
@@ -102,10 +109,75 @@ def try_rpcs(controller: str, tokens: dict) -> None:
                 report(what, not refused, f"{e.code().name} {e.details()}")
 
 
+MARKER = "published by the victim's rank 0"
+
+
+def victim(until: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import offload  # noqa: F401  (the job's rendezvous, as offload.torch would install it)
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"probe: victim rank {dist.get_rank()} all_reduce {int(t.item())}", flush=True)
+    if dist.get_rank() == 0:
+        store, _, _ = next(dist.rendezvous("env://", rank=0, world_size=2))
+        store.set("marker", MARKER)
+        print("probe: victim ready", flush=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(until) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dist.barrier()
+    return 0 if os.path.exists(until) else 1
+
+
+def attack(target_file: str) -> int:
+    import datetime
+
+    import torch.distributed as dist
+
+    from offload import rendezvous
+
+    deadline = time.monotonic() + 120
+    while not os.path.exists(target_file) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    host, port = open(target_file).read().split()
+    client = dist.TCPStore(host, int(port), 2, False, datetime.timedelta(seconds=3),
+                           wait_for_workers=False)
+    own_secret = os.environ.get("OFFLOAD_TOKEN", "")
+    for name, store in (("no prefix", client),
+                        ("this job's prefix", dist.PrefixStore(rendezvous.key_prefix(own_secret),
+                                                               client))):
+        try:
+            value = store.get("marker").decode()
+            report(f"the other job's store key with {name}", True, value)
+        except RuntimeError as e:
+            report(f"the other job's store key with {name}", False, str(e).splitlines()[0])
+    # Join the other job as its rank 1, through env:// with this job's own secret.
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK="1", WORLD_SIZE="2")
+    rendezvous.install()
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+        report("joining the other job's process group", True, f"rank {dist.get_rank()}")
+    except RuntimeError as e:
+        report("joining the other job's process group", False, str(e).splitlines()[0])
+    print(f"probe: reached {len(reached)}: {', '.join(reached) or 'nothing'}", flush=True)
+    return len(reached)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peer_wait", type=float, default=0.0)
+    parser.add_argument("--victim", action="store_true")
+    parser.add_argument("--until", default="")
+    parser.add_argument("--attack", default="")
     args = parser.parse_args()
+    if args.victim:
+        return victim(args.until)
+    if args.attack:
+        return attack(args.attack)
     worker = worker_pid()
     worker_argv = cmdline(worker)
     print(f"probe: uid {os.getuid()} gid {os.getgid()} groups {sorted(os.getgroups())}; "

@@ -11,13 +11,22 @@ A torch training script run as a job on the optimizer-server pool finds its serv
 and checkpoint directory in its environment (``offload.job``) and reports its progress with
 ``offload.report(step=..., loss=..., tokens=...)``.
 
+A job's torch.distributed rendezvous is reachable only with its attempt's secret
+(``offload.rendezvous``): importing ``offload`` after torch.distributed, or ``offload.torch``,
+makes ``env://`` use it.
+
 ``import offload.torch`` needs torch; ``import offload`` does not.
 """
 
-from offload import job
+import sys as _sys
+
+from offload import job, rendezvous
 from offload.native import OffloadError, library_path
 from offload.job import report
 from offload.options import OffloadOptions
 
-__all__ = ["OffloadError", "OffloadOptions", "job", "library_path", "report"]
+if "torch.distributed" in _sys.modules:
+    rendezvous.install()
+
+__all__ = ["OffloadError", "OffloadOptions", "job", "library_path", "rendezvous", "report"]
 __version__ = "0.1.0"

@@ -40,6 +40,7 @@ import torch
 from offload import clipping
 from offload import job as _job
 from offload import native
+from offload import rendezvous as _rendezvous
 from offload.commits import Commits
 from offload.gradients import GradientPath
 from offload.layout import FlatLayout, split_names
@@ -50,6 +51,10 @@ from offload.ranks import Ranks
 from offload.server import LocalServer
 from offload.state import OptimizerState
 from offload.weights import Values, Weights
+
+# On the pool, the script's torch.distributed.init_process_group("gloo") meets only its own
+# attempt's ranks (offload/rendezvous.py).
+_rendezvous.install()
 
 __all__ = ["AdamW", "Adam", "OffloadError", "OffloadOptions", "materialize", "save_safetensors"]
 
