@@ -6,8 +6,11 @@
 # Kills everything in $pids and removes $work.
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  # File systems a test mounted under $work (tests/stall_fs.py): away before their files go.
+  for m in "${mounts[@]}"; do umount -l "$m" 2>/dev/null || true; done
   rm -rf "$work"
 }
+mounts=()
 
 # fail MESSAGE...: prints it, then the last $fail_log_lines lines (30; "+1" for all) of $log if the
 # script set one, and exits 1. A script that wants other context defines its own after sourcing.
@@ -46,14 +49,16 @@ start_server() {
 # The launcher tests: offload_local, two optimizer servers and gpu_trainer. They read $launcher,
 # $server, $trainer, $steps and the trainer flags every run shares, ${common[@]}.
 
-# job LOG [--ranks=N] ARGS...: the launcher with two shards, in the background, the trainer given
-# ${common[@]} ARGS. Sets $log and $launched and adds the launcher to $pids.
+# job LOG [--ranks=N] [--server_args=ARGS] ARGS...: the launcher with two shards, in the background,
+# the trainer given ${common[@]} ARGS. Sets $log and $launched and adds the launcher to $pids.
 job() {
   log=$1
   shift
-  local ranks=()
-  case ${1-} in --ranks=*) ranks=("$1") && shift ;; esac
-  "$launcher" --controller=none --shards=2 "${ranks[@]}" --server_binary="$server" \
+  local launcher_flags=()
+  while :; do
+    case ${1-} in --ranks=* | --server_args=*) launcher_flags+=("$1") && shift ;; *) break ;; esac
+  done
+  "$launcher" --controller=none --shards=2 "${launcher_flags[@]}" --server_binary="$server" \
     --trainer_binary="$trainer" --shutdown_timeout=30s -- "${common[@]}" "$@" >"$log" 2>&1 &
   launched=$!
   pids+=("$launched")
