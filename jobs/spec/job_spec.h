@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "offload/v1/job.pb.h"
 
@@ -50,6 +51,10 @@ absl::Status ValidateTenantName(absl::string_view field, absl::string_view name)
 // The environment variables a torch job's worker gives its command (ARCHITECTURE.md section 7):
 // what a spec's torch.env may not override.
 absl::Span<const absl::string_view> TorchJobVariables();
+
+// parallel.shard_step_timeout_floor as a duration (60 s when unset); INVALID_ARGUMENT naming the
+// field for text that is not a duration in (0, 1h].
+absl::StatusOr<absl::Duration> ShardStepTimeoutFloor(const v1::ParallelSpec& parallel);
 
 // The gpu_trainer flags of a spec: "--<flag>=<value>" for every set leaf that carries the
 // (offload.v1.flag) option, in descriptor order. Floats are printed so they parse back exactly.

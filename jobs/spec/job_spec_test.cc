@@ -314,6 +314,13 @@ TEST(ValidateJobSpecTest, MessagesNameTheField) {
        "parallel.collectives: must be one of gloo, nccl"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_optimizer_state("nvme"); },
        "parallel.optimizer_state: must be one of auto, memory, disk"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_shard_step_timeout_floor("30"); },
+       "parallel.shard_step_timeout_floor: must be a duration in (0, 1h] such as 30s or 2m, got "
+       "\"30\""},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_shard_step_timeout_floor("0s"); },
+       "parallel.shard_step_timeout_floor: must be a duration in (0, 1h]"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_shard_step_timeout_floor("2h"); },
+       "parallel.shard_step_timeout_floor: must be a duration in (0, 1h]"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_collectives("nccl"); },
        "parallel.collectives: nccl needs training.device cuda"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_ranks(0); },
@@ -422,7 +429,10 @@ TEST(TorchJobSpecTest, MistakesNameTheField) {
       {[](v1::JobSpec* s) { s->mutable_training()->set_steps(10); },
        "training.steps: a torch job's script sets its own"},
       {[](v1::JobSpec* s) { s->mutable_parallel()->set_zero_stage(3); },
-       "parallel.zero_stage: a torch job takes parallel.ranks, optimizer_servers and transport"},
+       "parallel.zero_stage: a torch job takes parallel.ranks, optimizer_servers, transport and "
+       "shard_step_timeout_floor only"},
+      {[](v1::JobSpec* s) { s->mutable_parallel()->set_shard_step_timeout_floor("soon"); },
+       "parallel.shard_step_timeout_floor: must be a duration"},
       {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_every(5); },
        "checkpoint.every: a torch job takes checkpoint.dir only"},
       {[](v1::JobSpec* s) { s->mutable_checkpoint()->set_dir("ckpt"); },
@@ -443,6 +453,8 @@ TEST(TorchJobSpecTest, MistakesNameTheField) {
   }
   v1::JobSpec minimal;
   minimal.mutable_torch()->add_command("python3");
+  EXPECT_TRUE(ValidateJobSpec(minimal).ok()) << ValidateJobSpec(minimal);
+  minimal.mutable_parallel()->set_shard_step_timeout_floor("20s");
   EXPECT_TRUE(ValidateJobSpec(minimal).ok()) << ValidateJobSpec(minimal);
 }
 
@@ -502,6 +514,18 @@ TEST(JobSpecFlagsTest, CollectivesTravelAsAFlag) {
   EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
   EXPECT_THAT(JobSpecToFlags(*spec),
               ElementsAre("--data=/d.txt", "--device=cuda", "--collectives=nccl"));
+}
+
+// A pool job's ranks get the floor of their step timeout as gpu_trainer's own flag.
+TEST(JobSpecFlagsTest, ShardStepTimeoutFloorTravelsAsAFlag) {
+  absl::StatusOr<v1::JobSpec> spec =
+      ParseJobSpec("data: {path: /d.txt}\nparallel: {shard_step_timeout_floor: 20s}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
+  EXPECT_EQ(*ShardStepTimeoutFloor(spec->parallel()), absl::Seconds(20));
+  EXPECT_THAT(JobSpecToFlags(*spec),
+              ElementsAre("--data=/d.txt", "--shard_step_timeout_floor=20s"));
+  EXPECT_EQ(*ShardStepTimeoutFloor(v1::ParallelSpec()), absl::Seconds(60));
 }
 
 TEST(JobSpecFlagsTest, ActivationCheckpointingTravelsAsAFlag) {

@@ -222,6 +222,9 @@ absl::Status ValidateParallel(const v1::ParallelSpec& p) {
   if (s.ok() && p.has_collectives()) {
     s.Update(OneOf("parallel.collectives", p.collectives(), {"gloo", "nccl"}));
   }
+  if (s.ok() && p.has_shard_step_timeout_floor()) {
+    s.Update(ShardStepTimeoutFloor(p).status());
+  }
   if (s.ok() && p.has_dpu_warmup_steps()) {
     s.Update(AtLeast("parallel.dpu_warmup_steps", p.dpu_warmup_steps(), int64_t{0}));
   }
@@ -353,9 +356,11 @@ absl::Status ValidateTorch(const v1::JobSpec& spec) {
   parallel.clear_ranks();
   parallel.clear_optimizer_servers();
   parallel.clear_transport();
+  parallel.clear_shard_step_timeout_floor();
   if (const std::string set = FirstSetField(parallel, "parallel"); !set.empty()) {
     return Invalid(set,
-                   "a torch job takes parallel.ranks, optimizer_servers and transport only; "
+                   "a torch job takes parallel.ranks, optimizer_servers, transport and "
+                   "shard_step_timeout_floor only; "
                    "the script chooses the rest (offload.torch.AdamW's arguments)");
   }
   v1::CheckpointSpec checkpoint = spec.checkpoint();
@@ -371,6 +376,18 @@ absl::Status ValidateTorch(const v1::JobSpec& spec) {
 
 }  // namespace
 
+absl::StatusOr<absl::Duration> ShardStepTimeoutFloor(const v1::ParallelSpec& parallel) {
+  if (!parallel.has_shard_step_timeout_floor()) return absl::Seconds(60);
+  absl::Duration floor;
+  if (!absl::ParseDuration(parallel.shard_step_timeout_floor(), &floor) ||
+      floor <= absl::ZeroDuration() || floor > absl::Hours(1)) {
+    return Invalid("parallel.shard_step_timeout_floor",
+                   absl::StrCat("must be a duration in (0, 1h] such as 30s or 2m, got \"",
+                                parallel.shard_step_timeout_floor(), "\""));
+  }
+  return floor;
+}
+
 absl::Span<const absl::string_view> TorchJobVariables() {
   static constexpr absl::string_view kNames[] = {"OFFLOAD_SERVERS",
                                                  "OFFLOAD_TOKEN",
@@ -378,6 +395,7 @@ absl::Span<const absl::string_view> TorchJobVariables() {
                                                  "OFFLOAD_JOB_ID",
                                                  "OFFLOAD_CHECKPOINT_DIR",
                                                  "OFFLOAD_TRANSPORT",
+                                                 "OFFLOAD_STEP_TIMEOUT_FLOOR",
                                                  "OFFLOAD_CONTROL_DIR",
                                                  "OFFLOAD_TLS_CA",
                                                  "OFFLOAD_TLS_CERT",

@@ -21,6 +21,9 @@ from offload.native import NativeOptimizer
 if TYPE_CHECKING:  # started only where no servers are given: `import offload` stays light
     from offload.server import LocalServer
 
+# Seconds; a torch job's parallel.shard_step_timeout_floor replaces it ($OFFLOAD_STEP_TIMEOUT_FLOOR).
+_DEFAULT_STEP_TIMEOUT_FLOOR = 60.0
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
@@ -72,7 +75,7 @@ class OffloadOptions:
     tls_key: Optional[str] = None
     tls_server_name: Optional[str] = None
     call_timeout: float = 600.0
-    step_timeout_floor: float = 60.0
+    step_timeout_floor: float = _DEFAULT_STEP_TIMEOUT_FLOOR
     state_dir: Optional[str] = None
     optimizer_state: str = "auto"
     server_memory_mib: int = 0
@@ -112,7 +115,8 @@ class OffloadOptions:
 
     def in_this_job(self, process_group: Any) -> Tuple["OffloadOptions", Any]:
         """What a torch job on the pool (offload.job) fills when no servers are given: its
-        servers, id, transport, TLS files and ranks. Outside a job, these options as they are."""
+        servers, id, transport, TLS files, step timeout floor (the job's
+        parallel.shard_step_timeout_floor) and ranks. Outside a job, these options as they are."""
         servers = _job.servers()
         if self.servers is not None or servers is None:
             return self, process_group
@@ -124,7 +128,9 @@ class OffloadOptions:
             tls_ca=self.tls_ca or env("OFFLOAD_TLS_CA"),
             tls_cert=self.tls_cert or env("OFFLOAD_TLS_CERT"),
             tls_key=self.tls_key or env("OFFLOAD_TLS_KEY"),
-            tls_server_name=self.tls_server_name or env("OFFLOAD_TLS_SERVER_NAME"))
+            tls_server_name=self.tls_server_name or env("OFFLOAD_TLS_SERVER_NAME"),
+            step_timeout_floor=float(env("OFFLOAD_STEP_TIMEOUT_FLOOR") or self.step_timeout_floor)
+            if self.step_timeout_floor == _DEFAULT_STEP_TIMEOUT_FLOOR else self.step_timeout_floor)
         if process_group is None:
             from offload.ranks import job_group
             process_group = job_group()

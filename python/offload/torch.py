@@ -221,7 +221,8 @@ class AdamW(torch.optim.Optimizer):
                  keep_grads: bool = False, job_id: Optional[str] = None,
                  tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 call_timeout: float = 600.0, process_group: Any = None,
+                 call_timeout: float = 600.0, step_timeout_floor: float = 60.0,
+                 process_group: Any = None,
                  trace_file: Optional[str] = None, device: Any = None,
                  state_dir: Optional[str] = None, optimizer_state: str = "auto",
                  server_memory_mib: int = 0, delay_update: bool = False,
@@ -235,7 +236,8 @@ class AdamW(torch.optim.Optimizer):
         options = (options or OffloadOptions()).with_keywords(dict(
             servers=servers, token=token, transport=transport, threads=threads, job_id=job_id,
             tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name,
-            call_timeout=call_timeout, state_dir=state_dir, optimizer_state=optimizer_state,
+            call_timeout=call_timeout, step_timeout_floor=step_timeout_floor,
+            state_dir=state_dir, optimizer_state=optimizer_state,
             server_memory_mib=server_memory_mib, trace_file=trace_file,
             optimizer_cores=optimizer_cores, state_dtype=state_dtype,
             state_rounding=state_rounding, server_priority=server_priority))

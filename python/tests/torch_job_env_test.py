@@ -24,7 +24,8 @@ from offload.server import LocalServer  # noqa: E402
 from torch_test_util import TinyNet  # noqa: E402
 
 _JOB_VARIABLES = ("OFFLOAD_SERVERS", "OFFLOAD_TOKEN", "OFFLOAD_JOB_ID", "OFFLOAD_CHECKPOINT_DIR",
-                  "OFFLOAD_CONTROL_DIR", "OFFLOAD_TRANSPORT", "WORLD_SIZE", "RANK")
+                  "OFFLOAD_CONTROL_DIR", "OFFLOAD_TRANSPORT", "OFFLOAD_STEP_TIMEOUT_FLOOR",
+                  "WORLD_SIZE", "RANK")
 
 
 class JobEnvironmentTest(unittest.TestCase):
@@ -92,6 +93,19 @@ class JobEnvironmentTest(unittest.TestCase):
         self.train(opt, 3)
         p = self.progress()
         self.assertEqual(p["step"], 3)  # the optimizer's own count: the script reports nothing
+        opt.close()
+
+    def test_the_jobs_step_timeout_floor_unless_the_script_sets_one(self) -> None:
+        opt = self.build()
+        self.assertEqual(opt.options.step_timeout_floor, 60.0)  # none in the job
+        opt.close()
+        os.environ["OFFLOAD_STEP_TIMEOUT_FLOOR"] = "7.5"
+        opt = self.build()
+        self.assertEqual(opt.options.step_timeout_floor, 7.5)
+        opt.close()
+        model = TinyNet(8, 16, 4, torch.nn.functional.gelu)
+        opt = otorch.AdamW(model.parameters(), lr=1e-3, step_timeout_floor=3.0)
+        self.assertEqual(opt.options.step_timeout_floor, 3.0)
         opt.close()
 
     def test_the_scripts_reports_win_and_accumulate_tokens(self) -> None:

@@ -195,6 +195,11 @@ std::vector<std::string> TorchEnvironment(const v1::Assignment& a, const std::st
       absl::StrCat("LOCAL_RANK=", a.local_rank()),
       absl::StrCat("LOCAL_WORLD_SIZE=", std::max(a.local_ranks(), a.local_rank() + 1)),
   };
+  // Validated with the spec; a torch job's script has no flags of ours to take it.
+  if (absl::StatusOr<absl::Duration> floor = ShardStepTimeoutFloor(spec.parallel());
+      spec.parallel().has_shard_step_timeout_floor() && floor.ok()) {
+    env.push_back(absl::StrCat("OFFLOAD_STEP_TIMEOUT_FLOOR=", absl::ToDoubleSeconds(*floor)));
+  }
   const size_t colon = master.rfind(':');
   if (colon != std::string::npos) {
     env.push_back(absl::StrCat("MASTER_ADDR=", master.substr(0, colon)));

@@ -50,7 +50,10 @@ TEST(TorchAttemptTest, EnvironmentSetsEveryJobVariableOnce) {
   }
   std::set<std::string> expected;
   for (absl::string_view name : TorchJobVariables()) {
-    if (name.rfind("OFFLOAD_TLS_", 0) != 0) expected.insert(std::string(name));  // with TLS only
+    // With TLS only; with the spec's floor only.
+    if (name.rfind("OFFLOAD_TLS_", 0) != 0 && name != "OFFLOAD_STEP_TIMEOUT_FLOOR") {
+      expected.insert(std::string(name));
+    }
   }
   EXPECT_EQ(names, expected);
   EXPECT_THAT(env, testing::Contains("OFFLOAD_SERVERS=10.0.0.1:50051,10.0.0.2:50051"));
@@ -60,6 +63,16 @@ TEST(TorchAttemptTest, EnvironmentSetsEveryJobVariableOnce) {
   EXPECT_THAT(env, testing::Contains("MASTER_ADDR=host0"));
   EXPECT_THAT(env, testing::Contains("MASTER_PORT=29500"));
   EXPECT_THAT(env, testing::Contains("WORLD_SIZE=1"));
+}
+
+TEST(TorchAttemptTest, TheSpecsStepTimeoutFloorReachesTheScriptInSeconds) {
+  v1::Assignment a = Assignment({"python3"});
+  a.mutable_spec()->mutable_parallel()->set_shard_step_timeout_floor("1m30s");
+  EXPECT_THAT(TorchEnvironment(a, "/tmp/control", ""),
+              testing::Contains("OFFLOAD_STEP_TIMEOUT_FLOOR=90"));
+  a.mutable_spec()->mutable_parallel()->set_shard_step_timeout_floor("250ms");
+  EXPECT_THAT(TorchEnvironment(a, "/tmp/control", ""),
+              testing::Contains("OFFLOAD_STEP_TIMEOUT_FLOOR=0.25"));
 }
 
 TEST(TorchAttemptTest, TlsFlagsBecomeTheScriptsVariables) {
