@@ -161,6 +161,8 @@ for refused in "refused the worker's --token_file file: $work/token: Permission 
   [ "$(grep -cF "$refused" "$work/probe-lines.txt")" -ge 2 ] ||
     fail "not refused in both probes: '$refused'"
 done
+[ "$(grep -c "probe: home /tmp/offload-home-.* is writable" "$work/probe-lines.txt")" = 2 ] ||
+  fail "the scripts' homes: $(grep 'probe: home' "$work/probe-lines.txt")"
 sed 's/^/  /' "$work/probe-lines.txt" | grep -E "refused|reached" | sort -u -t: -k2,2 | head -40
 grep -q "REACHED" "$work/probe-lines.txt" && fail "a probe reached: $(grep REACHED "$work/probe-lines.txt")"
 grep -qF "$token" "$work/isolated.log" && fail "the operator token is in the scripts' output"

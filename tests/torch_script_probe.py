@@ -184,6 +184,14 @@ def main() -> int:
           f"worker pid {worker} uid {owner(worker)}", flush=True)
     if os.getuid() == owner(worker):
         report("the worker's user", True, f"this script runs as the worker's uid {os.getuid()}")
+    # What it may use: a home of its own (caches, configs).
+    home = os.environ.get("HOME", "")
+    try:
+        with open(os.path.join(home, ".probe"), "w") as f:
+            f.write("x")
+        print(f"probe: home {home} is writable", flush=True)
+    except OSError as e:
+        print(f"probe: home {home} is not writable: {e.strerror}", flush=True)
 
     # Every file the worker was told about on its command line (world-readable in /proc).
     tokens = {"the attempt's shard secret": os.environ.get("OFFLOAD_TOKEN", ""), "no token": ""}

@@ -22,6 +22,7 @@
 #include "base/grpc_status.h"
 #include "base/logging.h"
 #include "base/security/security.h"
+#include "base/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "jobs/spec/job_spec.h"
 #include "jobs/worker/progress_client.h"
@@ -174,6 +175,51 @@ v1::AttemptResult Failed(v1::AttemptResult result, std::string message) {
   return result;
 }
 
+// The directories of an attempt, removed with it: by then no process of a script user is left
+// to swap a link into them.
+struct AttemptDirs {
+  std::string control;  // the script's and the worker's: progress.json one way, request.json back
+  std::string home;     // a script of its own user: its $HOME (the worker's is not its to write)
+  AttemptDirs() = default;
+  AttemptDirs(const AttemptDirs&) = delete;
+  AttemptDirs& operator=(const AttemptDirs&) = delete;
+  ~AttemptDirs() {
+    std::error_code ignored;
+    for (const std::string* dir : {&control, &home}) {
+      if (!dir->empty()) std::filesystem::remove_all(*dir, ignored);
+    }
+  }
+};
+
+absl::Status MakeTempDir(const char* prefix, std::string* dir) {
+  std::string name = (std::filesystem::temp_directory_path() / prefix).string() + "-XXXXXX";
+  if (mkdtemp(name.data()) == nullptr) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("creating a directory ", name));
+  }
+  *dir = std::move(name);
+  return absl::OkStatus();
+}
+
+absl::Status MakeAttemptDirs(const std::optional<RunAs>& run_as, AttemptDirs* dirs) {
+  OFFLOAD_RETURN_IF_ERROR(MakeTempDir("offload-torch", &dirs->control));
+  if (!run_as) return absl::OkStatus();
+  // A script of its own user writes its files in the control directory but may not own it (it
+  // could move it and leave a link to another in its place): the worker's, in the script user's
+  // group, sticky, so neither can replace the other's files.
+  if (chown(dirs->control.c_str(), static_cast<uid_t>(-1), run_as->gid) != 0 ||
+      chmod(dirs->control.c_str(), 01770) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("handing the control directory ", dirs->control,
+                                                   " to the script's user"));
+  }
+  OFFLOAD_RETURN_IF_ERROR(MakeTempDir("offload-home", &dirs->home));
+  if (chown(dirs->home.c_str(), run_as->uid, run_as->gid) != 0 ||
+      chmod(dirs->home.c_str(), 0700) != 0) {
+    return absl::ErrnoToStatus(
+        errno, absl::StrCat("handing the home directory ", dirs->home, " to the script's user"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::vector<std::string> TorchEnvironment(const v1::Assignment& a, const std::string& control_dir,
@@ -307,31 +353,11 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
   const v1::TorchSpec& torch = a.spec().torch();
   if (torch.command().empty()) return Failed(result, "torch.command is empty");
 
-  // The script's and the worker's shared directory: progress.json one way, request.json the other.
-  std::string control_template = (fs::temp_directory_path() / "offload-torch-XXXXXX").string();
-  if (mkdtemp(control_template.data()) == nullptr) {
-    return Failed(result, absl::StrCat("creating a control directory: ", strerror(errno)));
+  AttemptDirs dirs;
+  if (absl::Status made = MakeAttemptDirs(options.run_as, &dirs); !made.ok()) {
+    return Failed(result, std::string(made.message()));
   }
-  const std::string control_dir = control_template;
-  // A script of its own user writes its files here, but may not own the directory (it could
-  // move it and leave a link to another in its place): the worker's, the script user's group,
-  // sticky, so neither can replace the other's files.
-  if (options.run_as &&
-      (chown(control_dir.c_str(), static_cast<uid_t>(-1), options.run_as->gid) != 0 ||
-       chmod(control_dir.c_str(), 01770) != 0)) {
-    const int error = errno;
-    std::error_code ignored;
-    fs::remove_all(control_dir, ignored);
-    return Failed(result, absl::StrCat("handing the control directory ", control_dir,
-                                       " to the script's user: ", strerror(error)));
-  }
-  struct RemoveDir {
-    std::string path;
-    ~RemoveDir() {
-      std::error_code ignored;
-      fs::remove_all(path, ignored);
-    }
-  } remove_control_dir{control_dir};
+  const std::string& control_dir = dirs.control;
   const std::string progress_file = (fs::path(control_dir) / "progress.json").string();
   const std::string request_file = (fs::path(control_dir) / "request.json").string();
 
@@ -345,6 +371,7 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
   SpawnOptions spawn;
   spawn.env = TorchEnvironment(a, control_dir, master);
   spawn.env.insert(spawn.env.end(), options.tls_env.begin(), options.tls_env.end());
+  if (!dirs.home.empty()) spawn.env.push_back(absl::StrCat("HOME=", dirs.home));
   spawn.env.insert(spawn.env.end(), torch.env().begin(), torch.env().end());
   std::string path = getenv("PATH") != nullptr ? getenv("PATH") : "/usr/local/bin:/usr/bin:/bin";
   for (const std::string& entry : torch.env()) {
@@ -358,6 +385,13 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
   spawn.capture_output = true;
   spawn.null_stdin = true;
   spawn.run_as = options.run_as;
+  // Nothing an earlier attempt of this user left (its worker killed -9 before its sweep) may see
+  // this one.
+  if (options.run_as) {
+    if (absl::Status killed = KillEveryProcessOf(*options.run_as); !killed.ok()) {
+      return Failed(result, absl::StrCat("torch.command: ", killed.message()));
+    }
+  }
   absl::StatusOr<std::unique_ptr<ChildProcess>> spawned = ChildProcess::Spawn(spawn);
   if (!spawned.ok()) {
     return Failed(result, absl::StrCat("torch.command: ", spawned.status().message()));
