@@ -27,6 +27,7 @@
 #include "jobs/spec/job_spec.h"
 #include "jobs/worker/progress_client.h"
 #include "offload/v1/worker.grpc.pb.h"
+#include "optimizer_client/checkpoint/atomic_file.h"
 #include "services/spawn/child_output.h"
 #include "services/spawn/child_process.h"
 
@@ -60,35 +61,6 @@ bool ReadScriptFile(const std::string& path, std::string* text) {
   }
   close(fd);
   return ok;
-}
-
-// Replaces `path` whole: the script reads either the old text or the new. The temporary file has a
-// name nobody can know in advance, made with O_EXCL, so a link the script planted is never
-// written through.
-absl::Status WriteAtomically(const std::string& path, const std::string& text) {
-  std::string tmp = absl::StrCat(path, ".XXXXXX");
-  const int fd = mkstemp(tmp.data());
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("creating ", tmp));
-  // Readable by the script, whichever user it runs as.
-  bool ok = fchmod(fd, 0644) == 0;
-  for (size_t done = 0; ok && done < text.size();) {
-    const ssize_t n = write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    ok = n > 0;
-    if (ok) done += static_cast<size_t>(n);
-  }
-  const int error = errno;
-  close(fd);
-  if (!ok) {
-    unlink(tmp.c_str());
-    return absl::ErrnoToStatus(error, absl::StrCat("writing ", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int rename_error = errno;
-    unlink(tmp.c_str());
-    return absl::ErrnoToStatus(rename_error, absl::StrCat("renaming ", tmp));
-  }
-  return absl::OkStatus();
 }
 
 // A port nobody listens on now, for rank 0's torch.distributed store. Another process could take
@@ -421,7 +393,9 @@ v1::AttemptResult RunTorchAttempt(const v1::Assignment& a, const TorchAttemptOpt
       }
     }
     const std::string request = RequestJson(progress.reply());
-    if (request != last_request && WriteAtomically(request_file, request).ok()) {
+    // Replaced whole (the script reads the old text or the new), through a temporary file of a
+    // name nobody knows in advance, so a link the script planted is never written through.
+    if (request != last_request && WriteFileAtomic(request_file, request).ok()) {
       last_request = request;
     }
   };
