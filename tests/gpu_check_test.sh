@@ -30,6 +30,12 @@ cat > "$work/fakebin/python3" <<'PY'
 [ -n "${FAKE_TORCH:-}" ] || exit 1
 case "$1" in
   -c) exit 0 ;;
+  -m) [ "$2" = pip ] || exit 1 ;;  # pip install --target SITE WHEEL: the wheel installed there
+  */tests/wheel_train.py)  # the wheel alone: SITE on the path, none of the build tree's variables
+    [ "${PYTHONPATH:-}" = "$2" ] && [ "$PWD" = "$2" ] && [ -z "${OFFLOAD_BUILD_DIR:-}" ] &&
+      [ -z "${LD_LIBRARY_PATH:-}" ] && [ "$5" = cuda ] ||
+      { echo "wheel_train.py run with the build tree's environment or not on cuda"; exit 1; }
+    echo "trained: loss 1.000 -> 0.100 on shm cuda" ;;
   examples/torch_gpt.py)
     opt=offload model=gpt mb=1 dpu=0 uib=0 z=2 extra=
     for a in "$@"; do
@@ -53,7 +59,10 @@ case "$1" in
 esac
 PY
 chmod +x "$work/fakebin/nvidia-smi" "$work/fakebin/python3"
-echo 'export FAKE_BUNDLE=1' > "$work/bundle/env"
+echo 'export FAKE_BUNDLE=1 LD_LIBRARY_PATH=/fake/bundle/lib' > "$work/bundle/env"
+mkdir -p "$work/bundle/wheel"
+wheel=$work/bundle/wheel/offload-0.1.0-py3-none-manylinux_2_36_x86_64.whl
+touch "$wheel"
 
 # A GPU test binary: one test per path, named as the real ones are; a path given in CRASH aborts
 # its run (as a segfault in code meeting a GPU for the first time would).
@@ -216,12 +225,28 @@ grep -qE '^ +HF GPT2 step s, offload / torch +0\.2100 / 0\.2100$' <<< "$out" ||
   fail "HF row: $out"
 grep -qE '^ +CUDA test classes z3/models/grads +pass / pass / pass$' <<< "$out" ||
   fail "test classes row: $out"
+grep -qE '^ +  HF Trainer / accelerate on CUDA +pass / pass$' <<< "$out" ||
+  fail "HF test classes row: $out"
+grep -qE '^ +  the wheel, installed alone +pass$' <<< "$out" || fail "wheel row: $out"
+grep -q '^trained: loss .* on shm cuda$' "$work/logs5/torch_wheel.log" || fail "wheel log"
 grep -q "^gpu-check: ok$" <<< "$out" || fail "all selected parts passed: $out"
 [ "$(cat "$work/rc")" = 0 ] || fail "exit status of a passing check"
 out=$(run "$work/logs6" GPU_CHECK_PARTS="torch" FAKE_TORCH=1 FAKE_SKIP=torch_models)
 grep -qE '^ +CUDA test classes z3/models/grads +pass / fail / pass$' <<< "$out" ||
   fail "a skipped class: $out"
 [ "$(cat "$work/rc")" = 1 ] || fail "a skipped class must fail the check"
+out=$(run "$work/logs8" GPU_CHECK_PARTS="torch" FAKE_TORCH=1 FAKE_SKIP=hf_accelerate)
+grep -qE '^ +  HF Trainer / accelerate on CUDA +pass / fail$' <<< "$out" ||
+  fail "a skipped HF class: $out"
+grep -q "gpu-check: hf_accelerate on CUDA: exit 1 (log: .*/hf_accelerate_cuda.log)" <<< "$out" ||
+  fail "the skipped HF class is not named: $out"
+[ "$(cat "$work/rc")" = 1 ] || fail "a skipped HF class must fail the check"
+mv "$wheel" "$work/away.whl"
+out=$(run "$work/logs9" GPU_CHECK_PARTS="torch" FAKE_TORCH=1)
+mv "$work/away.whl" "$wheel"
+grep -qE '^ +  the wheel, installed alone +fail$' <<< "$out" || fail "no wheel, no pass: $out"
+grep -q "gpu-check: no wheel (scripts/gpu-bundle puts one" <<< "$out" || fail "no wheel named: $out"
+[ "$(cat "$work/rc")" = 1 ] || fail "a bundle without its wheel must fail the check"
 out=$(run "$work/logs7" GPU_CHECK_PARTS="tests benches")
 grep -q "unknown part 'benches'" <<< "$out" || fail "a wrong part: $out"
 [ "$(cat "$work/rc")" = 2 ] || fail "a wrong part exits 2"

@@ -18,6 +18,12 @@ sync step, trains a tiny GPT2LMHeadModel with ``offload.torch.AdamW``:
   processes are the optimizer's ZeRO-2 ranks on one shared server, the model is not wrapped in
   DistributedDataParallel, both ranks hold the same weights after every step, and a stop after
   ``save_state`` and a resume by ``load_state`` end with the same bits as the run without the stop.
+
+``OnCuda`` runs the one-process loops (torch's bits, save_state and load_state, fp16) on the GPU
+where ``torch.cuda.is_available()`` (scripts/gpu-check runs it, a skip there being a failure):
+the optimizer built with ``device=accelerator.device``, as the refusal of a CPU optimizer under a
+GPU accelerator asks, and fp16 with accelerate's GradScaler, which exists only on a GPU. The same
+reproducible kernels as hf_trainer_test's ``OnCuda``.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ import sys
 import tempfile
 import unittest
 import warnings
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer_test import LR, WD, MasterAdamW, Tokens, gpt2  # noqa: E402
+from hf_trainer_test import LR, WD, MasterAdamW, Tokens, gpt2, reproducible_on  # noqa: E402
 from torch_adamw_test import ulps  # noqa: E402
 
 try:
@@ -52,11 +58,11 @@ ACCUMULATE = 2
 MAX_NORM = 0.25
 
 
-def fresh_accelerator(**kwargs: Any) -> "Accelerator":
+def fresh_accelerator(device: str = "cpu", **kwargs: Any) -> "Accelerator":
     """accelerate keeps its state in singletons: each run starts from none."""
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    return Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE, **kwargs)
+    return Accelerator(cpu=device == "cpu", gradient_accumulation_steps=ACCUMULATE, **kwargs)
 
 
 def fp32(x: float) -> float:
@@ -68,12 +74,18 @@ def lr_lambda(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 
 
-@unittest.skipIf(accelerate is None, "accelerate does not import here (scripts/build puts it "
-                 "into the torch 2 venv)")
-class AccelerateTrains(unittest.TestCase):
+class Cases:
+    """The cases of accelerate on ``device`` (a unittest.TestCase mixin)."""
+
+    device = "cpu"
+    assertEqual: Callable[..., None]
+    assertTrue: Callable[..., None]
+    assertFalse: Callable[..., None]
+    assertGreater: Callable[..., None]
 
     def setUp(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="offload-hf-accelerate-")
+        self.attn = reproducible_on(self, self.device)  # type: ignore[arg-type]
         warnings.filterwarnings("ignore", category=FutureWarning)
 
     def tearDown(self) -> None:
@@ -82,8 +94,8 @@ class AccelerateTrains(unittest.TestCase):
     def run_loop(self, opt_of, steps: Tuple[int, int] = (0, STEPS), save_at: Optional[int] = None,
                  load: Optional[str] = None, mixed_precision: str = "bf16"
                  ) -> Tuple[Any, torch.nn.Module, List[float], List[float]]:
-        accelerator = fresh_accelerator(mixed_precision=mixed_precision)
-        model = gpt2()
+        accelerator = fresh_accelerator(self.device, mixed_precision=mixed_precision)
+        model = gpt2(self.attn)
         opt = opt_of(model)
         data = torch.utils.data.DataLoader(Tokens(STEPS * ACCUMULATE * 2), batch_size=2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
@@ -114,7 +126,7 @@ class AccelerateTrains(unittest.TestCase):
 
     def ours(self, model: torch.nn.Module, **kwargs: Any) -> otorch.AdamW:
         return otorch.AdamW(model.named_parameters(), lr=LR, weight_decay=WD, threads=1,
-                            **kwargs)
+                            device=self.device, **kwargs)
 
     def test_trains_as_torch_and_resumes_from_save_state(self) -> None:
         opt, model, norms, coefs = self.run_loop(self.ours, save_at=STEPS // 2)
@@ -145,15 +157,16 @@ class AccelerateTrains(unittest.TestCase):
         self.assertGreater(opt.loss_scale, 1.0)
         opt.close()
         # The hand-written loop: the loss times the optimizer's scale, nothing else.
-        model = gpt2()
+        model = gpt2(self.attn).to(self.device)
         hand = self.ours(model, dtype=torch.float16, loss_scale=1024.0)
         sched = torch.optim.lr_scheduler.LambdaLR(hand, lr_lambda)
         batches = list(torch.utils.data.DataLoader(Tokens(STEPS * ACCUMULATE * 2), batch_size=2))
         try:
             for step in range(STEPS):
                 for micro in range(ACCUMULATE):
-                    batch = batches[step * ACCUMULATE + micro]
-                    with torch.autocast("cpu", dtype=torch.float16):
+                    batch = {k: v.to(self.device)
+                             for k, v in batches[step * ACCUMULATE + micro].items()}
+                    with torch.autocast(self.device, dtype=torch.float16):
                         loss = model(**batch).loss
                     hand.backward(loss.float() / ACCUMULATE)
                 hand.clip_grad_norm_(MAX_NORM)
@@ -163,6 +176,11 @@ class AccelerateTrains(unittest.TestCase):
             self.assertEqual(ulps(masters, hand.master_weights()), 0)
         finally:
             hand.close()
+
+
+@unittest.skipIf(accelerate is None, "accelerate does not import here (scripts/build puts it "
+                 "into the torch 2 venv)")
+class AccelerateTrains(Cases, unittest.TestCase):
 
     def test_two_processes_are_the_optimizers_ranks(self) -> None:
         token = "t0k3n-" + "b" * 20
@@ -214,6 +232,13 @@ class AccelerateTrains(unittest.TestCase):
             self.assertEqual(fp32(opt.optimizer.last_report["grad_norm"]), float(norm))
         finally:
             opt.optimizer.close()
+
+
+@unittest.skipIf(accelerate is None, "accelerate does not import here")
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device here: accelerate on CUDA runs "
+                     "where torch.cuda.is_available() (scripts/gpu-check runs this class)")
+class OnCuda(Cases, unittest.TestCase):
+    device = "cuda"
 
 
 if __name__ == "__main__":

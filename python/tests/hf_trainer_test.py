@@ -19,6 +19,14 @@ that bites, bf16. For each:
 Clipping goes through Trainer's ``accelerator.clip_grad_norm_``, which finds no ``p.grad`` (the
 front end frees them): ``offload.hf.accelerator`` makes it clip by the global norm, and the test
 checks that it bit. The DeepSpeed config bridge trains under the Trainer too.
+
+``OnCuda`` runs the cases whose path changes with the device (Trainer puts the model on the GPU,
+so the optimizer keeps its 16-bit weights there and its gradients leave through the CUDA path;
+fp16 brings accelerate's GradScaler) where ``torch.cuda.is_available()``: scripts/gpu-check runs
+it, a skip there being a failure. Its bit-for-bit checks need one set of gradient bits from
+every run of a model: cuBLAS's fixed workspace, torch's deterministic kernels, and eager
+attention (no fused kernel whose backward adds in a varying order). The reference's masters and
+arithmetic stay on the CPU, where the servers' is.
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ import unittest
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
+# Before the first cuBLAS handle (OnCuda): its reductions in a fixed order, run to run.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_adamw_test import ContractAdamW, ulps  # noqa: E402
@@ -55,18 +66,36 @@ MAX_NORM = 0.25  # bites: the warm-up's first steps have norms of 1 to 3 here
 LR, WD = 2e-3, 0.1
 
 
-def llama() -> torch.nn.Module:
+def attention(attn: Optional[str]) -> Dict[str, Any]:
+    """A config's attention implementation: transformers' default where None."""
+    return {} if attn is None else {"attn_implementation": attn}
+
+
+def llama(attn: Optional[str] = None) -> torch.nn.Module:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                                         num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, max_position_embeddings=SEQ))
+                                        num_key_value_heads=2, max_position_embeddings=SEQ,
+                                        **attention(attn)))
 
 
-def gpt2() -> torch.nn.Module:
+def gpt2(attn: Optional[str] = None) -> torch.nn.Module:
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                      **attention(attn)))
+
+
+def reproducible_on(test: unittest.TestCase, device: str) -> Optional[str]:
+    """On CUDA, torch's deterministic kernels for the test (warnings name any op without one,
+    whose bits the test's comparisons then catch) and eager attention, returned for the models'
+    configs; on the CPU nothing changes (None: the default attention)."""
+    if device != "cuda":
+        return None
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    test.addCleanup(torch.use_deterministic_algorithms, False)
+    return "eager"
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -121,11 +150,14 @@ class MasterAdamW(torch.optim.Optimizer):
     sqrt) on fp32 masters of a bf16 model. Each micro-batch's bf16 gradient is added to the
     master's fp32 gradient as autograd leaves it (as the servers sum them), and the global norm
     of the sum is clipped in fp32, with torch's coefficient (recorded) or the one given per step.
-    The masters rounded go back into the model after each step."""
+    The masters rounded go back into the model after each step. The masters, their gradients
+    and the update are on the CPU whatever the model's device (the servers' arithmetic is the
+    CPU's: CUDA's kernels may contract a multiply and an add that the CPU's round apart)."""
 
     def __init__(self, model: torch.nn.Module, groups: List[Dict[str, Any]], max_norm: float,
                  coefs: Optional[List[float]] = None) -> None:
-        self.masters = {id(p): p.detach().float().clone() for g in groups for p in g["params"]}
+        self.masters = {id(p): p.detach().float().cpu().clone() for g in groups
+                        for p in g["params"]}
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.to(torch.bfloat16)
@@ -139,7 +171,8 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _arrived(self, p: torch.Tensor) -> None:
         m = self.masters[id(p)]
-        m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+        grad = p.grad.float().cpu()
+        m.grad = grad if m.grad is None else m.grad + grad
         p.grad = None
 
     @torch.no_grad()
@@ -157,7 +190,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self.inner.step()
         for g in self.param_groups:
             for p in g["params"]:
-                p.copy_(self.masters[id(p)])
+                p.copy_(self.masters[id(p)].to(p.dtype))  # rounded here, then moved
                 self.masters[id(p)].grad = None
 
     def flat_masters(self) -> torch.Tensor:
@@ -173,23 +206,37 @@ def trainer_groups(model: torch.nn.Module) -> List[Dict[str, Any]]:
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
 
-@unittest.skipIf(transformers is None, "transformers does not import here (scripts/build puts "
-                 "it into the torch 2 venv)")
-class TrainerTrains(unittest.TestCase):
+class Cases:
+    """The cases of a Trainer on ``device`` (a unittest.TestCase mixin)."""
+
+    device = "cpu"
+    assertEqual: Callable[..., None]
+    assertTrue: Callable[..., None]
+    assertLessEqual: Callable[..., None]
 
     def setUp(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="offload-hf-trainer-")
         self.data = Tokens(STEPS * 4)
+        self.attn = reproducible_on(self, self.device)  # type: ignore[arg-type]
         warnings.filterwarnings("ignore", category=FutureWarning)
 
     def tearDown(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def llama(self) -> torch.nn.Module:
+        return llama(self.attn)
+
+    def gpt2(self) -> torch.nn.Module:
+        return gpt2(self.attn)
+
+    def arguments(self, out: str, **overrides: Any) -> "TrainingArguments":
+        return arguments(os.path.join(self.dir, out), use_cpu=self.device == "cpu", **overrides)
+
     def train(self, make_model: Callable[[], torch.nn.Module], subclass: bool, out: str,
               stop: Optional[int] = None, resume: Optional[str] = None,
               **trainer_kwargs: Any) -> Tuple[Any, torch.nn.Module, Record]:
         model = make_model()
-        args = arguments(os.path.join(self.dir, out))
+        args = self.arguments(out)
         record = Record(stop)
         if subclass:
             trainer = offload.hf.Trainer(model=model, args=args, train_dataset=self.data,
@@ -237,7 +284,7 @@ class TrainerTrains(unittest.TestCase):
         # torch's AdamW under the same Trainer, clipping with our coefficients: the same bits.
         model = make_model()
         ref = MasterAdamW(model, trainer_groups(model), MAX_NORM, coefs=coefs)
-        trainer = transformers.Trainer(model=model, args=arguments(os.path.join(self.dir, "ref")),
+        trainer = transformers.Trainer(model=model, args=self.arguments("ref"),
                                        train_dataset=self.data, optimizers=(ref, None))
         trainer.train()
         for h in ref.handles:
@@ -253,42 +300,10 @@ class TrainerTrains(unittest.TestCase):
             self.assertLessEqual(abs(ours - theirs), bound * theirs + 1e-12)
 
     def test_llama_with_offload_hf_trainer(self) -> None:
-        self.check_model(llama, subclass=True)
+        self.check_model(self.llama, subclass=True)
 
     def test_gpt2_with_plain_trainer_and_optimizer_cls_and_kwargs(self) -> None:
-        self.check_model(gpt2, subclass=False)
-
-    def test_an_optimizer_from_a_deepspeed_config_handed_over(self) -> None:
-        """optimizers=(offload.hf.from_deepspeed_config(config, model, args), None): the config's
-        "auto" values are the TrainingArguments', Trainer builds the schedule on the optimizer,
-        and it trains as offload.hf.Trainer's own optimizer does (its groups aside: DeepSpeed
-        decays every parameter, so both do here)."""
-        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto",
-                                                            "eps": "auto",
-                                                            "weight_decay": "auto"}},
-                  "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
-                  "gradient_accumulation_steps": "auto"}
-        masters = []
-        for bridge in (True, False):
-            model = gpt2()
-            args = arguments(os.path.join(self.dir, f"ds{bridge}"), max_steps=6)
-            if bridge:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error")  # every key here is honoured
-                    opt = offload.hf.from_deepspeed_config(config, model, args, threads=1)
-            else:
-                opt = otorch.AdamW(model.named_parameters(), lr=args.learning_rate,
-                                   betas=(args.adam_beta1, args.adam_beta2),
-                                   eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                                   max_grad_norm=args.max_grad_norm, threads=1)
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=self.data,
-                                           optimizers=(opt, None))
-            trainer.train()
-            self.assertEqual(opt.completed_steps, 6)
-            masters.append(opt.master_weights())
-            opt.close()
-        self.assertEqual(ulps(masters[0], masters[1]), 0)
+        self.check_model(self.gpt2, subclass=False)
 
     def test_zero3_trains_as_stage_2_and_saves_the_gathered_model(self) -> None:
         """offload_kwargs=dict(zero_stage=3): Trainer's factory protocol hands the optimizer the
@@ -296,9 +311,9 @@ class TrainerTrains(unittest.TestCase):
         outside the forward) as the masters rounded."""
         masters = {}
         for stage in (2, 3):
-            model = llama()
+            model = self.llama()
             trainer = offload.hf.Trainer(
-                model=model, args=arguments(os.path.join(self.dir, f"z{stage}"), max_steps=4),
+                model=model, args=self.arguments(f"z{stage}", max_steps=4),
                 train_dataset=self.data, offload_kwargs=dict(threads=1, zero_stage=stage))
             trainer.train()
             opt = trainer.offload_optimizer
@@ -326,11 +341,11 @@ class TrainerTrains(unittest.TestCase):
                 loss = super().compute_loss(model, inputs, *args, **kwargs)
                 return loss * math.inf if self.state.global_step == poison_at else loss
 
-        model = gpt2()
-        args = arguments(os.path.join(self.dir, "fp16"), bf16=False, fp16=True, max_steps=12,
-                         save_steps=4, eval_strategy="steps", eval_steps=4,
-                         load_best_model_at_end=True, metric_for_best_model="loss",
-                         greater_is_better=True, logging_nan_inf_filter=False)
+        model = self.gpt2()
+        args = self.arguments("fp16", bf16=False, fp16=True, max_steps=12, save_steps=4,
+                              eval_strategy="steps", eval_steps=4, load_best_model_at_end=True,
+                              metric_for_best_model="loss", greater_is_better=True,
+                              logging_nan_inf_filter=False)
         record = Record()
         trainer = Poisoned(model=model, args=args, train_dataset=self.data,
                            eval_dataset=Tokens(8), callbacks=[record],
@@ -355,9 +370,53 @@ class TrainerTrains(unittest.TestCase):
             saved = load_file(os.path.join(best, "model.safetensors"))
             for name, p in model.named_parameters():
                 if name in saved:
-                    self.assertTrue(torch.equal(saved[name], p.detach()), name)
+                    self.assertTrue(torch.equal(saved[name], p.detach().cpu()), name)
         finally:
             opt.close()
+
+
+@unittest.skipIf(transformers is None, "transformers does not import here (scripts/build puts "
+                 "it into the torch 2 venv)")
+class TrainerTrains(Cases, unittest.TestCase):
+
+    def test_an_optimizer_from_a_deepspeed_config_handed_over(self) -> None:
+        """optimizers=(offload.hf.from_deepspeed_config(config, model, args), None): the config's
+        "auto" values are the TrainingArguments', Trainer builds the schedule on the optimizer,
+        and it trains as offload.hf.Trainer's own optimizer does (its groups aside: DeepSpeed
+        decays every parameter, so both do here)."""
+        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto",
+                                                            "eps": "auto",
+                                                            "weight_decay": "auto"}},
+                  "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+                  "gradient_accumulation_steps": "auto"}
+        masters = []
+        for bridge in (True, False):
+            model = gpt2()
+            args = self.arguments(f"ds{bridge}", max_steps=6)
+            if bridge:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # every key here is honoured
+                    opt = offload.hf.from_deepspeed_config(config, model, args, threads=1)
+            else:
+                opt = otorch.AdamW(model.named_parameters(), lr=args.learning_rate,
+                                   betas=(args.adam_beta1, args.adam_beta2),
+                                   eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                                   max_grad_norm=args.max_grad_norm, threads=1)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=self.data,
+                                           optimizers=(opt, None))
+            trainer.train()
+            self.assertEqual(opt.completed_steps, 6)
+            masters.append(opt.master_weights())
+            opt.close()
+        self.assertEqual(ulps(masters[0], masters[1]), 0)
+
+
+@unittest.skipIf(transformers is None, "transformers does not import here")
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device here: Trainer on CUDA runs where "
+                     "torch.cuda.is_available() (scripts/gpu-check runs this class)")
+class OnCuda(Cases, unittest.TestCase):
+    device = "cuda"
 
 
 if __name__ == "__main__":
